@@ -1,0 +1,43 @@
+# splitserve — `make run` (the main job) and `make test` (the suite) work on a fresh machine.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: run test lint bench-engine bench-transfer deps sysdeps clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; elsewhere any >=2.4 works
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 || $(BIN)/python -m pip install -q "torch>=2.4"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@rm -f $(VENV)/.installed-*; touch $@
+
+deps: $(STAMP)
+
+# Debian packages later issues need (redis-server); installed only when missing.
+sysdeps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
+
+run: deps
+	$(BIN)/splitserve generate --prompt "The quick brown fox" --max-tokens 32
+
+test: deps
+	$(BIN)/python -m pytest -q tests
+
+lint: deps
+	$(BIN)/ruff check engine kvtransfer cluster bench tests
+	$(BIN)/mypy
+
+bench-engine: deps
+	$(BIN)/splitserve bench engine --json bench-engine.json
+
+bench-transfer: deps
+	$(BIN)/splitserve bench transfer --json bench-transfer.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

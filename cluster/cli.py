@@ -1,0 +1,55 @@
+"""The `splitserve` command line: one entry point, subcommands loaded lazily.
+
+Environment variables are read here and only here (STYLE.md); everything below
+receives plain config objects. Each subcommand lives in the package that owns it and
+exposes `add_arguments(parser)` and `run(args) -> int`; importing a subcommand is
+deferred so `splitserve --help` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, help). Modules expose add_arguments(parser) and run(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.cli", "generate text offline with the engine"),
+}
+
+# `splitserve bench NAME`: benchmarks, each in its own module.
+BENCHES: dict[str, tuple[str, str]] = {
+    "engine": ("bench.engine_bench", "engine throughput vs transformers generate"),
+    "transfer": ("bench.transfer_bench", "KV transfer GB/s per transport vs memcpy / raw TCP"),
+}
+
+
+def _add_lazy(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]],
+              argv: Sequence[str]) -> None:
+    for name, (module, help_text) in table.items():
+        p = sub.add_parser(name, help=help_text)
+        p.set_defaults(_module=module)
+        # Only import the module whose arguments are needed to parse this argv.
+        if name in argv:
+            importlib.import_module(module).add_arguments(p)
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_lazy(sub, COMMANDS, argv)
+    bench = sub.add_parser("bench", help="benchmarks (our figure next to its reference)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    _add_lazy(bench_sub, BENCHES, argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(args_list).parse_args(args_list)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

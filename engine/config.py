@@ -1,0 +1,194 @@
+"""Engine configuration: the model's shape (read from a Hugging Face config.json) and
+the engine's knobs. Torch-free, so the gateway can read a model's limits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+DTYPES = ("float32", "bfloat16", "float16")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelDirError(ValueError):
+    """The model directory is missing something or holds something we cannot run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ModelDirError(
+                f"unsupported rope scaling type {self.rope_type!r}; supported: {ROPE_TYPES}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a decoder-only model of the Llama family."""
+
+    model_type: str  # llama | mistral | qwen2 | qwen3
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelDirError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.dtype not in DTYPES:
+            raise ModelDirError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelDirError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        model_type = SUPPORTED_ARCHITECTURES[arch]
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ModelDirError(f"config.json lacks required keys: {missing}")
+        heads = int(cfg["num_attention_heads"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            window = None  # HF ignores sliding_window for Qwen unless use_sliding_window
+        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        return cls(
+            model_type=model_type,
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_dict(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(window) if window else None,
+            dtype=dtype,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> ModelConfig:
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isdir(model_dir):
+            raise ModelDirError(f"model directory {model_dir!r} does not exist")
+        if not os.path.isfile(path):
+            raise ModelDirError(f"{model_dir!r} has no config.json")
+        try:
+            with open(path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelDirError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ModelDirError(f"{path} must hold a JSON object")
+        gen = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen) and cfg.get("eos_token_id") is None:
+            with open(gen) as f:
+                cfg["eos_token_id"] = json.load(f).get("eos_token_id")
+        return cls.from_dict(cfg)
+
+
+def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older configs
+    # write `rope_theta` and `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str
+    model_id: str = ""  # served name; part of every block hash's extra key
+    dtype: str | None = None  # None: the model's own
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")

@@ -1,0 +1,65 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Decoding token by token breaks multi-byte characters and word-piece joins, so we keep
+vLLM's two offsets: text up to `read_offset` has been emitted; decoding from
+`prefix_offset` gives the context the next piece is joined to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas.
+
+    With stop strings, text that could be the start of a stop string is held back
+    until it is known not to be, so a stream never shows text past a stop.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        # A few prompt tokens give the first output token its joining context.
+        self._ids: list[int] = list(prompt_tail)
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = list(stop)
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._skip = skip_special_tokens
+        self.text = ""  # full output text so far (stop string excluded)
+        self._emitted = 0  # chars of self.text already returned
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Appends tokens; returns the new text that may be shown now."""
+        for tid in token_ids:
+            if self.stopped:
+                break
+            self._ids.append(tid)
+            self._step()
+        return self._flush(final or self.stopped)
+
+    def _step(self) -> None:
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # an incomplete character: wait for more bytes
+        start = len(self.text)
+        self.text += full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._stop:
+            # Search only where a stop string could newly end.
+            lo = max(0, start - self._hold)
+            hits = [(i, s) for s in self._stop if (i := self.text.find(s, lo)) >= 0]
+            if hits:
+                self.text = self.text[:min(hits)[0]]
+                self.stopped = True
+
+    def _flush(self, final: bool) -> str:
+        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
+        out = self.text[self._emitted:end]
+        self._emitted = end
+        return out

@@ -1,0 +1,110 @@
+"""Per-request block tables over the block pool, with prefix caching.
+
+The scheduler side of the KV cache: decides which blocks a request's tokens go to.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of `request`, as blocks (not yet referenced).
+
+        At least one token is always left to compute: the last prompt token's logits
+        are needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = request.update_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVBlock] = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Makes room for `num_new_tokens` more tokens of `request`.
+
+        # | computed | new computed (prefix hit) | new tokens | -> blocks needed
+        Returns False (changing nothing) when the pool cannot supply the blocks.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size \
+            + num_new_tokens
+        num_new = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cached blocks with no holder sit in the free queue: touching them uses them up.
+        num_revived = sum(b.ref_cnt == 0 for b in new_computed_blocks)
+        if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        if num_new > 0:
+            new = self.pool.get_new_blocks(num_new)
+            if new is None:  # cannot happen: counted above
+                raise RuntimeError("block pool ran dry after a successful check")
+            blocks.extend(new)
+        if new_computed_blocks:
+            self._num_cached[request.request_id] = len(blocks) - max(num_new, 0)
+        return True
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publishes the request's newly full, computed blocks to the prefix cache."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        start = self._num_cached.get(request.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return
+        hashes = request.update_block_hashes(self.block_size)
+        parent = hashes[start - 1] if start else None
+        self.pool.cache_full_blocks(blocks[start:end], hashes[start:end], parent)
+        self._num_cached[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks (tail first, so its prefix is evicted last)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == held.get(block.block_id, 0), \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != holders"

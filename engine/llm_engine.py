@@ -1,0 +1,157 @@
+"""The engine loop: add requests, step (schedule -> forward -> sample -> stop checks),
+collect outputs. Synchronous and single-threaded; AsyncLLM drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_hash import make_extra_key
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerStats
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine will not run; the message says why (HTTP 400)."""
+
+
+@dataclass(slots=True)
+class _Track:
+    detok: IncrementalDetokenizer
+    sent_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_model_dir(config.model_dir)
+        self.model_id = config.model_id or config.model_dir
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(config, self.model_config, kv_cache)
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(self.runner.num_blocks, self.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._tracks: dict[str, _Track] = {}
+        eos = self.model_config.eos_token_ids
+        if not eos and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = eos
+
+    # -- requests -----------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError if the request cannot run on this engine."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt holds token ids outside [0, {vocab})")
+        try:
+            params.validate(vocab)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"request asks for {total} ({len(prompt_token_ids)} prompt + "
+                f"{params.max_tokens} max_tokens)")
+        if cdiv(total, self.block_size) > self.runner.num_blocks:
+            raise RequestError(f"the request needs {cdiv(total, self.block_size)} KV blocks; "
+                               f"this engine has {self.runner.num_blocks}")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, cache_salt: str | None = None,
+                    priority: int = 0) -> Request:
+        if request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params,
+                      extra_key=make_extra_key(self.model_id, cache_salt),
+                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                      priority=priority)
+        self._tracks[request_id] = _Track(IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids[-6:], params.stop, params.skip_special_tokens))
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends the request and frees its blocks; returns its final output or None."""
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return self._finish_output(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out, self.kv)
+        now = time.monotonic()
+        outputs = []
+        for req in self.scheduler.update_from_output(out, sampled):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req)
+            if status is not None:
+                self.scheduler.finish(req.request_id, status)
+                outputs.append(self._finish_output(req))
+            else:
+                outputs.append(self._output(req, final=False))
+        return outputs
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        track = self._tracks[req.request_id]
+        tok = req.output_token_ids[-1]
+        track.detok.add([tok])
+        if track.detok.stopped:
+            return RequestStatus.FINISHED_STOPPED
+        p = req.sampling_params
+        if tok in req.eos_token_ids or tok in p.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, req: Request, final: bool) -> RequestOutput:
+        track = self._tracks[req.request_id]
+        new_ids = req.output_token_ids[track.sent_tokens:]
+        track.sent_tokens = req.num_output_tokens
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=track.detok.text,
+            new_token_ids=new_ids, new_text=track.detok.add([], final=final),
+            finished=final, finish_reason=req.status.value if final else None,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            first_token_time=req.first_token_time)
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        out = self._output(req, final=True)
+        self.runner.sampler.forget(req.request_id)
+        del self._tracks[req.request_id]
+        return out
+
+    # -- introspection ------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

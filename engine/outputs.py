@@ -1,0 +1,28 @@
+"""What the engine hands back for a request, step by step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One update for a request.
+
+    `new_token_ids` / `new_text` are the delta since the previous update (for
+    streaming); `token_ids` / `text` are everything so far. `finish_reason` is set on
+    the last update: "stop" (EOS, stop token or stop string), "length", "abort" or
+    "error" (then `error` says why).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    first_token_time: float | None = None  # monotonic seconds

@@ -1,0 +1,78 @@
+"""A request as the scheduler sees it (vLLM v1's model: tokens vs computed tokens)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_blocks
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    """All tokens (prompt + output) and how many of them have KV in the cache.
+
+    There is no prefill phase: a request with `num_computed_tokens < num_tokens` needs
+    those tokens computed, whether they are prompt or a freshly sampled token.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    extra_key: bytes = b""
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Extends `block_hashes` to cover every full block of `all_token_ids`."""
+        n = len(self.block_hashes)
+        parent = self.block_hashes[-1] if n else None
+        kw = {"parent": parent} if parent is not None else {}
+        self.block_hashes += hash_blocks(self.all_token_ids, block_size, self.extra_key,
+                                         start=n * block_size, **kw)
+        return self.block_hashes

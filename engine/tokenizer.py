@@ -1,0 +1,90 @@
+"""Tokenizer of a Hugging Face model directory: `tokenizer.json` through `tokenizers`,
+the chat template from `tokenizer_config.json` through jinja2. Torch-free (the gateway
+tokenizes to route).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.config import ModelDirError
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    return tok["content"] if isinstance(tok, dict) else str(tok)
+
+
+class Tokenizer:
+    """Encodes text and chat conversations to token ids and back."""
+
+    def __init__(self, model_dir: str) -> None:
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ModelDirError(f"{model_dir!r} has no tokenizer.json")
+        self._tok = HFTokenizer.from_file(path)
+        cfg: dict[str, Any] = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        self.chat_template: str | None = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values()), None))
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = {
+            self._tok.token_to_id(t.content)
+            for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self._template: Any = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """Renders a conversation to the prompt text the model was trained on.
+
+        Raises ValueError when the model has no chat template or the template rejects
+        the conversation.
+        """
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use a plain prompt")
+        if self._template is None:
+            # Same environment settings as transformers' apply_chat_template.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(self.chat_template)
+        try:
+            return str(self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        except TemplateError as e:
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        # The template already places BOS; encoding it again would double it.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+                           add_special_tokens=False)

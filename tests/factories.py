@@ -1,0 +1,89 @@
+"""Test factories: tiny random-weight models in real Hugging Face format, built with
+transformers' own classes (the reference implementation), and engines over them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+_CACHE = os.path.join(os.environ.get("SPLITSERVE_TEST_CACHE", "/tmp/splitserve-test-models"))
+
+
+def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = False,
+                   vocab_pad: int = 0, **overrides: Any) -> str:
+    """Returns a directory with config.json, model.safetensors, tokenizer.json and a chat
+    template for a tiny random model of `arch`, built once per process tree (cached)."""
+    import hashlib
+    import json
+
+    key = hashlib.sha1(json.dumps([arch, dtype, tie, vocab_pad, overrides],
+                                  sort_keys=True).encode()).hexdigest()[:10]
+    out = os.path.join(_CACHE, f"{arch}-{key}")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    import torch
+    import transformers as tf
+
+    from engine.default_model import write_tokenizer
+
+    tmp = out + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    vocab = write_tokenizer(tmp, vocab_size=512) + vocab_pad
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(tmp, "tokenizer.json"))
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, tie_word_embeddings=tie,
+                  bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+                  eos_token_id=tok.token_to_id("<|eot_id|>"))
+    common.update(overrides)
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    cfg = cls[0](**common)
+    torch.manual_seed(1234)
+    model = cls[1](cfg)
+    # Larger weights than HF's init spread the logits, so greedy choices are decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            else:  # norms and biases: perturb around their init
+                p.add_(torch.randn_like(p) * 0.02)
+    model.to(getattr(torch, dtype)).save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def hf_model(model_dir: str) -> Any:
+    import torch
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int,
+              eos_token_id: int | None) -> list[int]:
+    """transformers' greedy generate on one unpadded prompt; output ids after the prompt,
+    ending with EOS if one was produced."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos_token_id,
+                             pad_token_id=eos_token_id if eos_token_id is not None else 0)
+    return [int(t) for t in out[0, len(prompt_ids):]]
