@@ -33,14 +33,13 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
 
-    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
-        """Appends tokens; returns the new text that may be shown now."""
+    def add(self, token_ids: Sequence[int]) -> None:
+        """Appends output tokens (none after a stop string has matched)."""
         for tid in token_ids:
             if self.stopped:
                 break
             self._ids.append(tid)
             self._step()
-        return self._flush(final or self.stopped)
 
     def _step(self) -> None:
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
@@ -58,7 +57,9 @@ class IncrementalDetokenizer:
                 self.text = self.text[:min(hits)[0]]
                 self.stopped = True
 
-    def _flush(self, final: bool) -> str:
+    def take_delta(self, final: bool = False) -> str:
+        """The text not yet returned that may be shown now (all of it when final)."""
+        final = final or self.stopped
         end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
         out = self.text[self._emitted:end]
         self._emitted = end

@@ -138,7 +138,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=track.detok.text,
-            new_token_ids=new_ids, new_text=track.detok.add([], final=final),
+            new_token_ids=new_ids, new_text=track.detok.take_delta(final),
             finished=final, finish_reason=req.status.value if final else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time)

@@ -1,0 +1,27 @@
+"""Suite-wide test settings: GPU-only tests are skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and not _has_cuda():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
