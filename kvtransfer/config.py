@@ -1,0 +1,62 @@
+"""Transport configuration: one frozen dataclass, built at the entry point (CLI/YAML).
+
+Nothing in kvtransfer reads environment variables; UCX options are passed here and
+applied by the ucx transport before ucxx initialises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRANSPORTS = ("tcp", "shm", "ucx")
+
+# What worked between two processes on a CPU host: cross-memory attach for bulk
+# data (one copy, kernel does it), TCP for the wire-up, `self` for loopback.
+# UCX_RNDV_THRESH low so every region we send takes the zero-copy rendezvous path.
+DEFAULT_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("TLS", "tcp,cma,self"),
+    ("RNDV_THRESH", "8192"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Settings shared by the sender and receiver of one transport.
+
+    token: the cluster's shared secret; a peer must prove it at handshake.
+    lease_s: how long a receiver keeps destination blocks waiting (vLLM: 30 s).
+    io_timeout_s: deadline of every single network call (connect, send, reply).
+    liveness_timeout_s: a peer silent for this long (no frame, not even a
+        heartbeat every heartbeat_s) is declared unavailable.
+    """
+
+    transport: str = "tcp"
+    token: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    lease_s: float = 30.0
+    io_timeout_s: float = 10.0
+    heartbeat_s: float = 1.0
+    liveness_timeout_s: float = 5.0
+    checksum: bool = False
+    socket_buffer_bytes: int = 4 << 20
+    shm_name: str | None = None
+    ucx_options: tuple[tuple[str, str], ...] = field(default=DEFAULT_UCX_OPTIONS)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.token:
+            raise ValueError("a non-empty shared cluster token is required")
+        for name in ("lease_s", "io_timeout_s", "heartbeat_s", "liveness_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+        if self.liveness_timeout_s <= self.heartbeat_s:
+            raise ValueError("liveness_timeout_s must exceed heartbeat_s")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        if self.socket_buffer_bytes < 65536:
+            raise ValueError("socket_buffer_bytes must be at least 64 KiB")
+        for item in self.ucx_options:
+            if len(item) != 2 or item[0].startswith("UCX_"):
+                raise ValueError("ucx_options are (NAME, value) pairs without the UCX_ prefix")

@@ -1,0 +1,222 @@
+"""Receiver-side bookkeeping: expected transfers, leases and generation fencing.
+
+The decode allocates blocks, then `expect()`s a transfer into them under a
+generation. A write may land only if its transfer is live, its generation is the
+expected one and its (block, layer) cells are expected and not yet claimed.
+Anything else is a stale write: dropped (the bytes never touch the blocks) and
+counted. Failing or cancelling a transfer fences it: its generation is recorded
+so late writes are recognised as stale, and its completion future fails only once
+no write into its blocks is still in flight, so that "failed" always means "the
+blocks are safe to reuse".
+
+Torch-free and socket-free: transports drive it, unit tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtransfer.errors import (
+    IntegrityError,
+    KVTransferError,
+    ProtocolError,
+    TransferCancelled,
+    TransferTimeout,
+)
+from kvtransfer.layout import KVLayout, Region
+from kvtransfer.metrics import TransferMetrics
+
+log = logging.getLogger(__name__)
+
+# (xfer_id, generation, error or None, writer ids) once a transfer resolves.
+_FENCED_KEPT = 65536  # generations remembered per xfer id; older ids are simply unknown
+
+ResolvedHook = Callable[[str, int, KVTransferError | None, set[int]], None]
+# Writers still holding in-flight writes into a failed transfer must be stopped.
+AbortHook = Callable[[set[int]], None]
+
+
+@dataclass(slots=True)
+class _Transfer:
+    generation: int
+    future: asyncio.Future[None]
+    expected: dict[int, int]
+    claimed: dict[int, int] = field(default_factory=dict)
+    remaining: int = 0
+    inflight: int = 0
+    nbytes: int = 0
+    writers: set[int] = field(default_factory=set)
+    started: float = field(default_factory=time.perf_counter)
+    timer: asyncio.TimerHandle | None = None
+    error: KVTransferError | None = None
+
+
+class TransferTable:
+    """All transfers one receiver expects. Single-threaded: call from its event loop."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, metrics: TransferMetrics,
+                 on_resolved: ResolvedHook | None = None,
+                 on_abort: AbortHook | None = None) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.metrics = metrics
+        self._live: dict[str, _Transfer] = {}
+        self._fenced: dict[str, int] = {}  # xfer_id -> last fenced generation
+        self._owner: dict[int, str] = {}  # block -> live xfer_id expecting it
+        self._on_resolved = on_resolved
+        self._on_abort = on_abort
+
+    def expect(self, xfer_id: str, regions: Sequence[Region], generation: int,
+               lease_s: float) -> asyncio.Future[None]:
+        """Announce a transfer into `regions`; the future completes when all landed.
+
+        The caller keeps owning the blocks; on failure the future raises the typed
+        error and the blocks may be reused at once (late writes are fenced off).
+        """
+        if xfer_id in self._live:
+            raise ValueError(f"transfer {xfer_id!r} is already expected")
+        if generation <= self._fenced.get(xfer_id, -1):
+            raise ValueError(f"generation {generation} of {xfer_id!r} was already fenced")
+        expected: dict[int, int] = {}
+        for region in regions:
+            region.resolve(self.layout, self.num_blocks)
+            for block, mask in region.cells(self.layout):
+                if block in self._owner or expected.get(block, 0) & mask:
+                    raise ValueError(f"block {block} is already expected by a transfer")
+                expected[block] = expected.get(block, 0) | mask
+        if not expected:
+            raise ValueError("a transfer needs at least one region")
+        loop = asyncio.get_running_loop()
+        xfer = _Transfer(generation, loop.create_future(), expected,
+                         remaining=sum(m.bit_count() for m in expected.values()))
+        xfer.timer = loop.call_later(lease_s, self._expire, xfer_id, generation, lease_s)
+        self._live[xfer_id] = xfer
+        self._owner.update(dict.fromkeys(expected, xfer_id))
+        return xfer.future
+
+    def admit(self, xfer_id: str, generation: int, region: Region, writer: int) -> bool:
+        """May `region` of this write land in the blocks? False: drop it (counted).
+
+        On True the cells are claimed and one write is in flight until `landed()`.
+        A region outside the expected cells fails the transfer (ProtocolError).
+        """
+        xfer = self._live.get(xfer_id)
+        if xfer is None or xfer.generation != generation or xfer.error is not None:
+            self.metrics.stale_dropped.inc()
+            log.info("dropped stale write for %s gen %d", xfer_id, generation)
+            return False
+        try:
+            region.resolve(self.layout, self.num_blocks)
+        except ValueError as e:
+            self.fail(xfer_id, ProtocolError(str(e)))
+            return False
+        cells = list(region.cells(self.layout))
+        for block, mask in cells:
+            if xfer.expected.get(block, 0) & mask != mask or xfer.claimed.get(block, 0) & mask:
+                self.fail(xfer_id, ProtocolError(f"{region} not expected by {xfer_id!r}"))
+                return False
+        for block, mask in cells:
+            xfer.claimed[block] = xfer.claimed.get(block, 0) | mask
+        xfer.writers.add(writer)
+        xfer.inflight += 1
+        return True
+
+    def landed(self, xfer_id: str, region: Region, ok: bool = True) -> None:
+        """An admitted write finished (ok=False: checksum mismatch -> IntegrityError)."""
+        xfer = self._live[xfer_id]
+        xfer.inflight -= 1
+        if xfer.error is None and not ok:
+            self.fail(xfer_id, IntegrityError(f"checksum mismatch in {region} of {xfer_id!r}"))
+        elif xfer.error is None:
+            xfer.remaining -= sum(m.bit_count() for _, m in region.cells(self.layout))
+            xfer.nbytes += region.nbytes(self.layout)
+            if xfer.remaining == 0:
+                self._resolve(xfer_id, None)
+                return
+        if xfer.error is not None and xfer.inflight == 0:
+            self._resolve(xfer_id, xfer.error)
+
+    def released(self, xfer_id: str, error: KVTransferError) -> None:
+        """An admitted write was abandoned (connection lost, aborted) without landing."""
+        xfer = self._live[xfer_id]
+        xfer.inflight -= 1
+        if xfer.error is None:
+            # Claimed cells may be half-written; the transfer cannot complete.
+            self.fail(xfer_id, error)
+        elif xfer.inflight == 0:
+            self._resolve(xfer_id, xfer.error)
+
+    def is_live(self, xfer_id: str, generation: int) -> bool:
+        xfer = self._live.get(xfer_id)
+        return xfer is not None and xfer.generation == generation and xfer.error is None
+
+    def fail(self, xfer_id: str, error: KVTransferError) -> bool:
+        """Fence the transfer; its future fails once no write is in flight."""
+        xfer = self._live.get(xfer_id)
+        if xfer is None or xfer.error is not None:
+            return False
+        xfer.error = error
+        self._fenced[xfer_id] = xfer.generation
+        while len(self._fenced) > _FENCED_KEPT:
+            del self._fenced[next(iter(self._fenced))]
+        log.warning("transfer %s gen %d failed: %s", xfer_id, xfer.generation, error)
+        if xfer.inflight == 0:
+            self._resolve(xfer_id, error)
+        elif self._on_abort is not None:
+            self._on_abort(set(xfer.writers))
+        return True
+
+    def cancel(self, xfer_id: str, reason: str = "cancelled by receiver") -> bool:
+        return self.fail(xfer_id, TransferCancelled(f"{xfer_id}: {reason}"))
+
+    def fail_writer(self, writer: int, error: KVTransferError) -> None:
+        """A writer's connection died: fail every transfer it had written into."""
+        for xfer_id, xfer in list(self._live.items()):
+            if writer in xfer.writers:
+                self.fail(xfer_id, error)
+
+    def generation_of(self, xfer_id: str) -> int | None:
+        xfer = self._live.get(xfer_id)
+        return None if xfer is None else xfer.generation
+
+    def fail_all(self, error: KVTransferError) -> None:
+        for xfer_id in list(self._live):
+            self.fail(xfer_id, error)
+
+    def pending(self) -> list[str]:
+        return list(self._live)
+
+    def check_integrity(self) -> None:
+        owners: dict[int, str] = {}
+        for xfer_id, xfer in self._live.items():
+            assert xfer.inflight >= 0, xfer_id
+            assert not xfer.future.done(), xfer_id
+            for block, mask in xfer.claimed.items():
+                assert xfer.expected[block] & mask == mask, (xfer_id, block)
+            owners.update(dict.fromkeys(xfer.expected, xfer_id))
+        assert owners == self._owner, "block ownership out of sync"
+
+    def _expire(self, xfer_id: str, generation: int, lease_s: float) -> None:
+        if self.is_live(xfer_id, generation):
+            self.fail(xfer_id, TransferTimeout(f"{xfer_id}: lease of {lease_s}s expired"))
+
+    def _resolve(self, xfer_id: str, error: KVTransferError | None) -> None:
+        xfer = self._live.pop(xfer_id)
+        for block in xfer.expected:
+            self._owner.pop(block, None)
+        if xfer.timer is not None:
+            xfer.timer.cancel()
+        if error is None:
+            self.metrics.bytes.inc(xfer.nbytes)
+            self.metrics.seconds.observe(time.perf_counter() - xfer.started)
+            xfer.future.set_result(None)
+        else:
+            self.metrics.failure(error.kind)
+            xfer.future.set_exception(error)
+            xfer.future.exception()  # a failure nobody awaits is not an asyncio error log
+        if self._on_resolved is not None:
+            self._on_resolved(xfer_id, xfer.generation, error, xfer.writers)

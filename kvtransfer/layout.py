@@ -1,0 +1,155 @@
+"""The KV layout both sides of a transfer must agree on, and regions within it.
+
+The engine's KV cache is one block-major tensor
+
+    [num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+so a block is one contiguous byte range and so is a (block, layer range) slice:
+
+    block b:  | layer 0: K V | layer 1: K V | ... | layer L-1: K V |
+              ^ b * block_bytes                  ^ (b+1) * block_bytes
+
+This module is torch-free (the gateway imports kvtransfer without torch).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from kvtransfer.errors import LayoutMismatch
+
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+LAYOUT_NAME = "block_major_v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one KV block; `num_blocks` is not part of it (each side has its own)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    name: str = LAYOUT_NAME
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"KVLayout.{field} must be positive")
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}")
+        if self.name != LAYOUT_NAME:
+            raise ValueError(f"unsupported KV layout {self.name!r} (want {LAYOUT_NAME!r})")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of one block (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
+                self.head_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> KVLayout:
+        return cls(**json.loads(text))
+
+    def check_same(self, other: KVLayout) -> None:
+        """Raise `LayoutMismatch` naming every differing field (no silent garbage KV)."""
+        diffs = [f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
+                 for f in ("name", "num_layers", "num_kv_heads", "head_dim", "block_size",
+                           "dtype")
+                 if getattr(self, f) != getattr(other, f)]
+        if diffs:
+            raise LayoutMismatch("KV layout mismatch: " + "; ".join(diffs))
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """`num_blocks` consecutive blocks from `block_id`, layers [layer_start, layer_end).
+
+    A region spanning several blocks must cover every layer, so it stays contiguous.
+    `layer_end=None` means all layers.
+    """
+
+    block_id: int
+    layer_start: int = 0
+    layer_end: int | None = None
+    num_blocks: int = 1
+
+    def resolve(self, layout: KVLayout, total_blocks: int) -> tuple[int, int]:
+        """(byte offset, nbytes) in a tensor of `total_blocks`; ValueError if outside."""
+        end = layout.num_layers if self.layer_end is None else self.layer_end
+        if not 0 <= self.layer_start < end <= layout.num_layers:
+            raise ValueError(f"bad layer range [{self.layer_start}, {end}) in {self}")
+        if self.num_blocks < 1 or self.block_id < 0:
+            raise ValueError(f"bad block range in {self}")
+        if self.block_id + self.num_blocks > total_blocks:
+            raise ValueError(f"{self} is outside a cache of {total_blocks} blocks")
+        if self.num_blocks > 1 and (self.layer_start, end) != (0, layout.num_layers):
+            raise ValueError(f"multi-block {self} must cover all layers")
+        offset = self.block_id * layout.block_bytes + self.layer_start * layout.layer_bytes
+        if self.num_blocks > 1:
+            return offset, self.num_blocks * layout.block_bytes
+        return offset, (end - self.layer_start) * layout.layer_bytes
+
+    def layers(self, layout: KVLayout) -> tuple[int, int]:
+        return self.layer_start, layout.num_layers if self.layer_end is None else self.layer_end
+
+    def cells(self, layout: KVLayout) -> Iterable[tuple[int, int]]:
+        """(block_id, layer mask) per block: the (block, layer) cells this region covers."""
+        start, end = self.layers(layout)
+        mask = ((1 << (end - start)) - 1) << start
+        for b in range(self.block_id, self.block_id + self.num_blocks):
+            yield b, mask
+
+    def nbytes(self, layout: KVLayout) -> int:
+        start, end = self.layers(layout)
+        return self.num_blocks * (end - start) * layout.layer_bytes
+
+
+def coalesce(src: Sequence[Region], dst: Sequence[Region],
+             layout: KVLayout) -> list[tuple[Region, Region]]:
+    """Pair src/dst regions, merging whole blocks that are consecutive on both sides.
+
+    Fewer, larger regions mean fewer headers and syscalls; a scattered destination
+    (blocks 7, 3, 12) stays one region per block.
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source regions but {len(dst)} destination regions")
+    out: list[tuple[Region, Region]] = []
+    for s, d in zip(src, dst, strict=True):
+        if s.layers(layout) != d.layers(layout) or s.num_blocks != d.num_blocks:
+            raise ValueError(f"source {s} and destination {d} differ in size")
+        if out and _whole(s, layout) and _whole(out[-1][0], layout):
+            ps, pd = out[-1]
+            if ps.block_id + ps.num_blocks == s.block_id and \
+                    pd.block_id + pd.num_blocks == d.block_id:
+                n = ps.num_blocks + s.num_blocks
+                out[-1] = (Region(ps.block_id, 0, None, n), Region(pd.block_id, 0, None, n))
+                continue
+        out.append((s, d))
+    return out
+
+
+def _whole(r: Region, layout: KVLayout) -> bool:
+    return r.layers(layout) == (0, layout.num_layers)
+
+
+def whole_blocks(block_ids: Iterable[int]) -> list[Region]:
+    """One whole-block region per block id (callers coalesce via `coalesce`)."""
+    return [Region(b) for b in block_ids]

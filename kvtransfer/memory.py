@@ -1,0 +1,85 @@
+"""Registered KV memory: a block-major torch tensor seen as flat bytes.
+
+Transports move bytes, so both sides take a byte view of the whole cache once, at
+registration, and slice regions out of it without copying.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import xxhash
+
+from kvtransfer.layout import KVLayout, Region
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return _TORCH_DTYPES[layout.dtype]
+
+
+def check_kv_tensor(kv: torch.Tensor, layout: KVLayout) -> int:
+    """Validate `kv` against `layout`; returns num_blocks. ValueError explains a mismatch."""
+    if kv.dtype != torch_dtype(layout):
+        raise ValueError(f"KV tensor dtype {kv.dtype} does not match layout {layout.dtype}")
+    if kv.dim() != 6 or tuple(kv.shape[1:]) != layout.tensor_shape(1)[1:]:
+        raise ValueError(f"KV tensor shape {tuple(kv.shape)} does not match "
+                         f"{layout.tensor_shape(kv.shape[0] if kv.dim() else 0)}")
+    if not kv.is_contiguous():
+        raise ValueError("KV tensor must be contiguous (block-major)")
+    return int(kv.shape[0])
+
+
+class RegisteredKV:
+    """The local KV cache, registered once with a transport.
+
+    Holds a reference to the tensor (the engine owns it; it must outlive the
+    transport). `view()` gives writable memoryviews into host memory; for CUDA
+    tensors `device_slice()` gives the byte slice on the device (for UCX).
+    """
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
+        self.layout = layout
+        self.num_blocks = check_kv_tensor(kv, layout)
+        self.tensor = kv
+        self.is_cuda = kv.is_cuda
+        self.bytes = kv.view(-1).view(torch.uint8)
+        self._host: memoryview | None = None
+        if not self.is_cuda:
+            self._host = host_bytes(self.bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.layout.block_bytes
+
+    def locate(self, region: Region) -> tuple[int, int]:
+        """(offset, nbytes) of `region`; ValueError if it lies outside this cache."""
+        return region.resolve(self.layout, self.num_blocks)
+
+    def view(self, region: Region) -> memoryview:
+        """A writable memoryview of `region` in host memory (no copy)."""
+        if self._host is None:
+            raise ValueError("host view of a CUDA KV cache; stage it or use ucx")
+        off, n = self.locate(region)
+        return self._host[off:off + n]
+
+    def device_slice(self, region: Region) -> torch.Tensor:
+        off, n = self.locate(region)
+        return self.bytes[off:off + n]
+
+    def checksum(self, region: Region) -> int:
+        return checksum(self.view(region)) if self._host is not None else \
+            checksum(host_bytes(self.device_slice(region).cpu()))
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """Flat writable byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return t.view(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def checksum(data: Any) -> int:
+    """xxh3-64 of a region's bytes: fast enough (>10 GB/s) to leave on in tests."""
+    return int(xxhash.xxh3_64_intdigest(data))

@@ -1,0 +1,298 @@
+"""The receiving (decode) side shared by all transports: control server, handshake,
+leases, fencing, results. Transports add only how a WRITE's bytes land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry
+
+from kvtransfer import wire
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import (
+    KVTransferError,
+    LayoutMismatch,
+    PeerUnavailable,
+    ProtocolError,
+    TransferCancelled,
+)
+from kvtransfer.fencing import TransferTable
+from kvtransfer.layout import KVLayout, Region
+from kvtransfer.memory import RegisteredKV
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.wire import Frame
+
+log = logging.getLogger(__name__)
+_RESULTS_KEPT = 4096  # outcomes remembered for a FINISH that arrives after completion
+
+
+class Conn:
+    """One authenticated sender connection."""
+
+    def __init__(self, conn_id: int, sock: socket.socket, peer: str) -> None:
+        self.id = conn_id
+        self.sock = sock
+        self.peer = peer
+        self.send_lock = asyncio.Lock()
+        self.last_rx = asyncio.get_running_loop().time()
+        self.task: asyncio.Task[None] | None = None
+
+
+class ReceiverBase:
+    """Accepts authenticated senders and lands their writes in the registered cache.
+
+    Lifecycle: `register(kv, layout)`, `await start()`, hand `address()` to senders,
+    then per transfer `expect(...)` and await the returned future. `close()` fails
+    everything pending with PeerUnavailable and releases sockets (and segments).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: TransferConfig, registry: CollectorRegistry | None = None) -> None:
+        if config.transport != self.name:
+            raise ValueError(f"{type(self).__name__} needs transport={self.name!r}")
+        self.config = config
+        self.metrics = TransferMetrics("receiver", self.name, registry)
+        self.kv: RegisteredKV | None = None
+        self._table: TransferTable | None = None
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._conns: dict[int, Conn] = {}
+        self._next_conn = 1
+        self._results: OrderedDict[tuple[str, int], KVTransferError | None] = OrderedDict()
+        self._finish_waiters: dict[str, set[int]] = {}
+
+    # ----- public API ---------------------------------------------------------------
+    def register(self, kv: Any, layout: KVLayout) -> None:
+        """Register the local KV cache (once). The caller keeps owning the tensor."""
+        if self.kv is not None:
+            raise RuntimeError("KV memory is already registered")
+        self.kv = RegisteredKV(kv, layout)
+        self._table = TransferTable(layout, self.kv.num_blocks, self.metrics,
+                                    self._on_resolved, self._on_abort)
+
+    async def start(self) -> None:
+        """Listen for senders on config.host:config.port (0 = pick a free port)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._listener = sock
+        self._spawn(self._accept_loop())
+        self._spawn(self._liveness_loop())
+
+    def address(self) -> str:
+        """Descriptor a sender connects with: transport, host:port, layout (+ extras)."""
+        if self._listener is None or self.kv is None:
+            raise RuntimeError("register() and start() first")
+        host, port = self._listener.getsockname()[:2]
+        return json.dumps({"transport": self.name, "host": host, "port": port,
+                           "layout": json.loads(self.kv.layout.to_json()),
+                           **self._address_extra()})
+
+    def expect(self, xfer_id: str, dst_regions: Sequence[Region], generation: int,
+               lease_s: float | None = None) -> asyncio.Future[None]:
+        """Announce an incoming transfer; the future resolves when every region landed
+        and verified, or fails (typed) once the blocks are safe to reuse."""
+        lease = self.config.lease_s if lease_s is None else lease_s
+        self._results.pop((xfer_id, generation), None)
+        return self.table.expect(xfer_id, dst_regions, generation, lease)
+
+    def cancel(self, xfer_id: str, reason: str = "cancelled by receiver") -> bool:
+        """Fence a transfer (abort or timeout): late writes for it are dropped."""
+        return self.table.cancel(xfer_id, reason)
+
+    fence = cancel
+
+    async def close(self) -> None:
+        if self._table is not None:
+            self._table.fail_all(PeerUnavailable("receiver closed"))
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for conn in list(self._conns.values()):
+            conn.sock.close()
+        self._conns.clear()
+        self._close_memory()
+
+    @property
+    def table(self) -> TransferTable:
+        if self._table is None:
+            raise RuntimeError("register() the KV cache first")
+        return self._table
+
+    # ----- transport hooks ----------------------------------------------------------
+    def _address_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _welcome_extra(self, conn: Conn) -> dict[str, Any]:
+        return {}
+
+    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
+        raise NotImplementedError
+
+    async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
+        raise ProtocolError(f"{self.name} does not take RESERVE frames")
+
+    def _on_abort(self, writers: set[int]) -> None:
+        """Writers hold in-flight writes into a failed transfer (default: liveness)."""
+
+    def _on_conn_closed(self, conn: Conn) -> None:
+        pass
+
+    def _close_memory(self) -> None:
+        pass
+
+    # ----- connection handling ------------------------------------------------------
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            sock, addr = await loop.sock_accept(self._listener)
+            wire.tune_socket(sock, self.config.socket_buffer_bytes)
+            self._spawn(self._serve(sock, f"{addr[0]}:{addr[1]}"))
+
+    async def _serve(self, sock: socket.socket, peer: str) -> None:
+        conn: Conn | None = None
+        try:
+            conn = await asyncio.wait_for(self._handshake(sock, peer), self.config.io_timeout_s)
+            if conn is None:
+                return
+            conn.task = asyncio.current_task()
+            await self._frame_loop(conn)
+        except (KVTransferError, OSError, asyncio.TimeoutError) as e:
+            level = logging.INFO if isinstance(e, PeerUnavailable) else logging.WARNING
+            log.log(level, "connection from %s ended: %r", peer, e)
+        finally:
+            if conn is not None:
+                self._drop_conn(conn, PeerUnavailable(f"sender {peer} disconnected"))
+            sock.close()
+
+    async def _handshake(self, sock: socket.socket, peer: str) -> Conn | None:
+        loop = asyncio.get_running_loop()
+        challenge = wire.nonce()
+        await wire.send_all(loop, sock, wire.pack_json(Frame.CHALLENGE, {
+            "nonce": challenge.hex(), "version": wire.PROTOCOL_VERSION}))
+        _, hello = await wire.expect_json(loop, sock, Frame.HELLO)
+        client_nonce = bytes.fromhex(str(hello.get("nonce", "")))
+        want = wire.proof(self.config.token, b"c", challenge, client_nonce)
+        reason, message = "", ""
+        if not wire.hmac.compare_digest(want, str(hello.get("proof", ""))):
+            reason, message = "auth", "shared token proof failed"
+        elif hello.get("transport") != self.name:
+            reason, message = "transport", f"receiver speaks {self.name}"
+        else:
+            try:
+                self.table.layout.check_same(KVLayout(**hello["layout"]))
+            except (LayoutMismatch, TypeError, ValueError) as e:
+                reason, message = "layout", str(e)
+        if reason:
+            self.metrics.refused(reason)
+            log.warning("refused sender %s: %s (%s)", peer, reason, message)
+            await wire.send_all(loop, sock, wire.pack_json(
+                Frame.REFUSE, {"kind": reason, "message": message}))
+            return None
+        conn = Conn(self._next_conn, sock, peer)
+        self._next_conn += 1
+        await wire.send_all(loop, sock, wire.pack_json(Frame.WELCOME, {
+            "proof": wire.proof(self.config.token, b"s", client_nonce, challenge),
+            "conn_id": conn.id, **self._welcome_extra(conn)}))
+        self._conns[conn.id] = conn
+        log.info("accepted sender %s as connection %d", peer, conn.id)
+        return conn
+
+    async def _frame_loop(self, conn: Conn) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            kind, meta, payload_len = await wire.read_frame(loop, conn.sock)
+            conn.last_rx = loop.time()
+            if kind is Frame.WRITE:
+                await self._on_write(conn, wire.WriteHeader.unpack(meta), payload_len)
+            elif kind is Frame.PING:
+                await self._send(conn, wire.pack_frame(Frame.PONG))
+            elif kind is Frame.FINISH:
+                await self._on_finish(conn, json.loads(meta))
+            elif kind is Frame.CANCEL:
+                msg = json.loads(meta)
+                if self.table.generation_of(msg["xfer"]) == msg["gen"]:
+                    self.table.fail(msg["xfer"], TransferCancelled(
+                        f"{msg['xfer']}: cancelled by sender ({msg.get('reason', '')})"))
+            elif kind is Frame.RESERVE:
+                await self._on_reserve(conn, json.loads(meta))
+            else:
+                raise ProtocolError(f"unexpected {kind.name} frame from a sender")
+
+    async def _on_finish(self, conn: Conn, msg: dict[str, Any]) -> None:
+        xfer_id, gen = str(msg["xfer"]), int(msg["gen"])
+        if self.table.generation_of(xfer_id) == gen:
+            self._finish_waiters.setdefault(xfer_id, set()).add(conn.id)
+            return
+        key = (xfer_id, gen)
+        error = self._results[key] if key in self._results else \
+            TransferCancelled(f"{xfer_id} gen {gen} is not expected (fenced or unknown)")
+        await self._send(conn, _result_frame(xfer_id, gen, error))
+
+    async def _send(self, conn: Conn, data: bytes) -> None:
+        async with conn.send_lock:
+            await asyncio.wait_for(wire.send_all(asyncio.get_running_loop(), conn.sock, data),
+                                   self.config.io_timeout_s)
+
+    def _on_resolved(self, xfer_id: str, gen: int, error: KVTransferError | None,
+                     writers: set[int]) -> None:
+        self._results[(xfer_id, gen)] = error
+        while len(self._results) > _RESULTS_KEPT:
+            self._results.popitem(last=False)
+        targets = self._finish_waiters.pop(xfer_id, set()) | writers
+        for conn_id in targets:
+            conn = self._conns.get(conn_id)
+            if conn is not None:
+                self._spawn(self._send_quietly(conn, _result_frame(xfer_id, gen, error)))
+
+    async def _send_quietly(self, conn: Conn, data: bytes) -> None:
+        with contextlib.suppress(KVTransferError, OSError, asyncio.TimeoutError):
+            await self._send(conn, data)
+
+    def _drop_conn(self, conn: Conn, error: KVTransferError) -> None:
+        if self._conns.pop(conn.id, None) is None:
+            return
+        self._on_conn_closed(conn)
+        if self._table is not None:
+            self._table.fail_writer(conn.id, error)
+
+    async def _liveness_loop(self) -> None:
+        """Close connections silent past liveness_timeout_s (senders ping every
+        heartbeat_s), which fails their transfers with PeerUnavailable."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.config.heartbeat_s)
+            now = loop.time()
+            for conn in list(self._conns.values()):
+                if now - conn.last_rx > self.config.liveness_timeout_s and conn.task:
+                    log.warning("sender %s silent for %.1fs; closing", conn.peer,
+                                now - conn.last_rx)
+                    conn.task.cancel()
+
+
+def _result_frame(xfer_id: str, gen: int, error: KVTransferError | None) -> bytes:
+    return wire.pack_json(Frame.RESULT, {
+        "xfer": xfer_id, "gen": gen, "ok": error is None,
+        "kind": "" if error is None else error.kind,
+        "message": "" if error is None else str(error)})

@@ -1,0 +1,104 @@
+"""`tcp`: KV bytes follow each WRITE header on the control stream itself.
+
+The reference and fallback transport. The receiver reads a region's payload with
+`sock_recv_into` straight into the destination blocks; if the transfer is fenced
+mid-region, the rest of the payload goes to a scratch buffer instead, so no byte
+of a stale write lands after the fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvtransfer import wire
+from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
+from kvtransfer.layout import Region
+from kvtransfer.memory import checksum as compute_checksum
+from kvtransfer.memory import host_bytes
+from kvtransfer.receiver import Conn, ReceiverBase
+from kvtransfer.sender import Peer, SenderBase
+from kvtransfer.wire import Frame
+
+_SCRATCH_BYTES = 1 << 20
+
+
+class TcpReceiver(ReceiverBase):
+    name = "tcp"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+
+    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
+        assert self.kv is not None
+        admitted = self.table.admit(header.xfer_id, header.generation, header.region, conn.id)
+        if not admitted:
+            await self._discard(conn, payload_len)
+            return
+        try:
+            off, nbytes = self.kv.locate(header.region)
+            if payload_len != nbytes:
+                raise ProtocolError(f"payload of {payload_len} bytes for a {nbytes}-byte region")
+            await self._land(conn, header, payload_len)
+        except BaseException as e:
+            error = e if isinstance(e, KVTransferError) else \
+                PeerUnavailable(f"connection to sender {conn.peer} lost mid-region")
+            self.table.released(header.xfer_id, error)
+            raise
+        ok = True
+        if header.flags & wire.FLAG_CHECKSUM and self.table.is_live(header.xfer_id,
+                                                                   header.generation):
+            ok = compute_checksum(self.kv.view(header.region)) == header.checksum
+        self.table.landed(header.xfer_id, header.region, ok)
+
+    async def _land(self, conn: Conn, header: wire.WriteHeader, nbytes: int) -> None:
+        """Receive the payload into the destination, re-checking the fence per chunk."""
+        assert self.kv is not None
+        loop = asyncio.get_running_loop()
+        dst = self.kv.view(header.region)
+        got = 0
+        while got < nbytes:
+            if not self.table.is_live(header.xfer_id, header.generation):
+                await self._discard(conn, nbytes - got)  # fenced: nothing more lands
+                return
+            try:
+                k = await loop.sock_recv_into(conn.sock, dst[got:])
+            except OSError as e:
+                raise PeerUnavailable(f"connection to sender {conn.peer} lost: {e}") from e
+            if k == 0:
+                raise PeerUnavailable(f"sender {conn.peer} closed mid-region")
+            got += k
+            conn.last_rx = loop.time()
+
+    async def _discard(self, conn: Conn, nbytes: int) -> None:
+        loop = asyncio.get_running_loop()
+        while nbytes > 0:
+            chunk = self._scratch[:min(nbytes, len(self._scratch))]
+            await wire.recv_exact(loop, conn.sock, chunk)
+            nbytes -= len(chunk)
+            conn.last_rx = loop.time()
+
+
+class TcpSender(SenderBase):
+    name = "tcp"
+
+    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                            xfer_id: str, generation: int, checksum: bool) -> None:
+        assert self.kv is not None
+        loop = asyncio.get_running_loop()
+        for src, dst in pairs:
+            data = self.kv.view(src) if not self.kv.is_cuda else \
+                host_bytes(self.kv.device_slice(src).cpu())  # staged through host
+            flags = wire.FLAG_CHECKSUM if checksum else 0
+            header = wire.WriteHeader(xfer_id, generation, dst, flags,
+                                      compute_checksum(data) if checksum else 0)
+            meta = header.pack()
+            # The lock is per region, so concurrent transfers interleave region by region.
+            async with peer.send_lock:
+                peer.check()
+                await wire.send_all(loop, peer.sock,
+                                    wire.pack_frame(Frame.WRITE, meta, len(data)))
+                await wire.send_all(loop, peer.sock, data)
+
+
+__all__ = ["TcpReceiver", "TcpSender"]

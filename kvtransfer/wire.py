@@ -1,0 +1,149 @@
+"""Control-channel framing and the authenticated handshake, over raw sockets.
+
+Raw non-blocking sockets with `loop.sock_recv_into` (not StreamReader, which
+buffers) so tcp payloads land straight in the destination blocks.
+
+Frame: `!BIQ` header = type, meta length, payload length; then meta; then payload.
+Handshake (mutual, the token never crosses the wire):
+
+    receiver -> CHALLENGE {nonce}
+    sender   -> HELLO {proof = HMAC(token, "c" nonce client_nonce), layout, transport}
+    receiver -> WELCOME {proof = HMAC(token, "s" client_nonce nonce), conn_id, extra}
+             |  REFUSE {kind: auth | layout | transport, message}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+from kvtransfer.errors import PeerUnavailable, ProtocolError
+from kvtransfer.layout import Region
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!BIQ")
+WRITE_META = struct.Struct("!QBIIIIQ")
+MAX_META = 1 << 20
+
+FLAG_CHECKSUM = 1
+FLAG_IN_PLACE = 2  # shm: bytes already written into the shared segment
+
+
+class Frame(IntEnum):
+    CHALLENGE = 1
+    HELLO = 2
+    WELCOME = 3
+    REFUSE = 4
+    WRITE = 5
+    FINISH = 6
+    RESULT = 7
+    CANCEL = 8
+    PING = 9
+    PONG = 10
+    RESERVE = 11
+    GRANT = 12
+
+
+@dataclass(frozen=True, slots=True)
+class WriteHeader:
+    """One region of one transfer; the payload (if any) follows on the wire."""
+
+    xfer_id: str
+    generation: int
+    region: Region
+    flags: int = 0
+    checksum: int = 0
+
+    def pack(self) -> bytes:
+        r = self.region
+        end = 0xFFFFFFFF if r.layer_end is None else r.layer_end
+        return WRITE_META.pack(self.generation, self.flags, r.block_id, r.num_blocks,
+                               r.layer_start, end, self.checksum) + self.xfer_id.encode()
+
+    @classmethod
+    def unpack(cls, meta: bytes) -> WriteHeader:
+        if len(meta) < WRITE_META.size:
+            raise ProtocolError("short WRITE header")
+        gen, flags, block, nblocks, start, end, csum = WRITE_META.unpack_from(meta)
+        region = Region(block, start, None if end == 0xFFFFFFFF else end, nblocks)
+        return cls(meta[WRITE_META.size:].decode(), gen, region, flags, csum)
+
+
+def proof(token: str, tag: bytes, first: bytes, second: bytes) -> str:
+    return hmac.new(token.encode(), tag + first + second, hashlib.sha256).hexdigest()
+
+
+def nonce() -> bytes:
+    return os.urandom(16)
+
+
+def pack_json(kind: Frame, obj: dict[str, Any]) -> bytes:
+    meta = json.dumps(obj).encode()
+    return HEADER.pack(kind, len(meta), 0) + meta
+
+
+def pack_frame(kind: Frame, meta: bytes = b"", payload_len: int = 0) -> bytes:
+    return HEADER.pack(kind, len(meta), payload_len) + meta
+
+
+async def recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                     view: memoryview) -> None:
+    """Fill `view` from `sock`; PeerUnavailable on EOF or reset."""
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = await loop.sock_recv_into(sock, view[got:])
+        except OSError as e:
+            raise PeerUnavailable(f"connection lost: {e}") from e
+        if k == 0:
+            raise PeerUnavailable("peer closed the connection")
+        got += k
+
+
+async def read_frame(loop: asyncio.AbstractEventLoop,
+                     sock: socket.socket) -> tuple[Frame, bytes, int]:
+    """Read a frame's header and meta; the caller consumes `payload_len` bytes after."""
+    head = bytearray(HEADER.size)
+    await recv_exact(loop, sock, memoryview(head))
+    kind, meta_len, payload_len = HEADER.unpack(head)
+    if meta_len > MAX_META:
+        raise ProtocolError(f"frame meta of {meta_len} bytes is too large")
+    meta = bytearray(meta_len)
+    if meta_len:
+        await recv_exact(loop, sock, memoryview(meta))
+    try:
+        return Frame(kind), bytes(meta), payload_len
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {kind}") from None
+
+
+async def expect_json(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      *kinds: Frame) -> tuple[Frame, dict[str, Any]]:
+    kind, meta, payload_len = await read_frame(loop, sock)
+    if kind not in kinds or payload_len:
+        raise ProtocolError(f"expected {[k.name for k in kinds]}, got {kind.name}")
+    return kind, json.loads(meta)
+
+
+async def send_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: Any) -> None:
+    try:
+        await loop.sock_sendall(sock, data)
+    except OSError as e:
+        raise PeerUnavailable(f"connection lost: {e}") from e
+
+
+def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
+    """Large buffers and no Nagle: regions are big, control frames latency-bound."""
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)

@@ -1,0 +1,102 @@
+"""The other process of the kvtransfer two-process tests (run with `python -m`).
+
+One JSON spec on argv[1]. Prints JSON lines on stdout: {"address": ...} once a
+receiver listens, {"ready": true} once a sender is connected, then one
+{"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
+the test process rebuilds it and checks the received blocks bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+
+from kvtransfer import KVLayout, KVTransferError, Region, TransferConfig, make_receiver
+from kvtransfer import make_sender
+
+
+def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(layout.tensor_shape(num_blocks), generator=g)
+    return data.to(getattr(torch, layout.dtype)).contiguous()
+
+
+def regions(items: list[list[int | None]]) -> list[Region]:
+    return [Region(*item) for item in items]  # type: ignore[arg-type]
+
+
+def emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+async def run_sender(spec: dict[str, Any]) -> None:
+    layout = KVLayout(**spec["layout"])
+    config = TransferConfig(**spec["config"])
+    sender = make_sender(config)
+    sender.register(make_kv(layout, spec["num_blocks"], spec["seed"]), layout)
+    if spec.get("corrupt"):
+        import kvtransfer.memory as memory
+        real = memory.checksum
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "compute_checksum", None) is real:
+                mod.compute_checksum = lambda data: real(data) ^ 1  # type: ignore[attr-defined]
+    try:
+        peer = await sender.connect(spec["address"])
+    except KVTransferError as e:
+        emit({"connect": False, "kind": e.kind, "message": str(e)})
+        return
+    emit({"ready": True})
+    await asyncio.gather(*(send_one(sender, peer, t, spec) for t in spec["transfers"]))
+    await sender.close()
+
+
+async def send_one(sender: Any, peer: Any, t: dict[str, Any], spec: dict[str, Any]) -> None:
+    try:
+        # Streaming: several write() calls per transfer, as a prefill would per layer.
+        for i, (src, dst) in enumerate(zip(t["src"], t["dst"], strict=True)):
+            await sender.write(peer, regions(src), regions(dst), t["xfer"], t["gen"],
+                               checksum=t.get("checksum"))
+            if spec.get("stop_after_first_write") and i == 0:
+                emit({"stopping": True})
+                os.kill(os.getpid(), signal.SIGSTOP)
+        await sender.finish(peer, t["xfer"], timeout_s=t.get("finish_timeout"))
+        emit({"xfer": t["xfer"], "ok": True, "kind": ""})
+    except KVTransferError as e:
+        emit({"xfer": t["xfer"], "ok": False, "kind": e.kind, "message": str(e)})
+
+
+async def run_receiver(spec: dict[str, Any]) -> None:
+    layout = KVLayout(**spec["layout"])
+    config = TransferConfig(**spec["config"])
+    receiver = make_receiver(config)
+    if config.transport == "shm":
+        receiver.allocate(layout, spec["num_blocks"])  # type: ignore[attr-defined]
+    else:
+        receiver.register(torch.zeros(layout.tensor_shape(spec["num_blocks"]),
+                                      dtype=getattr(torch, layout.dtype)), layout)
+    await receiver.start()
+    futures = {t["xfer"]: receiver.expect(t["xfer"], regions(t["dst"]), t["gen"])
+               for t in spec["transfers"]}
+    emit({"address": receiver.address()})
+    for xfer, fut in futures.items():
+        try:
+            await fut
+            emit({"xfer": xfer, "ok": True, "kind": ""})
+        except KVTransferError as e:
+            emit({"xfer": xfer, "ok": False, "kind": e.kind})
+    await receiver.close()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    asyncio.run(run_sender(spec) if spec["role"] == "sender" else run_receiver(spec))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Helpers for the kvtransfer two-process tests: spawn the peer, read its lines,
+and check that no socket or shared-memory segment is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer import KVLayout, TransferConfig, make_receiver, make_sender
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "cluster-secret"
+LAYOUT_F32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
+LAYOUT_BF16 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8,
+                       dtype="bfloat16")
+
+
+def fast_config(transport: str, **kw: Any) -> TransferConfig:
+    base: dict[str, Any] = dict(transport=transport, token=TOKEN, io_timeout_s=5.0,
+                                heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=10.0)
+    base.update(kw)
+    return TransferConfig(**base)
+
+
+def config_dict(config: TransferConfig) -> dict[str, Any]:
+    d = asdict(config)
+    d["ucx_options"] = [list(p) for p in config.ucx_options]
+    return d
+
+
+def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    from tests.integration.kvtransfer_peer import make_kv as peer_make_kv
+    return peer_make_kv(layout, num_blocks, seed)
+
+
+class PeerProcess:
+    """The other process; lines are JSON objects read with a deadline."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.spec = spec
+
+    async def start(self) -> PeerProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.integration.kvtransfer_peer", json.dumps(self.spec),
+            stdout=subprocess.PIPE, env=env, cwd=str(ROOT))
+        return self
+
+    async def line(self, timeout: float = 30.0) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        if not raw:
+            raise EOFError("peer exited")
+        obj: dict[str, Any] = json.loads(raw)
+        return obj
+
+    async def lines(self, n: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        return [await self.line(timeout) for _ in range(n)]
+
+    async def wait(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+
+    async def aclose(self) -> None:
+        self.kill()
+        if self.proc is not None:
+            await self.proc.wait()
+
+
+def spec(role: str, config: TransferConfig, layout: KVLayout, num_blocks: int,
+         transfers: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"role": role, "config": config_dict(config), "layout": asdict(layout),
+            "num_blocks": num_blocks, "seed": extra.pop("seed", 1234),
+            "transfers": transfers, **extra}
+
+
+async def start_receiver(config: TransferConfig, layout: KVLayout, num_blocks: int) -> Any:
+    receiver = make_receiver(config)
+    if config.transport == "shm":
+        receiver.allocate(layout, num_blocks)
+    else:
+        receiver.register(torch.zeros(layout.tensor_shape(num_blocks),
+                                      dtype=getattr(torch, layout.dtype)), layout)
+    await receiver.start()
+    return receiver
+
+
+def start_sender(config: TransferConfig, layout: KVLayout, num_blocks: int, seed: int) -> Any:
+    sender = make_sender(config)
+    sender.register(make_kv(layout, num_blocks, seed), layout)
+    return sender
+
+
+def open_sockets() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("splitserve")}
