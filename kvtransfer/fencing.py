@@ -179,6 +179,11 @@ class TransferTable:
             if writer in xfer.writers:
                 self.fail(xfer_id, error)
 
+    def error_of(self, xfer_id: str) -> KVTransferError | None:
+        """The error of a transfer that failed but still has writes in flight."""
+        xfer = self._live.get(xfer_id)
+        return None if xfer is None else xfer.error
+
     def generation_of(self, xfer_id: str) -> int | None:
         xfer = self._live.get(xfer_id)
         return None if xfer is None else xfer.generation
