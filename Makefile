@@ -26,7 +26,7 @@ sysdeps:
 run: deps
 	$(BIN)/splitserve generate --prompt "The quick brown fox" --max-tokens 32
 
-test: deps
+test: deps sysdeps
 	$(BIN)/python -m pytest -q tests
 
 lint: deps
