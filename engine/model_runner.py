@@ -12,10 +12,12 @@ from engine.attention import AttentionMetadata, PrefillSeq, decode_mask
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.loader import TORCH_DTYPES, load_model
-from engine.sampler import Sampler
+from engine.sampler import Logprobs, Sampler
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+Sampled = tuple[int, Logprobs | None]
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -52,8 +54,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, int]:
-        """Runs one step; returns {request_id: sampled token} for requests whose
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, Sampled]:
+        """Runs one step; returns {request_id: (token, logprobs)} for requests whose
         computed tokens reach their end this step (partial prefill chunks sample nothing).
         """
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out, kv)
@@ -62,8 +64,8 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])
         ids = [r.request_id for r in sample_reqs]
-        tokens = self.sampler(logits, ids, [r.sampling_params for r in sample_reqs])
-        return dict(zip(ids, tokens, strict=True))
+        tokens, logprobs = self.sampler(logits, ids, [r.sampling_params for r in sample_reqs])
+        return dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
 
     def _prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple:
         bs = self.block_size

@@ -26,3 +26,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds
+    logprobs: list[dict[int, float]] | None = None  # per output token, when asked for

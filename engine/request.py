@@ -47,6 +47,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:

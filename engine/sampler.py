@@ -11,6 +11,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 
+Logprobs = dict[int, float]  # token id -> log-probability
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
@@ -33,8 +35,26 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> list[int]:
-        """logits: [B, V] float32, one row per request. Returns one token id per row."""
+                 params: list[SamplingParams]) -> tuple[list[int], list[Logprobs | None]]:
+        """logits: [B, V] float32, one row per request. Returns one token id per row and,
+        for rows that asked, the log-probabilities (of the raw logits, before
+        temperature) of the sampled token and the top-n tokens."""
+        tokens = self._sample(logits, request_ids, params)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lps: list[Logprobs | None] = [None] * len(params)
+        if want:
+            logp = logits[want].log_softmax(dim=-1)
+            for row, i in enumerate(want):
+                n = params[i].logprobs or 0
+                top = logp[row].topk(n) if n else None
+                entry = {tokens[i]: float(logp[row, tokens[i]])}
+                if top is not None:
+                    entry |= dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                lps[i] = entry
+        return tokens, lps
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str],
+                params: list[SamplingParams]) -> list[int]:
         greedy = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
             return [int(t) for t in greedy.tolist()]

@@ -8,7 +8,9 @@ preempted: its blocks are freed and it is recomputed later.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -129,7 +131,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+                           sampled: Mapping[str, tuple[int, Any]]) -> list[Request]:
         """Advances computed tokens, appends sampled tokens, caches full blocks.
 
         Returns the requests that received a new token this step.
@@ -139,9 +141,11 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            tok = sampled.get(req.request_id)
-            if tok is not None:
-                req.append_token(tok)
+            got = sampled.get(req.request_id)
+            if got is not None:
+                req.append_token(got[0])
+                if got[1] is not None:
+                    req.logprobs.append(got[1])
                 got_token.append(req)
         return got_token
 

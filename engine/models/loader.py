@@ -47,6 +47,8 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype,
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
