@@ -16,6 +16,9 @@ from collections.abc import Sequence
 # name -> (module, help). Modules expose add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "generate text offline with the engine"),
+    "worker": ("decode.cli", "run a decode or colocated worker (gRPC)"),
+    "gateway": ("gateway.cli", "run the gateway (OpenAI HTTP + gRPC Generate)"),
+    "up": ("cluster.up", "start redis, workers and the gateway locally"),
 }
 
 # `splitserve bench NAME`: benchmarks, each in its own module.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-
 from protos import splitserve_pb2 as pb
 
 

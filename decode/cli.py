@@ -1,0 +1,57 @@
+"""`splitserve worker`: run a decode or colocated worker (env vars are read only here)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import uuid
+
+from engine.cli import add_engine_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--role", choices=["decode", "colocated"], default="colocated")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    p.add_argument("--advertise-host", default="", help="host others dial (default --host)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port")
+    p.add_argument("--worker-id", default="", help="default: <hostname>-<role>-<random>")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name)")
+    p.add_argument("--redis", default=os.environ.get("SPLITSERVE_REDIS_URL"),
+                   help="redis://host:port to register in (default $SPLITSERVE_REDIS_URL)")
+    p.add_argument("--registration-ttl", type=float, default=5.0)
+    p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--load-interval-ms", type=int, default=100)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--transport-address", default="")
+    p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+
+
+def served_model_name(model_dir: str, explicit: str | None) -> str:
+    # Same default as the gateway's (gateway/cli.py): the directory's base name.
+    return explicit or os.path.basename(os.path.normpath(model_dir))
+
+
+def run(args: argparse.Namespace) -> int:
+    from decode.config import WorkerConfig
+    from decode.server import serve, with_model_id
+    from engine.cli import engine_config_from_args
+
+    worker_id = args.worker_id or f"{socket.gethostname()}-{args.role}-{uuid.uuid4().hex[:6]}"
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s worker={worker_id} %(name)s: %(message)s")
+    ecfg = engine_config_from_args(args)
+    ecfg = with_model_id(ecfg, served_model_name(ecfg.model_dir, args.served_model_name))
+    config = WorkerConfig(
+        role=args.role, worker_id=worker_id, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, metrics_port=args.metrics_port,
+        redis_url=args.redis, registration_ttl_s=args.registration_ttl,
+        heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
+        drain_timeout_s=args.drain_timeout, transport_address=args.transport_address)
+    return asyncio.run(serve(config, ecfg))

@@ -1,0 +1,179 @@
+"""`splitserve.v1.Worker` on one AsyncLLM: Generate (stream), Load (stream), Info.
+
+Ownership: the service borrows the AsyncLLM (decode/server.py owns and shuts it down).
+Each Generate call owns its engine request: when the call ends early (client cancel,
+deadline, drain) the engine stream is closed, which aborts the request and frees its
+blocks.
+
+Seam for disaggregation: `_run(request, params, prefill_peer)` returns the stream of
+engine outputs. Today a request with a prefill peer prefills locally (as colocated).
+The lead's remote-prefill branch goes there: allocate the prompt's blocks, call
+`Prefill.Prefill` on the peer with this worker's transport address / block ids /
+generation, wait for the transfer, then continue decoding (recompute on failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, cast
+
+import grpc
+
+from decode.config import WorkerConfig
+from decode.metrics import WorkerMetrics
+from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.llm_engine import RequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+from protos.convert import sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+
+def request_id_from(context: grpc.aio.ServicerContext, fallback: str) -> str:
+    """The caller's x-request-id metadata, else `fallback`."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and value:
+            return str(value)
+    return fallback
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics, kv_layout: str) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.kv_layout = kv_layout
+        self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
+        self.draining = False
+        self.changed = asyncio.Event()  # poked on request start/end: load reports follow
+
+    def attach(self, llm: AsyncLLM) -> None:
+        self.llm = llm
+        self.changed.set()
+
+    # -- Generate ---------------------------------------------------------------------
+    async def Generate(self, request: pb.WorkerGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[
+                           pb.WorkerGenerateResponse]:
+        llm = self.llm
+        if llm is None or self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "worker is draining" if self.draining else "model not loaded")
+            return
+        rid = request.request_id or request_id_from(context, uuid.uuid4().hex)
+        params = sampling_from_proto(request.sampling)
+        peer = request.prefill_peer if request.HasField("prefill_peer") else None
+        n_prompt = len(request.prompt_token_ids)
+        start = last = time.monotonic()
+        n_out = 0
+        self.changed.set()
+        try:
+            async with contextlib.aclosing(self._run(request, params, peer)) as outs:
+                async for out in outs:
+                    now = time.monotonic()
+                    if out.new_token_ids:
+                        if n_out == 0:
+                            self.metrics.ttft.labels(self.metrics.model).observe(now - start)
+                        else:
+                            per = (now - last) / len(out.new_token_ids)
+                            for _ in out.new_token_ids:
+                                self.metrics.itl.labels(self.metrics.model).observe(per)
+                        last = now
+                    n_out = len(out.token_ids)
+                    if out.finished:
+                        self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
+                                                      n_out)
+                        log.info("request %s finished: %s, %d prompt + %d output tokens",
+                                 rid, out.finish_reason, n_prompt, n_out)
+                    yield self._response(rid, out, n_prompt)
+        except RequestError as e:
+            log.info("request %s rejected: %s", rid, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except asyncio.CancelledError:
+            log.info("request %s cancelled by the client after %d tokens", rid, n_out)
+            raise
+        finally:
+            self.changed.set()
+
+    def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
+             prefill_peer: pb.PrefillPeer | None) -> AsyncGenerator[RequestOutput, None]:
+        """The engine outputs for one request. SEAM (remote prefill): when
+        `prefill_peer` is set and this worker's role is "decode", the lead's branch
+        prefills on the peer and pushes KV here; for now every request prefills
+        locally. Closing the returned iterator must abort the request and free KV."""
+        assert self.llm is not None  # Generate checked
+        if prefill_peer is not None and self.config.role == "decode":
+            log.debug("request %s: prefill peer %s given; prefilling locally for now",
+                      request.request_id, prefill_peer.address)
+        return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
+            request.request_id, list(request.prompt_token_ids), params,
+            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            priority=request.priority))
+
+    @staticmethod
+    def _response(rid: str, out: RequestOutput, n_prompt: int) -> pb.WorkerGenerateResponse:
+        return pb.WorkerGenerateResponse(
+            request_id=rid, token_ids=out.new_token_ids, text=out.new_text,
+            finish_reason=out.finish_reason or "" if out.finished else "",
+            num_prompt_tokens=n_prompt, num_output_tokens=len(out.token_ids),
+            num_cached_tokens=out.num_cached_tokens, error=out.error or "")
+
+    # -- Load ------------------------------------------------------------------------
+    def load_report(self) -> pb.LoadReport:
+        rep = pb.LoadReport(worker_id=self.config.worker_id,
+                            ready=self.llm is not None and not self.draining)
+        if self.llm is not None:
+            s = self.llm.stats()
+            rep.num_waiting = s.num_waiting
+            rep.num_running = s.num_running
+            rep.kv_usage = s.kv_usage
+            rep.num_free_blocks = s.num_free_blocks
+            rep.num_blocks = s.num_blocks
+            rep.num_active = self.llm.num_active
+            rep.prefix_cache_queries = s.prefix_cache_queries
+            rep.prefix_cache_hits = s.prefix_cache_hits
+        return rep
+
+    async def Load(self, request: pb.LoadRequest,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadReport]:
+        """A report when the figures change (at most one per interval) and at least one
+        per keepalive period, until the client leaves or the server stops."""
+        interval = (request.min_interval_ms or self.config.load_interval_ms) / 1000.0
+        last_key: Any = None
+        last_sent = 0.0
+        while True:
+            rep = self.load_report()
+            key = rep.SerializeToString()
+            now = time.monotonic()
+            if key != last_key or now - last_sent >= self.config.load_keepalive_s:
+                yield rep
+                last_key, last_sent = key, now
+            self.changed.clear()
+            # Wake on a request start/end or after the interval; the engine's own
+            # progress (blocks freed as decoding ends) shows up on the next tick.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), interval)
+            await asyncio.sleep(interval / 4)
+
+    # -- Info ------------------------------------------------------------------------
+    async def Info(self, request: pb.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        llm = self.llm
+        if llm is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded")
+            raise AssertionError("unreachable")  # abort raises
+        eng = llm.engine
+        return pb.InfoResponse(
+            worker_id=self.config.worker_id, model_id=eng.model_id, role=self.config.role,
+            max_model_len=eng.max_model_len, block_size=eng.block_size,
+            kv_layout=self.kv_layout, transport_address=self.config.transport_address,
+            num_blocks=llm.stats().num_blocks, vocab_size=eng.model_config.vocab_size)
