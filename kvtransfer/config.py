@@ -42,6 +42,9 @@ class TransferConfig:
     socket_buffer_bytes: int = 4 << 20
     shm_name: str | None = None
     ucx_options: tuple[tuple[str, str], ...] = field(default=DEFAULT_UCX_OPTIONS)
+    # Off keeps UCX's cross-memory-attach fast path; on survives a receiver dying
+    # mid-send (UCX may abort the process otherwise) at TCP-fallback speed.
+    ucx_error_handling: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

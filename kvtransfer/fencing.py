@@ -131,7 +131,8 @@ class TransferTable:
         xfer.inflight -= 1
         if xfer.error is None and not ok:
             self.fail(xfer_id, IntegrityError(f"checksum mismatch in {region} of {xfer_id!r}"))
-        elif xfer.error is None:
+            return  # fail() resolves once nothing is in flight
+        if xfer.error is None:
             xfer.remaining -= sum(m.bit_count() for _, m in region.cells(self.layout))
             xfer.nbytes += region.nbytes(self.layout)
             if xfer.remaining == 0:

@@ -76,6 +76,25 @@ def allocate_shared_kv(layout: KVLayout, num_blocks: int,
     return shared.tensor, shared
 
 
+def reap_orphaned_segments() -> list[str]:
+    """Unlink segments whose creating process is gone (a receiver killed by SIGKILL
+    cannot unlink its own). Names carry the creator's pid; call at service start."""
+    reaped = []
+    for entry in os.listdir(SHM_DIR):
+        parts = entry.split("-")
+        if len(parts) != 4 or parts[:2] != ["splitserve", "kv"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, entry))
+            reaped.append(entry)
+        except PermissionError:
+            pass  # alive, another user's
+    return reaped
+
+
 @dataclass(slots=True)
 class _Grant:
     xfer_id: str
@@ -127,7 +146,7 @@ class ShmReceiver(ReceiverBase):
                 break
             admitted.append(region)
         if len(admitted) < len(regions):
-            error = self.table.error_of(xfer_id)
+            error = self.table.error_of(xfer_id) or self._results.get((xfer_id, gen))
             kind = error.kind if error is not None else "cancelled"
             for _ in admitted:
                 self.table.released(xfer_id, ProtocolError("reservation refused"))

@@ -12,6 +12,12 @@ control stream), so the payload's tag `tag_base | seq` needs no extra bytes. The
 receiver posts a tag receive straight into the destination blocks (host memory,
 or device memory when the cache is on CUDA: UCX then uses cuda_ipc / RDMA).
 
+Known limitation: with endpoint error handling off, a receiver killed while a
+send is in flight can make UCX abort the *sender* process (observed here, even
+with `ucx_error_handling=True` on the sender's endpoint); the receiver side is
+fine (it detects dead senders over the control channel). Until that is fixed,
+services should treat the ucx sender as fail-stop and prefer tcp where peers die.
+
 UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options`, passed to the
 UCX context at creation; nothing here reads the environment.
 """
@@ -80,6 +86,13 @@ class UcxReceiver(ReceiverBase):
     async def start(self) -> None:
         self._ctx = _context(self.config.ucx_options)
         await super().start()
+
+    async def close(self) -> None:
+        tasks = [t for ts in self._recvs.values() for t in ts]
+        if self._ctx is not None and tasks:
+            self._ctx.worker.cancel_inflight_requests(10**9, 1)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().close()
 
     def _welcome_extra(self, conn: Conn) -> dict[str, Any]:
         # Random high bits: a tag cannot be guessed by a peer that skipped the handshake.
@@ -164,7 +177,7 @@ class UcxSender(SenderBase):
             self._ctx = _context(self.config.ucx_options)
         address = UCXAddress.create_from_buffer(bytes.fromhex(peer.welcome["ucx_address"]))
         endpoint = await self._ctx.create_endpoint_from_worker_address(
-            address, endpoint_error_handling=False)
+            address, endpoint_error_handling=self.config.ucx_error_handling)
         peer.state = {"ep": endpoint, "seq": 0, "tag_base": int(peer.welcome["tag_base"])}
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer import KVLayout, KVTransferError, Region, TransferConfig, make_receiver
-from kvtransfer import make_sender
+from kvtransfer import KVLayout, KVTransferError, Region, TransferConfig, make_receiver, make_sender
 
 
 def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:

@@ -104,13 +104,21 @@ def start_sender(config: TransferConfig, layout: KVLayout, num_blocks: int, seed
     return sender
 
 
-def open_sockets() -> int:
+def open_sockets(ignore_listening: bool = False) -> int:
+    """Sockets this process holds; optionally not counting TCP listeners (see ucx)."""
+    listening: set[str] = set()
+    if ignore_listening:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                listening |= {cols[9] for cols in (line.split() for line in f)
+                              if len(cols) > 9 and cols[3] == "0A"}
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass
+            continue
+        n += link.startswith("socket:") and link[8:-1] not in listening
     return n
 
 
