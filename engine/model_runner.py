@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq, decode_mask
+from engine.attention import AttentionMetadata, SeqAttn
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.loader import TORCH_DTYPES, load_model
@@ -73,44 +73,27 @@ class ModelRunner:
         pos: list[int] = []
         slot_b: list[int] = []
         slot_o: list[int] = []
-        prefills: list[PrefillSeq] = []
-        dec_idx: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_ctx: list[int] = []
+        seqs: list[SeqAttn] = []
         sample_rows: list[int] = []
         sample_reqs = []
+        dev = self.device
         for s in out.scheduled:
             req, n = s.request, s.num_new_tokens
             start, end = req.num_computed_tokens, req.num_computed_tokens + n
             table = kv.block_ids(req.request_id)
-            q_start = len(tokens)
+            seqs.append(SeqAttn(len(tokens), n, end, torch.tensor(
+                table[:cdiv(end, bs)], dtype=torch.long, device=dev)))
             tokens += req.all_token_ids[start:end]
             pos += range(start, end)
             slot_b += [table[p // bs] for p in range(start, end)]
             slot_o += [p % bs for p in range(start, end)]
-            if n == 1 and start > 0:
-                dec_idx.append(q_start)
-                dec_tables.append(table[:cdiv(end, bs)])
-                dec_ctx.append(end)
-            else:
-                prefills.append(PrefillSeq(q_start, n, end, torch.tensor(
-                    table[:cdiv(end, bs)], dtype=torch.long, device=self.device)))
             if end == req.num_tokens:
                 sample_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
-        dev = self.device
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_b, dtype=torch.long, device=dev),
             slot_offsets=torch.tensor(slot_o, dtype=torch.long, device=dev),
-            prefills=prefills, decode_idx=None, decode_block_tables=None, decode_mask=None,
-            sliding_window=self.model_cfg.sliding_window)
-        if dec_idx:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            meta.decode_idx = torch.tensor(dec_idx, dtype=torch.long, device=dev)
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            meta.decode_mask = decode_mask(torch.tensor(dec_ctx, device=dev), width * bs,
-                                           self.model_cfg.sliding_window)
+            seqs=seqs, sliding_window=self.model_cfg.sliding_window)
         return (torch.tensor(tokens, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_reqs)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq
+from engine.attention import AttentionMetadata, SeqAttn
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.models.loader import load_model
@@ -62,10 +62,8 @@ def test_logits_match_transformers(arch_model):
     nb = -(-n // bs)
     cache = torch.zeros(nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
     pos = torch.arange(n)
-    meta = AttentionMetadata(
-        slot_blocks=pos // bs, slot_offsets=pos % bs,
-        prefills=[PrefillSeq(0, n, n, torch.arange(nb))], decode_idx=None,
-        decode_block_tables=None, decode_mask=None)
+    meta = AttentionMetadata(slot_blocks=pos // bs, slot_offsets=pos % bs,
+                             seqs=[SeqAttn(0, n, n, torch.arange(nb))])
     with torch.inference_mode():
         ours = model.compute_logits(model(torch.tensor(ids), pos, cache, meta))
         ref = hf(torch.tensor([ids])).logits[0].float()

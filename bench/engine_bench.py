@@ -1,0 +1,113 @@
+"""`splitserve bench engine`: our engine's output tokens/s against transformers' batched
+`generate` on the same random-weight model and prompts, in one process run.
+
+transformers pads the batch to its longest prompt and keeps generating until the
+longest output is done; we count for both only the tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hf-batch-size", type=int, default=0, help="0: all prompts in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+
+
+def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
+    """Writes a random Llama with the default tokenizer; returns (dir, vocab size)."""
+    from engine.default_model import llama_config, write_random_weights, write_tokenizer
+
+    vocab = write_tokenizer(root)
+    heads = max(1, hidden // 64)
+    cfg = llama_config(vocab, 0, [4], hidden_size=hidden, intermediate_size=hidden * 3,
+                       num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=max(1, heads // 2), head_dim=64)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_random_weights(root, cfg)
+    return root, vocab
+
+
+def run_ours(model_dir: str, prompts: list[list[int]], out_lens: list[int],
+             max_batched: int) -> float:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    total = sum(len(p) + o for p, o in zip(prompts, out_lens, strict=True))
+    llm = LLM(model_dir, dtype="float32", block_size=16, num_blocks=total // 16 + 2 * len(prompts),
+              max_num_seqs=len(prompts), max_num_batched_tokens=max_batched)
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in out_lens]
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    assert sum(len(o.token_ids) for o in outs) == sum(out_lens)
+    return dt
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], out_lens: list[int],
+           batch_size: int) -> float:
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = 1
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch, lens = prompts[i:i + batch_size], out_lens[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                           min_new_tokens=max(lens), do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as root:
+        model_dir, vocab = build_model(root, args.hidden_size, args.num_layers)
+        prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(*args.input_len))]
+                   for _ in range(args.num_prompts)]
+        out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
+        n_out = sum(out_lens)
+        ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens)
+        hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
+    result: dict[str, Any] = {
+        "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,
+                    "ratio": hf / ours},
+        "config": {**{k: v for k, v in vars(args).items() if not k.startswith("_")},
+                   "torch_threads": torch.get_num_threads(), "output_tokens": n_out,
+                   "input_tokens": sum(map(len, prompts))},
+        "seconds": {"splitserve": ours, "hf": hf},
+    }
+    s = result["summary"]
+    print(f"model: random Llama, {args.num_layers} layers, hidden {args.hidden_size}; "
+          f"{args.num_prompts} prompts of {args.input_len[0]}-{args.input_len[1]} tokens, "
+          f"{args.output_len[0]}-{args.output_len[1]} output tokens each ({n_out} in all)")
+    print(f"{'engine':<28}{'seconds':>10}{'output tok/s':>16}")
+    print(f"{'splitserve':<28}{ours:>10.2f}{s['splitserve_tok_s']:>16.1f}")
+    print(f"{'transformers generate':<28}{hf:>10.2f}{s['hf_tok_s']:>16.1f}")
+    print(f"ratio (splitserve / transformers): {s['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
