@@ -1,0 +1,55 @@
+"""`splitserve gateway`: the OpenAI HTTP + gRPC front (env vars are read only here)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model directory (tokenizer, limits; default: the embedded model)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients use (default: the model directory's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=None)
+    p.add_argument("--redis", default=os.environ.get("SPLITSERVE_REDIS_URL"),
+                   help="redis://host:port to discover workers in")
+    p.add_argument("--workers", default="", help="static worker list: host:port,host:port")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted Bearer key on /v1/* (repeatable; default $SPLITSERVE_API_KEY)")
+    p.add_argument("--routing", default=None, help="routing profile YAML")
+    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.cli import resolve_model
+    from gateway.config import GatewayConfig
+    from gateway.routing.profile import RoutingProfile
+    from gateway.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
+    model_dir = resolve_model(args.model)
+    keys = list(args.api_key) or ([os.environ["SPLITSERVE_API_KEY"]]
+                                  if os.environ.get("SPLITSERVE_API_KEY") else [])
+    config = GatewayConfig(
+        model_dir=model_dir,
+        # Same default as the worker's (decode/cli.py): the directory's base name.
+        served_model_name=args.served_model_name or os.path.basename(
+            os.path.normpath(model_dir)),
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        redis_url=args.redis,
+        static_workers=tuple(w.strip() for w in args.workers.split(",") if w.strip()),
+        api_keys=tuple(keys), max_in_flight=args.max_in_flight,
+        client_max_size=args.max_body_bytes, request_timeout_s=args.request_timeout,
+        routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile())
+    return asyncio.run(serve(config, args.block_size, args.max_model_len))

@@ -1,0 +1,48 @@
+"""The gateway's configuration (one frozen dataclass, built by gateway/cli.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.routing.profile import RoutingProfile
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the gateway needs; `model_dir` is read for the tokenizer and limits."""
+
+    model_dir: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int | None = None  # None: no gRPC front
+    redis_url: str | None = None
+    static_workers: tuple[str, ...] = ()  # host:port of decode/colocated/prefill workers
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+    max_in_flight: int = 256  # more concurrent requests get 429 / RESOURCE_EXHAUSTED
+    client_max_size: int = 4 * 1024 * 1024  # bytes of an HTTP body
+    request_timeout_s: float = 600.0  # whole-request deadline when the client sets none
+    worker_rpc_timeout_s: float = 2.0  # Info and other unary calls to workers
+    discovery_interval_s: float = 1.0
+    redis_timeout_s: float = 0.5
+    load_stale_s: float = 3.0  # no load report for this long: out of routing
+    retry_backoff_max_s: float = 2.0
+    max_route_attempts: int = 2  # tries when a worker fails before its first token
+    routing: RoutingProfile = field(default_factory=RoutingProfile)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty")
+        if not self.redis_url and not self.static_workers:
+            raise ValueError("give a Redis URL or a static worker list (or both)")
+        for addr in self.static_workers:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"worker address must be host:port, got {addr!r}")
+        if self.max_in_flight <= 0 or self.client_max_size <= 0:
+            raise ValueError("max_in_flight and client_max_size must be positive")
+        if min(self.request_timeout_s, self.worker_rpc_timeout_s, self.discovery_interval_s,
+               self.redis_timeout_s, self.load_stale_s, self.retry_backoff_max_s) <= 0:
+            raise ValueError("timeouts and intervals must be positive")
+        if self.max_route_attempts < 1:
+            raise ValueError("max_route_attempts must be >= 1")

@@ -1,0 +1,139 @@
+"""The request path shared by the HTTP and gRPC fronts: admit, route, stream.
+
+`Gateway.stream(inp, request_id, deadline)` yields the chosen worker's responses.
+It owns the worker call: when the caller stops iterating (client gone, deadline) the
+gRPC stream to the worker is cancelled, which makes the worker abort the request and
+free its blocks. A worker that fails before its first token is marked failed and the
+request is retried on another (up to `max_route_attempts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+
+from engine.block_hash import hash_blocks, make_extra_key
+from gateway.config import GatewayConfig
+from gateway.errors import (
+    APIError,
+    InvalidRequest,
+    NoWorkerAvailable,
+    Overloaded,
+    UpstreamTimeout,
+)
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import GenerateInput, ModelContext
+from gateway.registry import WorkerRegistry
+from gateway.routing.base import RouteDecision, RouteRequest
+from gateway.routing.profile import NoCandidates, Router
+from protos import splitserve_pb2 as pb
+from protos.convert import sampling_to_proto
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, ctx: ModelContext, registry: WorkerRegistry,
+                 metrics: GatewayMetrics, block_size: int = 16) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.registry = registry
+        self.metrics = metrics
+        self.router = Router(config.routing)
+        self.block_size = block_size
+        self.in_flight = 0
+
+    def ready(self) -> bool:
+        return any(c.role in ("decode", "colocated") for c in self.registry.candidates())
+
+    def _route(self, inp: GenerateInput, request_id: str) -> RouteDecision:
+        # Block hashes for locality scoring (the Redis-index scorer of a later issue).
+        hashes = hash_blocks(inp.prompt_token_ids, self.block_size,
+                             make_extra_key(inp.model, inp.cache_salt))
+        req = RouteRequest(request_id, inp.prompt_token_ids, hashes, self.block_size)
+        try:
+            decision = self.router.route(req, self.registry.candidates())
+        except NoCandidates as e:
+            raise NoWorkerAvailable(f"no ready worker for model {inp.model!r}: {e}") from e
+        self.metrics.routed.labels(decision.decode.worker_id,
+                                   "remote" if decision.prefill else "local").inc()
+        return decision
+
+    def _worker_request(self, inp: GenerateInput, request_id: str,
+                        decision: RouteDecision) -> pb.WorkerGenerateRequest:
+        req = pb.WorkerGenerateRequest(
+            request_id=request_id, prompt_token_ids=inp.prompt_token_ids,
+            sampling=sampling_to_proto(inp.params), priority=inp.priority)
+        if inp.cache_salt is not None:
+            req.cache_salt = inp.cache_salt
+        if decision.prefill is not None:
+            req.prefill_peer.address = decision.prefill.address
+            req.prefill_peer.worker_id = decision.prefill.worker_id
+        return req
+
+    async def stream(self, inp: GenerateInput, request_id: str, deadline: float,
+                     ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
+        """Raises an APIError before the first response on overload, no worker, bad
+        request (as the worker judged it) or timeout."""
+        if self.in_flight >= self.config.max_in_flight:
+            self.metrics.rejected.labels("overload").inc()
+            raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
+                             "requests in flight; retry later")
+        self.in_flight += 1
+        try:
+            for attempt in range(1, self.config.max_route_attempts + 1):
+                decision = self._route(inp, request_id)
+                sent = False
+                try:
+                    async for resp in self._call(inp, request_id, decision, deadline):
+                        sent = True
+                        yield resp
+                    return
+                except grpc.aio.AioRpcError as e:
+                    if sent or e.code() != grpc.StatusCode.UNAVAILABLE \
+                            or attempt == self.config.max_route_attempts:
+                        raise _api_error(e) from e
+                    log.warning("request %s: worker %s unavailable before its first token; "
+                                "retrying elsewhere", request_id, decision.decode.address)
+                    self.registry.mark_failed(decision.decode.address)
+        finally:
+            self.in_flight -= 1
+
+    async def _call(self, inp: GenerateInput, request_id: str, decision: RouteDecision,
+                    deadline: float) -> AsyncIterator[pb.WorkerGenerateResponse]:
+        entry = self.registry.entry(decision.decode.address)
+        if entry is None:
+            raise NoWorkerAvailable("the chosen worker left the registry")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise UpstreamTimeout("the request's deadline passed before it was routed")
+        log.info("request %s -> %s (%s)%s, %d prompt tokens", request_id,
+                 decision.decode.worker_id, decision.decode.address,
+                 f" prefill {decision.prefill.worker_id}" if decision.prefill else "",
+                 len(inp.prompt_token_ids))
+        call = entry.stub.Generate(self._worker_request(inp, request_id, decision),
+                                   timeout=remaining,
+                                   metadata=(("x-request-id", request_id),))
+        entry.inflight += 1
+        try:
+            async for resp in call:
+                yield resp
+        finally:
+            entry.inflight -= 1
+            call.cancel()  # no-op when finished; frees the worker's blocks otherwise
+
+
+def _api_error(e: grpc.aio.AioRpcError) -> APIError:
+    code, msg = e.code(), e.details() or e.code().name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(msg)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return UpstreamTimeout(f"the request timed out: {msg}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(msg)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return NoWorkerAvailable(f"worker unavailable: {msg}")
+    return APIError(f"worker error ({code.name}): {msg}")

@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics.
+
+Every response carries `x-request-id` (the client's, or a new one); the id goes to the
+worker in gRPC metadata and into every log line. Errors use vLLM's JSON shape. A
+streamed request waits for its first token before sending headers, so routing errors
+(429, 503) still get their status; an error after that is sent as an SSE `error`
+event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.core import Gateway
+from gateway.errors import APIError, InvalidRequest, Unauthorized
+from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
+from gateway.protocol import GenerateInput, parse_chat, parse_completion
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+STARTED_KEY: web.AppKey[int] = web.AppKey("started", int)
+REQUEST_ID = "request_id"
+
+
+def _json_error(e: APIError, rid: str) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers={"x-request-id": rid})
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    gw = request.app[GATEWAY_KEY]
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    endpoint = request.path
+    try:
+        keys = gw.config.api_keys
+        if keys and request.path.startswith("/v1/"):
+            auth = request.headers.get("Authorization", "")
+            token = auth[7:] if auth.startswith("Bearer ") else ""
+            if not any(hmac.compare_digest(token, k) for k in keys):
+                raise Unauthorized("invalid or missing API key")
+        resp = await handler(request)
+    except APIError as e:
+        log.info("request %s %s -> %d %s", rid, endpoint, e.status, e.message)
+        gw.metrics.requests.labels(endpoint, str(e.status)).inc()
+        return _json_error(e, rid)
+    except web.HTTPException as e:  # aiohttp's own (404 route, 405 method, ...)
+        err = APIError(e.reason)
+        err.status, err.err_type = e.status, "NotFoundError" if e.status == 404 else e.reason
+        return _json_error(err, rid)
+    gw.metrics.requests.labels(endpoint, str(resp.status)).inc()
+    if not resp.prepared:
+        resp.headers["x-request-id"] = rid
+    return resp
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise InvalidRequest(f"the request body is too large (limit "
+                             f"{request.app[GATEWAY_KEY].config.client_max_size} bytes)") from e
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY_KEY]
+    inp = parse_completion(await _body(request), gw.ctx)
+    return await _generate(request, inp, ResponseBuilder(inp.model, chat=False))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gw = request.app[GATEWAY_KEY]
+    inp = parse_chat(await _body(request), gw.ctx)
+    return await _generate(request, inp, ResponseBuilder(inp.model, chat=True))
+
+
+async def _generate(request: web.Request, inp: GenerateInput,
+                    b: ResponseBuilder) -> web.StreamResponse:
+    gw = request.app[GATEWAY_KEY]
+    rid = request[REQUEST_ID]
+    t0 = time.monotonic()
+    deadline = t0 + gw.config.request_timeout_s
+    texts: list[str] = []
+    finish: str | None = None
+    n_out = cached = 0
+    resp: web.StreamResponse | None = None
+    gw.metrics.in_flight.inc()
+    try:
+        async with contextlib.aclosing(gw.stream(inp, rid, deadline)) as stream:
+            async for r in stream:
+                n_out, cached = r.num_output_tokens, r.num_cached_tokens
+                finish = r.finish_reason or None
+                if finish == "error":
+                    raise APIError(f"the worker failed the request: {r.error}")
+                if not inp.stream:
+                    texts.append(r.text)
+                    continue
+                if resp is None:
+                    resp = await _open_sse(request, rid)
+                    if b.chat:
+                        await resp.write(sse(b.chunk("", None, first=True)))
+                if r.text or finish:
+                    await resp.write(sse(b.chunk(r.text, finish)))
+    except APIError as e:
+        if resp is None:
+            raise
+        log.warning("request %s failed mid-stream: %s", rid, e.message)
+        await resp.write(sse(e.body()))
+        await resp.write(DONE)
+        return resp
+    finally:
+        gw.metrics.in_flight.dec()
+    gw.metrics.e2e.labels(inp.model).observe(time.monotonic() - t0)
+    n_prompt = len(inp.prompt_token_ids)
+    if not inp.stream:
+        return web.json_response(b.full("".join(texts), finish, n_prompt, n_out, cached))
+    if resp is None:  # finished without a single response (cannot happen normally)
+        resp = await _open_sse(request, rid)
+    if inp.include_usage:
+        await resp.write(sse(b.usage_chunk(n_prompt, n_out, cached)))
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _open_sse(request: web.Request, rid: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache", "x-request-id": rid})
+    await resp.prepare(request)
+    return resp
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    return web.json_response(model_list(gw.ctx.served_name, gw.ctx.max_model_len,
+                                        request.app[STARTED_KEY]))
+
+
+async def health(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    return web.Response(status=200 if gw.ready() else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY_KEY]
+    return web.Response(body=generate_latest(gw.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def workers(request: web.Request) -> web.Response:
+    """Debugging aid: the registry's view (not part of the OpenAI API)."""
+    return web.json_response(request.app[GATEWAY_KEY].registry.snapshot())
+
+
+def build_app(gw: Gateway) -> web.Application:
+    app = web.Application(client_max_size=gw.config.client_max_size,
+                          middlewares=[_middleware])
+    app[GATEWAY_KEY] = gw
+    app[STARTED_KEY] = int(time.time())
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/workers", workers)
+    return app

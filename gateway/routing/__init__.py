@@ -1,0 +1,1 @@
+"""Routing: filter -> score -> pick, then the prefill decider (see base.py)."""

@@ -1,0 +1,112 @@
+"""The routing plugin interfaces and their typed registries.
+
+A route is: filters drop candidates that cannot serve; every scorer gives each
+remaining candidate a score in [0, 1]; the weighted sum goes to the picker, which
+chooses the decode worker; then the PD decider chooses whether a prefill worker
+prefills the prompt remotely. A scorer with no data scores 0 and logs: routing
+degrades, it never fails. Plugins register by name (`SCORERS.register("queue")`) and
+are chosen by a RoutingProfile (profile.py).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+
+from engine.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker as the router sees it (a snapshot from the registry)."""
+
+    worker_id: str
+    address: str
+    role: str  # prefill | decode | colocated
+    ready: bool = True
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    inflight: int = 0  # this gateway's requests on the worker now (fresher than reports)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing may look at. `block_hashes` are the prompt's full-block hashes
+    (engine.block_hash); `cached_tokens` maps worker id -> prompt tokens it already
+    holds, filled by a locality source (the Redis index, a later issue) or empty."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    block_hashes: Sequence[BlockHash] = ()
+    block_size: int = 16
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    decode: Candidate
+    prefill: Candidate | None  # None: the decode prefills locally
+    scores: dict[str, float]  # worker id -> weighted score (for logs and metrics)
+
+
+class Filter(Protocol):
+    def filter(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]: ...
+
+
+class Scorer(Protocol):
+    def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
+        """One score in [0, 1] per candidate, in order; higher is better."""
+        ...
+
+
+class Picker(Protocol):
+    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate: ...
+
+
+class PDDecider(Protocol):
+    def decide(self, req: RouteRequest, decode: Candidate,
+               prefill_candidates: list[Candidate]) -> bool:
+        """True: prefill remotely (only ever when prefill_candidates is non-empty)."""
+        ...
+
+
+T = TypeVar("T")
+
+
+class PluginRegistry(Generic[T]):
+    """Name -> factory. Filled at import time by the plugin modules; read-only after."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+
+    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        def deco(factory: Callable[..., T]) -> Callable[..., T]:
+            if name in self._factories:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._factories[name] = factory
+            return factory
+        return deco
+
+    def create(self, name: str, **kwargs: Any) -> T:
+        if name not in self._factories:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {sorted(self._factories)}")
+        return self._factories[name](**kwargs)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+
+FILTERS: PluginRegistry[Filter] = PluginRegistry("filter")
+SCORERS: PluginRegistry[Scorer] = PluginRegistry("scorer")
+PICKERS: PluginRegistry[Picker] = PluginRegistry("picker")
+DECIDERS: PluginRegistry[PDDecider] = PluginRegistry("decider")
+
+
+def make_rng(seed: int | None) -> random.Random:
+    return random.Random(seed)

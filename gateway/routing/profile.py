@@ -1,0 +1,142 @@
+"""RoutingProfile: which plugins route, with what weights (from YAML or a dict), and
+the Router that runs them.
+
+    scorers:                      # weighted sum of [0, 1] scores
+      - {name: queue, weight: 1.0}
+      - {name: kv_usage, weight: 0.5}
+    picker: power_of_two          # or max_score
+    decider: {name: threshold, threshold: 256}
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import gateway.routing.plugins  # noqa: F401  (registers the built-in plugins)
+from gateway.routing.base import (
+    DECIDERS,
+    FILTERS,
+    PICKERS,
+    SCORERS,
+    Candidate,
+    RouteDecision,
+    RouteRequest,
+)
+from gateway.routing.plugins import DECODE_ROLES
+
+log = logging.getLogger(__name__)
+
+
+class NoCandidates(LookupError):
+    """No ready worker can take the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScorerSpec:
+    name: str
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in SCORERS.names():
+            raise ValueError(f"unknown scorer {self.name!r}; known: {SCORERS.names()}")
+        if not self.weight >= 0:
+            raise ValueError(f"scorer {self.name!r}: weight must be >= 0")
+
+
+def _default_scorers() -> tuple[ScorerSpec, ...]:
+    return (ScorerSpec("queue", 1.0), ScorerSpec("kv_usage", 0.5))
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingProfile:
+    scorers: tuple[ScorerSpec, ...] = field(default_factory=_default_scorers)
+    picker: str = "power_of_two"
+    decider: str = "threshold"
+    decider_threshold: int = 256  # uncached prompt tokens above which P prefills
+    seed: int | None = None  # for the pickers' randomness (tests)
+
+    def __post_init__(self) -> None:
+        if not self.scorers:
+            raise ValueError("a routing profile needs at least one scorer")
+        if sum(s.weight for s in self.scorers) <= 0:
+            raise ValueError("scorer weights must not all be 0")
+        if self.picker not in PICKERS.names():
+            raise ValueError(f"unknown picker {self.picker!r}; known: {PICKERS.names()}")
+        if self.decider not in DECIDERS.names():
+            raise ValueError(f"unknown decider {self.decider!r}; known: {DECIDERS.names()}")
+        if self.decider_threshold < 0:
+            raise ValueError("decider threshold must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RoutingProfile:
+        unknown = set(d) - {"scorers", "picker", "decider", "seed"}
+        if unknown:
+            raise ValueError(f"unknown routing keys: {sorted(unknown)}")
+        kw: dict[str, Any] = {}
+        if "scorers" in d:
+            specs = []
+            for s in d["scorers"]:
+                s = {"name": s} if isinstance(s, str) else s
+                if not isinstance(s, dict) or set(s) - {"name", "weight"}:
+                    raise ValueError(f"a scorer is a name or {{name, weight}}, got {s!r}")
+                specs.append(ScorerSpec(str(s["name"]), float(s.get("weight", 1.0))))
+            kw["scorers"] = tuple(specs)
+        if "picker" in d:
+            kw["picker"] = str(d["picker"])
+        dec = d.get("decider")
+        if isinstance(dec, str):
+            kw["decider"] = dec
+        elif isinstance(dec, dict):
+            kw["decider"] = str(dec.get("name", "threshold"))
+            kw["decider_threshold"] = int(dec.get("threshold", 256))
+        elif dec is not None:
+            raise ValueError(f"decider must be a name or a mapping, got {dec!r}")
+        if d.get("seed") is not None:
+            kw["seed"] = int(d["seed"])
+        return cls(**kw)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> RoutingProfile:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a routing profile is a mapping")
+        return cls.from_dict(data.get("routing", data))
+
+
+class Router:
+    """Runs a profile's plugins. Stateless apart from the pickers' random streams."""
+
+    def __init__(self, profile: RoutingProfile) -> None:
+        self.profile = profile
+        self._decode_filter = FILTERS.create("ready_role", roles=DECODE_ROLES)
+        self._prefill_filter = FILTERS.create("ready_role", roles=("prefill",))
+        self._scorers = [(SCORERS.create(s.name), s.weight) for s in profile.scorers]
+        self._picker = PICKERS.create(profile.picker, seed=profile.seed)
+        self._decider = DECIDERS.create(profile.decider, threshold=profile.decider_threshold)
+
+    def _weighted(self, req: RouteRequest, cands: list[Candidate]) -> list[float]:
+        total = [0.0] * len(cands)
+        wsum = sum(w for _, w in self._scorers)
+        for scorer, weight in self._scorers:
+            for i, s in enumerate(scorer.score(req, cands)):
+                total[i] += weight * min(1.0, max(0.0, s))
+        return [t / wsum for t in total]
+
+    def route(self, req: RouteRequest, workers: list[Candidate]) -> RouteDecision:
+        """Raises NoCandidates when no ready decode/colocated worker exists."""
+        decodes = self._decode_filter.filter(req, workers)
+        if not decodes:
+            raise NoCandidates("no ready decode or colocated worker")
+        scores = self._weighted(req, decodes)
+        decode = self._picker.pick(decodes, scores)
+        prefill = None
+        prefills = self._prefill_filter.filter(req, workers)
+        if decode.role == "decode" and self._decider.decide(req, decode, prefills):
+            prefill = self._picker.pick(prefills, self._weighted(req, prefills))
+        return RouteDecision(decode, prefill,
+                             {c.worker_id: s for c, s in zip(decodes, scores, strict=True)})
