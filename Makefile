@@ -23,14 +23,14 @@ sysdeps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
 
-run: deps
-	$(BIN)/splitserve generate --prompt "The quick brown fox" --max-tokens 32
+run: deps sysdeps
+	$(BIN)/splitserve up --demo-request
 
 test: deps sysdeps
 	$(BIN)/python -m pytest -q tests
 
 lint: deps
-	$(BIN)/ruff check engine kvtransfer cluster bench tests
+	$(BIN)/ruff check engine kvtransfer cluster bench protos decode gateway tests
 	$(BIN)/mypy
 
 bench-engine: deps

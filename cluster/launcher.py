@@ -1,0 +1,218 @@
+"""LocalCluster: redis-server, workers and the gateway as child processes on one host.
+
+Ownership: the cluster owns every child it starts. Each child runs in its own process
+group (a terminal's Ctrl-C reaches only the launcher, which then stops children in
+order: gateway, workers, redis) and, on Linux, gets SIGTERM if the launcher dies, so
+no orphans are left. Children are started through their public command line
+(`python -m cluster.cli worker|gateway ...`), never imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRANSPORTS = ("ucx", "tcp", "shm")
+
+
+class ClusterError(RuntimeError):
+    """A child failed to start or become ready; the message names it and its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def prefill_available() -> bool:
+    return os.path.isfile(os.path.join(ROOT, "prefill", "cli.py"))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    model_dir: str
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 1
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    http_port: int = 0  # 0: a free port
+    grpc_port: int = 0
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker (engine knobs)
+    gateway_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 180.0
+    stop_timeout_s: float = 15.0
+    log_dir: str | None = None  # None: a fresh temporary directory
+
+    def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if self.num_decode + self.num_colocated == 0:
+            raise ValueError("need at least one decode or colocated worker")
+        if self.num_prefill and not prefill_available():
+            raise ValueError("prefill workers are not yet available in this build "
+                             "(the prefill/ service is being written); use --colocated N "
+                             "or --decode N with --prefill 0")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}")
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    grpc_address: str | None = None  # health-checked for readiness
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+        return ""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
+        self.children: list[Child] = []
+        self.redis_url = ""
+        self.http_port = spec.http_port or free_port(spec.host)
+        self.grpc_port = spec.grpc_port or free_port(spec.host)
+
+    # -- children ------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
+                                    else "")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=ROOT, preexec_fn=_die_with_parent)
+        child = Child(name, proc, log_path, grpc_address)
+        self.children.append(child)
+        return child
+
+    def _cli(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "cluster.cli", *args]
+
+    def start_redis(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise ClusterError("redis-server is not installed; run `make sysdeps` "
+                               "(apt-get install redis-server)")
+        port = free_port(self.spec.host)
+        self._spawn("redis", [exe, "--port", str(port), "--bind", self.spec.host, "--save",
+                              "", "--appendonly", "no", "--protected-mode", "no"])
+        self.redis_url = f"redis://{self.spec.host}:{port}"
+        self._wait_redis(port)
+
+    def _wait_redis(self, port: int) -> None:
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    (self.spec.host, port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+            self.check_alive()
+            time.sleep(0.05)
+        raise ClusterError(f"redis-server did not answer on port {port} within 10 s")
+
+    def start_worker(self, role: str, index: int) -> Child:
+        port = free_port(self.spec.host)
+        wid = f"{role}-{index}"
+        argv = self._cli("worker", "--role", role, "--port", str(port), "--worker-id", wid,
+                         "--metrics-port", str(free_port(self.spec.host)),
+                         "--redis", self.redis_url, "--model", self.spec.model_dir,
+                         *self.spec.worker_args)
+        child = self._spawn(wid, argv, f"{self.spec.host}:{port}")
+        child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
+        return child
+
+    def start_gateway(self) -> Child:
+        argv = self._cli("gateway", "--http-port", str(self.http_port), "--grpc-port",
+                         str(self.grpc_port), "--redis", self.redis_url, "--model",
+                         self.spec.model_dir, *self.spec.gateway_args)
+        return self._spawn("gateway", argv, f"{self.spec.host}:{self.grpc_port}")
+
+    def start(self) -> None:
+        """Starts everything and waits until all are ready; stops all on failure."""
+        try:
+            self.start_redis()
+            for role, n in (("decode", self.spec.num_decode),
+                            ("colocated", self.spec.num_colocated)):
+                for i in range(n):
+                    self.start_worker(role, i)
+            self.start_gateway()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    # -- readiness -------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is not None:
+                raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; its log "
+                                   f"({c.log_path}) ends:\n{c.log_tail()}")
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        from cluster.health import is_ready
+
+        deadline = time.monotonic() + (timeout_s or self.spec.ready_timeout_s)
+        pending = [c for c in self.children if c.grpc_address]
+        while pending:
+            self.check_alive()
+            pending = [c for c in pending if not is_ready(c.grpc_address or "")]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"not ready in time: {names} (logs in {self.log_dir})")
+            time.sleep(0.25)
+
+    # -- stopping --------------------------------------------------------------------------
+    def stop_child(self, child: Child, sig: int = signal.SIGTERM) -> int | None:
+        if child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, sig)
+            try:
+                child.proc.wait(self.spec.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait(5.0)
+        return child.proc.returncode
+
+    def stop(self) -> None:
+        """Gateway first (no new work), then workers (they drain), then redis."""
+        order = sorted(self.children, key=lambda c: (c.name != "gateway", c.name == "redis"))
+        for c in order:
+            self.stop_child(c)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,124 @@
+"""`splitserve up`: a local cluster (redis, workers, gateway) until Ctrl-C / SIGTERM.
+
+With `--demo-request` it sends one request through the HTTP endpoint and prints it
+(`make run`). Without prefill workers in this build, the default is one colocated
+worker; `--prefill N` says clearly that prefill is not available yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import urllib.request
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: embedded model)")
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers")
+    p.add_argument("--decode", type=int, default=None, help="decode workers")
+    p.add_argument("--colocated", type=int, default=None, help="colocated workers")
+    p.add_argument("--transport", choices=["ucx", "tcp", "shm"], default=None)
+    p.add_argument("--http-port", type=int, default=None, help="default 8000")
+    p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
+    p.add_argument("--config", default=None, help="YAML with the same keys as the flags, "
+                   "plus worker_args / gateway_args lists")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--demo-request", action="store_true",
+                   help="send one request through the HTTP endpoint once ready")
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    conf: dict[str, Any] = {}
+    if args.config:
+        import yaml
+
+        with open(args.config) as f:
+            conf = yaml.safe_load(f) or {}
+        if not isinstance(conf, dict):
+            raise ValueError(f"{args.config}: expected a mapping")
+    for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
+                "grpc_port", "num_blocks"):
+        if getattr(args, key) is not None:
+            conf[key] = getattr(args, key)
+    return conf
+
+
+def build_spec(args: argparse.Namespace) -> Any:
+    from cluster.launcher import ClusterSpec, prefill_available
+    from engine.cli import resolve_model
+
+    s = _settings(args)
+    disagg_default = prefill_available() and not ({"decode", "colocated"} & set(s))
+    prefill = int(s.get("prefill", 1 if disagg_default else 0))
+    decode = int(s.get("decode", 1 if disagg_default else 0))
+    colocated = int(s.get("colocated", 0 if (disagg_default or decode) else 1))
+    worker_args = [str(a) for a in s.get("worker_args", [])]
+    if s.get("num_blocks"):
+        worker_args += ["--num-blocks", str(s["num_blocks"])]
+    return ClusterSpec(
+        model_dir=resolve_model(s.get("model")), num_prefill=prefill, num_decode=decode,
+        num_colocated=colocated, transport=str(s.get("transport", "tcp")),
+        http_port=int(s.get("http_port", 8000)), grpc_port=int(s.get("grpc_port", 50051)),
+        worker_args=tuple(worker_args),
+        gateway_args=tuple(str(a) for a in s.get("gateway_args", [])))
+
+
+def demo_request(http_port: int, model: str, host: str = "127.0.0.1") -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 24,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://{host}:{http_port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from cluster.launcher import ClusterError, LocalCluster
+
+    try:
+        spec = build_spec(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cluster = LocalCluster(spec)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"starting redis, {spec.num_prefill} prefill, {spec.num_decode} decode, "
+          f"{spec.num_colocated} colocated worker(s) and the gateway (logs: {cluster.log_dir})",
+          flush=True)
+    try:
+        cluster.start()
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    model = os.path.basename(os.path.normpath(spec.model_dir))
+    base = f"http://{spec.host}:{cluster.http_port}"
+    print(f"\nsplitserve is up (model {model!r})\n  OpenAI HTTP: {base}/v1  (/v1/models, "
+          f"/v1/completions, /v1/chat/completions, /health, /metrics)\n"
+          f"  gRPC Generate: {spec.host}:{cluster.grpc_port}\n  redis: {cluster.redis_url}\n"
+          f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'\nCtrl-C stops everything.",
+          flush=True)
+    try:
+        if args.demo_request:
+            out = demo_request(cluster.http_port, model)
+            print("\ndemo request: POST /v1/completions {\"prompt\": \"The quick brown fox\", "
+                  "\"max_tokens\": 24}")
+            print(json.dumps(out, indent=2), flush=True)
+        while not stop.wait(0.5):
+            cluster.check_alive()
+    except (ClusterError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping...", flush=True)
+        cluster.stop()
+    return 0
