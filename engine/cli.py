@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, ensure_default_model
 
 
@@ -42,8 +43,7 @@ def resolve_model(model: str | None) -> str:
     return ensure_default_model()
 
 
-def engine_config_from_args(args: argparse.Namespace):  # -> EngineConfig
-    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     return EngineConfig(
         model_dir=resolve_model(args.model), dtype=args.dtype, device=args.device,

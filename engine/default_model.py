@@ -132,8 +132,15 @@ def ensure_default_model(cache_root: str | None = None) -> str:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(tmp, "tokenizer.json"))
-    cfg = llama_config(vocab, tok.token_to_id("<|begin_of_text|>"),
-                       [tok.token_to_id("<|eot_id|>"), tok.token_to_id("<|end_of_text|>")])
+
+    def tid(t: str) -> int:
+        i = tok.token_to_id(t)
+        if i is None:
+            raise RuntimeError(f"tokenizer lacks {t}")
+        return int(i)
+
+    cfg = llama_config(vocab, tid("<|begin_of_text|>"),
+                       [tid("<|eot_id|>"), tid("<|end_of_text|>")])
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     write_random_weights(tmp, cfg)

@@ -41,9 +41,11 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Returns one finished output per prompt, in order. A prompt the engine
         rejects gets finish_reason "error" with the reason; the others still run."""
+        plist: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+            plist = [prompts]  # type: ignore[list-item]
+        else:
+            plist = list(prompts)  # type: ignore[arg-type]
         if sampling is None:
             sampling = SamplingParams()
         params = [sampling] * len(plist) if isinstance(sampling, SamplingParams) \
@@ -55,7 +57,8 @@ class LLM:
         for prompt, p in zip(plist, params, strict=True):
             rid = f"offline-{next(self._ids)}"
             order.append(rid)
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) \
+                else [int(t) for t in prompt]
             try:
                 self.engine.add_request(rid, ids, replace(p))
             except RequestError as e:

@@ -133,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        freqs = positions.float().unsqueeze(1) * inv_freq.float().unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
 
