@@ -1,0 +1,89 @@
+"""Request validation at the gateway: every bad input is a 400 (404 for the model)
+with vLLM's error shape, before any routing."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.protocol import ModelContext, parse_chat, parse_completion
+from tests.factories import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def ctx() -> ModelContext:
+    return ModelContext(tiny_model_dir("llama"), "tiny", max_model_len=256)
+
+
+def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
+    inp = parse_completion({"model": "tiny", "prompt": "hello world", "max_tokens": 5,
+                            "temperature": 0, "stop": "x", "seed": 3, "top_k": -1,
+                            "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}, ctx)
+    assert inp.prompt_token_ids == ctx.tokenizer.encode("hello world")
+    p = inp.params
+    assert (p.max_tokens, p.temperature, p.stop, p.seed, p.top_k, p.ignore_eos) == \
+        (5, 0.0, ["x"], 3, None, True)
+    assert inp.stream and inp.include_usage
+
+
+def test_missing_max_tokens_takes_the_rest_of_the_context(ctx: ModelContext) -> None:
+    inp = parse_completion({"prompt": [1, 2, 3]}, ctx)
+    assert inp.params.max_tokens == 256 - 3
+
+
+def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    inp = parse_chat({"messages": msgs, "max_completion_tokens": 4}, ctx)
+    assert inp.prompt_token_ids == ctx.tokenizer.encode_chat(msgs)
+    assert inp.params.max_tokens == 4
+    parts = parse_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}]}], "max_tokens": 2}, ctx)
+    assert parts.prompt_token_ids == inp.prompt_token_ids
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": 3.0}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, None),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop"),
+    ({"prompt": "x", "seed": -1}, None),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+])
+def test_bad_completion_is_400(ctx: ModelContext, body: dict, param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as ei:
+        parse_completion(body, ctx)
+    err = ei.value.body()["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("body", [
+    [1, 2], "text", {"messages": []}, {"messages": "hi"}, {"messages": [{"content": "x"}]},
+    {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+])
+def test_bad_chat_is_400(ctx: ModelContext, body: object) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_chat(body, ctx)
+
+
+def test_unknown_model_is_404(ctx: ModelContext) -> None:
+    with pytest.raises(ModelNotFound) as ei:
+        parse_completion({"model": "other", "prompt": "x"}, ctx)
+    assert ei.value.body() == {"error": {"message": "The model `other` does not exist.",
+                                         "type": "NotFoundError", "param": "model",
+                                         "code": 404}}

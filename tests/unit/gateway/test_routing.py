@@ -1,0 +1,93 @@
+"""Routing plugins, profiles and the router: filter -> score -> pick -> decide."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from gateway.routing.base import PICKERS, SCORERS, Candidate, RouteRequest
+from gateway.routing.plugins import (
+    KVUsageScorer,
+    MaxScorePicker,
+    PowerOfTwoPicker,
+    QueueDepthScorer,
+    ReadyRoleFilter,
+    ThresholdDecider,
+)
+from gateway.routing.profile import NoCandidates, Router, RoutingProfile
+
+
+def cand(wid: str, role: str = "colocated", **kw) -> Candidate:
+    return Candidate(worker_id=wid, address=f"{wid}:1", role=role, num_blocks=100, **kw)
+
+
+REQ = RouteRequest("r", list(range(100)))
+
+
+def test_filter_keeps_ready_workers_of_the_role() -> None:
+    cs = [cand("a"), cand("b", ready=False), cand("p", role="prefill"), cand("d", "decode")]
+    assert [c.worker_id for c in ReadyRoleFilter().filter(REQ, cs)] == ["a", "d"]
+    assert [c.worker_id for c in ReadyRoleFilter(("prefill",)).filter(REQ, cs)] == ["p"]
+
+
+def test_scorers_are_in_unit_range_and_prefer_idle() -> None:
+    cs = [cand("a", num_waiting=4), cand("b", inflight=1), cand("c")]
+    q = QueueDepthScorer().score(REQ, cs)
+    assert q == [0.0, 0.75, 1.0]
+    kv = KVUsageScorer().score(REQ, [cand("a", kv_usage=0.9), cand("b", kv_usage=0.1),
+                                     Candidate("n", "n:1", "decode")])
+    assert kv[0] < kv[1] and kv[2] == 0.0 and all(0 <= s <= 1 for s in kv)
+
+
+def test_pickers() -> None:
+    cs = [cand("a"), cand("b"), cand("c")]
+    assert MaxScorePicker(seed=0).pick(cs, [0.1, 0.9, 0.5]).worker_id == "b"
+    p2c = PowerOfTwoPicker(seed=1)
+    counts = collections.Counter(p2c.pick(cs, [0.0, 0.5, 1.0]).worker_id for _ in range(300))
+    assert counts["a"] == 0  # never the worst of any pair
+    assert counts["c"] > counts["b"] > 0
+
+
+def test_threshold_decider_needs_a_prefill_worker() -> None:
+    d = ThresholdDecider(threshold=50)
+    p = [cand("p", role="prefill")]
+    assert d.decide(REQ, cand("d", "decode"), p)
+    assert not d.decide(REQ, cand("d", "decode"), [])
+    assert not d.decide(RouteRequest("r", list(range(50))), cand("d", "decode"), p)
+    cached = RouteRequest("r", list(range(100)), cached_tokens={"d": 64})
+    assert not d.decide(cached, cand("d", "decode"), p)
+
+
+def test_profile_from_dict_and_errors() -> None:
+    prof = RoutingProfile.from_dict({"scorers": [{"name": "queue", "weight": 2},
+                                                 "kv_usage"],
+                                     "picker": "max_score",
+                                     "decider": {"name": "threshold", "threshold": 10}})
+    assert [(s.name, s.weight) for s in prof.scorers] == [("queue", 2.0), ("kv_usage", 1.0)]
+    assert prof.picker == "max_score" and prof.decider_threshold == 10
+    for bad in ({"scorers": [{"name": "nope"}]}, {"picker": "nope"}, {"bogus": 1},
+                {"scorers": []}, {"scorers": [{"name": "queue", "weight": -1}]}):
+        with pytest.raises(ValueError):
+            RoutingProfile.from_dict(bad)
+    assert {"queue", "kv_usage"} <= set(SCORERS.names())
+    assert {"max_score", "power_of_two"} <= set(PICKERS.names())
+
+
+def test_profile_from_yaml(tmp_path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("routing:\n  picker: max_score\n  decider: {threshold: 7}\n")
+    prof = RoutingProfile.from_yaml(str(path))
+    assert prof.picker == "max_score" and prof.decider_threshold == 7
+
+
+def test_router_remote_prefill_only_for_decode_with_prefill_available() -> None:
+    r = Router(RoutingProfile(picker="max_score", decider_threshold=10, seed=0))
+    d = r.route(REQ, [cand("d", "decode"), cand("p", "prefill")])
+    assert d.decode.worker_id == "d" and d.prefill is not None and d.prefill.worker_id == "p"
+    assert r.route(REQ, [cand("d", "decode")]).prefill is None
+    assert r.route(REQ, [cand("c"), cand("p", "prefill")]).prefill is None  # colocated
+    busy = r.route(REQ, [cand("a", num_waiting=5), cand("b")])
+    assert busy.decode.worker_id == "b"
+    with pytest.raises(NoCandidates):
+        r.route(REQ, [cand("p", "prefill"), cand("x", ready=False)])
