@@ -98,8 +98,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # client gone or deadline: the engine aborts it
             log.info("request %s cancelled by the client after %d tokens", rid, n_out)
+            self.metrics.observe_finished("abort", n_prompt, n_out)
             raise
         finally:
             self.changed.set()

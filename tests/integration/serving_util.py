@@ -1,0 +1,68 @@
+"""Helpers for the serving tests: plain HTTP calls, worker load reports, metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+
+
+def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 60.0,
+         ) -> tuple[int, Any, dict[str, str]]:
+    """(status, parsed JSON body or raw text, headers); never raises on 4xx/5xx."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    try:
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                       **(headers or {})})
+        resp = conn.getresponse()
+        raw = resp.read()
+        hdrs = {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+    try:
+        parsed: Any = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = raw.decode(errors="replace")
+    return resp.status, parsed, hdrs
+
+
+def load_report(address: str, timeout: float = 3.0) -> pb.LoadReport:
+    with grpc.insecure_channel(address) as ch:
+        call = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(min_interval_ms=50), timeout=timeout)
+        try:
+            return next(iter(call))
+        finally:
+            call.cancel()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str, every: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def metric(port: int, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

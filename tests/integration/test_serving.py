@@ -1,0 +1,262 @@
+"""The serving path with real processes: redis-server, two colocated workers and the
+gateway (started by cluster.launcher, as `splitserve up` does), driven over HTTP (the
+OpenAI SDK, raw HTTP) and gRPC. One cluster is shared by the module; the test that
+kills a worker runs last."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import grpc
+import openai
+import pytest
+
+from cluster.launcher import ClusterSpec, LocalCluster
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+from tests.factories import tiny_model_dir
+from tests.integration.serving_util import call_http, load_report, metric, wait_for
+
+NUM_BLOCKS = 128
+WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
+               "--max-num-batched-tokens", "512", "--log-level", "INFO")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    spec = ClusterSpec(model_dir=tiny_model_dir("llama"), num_colocated=2,
+                       worker_args=WORKER_ARGS, ready_timeout_s=150,
+                       log_dir=str(tmp_path_factory.mktemp("cluster-logs")))
+    c = LocalCluster(spec)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def model(cluster) -> str:
+    return os.path.basename(os.path.normpath(cluster.spec.model_dir))
+
+
+@pytest.fixture(scope="module")
+def offline(cluster) -> LLM:
+    return LLM(cluster.spec.model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=32,
+               max_num_batched_tokens=512)
+
+
+def workers(cluster):
+    return [c for c in cluster.children if c.name.startswith("colocated")]
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1", api_key="none",
+                         timeout=60, max_retries=0)
+
+
+def test_openai_sdk_completions(cluster, model, offline) -> None:
+    c = client(cluster)
+    r = c.completions.create(model=model, prompt="The quick brown fox", max_tokens=8,
+                             temperature=0)
+    ref = offline.generate("The quick brown fox", SamplingParams(max_tokens=8, temperature=0))
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == ref[0].text
+    assert r.choices[0].finish_reason == ref[0].finish_reason
+    assert r.usage.completion_tokens == len(ref[0].token_ids)
+    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    chunks = list(c.completions.create(model=model, prompt="The quick brown fox", max_tokens=8,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_openai_sdk_chat(cluster, model, offline) -> None:
+    c = client(cluster)
+    msgs = [{"role": "user", "content": "Hello, how are you today?"}]
+    ids = offline.tokenizer.encode_chat(msgs)
+    ref = offline.generate([ids], SamplingParams(max_tokens=10, temperature=0))[0]
+    r = c.chat.completions.create(model=model, messages=msgs, max_completion_tokens=10,
+                                  temperature=0)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens is not None
+
+
+def test_cached_tokens_reported(cluster, model) -> None:
+    prompt = " ".join(["The five boxing wizards jump quickly."] * 8)
+    c = client(cluster)
+    cached = [c.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+              .usage.prompt_tokens_details.cached_tokens for _ in range(3)]
+    # Three requests over two workers: at least one repeats on a worker with the prefix.
+    assert cached[0] == 0 and max(cached) >= 16, cached
+
+
+def test_greedy_matches_offline_for_concurrent_requests(cluster, model, offline) -> None:
+    lengths = [3, 17, 40, 90, 5, 33, 64, 128, 8, 21, 50, 75, 12, 100, 16, 200]
+    prompts = [[(7 * i + 13 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    max_tokens = [4 + (i * 7) % 29 for i in range(len(prompts))]
+    ref = offline.generate(prompts, [SamplingParams(max_tokens=m, temperature=0)
+                                     for m in max_tokens])
+
+    async def grpc_all() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+            stub = pb_grpc.GenerateStub(ch)
+
+            async def one(p: list[int], m: int) -> list[int]:
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                    max_tokens=m, temperature=0.0))
+                out: list[int] = []
+                async for r in stub.Generate(req, timeout=120):
+                    out += r.token_ids
+                return out
+            return await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens)))
+
+    async def http_all() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1",
+                               api_key="none", timeout=120, max_retries=0)
+        rs = await asyncio.gather(*(c.completions.create(
+            model=model, prompt=p, max_tokens=m, temperature=0)
+            for p, m in zip(prompts, max_tokens)))
+        await c.close()
+        return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(grpc_all()) == [r.token_ids for r in ref]
+    assert asyncio.run(http_all()) == [r.text for r in ref]
+
+
+def test_grpc_generate_errors_and_usage(cluster, model) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        stub = pb_grpc.GenerateStub(ch)
+        req = pb.GenerateRequest(request_id="grpc-1", prompt="Once upon a time",
+                                 sampling=pb.SamplingParams(max_tokens=6, temperature=0))
+        outs = list(stub.Generate(req, timeout=60))
+        assert outs[-1].finish_reason in ("length", "stop") and outs[-1].request_id == "grpc-1"
+        assert outs[-1].usage.completion_tokens == sum(len(o.token_ids) for o in outs)
+        chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="hi")]),
+            sampling=pb.SamplingParams(max_tokens=3, temperature=0))
+        assert list(stub.Generate(chat, timeout=60))[-1].usage.completion_tokens >= 1
+        for bad, code in (
+                (pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(max_tokens=5000)),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=0.0)),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=1)),
+                 grpc.StatusCode.INVALID_ARGUMENT),
+                (pb.GenerateRequest(model="other", prompt="x"), grpc.StatusCode.NOT_FOUND)):
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Generate(bad, timeout=30))
+            assert ei.value.code() == code, ei.value
+
+
+def test_bad_inputs_get_their_status_and_workers_keep_serving(cluster, model) -> None:
+    port = cluster.http_port
+    cases = [
+        (b"{not json", 400), (b"[1, 2]", 400),
+        ({"model": "nope", "prompt": "x"}, 404),
+        ({"prompt": "x", "max_tokens": 100_000}, 400),
+        ({"prompt": "x", "temperature": -0.5}, 400),
+        ({"prompt": "x", "top_p": 1.5}, 400),
+        ({"prompt": "x", "n": 3}, 400),
+        ({"prompt": "x", "stop": {"a": 1}}, 400),
+        ({"prompt": [1, 10_000_000]}, 400),
+        (b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}', 400),
+    ]
+    for body, status in cases:
+        got, payload, _ = call_http(port, "POST", "/v1/completions", body)
+        assert got == status, (body if len(str(body)) < 200 else "big body", payload)
+        err = payload["error"]
+        assert err["code"] == status and err["message"] and "type" in err and "param" in err
+    got, payload, _ = call_http(port, "POST", "/v1/chat/completions", {"messages": "hi"})
+    assert got == 400 and payload["error"]["type"] == "BadRequestError"
+    got, payload, _ = call_http(port, "POST", "/v1/completions",
+                                {"model": model, "prompt": "still serving", "max_tokens": 3})
+    assert got == 200 and payload["usage"]["completion_tokens"] >= 1
+
+
+def test_request_id_is_echoed_and_reaches_the_worker(cluster, model) -> None:
+    rid = f"trace-{time.time_ns()}"
+    got, _, headers = call_http(cluster.http_port, "POST", "/v1/completions",
+                                {"prompt": "hello", "max_tokens": 2},
+                                headers={"x-request-id": rid})
+    assert got == 200 and headers["x-request-id"] == rid
+
+    def in_worker_log() -> bool:
+        return any(rid in w.log_tail(200) for w in workers(cluster))
+    wait_for(in_worker_log, 5, "the request id in a worker's log")
+
+
+def test_endpoints_health_models_metrics(cluster, model) -> None:
+    assert call_http(cluster.http_port, "GET", "/health")[0] == 200
+    got, payload, _ = call_http(cluster.http_port, "GET", "/v1/models")
+    assert got == 200 and payload["data"][0]["id"] == model
+    got, text, _ = call_http(cluster.http_port, "GET", "/metrics")
+    assert got == 200 and "splitserve:gateway_requests_total" in text
+    for w in workers(cluster):
+        port = int(w.extra["metrics_port"])
+        assert metric(port, "vllm:num_requests_running") == 0
+        assert metric(port, "vllm:prefix_cache_queries_total") >= 0
+    total = sum(metric(int(w.extra["metrics_port"]), "vllm:request_success_total")
+                for w in workers(cluster))
+    assert total > 0
+
+
+def test_client_disconnect_frees_every_block(cluster, model) -> None:
+    ports = [int(w.extra["metrics_port"]) for w in workers(cluster)]
+    aborted = sum(metric(p, "vllm:request_success_total", finished_reason="abort")
+                  for p in ports)
+    body = (b'{"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": true, '
+            b'"temperature": 0, "stream": true}')
+    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        seen = b""
+        while seen.count(b"data: ") < 4:
+            chunk = s.recv(4096)
+            assert chunk, "stream ended early"
+            seen += chunk
+    # Connection closed mid-stream: the worker must abort and free all its blocks.
+    wait_for(lambda: sum(metric(p, "vllm:request_success_total", finished_reason="abort")
+                         for p in ports) == aborted + 1, 10, "the worker to abort")
+
+    def all_free() -> bool:
+        reps = [load_report(w.grpc_address) for w in workers(cluster)]
+        return all(r.num_free_blocks == r.num_blocks == NUM_BLOCKS and r.num_active == 0
+                   and r.num_running == 0 for r in reps)
+    wait_for(all_free, 10, "free blocks back to total on every worker")
+
+
+def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> None:
+    victim = workers(cluster)[1]
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(10)
+    t0 = time.monotonic()
+
+    def gone() -> bool:
+        _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers")
+        return not any(w["worker_id"] == victim.name and w["routable"] for w in snap)
+    wait_for(gone, 5, "the killed worker to leave routing")
+    assert time.monotonic() - t0 < 5
+    for i in range(6):
+        got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
+                                    {"prompt": f"request {i}", "max_tokens": 3})
+        assert got == 200, payload
