@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 STARTED_KEY: web.AppKey[int] = web.AppKey("started", int)
-REQUEST_ID = "request_id"
+REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 
 
 def _json_error(e: APIError, rid: str) -> web.Response:

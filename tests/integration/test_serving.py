@@ -260,3 +260,33 @@ def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> No
         got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
                                     {"prompt": f"request {i}", "max_tokens": 3})
         assert got == 200, payload
+
+
+def test_workers_registered_in_redis_with_ttl(cluster, model) -> None:
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis_url, socket_timeout=2, decode_responses=True)
+    alive = workers(cluster)[0]
+    key = f"splitserve:workers:{model}:{alive.name}"
+    rec = r.hgetall(key)
+    assert rec["address"] == alive.grpc_address and rec["role"] == "colocated"
+    assert rec["model"] == model and "block_major_v1" in rec["kv_layout"]
+    assert 0 < r.pttl(key) <= 5000
+    # The killed worker's key expires by itself (TTL), so discovery forgets it.
+    wait_for(lambda: not r.exists(f"splitserve:workers:{model}:colocated-1"), 8,
+             "the killed worker's registration to expire")
+    r.close()
+
+
+def test_drained_worker_exits_0_and_gateway_answers_503(cluster, model) -> None:
+    alive = workers(cluster)[0]
+    assert cluster.stop_child(alive) == 0  # SIGTERM: drain, deregister, exit 0
+    wait_for(lambda: call_http(cluster.http_port, "GET", "/health")[0] == 503, 5,
+             "gateway health to report no worker")
+    got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
+                                {"prompt": "anyone?", "max_tokens": 2})
+    assert got == 503 and payload["error"]["code"] == 503
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pb_grpc.GenerateStub(ch).Generate(pb.GenerateRequest(prompt="x"), timeout=10))
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE

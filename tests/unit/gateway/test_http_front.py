@@ -1,0 +1,69 @@
+"""The HTTP front without workers: API keys, overload (429), no worker (503), request
+ids and unknown routes, through aiohttp's test server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
+from gateway.http_server import build_app
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ModelContext
+from gateway.registry import WorkerRegistry
+from tests.factories import tiny_model_dir
+
+
+def _gateway(**kw: Any) -> Gateway:
+    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
+                        static_workers=("127.0.0.1:1",), **kw)
+    ctx = ModelContext(cfg.model_dir, cfg.served_model_name)
+    # The registry is never started: no worker is ever routable.
+    return Gateway(cfg, ctx, WorkerRegistry(cfg), GatewayMetrics())
+
+
+async def _calls(gw: Gateway, calls: list[tuple[str, str, dict | None, dict]]) -> list[Any]:
+    out = []
+    async with TestClient(TestServer(build_app(gw))) as client:
+        for method, path, body, headers in calls:
+            resp = await client.request(method, path, json=body, headers=headers)
+            out.append((resp.status, await resp.json() if resp.content_type ==
+                        "application/json" else None, resp.headers.get("x-request-id")))
+    return out
+
+
+def test_api_key_required_on_v1_only() -> None:
+    gw = _gateway(api_keys=("sekret",))
+    res = asyncio.run(_calls(gw, [
+        ("GET", "/v1/models", None, {}),
+        ("GET", "/v1/models", None, {"Authorization": "Bearer wrong"}),
+        ("GET", "/v1/models", None, {"Authorization": "Bearer sekret"}),
+        ("GET", "/health", None, {}),
+    ]))
+    assert [r[0] for r in res] == [401, 401, 200, 503]
+    assert res[0][1]["error"]["code"] == 401
+
+
+def test_no_worker_is_503_and_overload_is_429() -> None:
+    gw = _gateway()
+    body = {"prompt": "hi", "max_tokens": 2}
+    res = asyncio.run(_calls(gw, [("POST", "/v1/completions", body, {"x-request-id": "r1"})]))
+    assert res[0][0] == 503 and res[0][1]["error"]["type"] == "ServiceUnavailableError"
+    assert res[0][2] == "r1"
+    gw.in_flight = gw.config.max_in_flight  # the limit is full
+    res = asyncio.run(_calls(gw, [("POST", "/v1/completions", body, {})]))
+    assert res[0][0] == 429 and res[0][1]["error"]["code"] == 429
+
+
+def test_validation_precedes_routing_and_unknown_routes_are_json() -> None:
+    gw = _gateway()
+    res = asyncio.run(_calls(gw, [
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, {}),
+        ("POST", "/v1/chat/completions", {"model": "x", "messages": []}, {}),
+        ("GET", "/v1/nothing", None, {}),
+    ]))
+    assert [r[0] for r in res] == [400, 404, 404]
+    assert res[2][1]["error"]["code"] == 404
