@@ -12,13 +12,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestError
+from engine.llm_engine import LLMEngine, RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
@@ -30,6 +31,12 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can run."""
 
 
+# Runs a remote prefill into the given blocks; returns the first token, or None to
+# prefill locally instead (e.g. the `recompute` policy after a failed transfer).
+# Raising ends the request with an error (the `fail` policy).
+RemotePrefill = Callable[[RemoteAlloc], Awaitable[int | None]]
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -37,21 +44,65 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     priority: int
+    remote: bool = False
+    hold_kv: bool = False
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+    error: str | None = None
 
 
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | Exception]"]
+@dataclass(slots=True)
+class _RemoteDone:
+    request_id: str
+    first_token: int | None
+
+
+@dataclass(slots=True)
+class _Release:
+    request_id: str
+
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Call(Generic[T]):
+    fn: Callable[[LLMEngine], T]
+    loop: asyncio.AbstractEventLoop
+    fut: asyncio.Future[T]
+
+    def run(self, engine: LLMEngine) -> None:
+        try:
+            result: Any = self.fn(engine)
+            self.loop.call_soon_threadsafe(_resolve, self.fut, result, None)
+        except Exception as e:
+            self.loop.call_soon_threadsafe(_resolve, self.fut, None, e)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, error: Exception | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+_Cmd = _Add | _Abort | _RemoteDone | _Release | _Call[Any]
+
+
+_Item = RequestOutput | RemoteAlloc | Exception
+_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
         self.engine = LLMEngine(config, kv_cache)
         self.tokenizer = self.engine.tokenizer
-        self._cmds: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Cmd | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stats = self.engine.stats()
@@ -62,24 +113,38 @@ class AsyncLLM:
     # -- public API ---------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, remote: RemotePrefill | None = None,
+                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields outputs until one is finished. Raises RequestError (bad request,
         before any work) or EngineDeadError. Leaving the iteration early (client gone,
-        task cancelled) aborts the request and frees its blocks."""
+        task cancelled) aborts the request, cancels its remote prefill and frees its
+        blocks.
+
+        `remote`: prefill elsewhere. The engine allocates blocks for the prompt (after
+        local prefix hits) and awaits `remote(alloc)` in this event loop; if the blocks
+        are not free now, the request simply prefills locally.
+        `hold_kv`: a producer; outputs report KV progress every step and the blocks
+        stay held after the request finishes, until `release(request_id)`.
+        """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._dead}")
         self.engine.validate(prompt_token_ids, params)
-        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        q: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
-                            priority))
+                            priority, remote=remote is not None, hold_kv=hold_kv))
         finished = False
+        task: asyncio.Task[None] | None = None
         try:
             while True:
                 item = await q.get()
+                if isinstance(item, RemoteAlloc):
+                    assert remote is not None
+                    task = asyncio.create_task(self._run_remote(remote, item))
+                    continue
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -88,12 +153,36 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            if task is not None and not task.done():
+                task.cancel()
             if not finished:
                 self.abort(request_id)
+
+    async def _run_remote(self, remote: RemotePrefill, alloc: RemoteAlloc) -> None:
+        try:
+            first = await remote(alloc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the `fail` policy: end the request with the reason
+            log.warning("remote prefill of %s failed: %s", alloc.request_id, e)
+            self._cmds.put(_Abort(alloc.request_id, error=f"remote prefill failed: {e}"))
+            return
+        self._cmds.put(_RemoteDone(alloc.request_id, first))
+
+    def release(self, request_id: str) -> None:
+        """Frees the blocks a finished `hold_kv` request kept for sending."""
+        self._cmds.put(_Release(request_id))
 
     def abort(self, request_id: str) -> None:
         """Asks the loop to end the request and free its blocks (no-op if finished)."""
         self._cmds.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between steps (for reads that must
+        be consistent, e.g. `check_integrity` in tests)."""
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._cmds.put(_Call(fn, asyncio.get_running_loop(), fut))
+        return await fut
 
     def stats(self) -> SchedulerStats:
         """The scheduler's figures as of the end of the last step."""
@@ -108,7 +197,7 @@ class AsyncLLM:
         self._thread.join(timeout)
 
     # -- the engine thread ----------------------------------------------------------
-    def _deliver(self, request_id: str, item: RequestOutput | Exception, last: bool) -> None:
+    def _deliver(self, request_id: str, item: _Item, last: bool) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None) if last \
                 else self._streams.get(request_id)
@@ -120,15 +209,30 @@ class AsyncLLM:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Cmd) -> None:
+        eng = self.engine
         if isinstance(cmd, _Abort):
-            out = self.engine.abort(cmd.request_id)
+            out = eng.abort(cmd.request_id, cmd.error)
             if out is not None:
                 self._deliver(cmd.request_id, out, last=True)
-            return
+        elif isinstance(cmd, _RemoteDone):
+            for out in eng.finish_remote(cmd.request_id, cmd.first_token):
+                self._deliver(out.request_id, out, last=out.finished)
+        elif isinstance(cmd, _Release):
+            eng.release(cmd.request_id)
+        elif isinstance(cmd, _Call):
+            cmd.run(eng)
+        else:
+            self._add(cmd)
+
+    def _add(self, cmd: _Add) -> None:
+        args = (cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt, cmd.priority)
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                    cmd.cache_salt, cmd.priority)
+            alloc = self.engine.add_remote_request(*args) if cmd.remote else None
+            if alloc is not None:
+                self._deliver(cmd.request_id, alloc, last=False)
+            else:
+                self.engine.add_request(*args, hold_kv=cmd.hold_kv)
         except RequestError as e:
             self._deliver(cmd.request_id, e, last=True)
 

@@ -27,6 +27,9 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.req_blocks
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 

@@ -28,6 +28,21 @@ class RequestError(ValueError):
     """A request the engine will not run; the message says why (HTTP 400)."""
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteAlloc:
+    """Where a remote prefill must write: the request's blocks, of which the first
+    `num_computed_tokens // block_size` already hold a local prefix hit."""
+
+    request_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    block_size: int
+
+    @property
+    def missing_block_ids(self) -> list[int]:
+        return self.block_ids[self.num_computed_tokens // self.block_size:]
+
+
 @dataclass(slots=True)
 class _Track:
     detok: IncrementalDetokenizer
@@ -74,27 +89,78 @@ class LLMEngine:
             raise RequestError(f"the request needs {cdiv(total, self.block_size)} KV blocks; "
                                f"this engine has {self.runner.num_blocks}")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, cache_salt: str | None = None,
-                    priority: int = 0) -> Request:
-        if request_id in self.scheduler.requests:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, cache_salt: str | None, priority: int,
+                     hold_kv: bool = False) -> Request:
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
-        req = Request(request_id, list(prompt_token_ids), params,
-                      extra_key=make_extra_key(self.model_id, cache_salt),
-                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                      priority=priority)
-        self._tracks[request_id] = _Track(IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids[-6:], params.stop, params.skip_special_tokens))
+        return Request(request_id, list(prompt_token_ids), params,
+                       extra_key=make_extra_key(self.model_id, cache_salt),
+                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                       priority=priority, hold_kv=hold_kv)
+
+    def _track(self, req: Request) -> None:
+        p = req.sampling_params
+        self._tracks[req.request_id] = _Track(IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids[-6:], p.stop, p.skip_special_tokens))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, cache_salt: str | None = None,
+                    priority: int = 0, hold_kv: bool = False) -> Request:
+        """Queues a request. With `hold_kv` (a prefill producer) its blocks outlive it
+        until `release`, and every step reports its KV progress."""
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
+                                hold_kv)
+        self._track(req)
         self.scheduler.add_request(req)
         return req
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Ends the request and frees its blocks; returns its final output or None."""
-        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+    # -- remote prefill (decode side) -------------------------------------------------
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
+                           params: SamplingParams, cache_salt: str | None = None,
+                           priority: int = 0) -> RemoteAlloc | None:
+        """Allocates blocks for the whole prompt and parks the request until its KV
+        arrives from a prefill node (then call `finish_remote`). Returns where the KV
+        must land, or None when the blocks are not free now (nothing was queued)."""
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority)
+        if not self.scheduler.allocate_remote(req):
+            return None
+        self._track(req)
+        return RemoteAlloc(request_id, self.kv.block_ids(request_id),
+                           req.num_computed_tokens, self.block_size)
+
+    def finish_remote(self, request_id: str, first_token: int | None) -> list[RequestOutput]:
+        """The remote prefill is over: with `first_token` the prompt's KV is in place;
+        with None it is computed locally instead. Returns outputs to deliver (the first
+        token's, final if that token already ends the request)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return []  # aborted meanwhile
+        self.scheduler.remote_kv_ready(req, first_token)
+        if first_token is None:
+            return []
+        req.first_token_time = time.monotonic()
+        status = self._check_stop(req)
+        if status is not None:
+            self.scheduler.finish(request_id, status)
+            return [self._finish_output(req)]
+        return [self._output(req, final=False)]
+
+    def release(self, request_id: str) -> bool:
+        """Frees the blocks a finished producer held for sending."""
+        return self.scheduler.release(request_id)
+
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """Ends the request (as "error" when `error` is given) and frees its blocks;
+        returns its final output, or None if the request is unknown or finished."""
+        status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        req = self.scheduler.finish(request_id, status)
         if req is None:
             return None
-        return self._finish_output(req)
+        out = self._finish_output(req)
+        out.error = error
+        return out
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -107,7 +173,8 @@ class LLMEngine:
         sampled = self.runner.execute(out, self.kv)
         now = time.monotonic()
         outputs = []
-        for req in self.scheduler.update_from_output(out, sampled):
+        got_token = self.scheduler.update_from_output(out, sampled)
+        for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req)
@@ -116,6 +183,9 @@ class LLMEngine:
                 outputs.append(self._finish_output(req))
             else:
                 outputs.append(self._output(req, final=False))
+        for s in out.scheduled:  # producers report KV progress of chunks too
+            if s.request.hold_kv and s.request not in got_token:
+                outputs.append(self._output(s.request, final=False))
         return outputs
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
@@ -142,7 +212,9 @@ class LLMEngine:
             finished=final, finish_reason=req.status.value if final else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None)
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            num_computed_tokens=req.num_computed_tokens,
+            block_ids=self.kv.block_ids(req.request_id) if req.hold_kv else None)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         out = self._output(req, final=True)

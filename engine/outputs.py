@@ -27,3 +27,7 @@ class RequestOutput:
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for
+    # Producers (prefill for a remote decode) only: KV progress, so the KV of finished
+    # blocks can be sent while later chunks compute.
+    num_computed_tokens: int = 0
+    block_ids: list[int] | None = None

@@ -49,6 +49,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token
     first_token_time: float | None = None
+    # A prefill producer keeps its blocks after finishing until the KV has been sent.
+    hold_kv: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.block_pool import KVBlock
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
@@ -52,6 +53,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}  # finished producers whose KV is being sent
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -95,7 +97,11 @@ class Scheduler:
                 break
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
-            blocks, num_hit = self.kv.get_computed_blocks(req)
+            blocks: list[KVBlock] = []
+            if self.kv.holds(req.request_id):  # its KV arrived (or was hit) remotely
+                num_hit = req.num_computed_tokens
+            else:
+                blocks, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -112,6 +118,44 @@ class Scheduler:
             budget -= n
         for req in admitted:
             self.waiting.remove(req)
+
+    # -- remote prefill (decode side) -------------------------------------------------
+    def allocate_remote(self, req: Request) -> bool:
+        """Takes local prefix hits and allocates blocks for the rest of the prompt, then
+        parks the request in WAITING_FOR_REMOTE_KV while another node fills them.
+
+        Returns False (nothing changed) when the blocks are not free now.
+        """
+        blocks, num_hit = self.kv.get_computed_blocks(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - num_hit, blocks):
+            return False
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return True
+
+    def remote_kv_ready(self, req: Request, first_token: int | None) -> None:
+        """Makes a parked request runnable. With `first_token`, the whole prompt's KV
+        has landed in its blocks and the token came from the remote sampler; with None
+        the remote prefill did not happen and the rest of the prompt is computed here
+        (blocks past the local hit are simply overwritten)."""
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise RuntimeError(f"request {req.request_id} is not waiting for remote KV")
+        if first_token is not None:
+            req.num_computed_tokens = req.num_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            req.append_token(first_token)
+        req.status = RequestStatus.WAITING
+
+    def release(self, request_id: str) -> bool:
+        """Frees a finished producer's held blocks. False if none are held."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         # Least progressed loses the least work; under the priority policy the lowest
@@ -158,7 +202,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if req.hold_kv and status != RequestStatus.FINISHED_ABORTED:
+            self.held[request_id] = req
+        else:
+            self.kv.free(req)
         req.status = status
         return req
 
