@@ -99,7 +99,7 @@ class LocalCluster:
         self.grpc_port = spec.grpc_port or free_port(spec.host)
 
     # -- children ------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
+    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
@@ -112,7 +112,7 @@ class LocalCluster:
         self.children.append(child)
         return child
 
-    def _cli(self, *args: str) -> list[str]:
+    def cli_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "cluster.cli", *args]
 
     def start_redis(self) -> None:
@@ -121,7 +121,7 @@ class LocalCluster:
             raise ClusterError("redis-server is not installed; run `make sysdeps` "
                                "(apt-get install redis-server)")
         port = free_port(self.spec.host)
-        self._spawn("redis", [exe, "--port", str(port), "--bind", self.spec.host, "--save",
+        self.spawn("redis", [exe, "--port", str(port), "--bind", self.spec.host, "--save",
                               "", "--appendonly", "no", "--protected-mode", "no"])
         self.redis_url = f"redis://{self.spec.host}:{port}"
         self._wait_redis(port)
@@ -141,19 +141,19 @@ class LocalCluster:
     def start_worker(self, role: str, index: int) -> Child:
         port = free_port(self.spec.host)
         wid = f"{role}-{index}"
-        argv = self._cli("worker", "--role", role, "--port", str(port), "--worker-id", wid,
+        argv = self.cli_argv("worker", "--role", role, "--port", str(port), "--worker-id", wid,
                          "--metrics-port", str(free_port(self.spec.host)),
                          "--redis", self.redis_url, "--model", self.spec.model_dir,
                          *self.spec.worker_args)
-        child = self._spawn(wid, argv, f"{self.spec.host}:{port}")
+        child = self.spawn(wid, argv, f"{self.spec.host}:{port}")
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child
 
     def start_gateway(self) -> Child:
-        argv = self._cli("gateway", "--http-port", str(self.http_port), "--grpc-port",
+        argv = self.cli_argv("gateway", "--http-port", str(self.http_port), "--grpc-port",
                          str(self.grpc_port), "--redis", self.redis_url, "--model",
                          self.spec.model_dir, *self.spec.gateway_args)
-        return self._spawn("gateway", argv, f"{self.spec.host}:{self.grpc_port}")
+        return self.spawn("gateway", argv, f"{self.spec.host}:{self.grpc_port}")
 
     def start(self) -> None:
         """Starts everything and waits until all are ready; stops all on failure."""

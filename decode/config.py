@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("decode", "colocated")
+ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """How a worker serves. `role` "colocated" always prefills locally; "decode" may
-    take a prefill peer from the gateway (remote prefill; see WorkerService._run)."""
+    take a prefill peer from the gateway (remote prefill; see WorkerService._run);
+    "prefill" serves only Info/Load (+ health, metrics, registration) here, its
+    `Prefill` service being added through `decode.server.serve(add_services=...)`."""
 
     role: str
     worker_id: str

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import grpc
@@ -45,8 +46,17 @@ def kv_layout_string(engine_config: EngineConfig) -> str:
                     dtype=engine_config.dtype or m.dtype).to_json()
 
 
-async def serve(config: WorkerConfig, engine_config: EngineConfig) -> int:
-    """Serves until SIGTERM/SIGINT; returns the exit code (0 after a clean drain)."""
+AddServices = Callable[[grpc.aio.Server, WorkerService], None]
+
+
+async def serve(config: WorkerConfig, engine_config: EngineConfig,
+                add_services: AddServices | None = None) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
+
+    `add_services(server, service)` adds more servicers before the server starts (the
+    prefill worker adds `Prefill`); they find the engine at `service.llm` once loaded
+    (None before: answer UNAVAILABLE) and should refuse new work while
+    `service.draining`."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -63,6 +73,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig) -> int:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    if add_services is not None:
+        add_services(server, service)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await health.set("liveness", SERVING)
     await health.set("readiness", NOT_SERVING)

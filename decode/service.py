@@ -63,6 +63,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[
                            pb.WorkerGenerateResponse]:
         llm = self.llm
+        if self.config.role == "prefill":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "a prefill worker serves splitserve.v1.Prefill, not Generate")
+            return
         if llm is None or self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "worker is draining" if self.draining else "model not loaded")

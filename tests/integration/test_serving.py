@@ -245,6 +245,41 @@ def test_client_disconnect_frees_every_block(cluster, model) -> None:
     wait_for(all_free, 10, "free blocks back to total on every worker")
 
 
+def test_gateway_with_a_static_worker_list(cluster, model) -> None:
+    from cluster.launcher import free_port
+
+    port = free_port()
+    addrs = ",".join(w.grpc_address or "" for w in workers(cluster))
+    cluster.spawn("gateway-static", cluster.cli_argv(
+        "gateway", "--http-port", str(port), "--workers", addrs,
+        "--model", cluster.spec.model_dir))
+    wait_for(lambda: _health(port) == 200, 60, "the static-list gateway to be ready", 0.25)
+    got, payload, _ = call_http(port, "POST", "/v1/completions",
+                                {"prompt": "static", "max_tokens": 3})
+    assert got == 200 and payload["usage"]["completion_tokens"] >= 1
+
+
+def _health(port: int) -> int:
+    try:
+        return call_http(port, "GET", "/health", timeout=2)[0]
+    except OSError:
+        return 0
+
+
+def test_workers_registered_in_redis_with_ttl(cluster, model) -> None:
+    import redis
+
+    r = redis.Redis.from_url(cluster.redis_url, socket_timeout=2, decode_responses=True)
+    alive = workers(cluster)[0]
+    key = f"splitserve:workers:{model}:{alive.name}"
+    rec = r.hgetall(key)
+    assert rec["address"] == alive.grpc_address and rec["role"] == "colocated"
+    assert rec["model"] == model and "block_major_v1" in rec["kv_layout"]
+    assert 0 < r.pttl(key) <= 5000
+    assert r.exists(f"splitserve:workers:{model}:colocated-1")
+    r.close()
+
+
 def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> None:
     victim = workers(cluster)[1]
     os.killpg(victim.proc.pid, signal.SIGKILL)
@@ -260,22 +295,23 @@ def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> No
         got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
                                     {"prompt": f"request {i}", "max_tokens": 3})
         assert got == 200, payload
-
-
-def test_workers_registered_in_redis_with_ttl(cluster, model) -> None:
+    # Its registration expires by itself (heartbeat TTL), so discovery forgets it.
     import redis
 
-    r = redis.Redis.from_url(cluster.redis_url, socket_timeout=2, decode_responses=True)
-    alive = workers(cluster)[0]
-    key = f"splitserve:workers:{model}:{alive.name}"
-    rec = r.hgetall(key)
-    assert rec["address"] == alive.grpc_address and rec["role"] == "colocated"
-    assert rec["model"] == model and "block_major_v1" in rec["kv_layout"]
-    assert 0 < r.pttl(key) <= 5000
-    # The killed worker's key expires by itself (TTL), so discovery forgets it.
-    wait_for(lambda: not r.exists(f"splitserve:workers:{model}:colocated-1"), 8,
+    r = redis.Redis.from_url(cluster.redis_url, socket_timeout=2)
+    wait_for(lambda: not r.exists(f"splitserve:workers:{model}:{victim.name}"), 8,
              "the killed worker's registration to expire")
     r.close()
+
+
+def test_gateway_keeps_known_workers_when_redis_goes_away(cluster, model) -> None:
+    redis_child = next(c for c in cluster.children if c.name == "redis")
+    cluster.stop_child(redis_child)
+    time.sleep(2.5)  # a few discovery rounds against a dead Redis
+    for i in range(3):
+        got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
+                                    {"prompt": f"no redis {i}", "max_tokens": 3})
+        assert got == 200, payload
 
 
 def test_drained_worker_exits_0_and_gateway_answers_503(cluster, model) -> None:
