@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -114,7 +114,7 @@ class AsyncLLM:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
                        priority: int = 0, remote: RemotePrefill | None = None,
-                       hold_kv: bool = False) -> AsyncIterator[RequestOutput]:
+                       hold_kv: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Yields outputs until one is finished. Raises RequestError (bad request,
         before any work) or EngineDeadError. Leaving the iteration early (client gone,
         task cancelled) aborts the request, cancels its remote prefill and frees its

@@ -140,6 +140,8 @@ class LLMEngine:
         self.scheduler.remote_kv_ready(req, first_token)
         if first_token is None:
             return []
+        self.runner.sampler.skip(request_id, req.sampling_params,
+                                 self.model_config.vocab_size)
         req.first_token_time = time.monotonic()
         status = self._check_stop(req)
         if status is not None:

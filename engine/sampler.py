@@ -21,6 +21,14 @@ class Sampler:
         self._default.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
+    def skip(self, request_id: str, params: SamplingParams, vocab_size: int) -> None:
+        """Advances a seeded request's generator past one draw made elsewhere (the
+        first token sampled by a remote prefill), so the rest of its stream is the
+        one a single node would have produced."""
+        if params.seed is not None and not params.greedy:
+            torch.empty(vocab_size, device=self.device).exponential_(
+                generator=self._generator(request_id, params))
+
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 

@@ -1,0 +1,176 @@
+"""`splitserve.v1.Prefill` on a worker's AsyncLLM (the producer side of disaggregation).
+
+For one call: run the prompt through the engine as a producer (`hold_kv`, max_tokens 1)
+so each chunked-prefill step reports which blocks are complete; a single writer task
+per call pushes those blocks to the decode's destination blocks over kvtransfer while
+the engine computes the next chunk; at the end the last (partial) block goes too, the
+receiver's verdict is awaited, the held blocks are released and the first token is
+returned. A cancelled call cancels its writes, fences the transfer on the receiver and
+frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+
+from decode.service import WorkerService, request_id_from
+from engine.async_llm import AsyncLLM
+from engine.llm_engine import RequestError
+from engine.outputs import RequestOutput
+from kvtransfer.base import KVSender
+from kvtransfer.config import TransferConfig
+from kvtransfer.errors import KVTransferError
+from kvtransfer.layout import KVLayout, whole_blocks
+from kvtransfer.registry import make_sender
+from kvtransfer.sender import Peer
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+from protos.convert import sampling_from_proto
+
+log = logging.getLogger(__name__)
+
+_Batch = tuple[list[int], list[int]]  # (source blocks here, destination blocks there)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PrefillService(pb_grpc.PrefillServicer):
+    def __init__(self, worker: WorkerService, transfer: TransferConfig) -> None:
+        self.worker = worker
+        self.transfer = transfer
+        self._sender: KVSender | None = None
+        self._peers: dict[str, Peer] = {}
+        self._connect_lock = asyncio.Lock()
+
+    def _kv_sender(self, llm: AsyncLLM) -> KVSender:
+        if self._sender is None:
+            sender = make_sender(self.transfer)
+            sender.register(llm.engine.runner.kv_cache, KVLayout.from_json(self.worker.kv_layout))
+            self._sender = sender
+        return self._sender
+
+    async def _peer(self, sender: KVSender, address: str) -> Peer:
+        """A connected, handshaken peer for `address` (reconnects if it died)."""
+        async with self._connect_lock:
+            peer = self._peers.get(address)
+            if peer is None or not peer.alive:
+                if peer is not None:
+                    await sender.disconnect(peer)
+                peer = await sender.connect(address)
+                self._peers[address] = peer
+            return peer
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            await self._sender.close()
+
+    async def Prefill(self, request: pb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        llm = self.worker.llm
+        if llm is None or self.worker.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker not ready")
+            raise AssertionError("unreachable")
+        rid = request.request_id or request_id_from(context, "")
+        error = self._check(request, llm)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        t0 = time.monotonic()
+        sender = self._kv_sender(llm)
+        try:
+            peer = await self._peer(sender, request.dest.transport_address)
+            resp = await self._prefill(llm, sender, peer, rid, request, context)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except KVTransferError as e:
+            log.warning("request %s: KV transfer to %s failed: %s", rid,
+                        request.dest.worker_id, e)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+        log.info("request %s prefilled in %.3fs: %d blocks to %s", rid, time.monotonic() - t0,
+                 resp.num_blocks_written, request.dest.worker_id)
+        return resp
+
+    @staticmethod
+    def _check(request: pb.PrefillRequest, llm: AsyncLLM) -> str:
+        bs = llm.engine.block_size
+        n = len(request.token_ids)
+        d = request.dest
+        if not d.transport_address:
+            return "dest.transport_address is required"
+        if len(d.block_ids) != cdiv(n, bs):
+            return f"dest holds {len(d.block_ids)} blocks; a {n}-token prompt needs {cdiv(n, bs)}"
+        if d.num_computed_tokens % bs or d.num_computed_tokens >= max(n, 1):
+            return "dest.num_computed_tokens must be block aligned and below the prompt length"
+        return ""
+
+    async def _prefill(self, llm: AsyncLLM, sender: KVSender, peer: Peer, rid: str,
+                       request: pb.PrefillRequest,
+                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        dest, bs = request.dest, llm.engine.block_size
+        gen = int(dest.generation)
+        # The first token is sampled here; stop conditions are the decode's business.
+        params = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=[],
+                         stop_token_ids=[], logprobs=None)
+        queue: asyncio.Queue[_Batch | None] = asyncio.Queue()
+        writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue))
+        pid = f"prefill-{rid}"
+        sent = dest.num_computed_tokens // bs
+        final: RequestOutput | None = None
+        t_first_write: float | None = None
+        t0 = time.monotonic()
+        try:
+            async with contextlib.aclosing(llm.generate(
+                    pid, list(request.token_ids), params, hold_kv=True,
+                    cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+            )) as outs:
+                async for out in outs:
+                    assert out.block_ids is not None  # producers report their blocks
+                    # Full blocks are final once computed; the last one only at the end.
+                    done = cdiv(out.num_computed_tokens, bs) if out.finished \
+                        else out.num_computed_tokens // bs
+                    if done > sent:
+                        t_first_write = t_first_write or time.monotonic()
+                        queue.put_nowait((out.block_ids[sent:done], list(dest.block_ids[sent:done])))
+                        sent = done
+                    final = out if out.finished else None
+            t_compute = time.monotonic()
+            if final is None or final.finish_reason == "error" or not final.token_ids:
+                raise RequestError(f"prefill did not produce a token: "
+                                   f"{final.error if final else 'aborted'}")
+            queue.put_nowait(None)
+            await writer  # raises the transfer's first error
+            remaining = context.time_remaining()
+            await sender.finish(peer, rid, gen, timeout_s=remaining if remaining else None)
+        except BaseException:
+            writer.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sender.cancel(peer, rid, gen, "prefill aborted"))
+            raise
+        finally:
+            llm.release(pid)  # no-op when the request was aborted (its blocks are freed)
+        t_end = time.monotonic()
+        n_written = sent - dest.num_computed_tokens // bs
+        return pb.PrefillResponse(
+            request_id=rid, first_token=final.token_ids[0],
+            num_cached_tokens=final.num_cached_tokens, num_blocks_written=n_written,
+            timings=pb.PrefillTimings(
+                queue_s=0.0, compute_s=t_compute - t0,
+                transfer_s=t_end - (t_first_write or t_end),
+                bytes_sent=n_written * KVLayout.from_json(self.worker.kv_layout).block_bytes))
+
+    @staticmethod
+    async def _write_loop(sender: KVSender, peer: Peer, rid: str, gen: int,
+                          queue: asyncio.Queue[_Batch | None]) -> None:
+        """Writes batches in order, one at a time, until None."""
+        while (batch := await queue.get()) is not None:
+            src, dst = batch
+            await sender.write(peer, whole_blocks(src), whole_blocks(dst), rid, gen)
