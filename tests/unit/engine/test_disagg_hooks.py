@@ -121,3 +121,34 @@ def test_remote_failure_policies(outcome):
             d.shutdown()
 
     asyncio.run(main())
+
+
+def test_seeded_sampling_through_remote_prefill_equals_one_node():
+    prompt = list(range(50, 75))
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    ref = LLM(tiny_model_dir("llama"), dtype="float32", block_size=BS).generate(
+        [prompt], params)[0].token_ids
+
+    async def main():
+        p, d = make_async(), make_async()
+        try:
+            async def remote(alloc):
+                # The producer samples the first token with the same seed.
+                first = None
+                async for out in p.generate("p", prompt, SamplingParams(
+                        max_tokens=1, temperature=1.0, seed=7), hold_kv=True):
+                    if out.finished:
+                        for i, b in enumerate(out.block_ids):
+                            d.engine.runner.kv_cache[alloc.block_ids[i]].copy_(
+                                p.engine.runner.kv_cache[b])
+                        first = out.token_ids[0]
+                p.release("p")
+                return first
+
+            outs = [o async for o in d.generate("r", prompt, params, remote=remote)]
+            assert outs[-1].token_ids == ref
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+    asyncio.run(main())
