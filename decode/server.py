@@ -101,6 +101,9 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
             await beat
     if registrar is not None:
         await registrar.remove()
+    service.stopping = True
+    service.changed.set()
+    await asyncio.sleep(0.1)  # let Load streams return before the server cancels them
     await health.enter_graceful_shutdown()
     await server.stop(grace=1.0)
     if http is not None:

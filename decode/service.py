@@ -52,6 +52,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.kv_layout = kv_layout
         self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
         self.draining = False
+        self.stopping = False  # set just before the server stops: Load streams end
         self.changed = asyncio.Event()  # poked on request start/end: load reports follow
 
     def attach(self, llm: AsyncLLM) -> None:
@@ -77,37 +78,47 @@ class WorkerService(pb_grpc.WorkerServicer):
         n_prompt = len(request.prompt_token_ids)
         start = last = time.monotonic()
         n_out = 0
+        ended = False  # finished, rejected or failed: anything else is a client abort
         self.changed.set()
         try:
             async with contextlib.aclosing(self._run(request, params, peer)) as outs:
                 async for out in outs:
                     now = time.monotonic()
                     if out.new_token_ids:
-                        if n_out == 0:
-                            self.metrics.ttft.labels(self.metrics.model).observe(now - start)
-                        else:
-                            per = (now - last) / len(out.new_token_ids)
-                            for _ in out.new_token_ids:
-                                self.metrics.itl.labels(self.metrics.model).observe(per)
+                        self._observe_tokens(start, last, now, n_out, len(out.new_token_ids))
                         last = now
                     n_out = len(out.token_ids)
                     if out.finished:
+                        ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
                                                       n_out)
                         log.info("request %s finished: %s, %d prompt + %d output tokens",
                                  rid, out.finish_reason, n_prompt, n_out)
                     yield self._response(rid, out, n_prompt)
         except RequestError as e:
+            ended = True
             log.info("request %s rejected: %s", rid, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
+            ended = True
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except asyncio.CancelledError:  # client gone or deadline: the engine aborts it
-            log.info("request %s cancelled by the client after %d tokens", rid, n_out)
-            self.metrics.observe_finished("abort", n_prompt, n_out)
-            raise
         finally:
+            # Client cancel or deadline. gRPC either cancels this task or stops
+            # iterating and closes the generator; either way the engine stream was
+            # closed above (request aborted, blocks freed).
+            if not ended:
+                log.info("request %s cancelled by the client after %d tokens", rid, n_out)
+                self.metrics.observe_finished("abort", n_prompt, n_out)
             self.changed.set()
+
+    def _observe_tokens(self, start: float, last: float, now: float, n_before: int,
+                        n_new: int) -> None:
+        model = self.metrics.model
+        if n_before == 0:
+            self.metrics.ttft.labels(model).observe(now - start)
+            n_new -= 1
+        for _ in range(n_new):  # tokens that arrived together share the interval
+            self.metrics.itl.labels(model).observe((now - last) / n_new)
 
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
              prefill_peer: pb.PrefillPeer | None) -> AsyncGenerator[RequestOutput, None]:
@@ -162,6 +173,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             if key != last_key or now - last_sent >= self.config.load_keepalive_s:
                 yield rep
                 last_key, last_sent = key, now
+            if self.stopping:
+                return
             self.changed.clear()
             # Wake on a request start/end or after the interval; the engine's own
             # progress (blocks freed as decoding ends) shows up on the next tick.

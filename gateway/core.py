@@ -9,9 +9,10 @@ request is retried on another (up to `max_route_attempts`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -88,9 +89,13 @@ class Gateway:
                 decision = self._route(inp, request_id)
                 sent = False
                 try:
-                    async for resp in self._call(inp, request_id, decision, deadline):
-                        sent = True
-                        yield resp
+                    # aclosing: when our caller stops early, the worker call is cancelled
+                    # now, not whenever the garbage collector finalizes the generator.
+                    async with contextlib.aclosing(
+                            self._call(inp, request_id, decision, deadline)) as responses:
+                        async for resp in responses:
+                            sent = True
+                            yield resp
                     return
                 except grpc.aio.AioRpcError as e:
                     if sent or e.code() != grpc.StatusCode.UNAVAILABLE \
@@ -103,7 +108,7 @@ class Gateway:
             self.in_flight -= 1
 
     async def _call(self, inp: GenerateInput, request_id: str, decision: RouteDecision,
-                    deadline: float) -> AsyncIterator[pb.WorkerGenerateResponse]:
+                    deadline: float) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
         entry = self.registry.entry(decision.decode.address)
         if entry is None:
             raise NoWorkerAvailable("the chosen worker left the registry")
@@ -118,11 +123,16 @@ class Gateway:
                                    timeout=remaining,
                                    metadata=(("x-request-id", request_id),))
         entry.inflight += 1
+        done = False
         try:
             async for resp in call:
+                done = bool(resp.finish_reason)
                 yield resp
         finally:
             entry.inflight -= 1
+            if not done:
+                log.info("request %s: caller left before the end; cancelling the worker call",
+                         request_id)
             call.cancel()  # no-op when finished; frees the worker's blocks otherwise
 
 

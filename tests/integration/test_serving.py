@@ -235,14 +235,34 @@ def test_client_disconnect_frees_every_block(cluster, model) -> None:
             assert chunk, "stream ended early"
             seen += chunk
     # Connection closed mid-stream: the worker must abort and free all its blocks.
-    wait_for(lambda: sum(metric(p, "vllm:request_success_total", finished_reason="abort")
-                         for p in ports) == aborted + 1, 10, "the worker to abort")
+    def aborts() -> float:
+        return sum(metric(p, "vllm:request_success_total", finished_reason="abort")
+                   for p in ports)
+    try:
+        wait_for(lambda: aborts() >= aborted + 1, 10, "the worker to abort")
+    except AssertionError as e:
+        logs = "\n".join(c.log_tail(15) for c in cluster.children if c.name != "redis")
+        raise AssertionError(f"{e}: aborts {aborted} -> {aborts()}\n{logs}") from None
 
     def all_free() -> bool:
         reps = [load_report(w.grpc_address) for w in workers(cluster)]
         return all(r.num_free_blocks == r.num_blocks == NUM_BLOCKS and r.num_active == 0
                    and r.num_running == 0 for r in reps)
     wait_for(all_free, 10, "free blocks back to total on every worker")
+
+
+def test_grpc_deadline_cancels_the_worker_request(cluster, model) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        req = pb.GenerateRequest(prompt="tick tock", sampling=pb.SamplingParams(
+            max_tokens=1000, ignore_eos=True, temperature=0.0))
+        with pytest.raises(grpc.RpcError) as ei:
+            list(pb_grpc.GenerateStub(ch).Generate(req, timeout=0.3))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def all_free() -> bool:
+        reps = [load_report(w.grpc_address) for w in workers(cluster)]
+        return all(r.num_free_blocks == r.num_blocks and r.num_active == 0 for r in reps)
+    wait_for(all_free, 10, "the deadline-cancelled request's blocks to be freed")
 
 
 def test_gateway_with_a_static_worker_list(cluster, model) -> None:

@@ -1,0 +1,70 @@
+"""`splitserve up` as a user runs it: starts everything, answers the demo request,
+stops cleanly on Ctrl-C (exit 0, every port closed: no orphans)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from cluster.launcher import ROOT, free_port
+from tests.factories import tiny_model_dir
+
+
+def _refused(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return False
+    except OSError:
+        return True
+
+
+def _run_up(*args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
+    http, grpc_port = free_port(), free_port()
+    proc = _run_up("--model", tiny_model_dir("llama"), "--colocated", "1", "--num-blocks",
+                   "64", "--http-port", str(http), "--grpc-port", str(grpc_port),
+                   "--demo-request")
+    out = ""
+    try:
+        deadline = time.monotonic() + 150
+        assert proc.stdout is not None
+        while '"completion_tokens"' not in out:
+            assert time.monotonic() < deadline, out
+            line = proc.stdout.readline()
+            assert line, f"splitserve up exited early:\n{out}"
+            out += line
+        assert f"http://127.0.0.1:{http}/v1" in out and f"127.0.0.1:{grpc_port}" in out
+        logs = re.search(r"logs: (\S+)\)", out)
+        assert logs, out
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    worker_log = open(os.path.join(logs.group(1), "colocated-0.log")).read()
+    worker_port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", worker_log).group(1))
+    redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", out).group(1))
+    for port in (http, grpc_port, worker_port, redis_port):
+        assert _refused(port), f"port {port} still open after Ctrl-C"
+    assert "stopped" in worker_log  # the worker drained and exited on its own
+
+
+def test_up_with_prefill_says_not_available_yet() -> None:
+    if os.path.isfile(os.path.join(ROOT, "prefill", "cli.py")):
+        return  # the prefill service exists: covered by the disaggregated tests
+    proc = _run_up("--model", tiny_model_dir("llama"), "--prefill", "1", "--decode", "1")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "not yet available" in out
