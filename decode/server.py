@@ -121,7 +121,7 @@ def _registrar(config: WorkerConfig, model: str, address: str,
     eng = service.llm.engine
     fields = {"worker_id": config.worker_id, "address": address, "role": config.role,
               "model": model, "kv_layout": service.kv_layout,
-              "transport_address": config.transport_address,
+              "transport_address": service.transport_address,
               "block_size": str(eng.block_size), "max_model_len": str(eng.max_model_len),
               "started": f"{time.time():.3f}"}
     return RedisRegistrar(config.redis_url, model, config.worker_id, fields,

@@ -53,6 +53,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
         self.draining = False
         self.stopping = False  # set just before the server stops: Load streams end
+        # Where prefill peers write KV; the remote-prefill path may set it once its
+        # receiver listens (before readiness), Info and the registration report it.
+        self.transport_address = config.transport_address
         self.changed = asyncio.Event()  # poked on request start/end: load reports follow
 
     def attach(self, llm: AsyncLLM) -> None:
@@ -193,5 +196,5 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.InfoResponse(
             worker_id=self.config.worker_id, model_id=eng.model_id, role=self.config.role,
             max_model_len=eng.max_model_len, block_size=eng.block_size,
-            kv_layout=self.kv_layout, transport_address=self.config.transport_address,
+            kv_layout=self.kv_layout, transport_address=self.transport_address,
             num_blocks=llm.stats().num_blocks, vocab_size=eng.model_config.vocab_size)

@@ -20,7 +20,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from tests.factories import tiny_model_dir
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
 from tests.integration.serving_util import call_http, load_report, metric, wait_for
 
 NUM_BLOCKS = 128
@@ -140,6 +140,11 @@ def test_greedy_matches_offline_for_concurrent_requests(cluster, model, offline)
 
     assert asyncio.run(grpc_all()) == [r.token_ids for r in ref]
     assert asyncio.run(http_all()) == [r.text for r in ref]
+    # And the offline engine is transformers' greedy generate (spot check 4 prompts).
+    hf = hf_model(cluster.spec.model_dir)
+    eos = offline.engine.eos_token_ids[0] if offline.engine.eos_token_ids else None
+    for i in (0, 3, 7, 15):
+        assert hf_greedy(hf, prompts[i], max_tokens[i], eos) == ref[i].token_ids
 
 
 def test_grpc_generate_errors_and_usage(cluster, model) -> None:
@@ -334,9 +339,25 @@ def test_gateway_keeps_known_workers_when_redis_goes_away(cluster, model) -> Non
         assert got == 200, payload
 
 
-def test_drained_worker_exits_0_and_gateway_answers_503(cluster, model) -> None:
+def test_drained_worker_finishes_in_flight_work_exits_0_and_gateway_answers_503(
+        cluster, model) -> None:
+    import threading
+
     alive = workers(cluster)[0]
+    result: dict = {}
+
+    def long_request() -> None:
+        result["r"] = call_http(cluster.http_port, "POST", "/v1/completions",
+                                {"prompt": "drain me", "max_tokens": 300,
+                                 "ignore_eos": True, "temperature": 0})
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_for(lambda: load_report(alive.grpc_address).num_active == 1, 10,
+             "the long request to start")
     assert cluster.stop_child(alive) == 0  # SIGTERM: drain, deregister, exit 0
+    t.join(30)
+    status, payload, _ = result["r"]
+    assert status == 200 and payload["usage"]["completion_tokens"] == 300, payload
     wait_for(lambda: call_http(cluster.http_port, "GET", "/health")[0] == 503, 5,
              "gateway health to report no worker")
     got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",

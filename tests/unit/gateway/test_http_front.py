@@ -67,3 +67,22 @@ def test_validation_precedes_routing_and_unknown_routes_are_json() -> None:
     ]))
     assert [r[0] for r in res] == [400, 404, 404]
     assert res[2][1]["error"]["code"] == 404
+
+
+def test_remote_prefill_decision_fills_the_prefill_peer() -> None:
+    from engine.sampling_params import SamplingParams
+    from gateway.protocol import GenerateInput
+    from gateway.routing.base import Candidate, RouteDecision
+
+    gw = _gateway()
+    inp = GenerateInput(model="tiny", prompt_token_ids=[1, 2, 3],
+                        params=SamplingParams(max_tokens=4, temperature=0.0),
+                        cache_salt="tenant-a", priority=2)
+    d = Candidate("d0", "127.0.0.1:1", "decode")
+    p = Candidate("p0", "127.0.0.1:2", "prefill")
+    req = gw._worker_request(inp, "rid", RouteDecision(d, p, {}))
+    assert (req.prefill_peer.address, req.prefill_peer.worker_id) == ("127.0.0.1:2", "p0")
+    assert req.cache_salt == "tenant-a" and req.priority == 2 and req.request_id == "rid"
+    assert list(req.prompt_token_ids) == [1, 2, 3] and req.sampling.max_tokens == 4
+    local = gw._worker_request(inp, "rid", RouteDecision(d, None, {}))
+    assert not local.HasField("prefill_peer")

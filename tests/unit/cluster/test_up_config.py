@@ -1,0 +1,47 @@
+"""`splitserve up` settings: flags over the YAML config, defaults, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster import up
+from cluster.launcher import ClusterSpec, prefill_available
+from tests.factories import tiny_model_dir
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_flags_override_the_config_file(tmp_path) -> None:
+    model = tiny_model_dir("llama")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {model}\ncolocated: 3\nhttp_port: 9001\nnum_blocks: 64\n"
+                   "gateway_args: ['--max-in-flight', '8']\n")
+    spec = up.build_spec(_args("--config", str(cfg), "--colocated", "2"))
+    assert (spec.model_dir, spec.num_colocated, spec.http_port) == (model, 2, 9001)
+    assert spec.worker_args == ("--num-blocks", "64")
+    assert spec.gateway_args == ("--max-in-flight", "8")
+
+
+def test_default_cluster_without_prefill_is_one_colocated_worker() -> None:
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama")))
+    if prefill_available():
+        assert (spec.num_prefill, spec.num_decode) == (1, 1)
+    else:
+        assert (spec.num_prefill, spec.num_decode, spec.num_colocated) == (0, 0, 1)
+    assert (spec.http_port, spec.grpc_port) == (8000, 50051)
+
+
+def test_spec_errors() -> None:
+    with pytest.raises(ValueError):
+        ClusterSpec(model_dir="m", num_colocated=0)
+    with pytest.raises(ValueError):
+        ClusterSpec(model_dir="m", transport="carrier-pigeon")
+    if not prefill_available():
+        with pytest.raises(ValueError, match="not yet available"):
+            ClusterSpec(model_dir="m", num_prefill=1, num_decode=1)
