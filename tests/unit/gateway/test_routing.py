@@ -91,3 +91,13 @@ def test_router_remote_prefill_only_for_decode_with_prefill_available() -> None:
     assert busy.decode.worker_id == "b"
     with pytest.raises(NoCandidates):
         r.route(REQ, [cand("p", "prefill"), cand("x", ready=False)])
+
+
+def test_example_profile_in_deploy_parses() -> None:
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))))
+    prof = RoutingProfile.from_yaml(os.path.join(root, "deploy", "routing.example.yaml"))
+    assert prof.picker == "power_of_two" and prof.decider_threshold == 256
+    assert [s.name for s in prof.scorers] == ["queue", "kv_usage"]
