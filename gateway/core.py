@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -65,8 +66,11 @@ class Gateway:
 
     def _worker_request(self, inp: GenerateInput, request_id: str,
                         decision: RouteDecision) -> pb.WorkerGenerateRequest:
+        # The client's id may repeat (x-request-id reused across requests); the engine
+        # needs a unique one, which still starts with the client's id for log searches.
         req = pb.WorkerGenerateRequest(
-            request_id=request_id, prompt_token_ids=inp.prompt_token_ids,
+            request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=inp.prompt_token_ids,
             sampling=sampling_to_proto(inp.params), priority=inp.priority)
         if inp.cache_salt is not None:
             req.cache_salt = inp.cache_salt

@@ -199,10 +199,11 @@ def test_bad_inputs_get_their_status_and_workers_keep_serving(cluster, model) ->
 
 def test_request_id_is_echoed_and_reaches_the_worker(cluster, model) -> None:
     rid = f"trace-{time.time_ns()}"
-    got, _, headers = call_http(cluster.http_port, "POST", "/v1/completions",
-                                {"prompt": "hello", "max_tokens": 2},
-                                headers={"x-request-id": rid})
-    assert got == 200 and headers["x-request-id"] == rid
+    for _ in range(2):  # a reused id is fine: the engine gets a unique one
+        got, _, headers = call_http(cluster.http_port, "POST", "/v1/completions",
+                                    {"prompt": "hello", "max_tokens": 2},
+                                    headers={"x-request-id": rid})
+        assert got == 200 and headers["x-request-id"] == rid
 
     def in_worker_log() -> bool:
         return any(rid in w.log_tail(200) for w in workers(cluster))
@@ -309,13 +310,11 @@ def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> No
     victim = workers(cluster)[1]
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)
-    t0 = time.monotonic()
 
     def gone() -> bool:
         _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers")
         return not any(w["worker_id"] == victim.name and w["routable"] for w in snap)
-    wait_for(gone, 5, "the killed worker to leave routing")
-    assert time.monotonic() - t0 < 5
+    wait_for(gone, 3, "the killed worker to leave routing")  # DESIGN: within ~2 s
     for i in range(6):
         got, payload, _ = call_http(cluster.http_port, "POST", "/v1/completions",
                                     {"prompt": f"request {i}", "max_tokens": 3})
