@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.role}-{uuid.uuid4().hex[:6]}"
     logging.basicConfig(
         level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker={worker_id} %(name)s: %(message)s")
+        format=f"ts=%(asctime)s level=%(levelname)s service=worker worker_id={worker_id} "
+               "logger=%(name)s %(message)s")
     ecfg = engine_config_from_args(args)
     ecfg = with_model_id(ecfg, served_model_name(ecfg.model_dir, args.served_model_name))
     config = WorkerConfig(

@@ -95,12 +95,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                         ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
                                                       n_out)
-                        log.info("request %s finished: %s, %d prompt + %d output tokens",
-                                 rid, out.finish_reason, n_prompt, n_out)
+                        log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
+                                 "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
                     yield self._response(rid, out, n_prompt)
         except RequestError as e:
             ended = True
-            log.info("request %s rejected: %s", rid, e)
+            log.info("event=rejected request_id=%s message=%r", rid, str(e))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             ended = True
@@ -110,7 +110,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             # iterating and closes the generator; either way the engine stream was
             # closed above (request aborted, blocks freed).
             if not ended:
-                log.info("request %s cancelled by the client after %d tokens", rid, n_out)
+                log.info("event=cancelled request_id=%s output_tokens=%d", rid, n_out)
                 self.metrics.observe_finished("abort", n_prompt, n_out)
             self.changed.set()
 

@@ -37,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     from gateway.server import serve
 
     logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s gateway %(name)s: %(message)s")
+                        format="ts=%(asctime)s level=%(levelname)s service=gateway "
+                               "logger=%(name)s %(message)s")
     model_dir = resolve_model(args.model)
     keys = list(args.api_key) or ([os.environ["SPLITSERVE_API_KEY"]]
                                   if os.environ.get("SPLITSERVE_API_KEY") else [])

@@ -105,8 +105,8 @@ class Gateway:
                     if sent or e.code() != grpc.StatusCode.UNAVAILABLE \
                             or attempt == self.config.max_route_attempts:
                         raise _api_error(e) from e
-                    log.warning("request %s: worker %s unavailable before its first token; "
-                                "retrying elsewhere", request_id, decision.decode.address)
+                    log.warning("event=retry request_id=%s worker=%s reason=unavailable_before_first_token",
+                                request_id, decision.decode.address)
                     self.registry.mark_failed(decision.decode.address)
         finally:
             self.in_flight -= 1
@@ -119,9 +119,9 @@ class Gateway:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeout("the request's deadline passed before it was routed")
-        log.info("request %s -> %s (%s)%s, %d prompt tokens", request_id,
-                 decision.decode.worker_id, decision.decode.address,
-                 f" prefill {decision.prefill.worker_id}" if decision.prefill else "",
+        log.info("event=route request_id=%s worker=%s address=%s prefill=%s prompt_tokens=%d",
+                 request_id, decision.decode.worker_id, decision.decode.address,
+                 decision.prefill.worker_id if decision.prefill else "-",
                  len(inp.prompt_token_ids))
         call = entry.stub.Generate(self._worker_request(inp, request_id, decision),
                                    timeout=remaining,
@@ -135,8 +135,7 @@ class Gateway:
         finally:
             entry.inflight -= 1
             if not done:
-                log.info("request %s: caller left before the end; cancelling the worker call",
-                         request_id)
+                log.info("event=caller_left request_id=%s action=cancel_worker_call", request_id)
             call.cancel()  # no-op when finished; frees the worker's blocks otherwise
 
 

@@ -74,5 +74,6 @@ class GenerateService(pb_grpc.GenerateServicer):
                         out.usage.cached_tokens = r.num_cached_tokens
                     yield out
         except APIError as e:
-            log.info("grpc request %s -> %s %s", rid, e.grpc_code.name, e.message)
+            log.info("event=grpc_error request_id=%s code=%s message=%r", rid, e.grpc_code.name,
+                     e.message)
             await context.abort(e.grpc_code, e.message)

@@ -54,7 +54,8 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
                 raise Unauthorized("invalid or missing API key")
         resp = await handler(request)
     except APIError as e:
-        log.info("request %s %s -> %d %s", rid, endpoint, e.status, e.message)
+        log.info("event=http_error request_id=%s path=%s status=%d message=%r", rid, endpoint,
+                 e.status, e.message)
         gw.metrics.requests.labels(endpoint, str(e.status)).inc()
         return _json_error(e, rid)
     except web.HTTPException as e:  # aiohttp's own (404 route, 405 method, ...)
@@ -121,7 +122,7 @@ async def _generate(request: web.Request, inp: GenerateInput,
     except APIError as e:
         if resp is None:
             raise
-        log.warning("request %s failed mid-stream: %s", rid, e.message)
+        log.warning("event=stream_error request_id=%s message=%r", rid, e.message)
         await resp.write(sse(e.body()))
         await resp.write(DONE)
         return resp
