@@ -41,6 +41,13 @@ class ModelContext:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
 
+    def observe_worker_limit(self, max_model_len: int) -> None:
+        """A worker serves at most `max_model_len` tokens (its --max-model-len): the
+        gateway validates against the smallest limit seen, so a request it accepts fits
+        every worker. Only ever lowers the limit."""
+        if 0 < max_model_len < self.max_model_len:
+            self.max_model_len = max_model_len
+
     def check_model(self, model: Any) -> str:
         if model is None or model == "":
             return self.served_name

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -48,8 +49,11 @@ class WorkerEntry:
 
 
 class WorkerRegistry:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig,
+                 on_info: Callable[[pb.InfoResponse], None] | None = None) -> None:
+        """`on_info` sees every worker's Info (e.g. to learn its max_model_len)."""
         self.config = config
+        self._on_info = on_info
         self._workers: dict[str, WorkerEntry] = {}  # by address
         self._redis_known: set[str] = set()
         self._redis = (aioredis.Redis.from_url(
@@ -179,6 +183,8 @@ class WorkerRegistry:
                 info = await w.stub.Info(pb.InfoRequest(),
                                          timeout=self.config.worker_rpc_timeout_s)
                 w.worker_id, w.role = info.worker_id, info.role
+                if self._on_info is not None:
+                    self._on_info(info)
                 # Long-lived stream: re-opened when its deadline passes.
                 async for rep in w.stub.Load(pb.LoadRequest(), timeout=3600.0):
                     w.load, w.last_report = rep, time.monotonic()

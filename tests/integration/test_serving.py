@@ -24,7 +24,9 @@ from tests.factories import hf_greedy, hf_model, tiny_model_dir
 from tests.integration.serving_util import call_http, load_report, metric, wait_for
 
 NUM_BLOCKS = 128
+MAX_MODEL_LEN = 768  # below the model's 1024: the gateway must learn it from the workers
 WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
+               "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-batched-tokens", "512", "--log-level", "INFO")
 
 
@@ -49,7 +51,7 @@ def model(cluster) -> str:
 @pytest.fixture(scope="module")
 def offline(cluster) -> LLM:
     return LLM(cluster.spec.model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=32,
-               max_num_batched_tokens=512)
+               max_num_batched_tokens=512, max_model_len=MAX_MODEL_LEN)
 
 
 def workers(cluster):
@@ -178,6 +180,7 @@ def test_bad_inputs_get_their_status_and_workers_keep_serving(cluster, model) ->
         (b"{not json", 400), (b"[1, 2]", 400),
         ({"model": "nope", "prompt": "x"}, 404),
         ({"prompt": "x", "max_tokens": 100_000}, 400),
+        ({"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400),  # the workers' limit
         ({"prompt": "x", "temperature": -0.5}, 400),
         ({"prompt": "x", "top_p": 1.5}, 400),
         ({"prompt": "x", "n": 3}, 400),
@@ -214,6 +217,7 @@ def test_endpoints_health_models_metrics(cluster, model) -> None:
     assert call_http(cluster.http_port, "GET", "/health")[0] == 200
     got, payload, _ = call_http(cluster.http_port, "GET", "/v1/models")
     assert got == 200 and payload["data"][0]["id"] == model
+    assert payload["data"][0]["max_model_len"] == MAX_MODEL_LEN
     got, text, _ = call_http(cluster.http_port, "GET", "/metrics")
     assert got == 200 and "splitserve:gateway_requests_total" in text
     for w in workers(cluster):
@@ -229,7 +233,7 @@ def test_client_disconnect_frees_every_block(cluster, model) -> None:
     ports = [int(w.extra["metrics_port"]) for w in workers(cluster)]
     aborted = sum(metric(p, "vllm:request_success_total", finished_reason="abort")
                   for p in ports)
-    body = (b'{"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": true, '
+    body = (b'{"prompt": "Once upon a time", "max_tokens": 700, "ignore_eos": true, '
             b'"temperature": 0, "stream": true}')
     with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -260,7 +264,7 @@ def test_client_disconnect_frees_every_block(cluster, model) -> None:
 def test_grpc_deadline_cancels_the_worker_request(cluster, model) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
         req = pb.GenerateRequest(prompt="tick tock", sampling=pb.SamplingParams(
-            max_tokens=1000, ignore_eos=True, temperature=0.0))
+            max_tokens=700, ignore_eos=True, temperature=0.0))
         with pytest.raises(grpc.RpcError) as ei:
             list(pb_grpc.GenerateStub(ch).Generate(req, timeout=0.3))
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -87,3 +87,14 @@ def test_unknown_model_is_404(ctx: ModelContext) -> None:
     assert ei.value.body() == {"error": {"message": "The model `other` does not exist.",
                                          "type": "NotFoundError", "param": "model",
                                          "code": 404}}
+
+
+def test_worker_limit_lowers_the_context_limit() -> None:
+    ctx = ModelContext(tiny_model_dir("llama"), "tiny")
+    assert ctx.max_model_len == 1024
+    ctx.observe_worker_limit(128)
+    ctx.observe_worker_limit(512)  # never raised again
+    assert ctx.max_model_len == 128
+    assert parse_completion({"prompt": [1, 2, 3]}, ctx).params.max_tokens == 125
+    with pytest.raises(InvalidRequest):
+        parse_completion({"prompt": [1, 2, 3], "max_tokens": 126}, ctx)
