@@ -48,6 +48,15 @@ class Gateway:
         self.block_size = block_size
         self.in_flight = 0
 
+    def observe_info(self, info: pb.InfoResponse) -> None:
+        """A worker's Info: validate against its context limit, hash with its block
+        size (all workers of a model share one block size)."""
+        self.ctx.observe_worker_limit(info.max_model_len)
+        if info.block_size > 0 and info.block_size != self.block_size:
+            log.info("block size %d from worker %s (was %d)", info.block_size,
+                     info.worker_id, self.block_size)
+            self.block_size = info.block_size
+
     def ready(self) -> bool:
         return any(c.role in ("decode", "colocated") for c in self.registry.candidates())
 

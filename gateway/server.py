@@ -51,8 +51,8 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = ModelContext(config.model_dir, config.served_model_name, max_model_len)
-    registry = WorkerRegistry(config, on_info=lambda i: ctx.observe_worker_limit(
-        i.max_model_len))
+    # Callbacks fire only after registry.start(), by which time `gw` exists.
+    registry = WorkerRegistry(config, on_info=lambda info: gw.observe_info(info))
     gw = Gateway(config, ctx, registry, GatewayMetrics(), block_size)
     await registry.start()
     runner = web.AppRunner(build_app(gw), handler_cancellation=True, access_log=None)
