@@ -40,7 +40,8 @@ class RedisRegistrar:
     async def beat(self) -> bool:
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.hset(self._key, mapping=self._fields)  # type: ignore[arg-type]  # Mapping key invariance
+            # Mapping's key type is invariant; redis-py's stub wants its own union.
+            pipe.hset(self._key, mapping=self._fields)  # type: ignore[arg-type]
             pipe.pexpire(self._key, self._ttl_ms)
             await asyncio.wait_for(pipe.execute(), self._timeout_s * 2)
             return True

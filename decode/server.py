@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from decode.config import WorkerConfig
@@ -69,7 +69,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
 
     metrics = WorkerMetrics(model, stats)
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
-    health = HealthServicer()
+    health = health_aio.HealthServicer()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -129,8 +129,8 @@ def _registrar(config: WorkerConfig, model: str, address: str,
                           config.redis_timeout_s)
 
 
-async def _drain(config: WorkerConfig, service: WorkerService, health: HealthServicer,
-                 llm: AsyncLLM) -> None:
+async def _drain(config: WorkerConfig, service: WorkerService,
+                 health: health_aio.HealthServicer, llm: AsyncLLM) -> None:
     """Readiness off, no new requests, then wait (bounded) for in-flight ones."""
     log.info("worker %s draining (%d in flight, up to %.0fs)", config.worker_id,
              llm.num_active, config.drain_timeout_s)

@@ -114,7 +114,8 @@ class Gateway:
                     if sent or e.code() != grpc.StatusCode.UNAVAILABLE \
                             or attempt == self.config.max_route_attempts:
                         raise _api_error(e) from e
-                    log.warning("event=retry request_id=%s worker=%s reason=unavailable_before_first_token",
+                    log.warning("event=retry request_id=%s worker=%s "
+                                "reason=unavailable_before_first_token",
                                 request_id, decision.decode.address)
                     self.registry.mark_failed(decision.decode.address)
         finally:

@@ -14,7 +14,7 @@ import signal
 import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
@@ -31,7 +31,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def _follow_readiness(gw: Gateway, health: HealthServicer) -> None:
+async def _follow_readiness(gw: Gateway, health: health_aio.HealthServicer) -> None:
     ready: bool | None = None
     while True:
         now = gw.ready()
@@ -60,7 +60,7 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     site = web.TCPSite(runner, config.host, config.http_port)
     await site.start()
     server = None
-    health = HealthServicer()
+    health = health_aio.HealthServicer()
     follow = None
     if config.grpc_port is not None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def proto_files() -> list[str]:
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "protos", "*.proto")))
+    found = glob.glob(os.path.join(ROOT, "protos", "*.proto"))
+    return sorted(os.path.relpath(p, ROOT) for p in found)
 
 
 def generate(out_dir: str = ROOT) -> list[str]:

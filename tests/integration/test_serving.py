@@ -77,7 +77,8 @@ def test_openai_sdk_completions(cluster, model, offline) -> None:
                                        temperature=0, stream=True,
                                        stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
