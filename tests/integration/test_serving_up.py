@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from cluster.launcher import ROOT, free_port
 from tests.factories import tiny_model_dir
 
@@ -64,7 +66,7 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
 
 def test_up_with_prefill_says_not_available_yet() -> None:
     if os.path.isfile(os.path.join(ROOT, "prefill", "cli.py")):
-        return  # the prefill service exists: covered by the disaggregated tests
+        pytest.skip("the prefill service exists: the disaggregated tests cover --prefill")
     proc = _run_up("--model", tiny_model_dir("llama"), "--prefill", "1", "--decode", "1")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "not yet available" in out
