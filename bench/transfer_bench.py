@@ -102,10 +102,13 @@ def measure_memcpy(sizes: list[int], total: int, pool: int) -> dict[str, float]:
     src, dst = torch.full((pool,), 7, dtype=torch.uint8), torch.zeros(pool, dtype=torch.uint8)
     nsrc, ndst = src.numpy(), dst.numpy()
     best = {"torch": 0.0, "numpy": 0.0}
-    for size in sizes:
+    # Copies under 1 MiB partly stay in L2/L3 and overstate the limit (36 vs ~21 GB/s
+    # here); best of two runs per size because neighbours share this host.
+    big = [s for s in sizes if s >= MIB] or sizes
+    for size in big:
         slots = pool // size
         n = max(8, min(total // size, 2000))
-        for name in best:
+        for name in [k for k in best for _ in range(2)]:
             t0 = time.perf_counter()
             for i in range(n):
                 a, b = (i % slots) * size, ((i + 1) % slots) * size

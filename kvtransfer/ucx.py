@@ -12,11 +12,13 @@ control stream), so the payload's tag `tag_base | seq` needs no extra bytes. The
 receiver posts a tag receive straight into the destination blocks (host memory,
 or device memory when the cache is on CUDA: UCX then uses cuda_ipc / RDMA).
 
-Known limitation: with endpoint error handling off, a receiver killed while a
-send is in flight can make UCX abort the *sender* process (observed here, even
-with `ucx_error_handling=True` on the sender's endpoint); the receiver side is
-fine (it detects dead senders over the control channel). Until that is fixed,
-services should treat the ucx sender as fail-stop and prefer tcp where peers die.
+Faults: a receiver killed or stopped mid-transfer gives the sender PeerUnavailable
+or TransferTimeout from the control channel, with error handling off. The crashes
+seen earlier ("Fatal Python error: Aborted" / SIGSEGV in malloc after a failed
+transfer) were heap corruption, not UCX: the scratch buffer a stale write drains
+into was freed while its tag receive was still posted (ucxx keeps a raw pointer);
+the receive task now owns it. Left: after a SIGSTOPped receiver, UCX keeps its TCP
+connection to it until the worker can be torn down (a send is still in flight).
 
 UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options`, passed to the
 UCX context at creation; nothing here reads the environment.
@@ -49,7 +51,8 @@ def _context(options: tuple[tuple[str, str], ...]) -> Any:
 
     # Python futures: completions arrive through ucxx's notifier thread. Without
     # them every awaited request busy-yields (`wait_yield`), and on a small host the
-    # spinning event loops starve the progress threads doing the copies (64 MiB regions: 4 -> 7 GB/s here).
+    # spinning event loops starve the progress threads doing the copies
+    # (64 MiB regions: 4 -> 7 GB/s here).
     ctx = ApplicationContext(dict(options), progress_mode="thread", enable_python_future=True)
     ctx.continuous_ucx_progress()
     return ctx
@@ -119,13 +122,16 @@ class UcxReceiver(ReceiverBase):
         else:  # drain the stale message into scratch so it never matches a real receive
             buf = _scratch(header.region.nbytes(self.kv.layout))
         request = self._ctx.worker.tag_recv(buf, tag)
+        # The task holds `buf` until UCX is done with it: ucxx keeps only a raw
+        # pointer, so a scratch buffer freed early is written after free (heap
+        # corruption: the corrupt-payload and late-write tests crashed in malloc).
         task = asyncio.get_running_loop().create_task(
-            self._complete(conn, header, request, admitted))
+            self._complete(conn, header, request, admitted, buf))
         self._recvs.setdefault(conn.id, set()).add(task)
         task.add_done_callback(self._recvs[conn.id].discard)
 
     async def _complete(self, conn: Conn, header: wire.WriteHeader, request: Any,
-                        admitted: bool) -> None:
+                        admitted: bool, buf: Any) -> None:
         try:
             await request.wait()
         except BaseException as e:

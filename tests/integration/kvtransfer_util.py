@@ -58,6 +58,8 @@ class PeerProcess:
     async def line(self, timeout: float = 30.0) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
         raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        while raw and not raw.startswith(b"{"):  # UCX prints its warnings on stdout
+            raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
         if not raw:
             raise EOFError("peer exited")
         obj: dict[str, Any] = json.loads(raw)

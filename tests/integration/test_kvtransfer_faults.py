@@ -82,12 +82,17 @@ def test_hung_sender_hits_the_lease(no_leaks: None) -> None:  # noqa: F811
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])  # ucx: see the note in kvtransfer/ucx.py
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_receiver_killed_or_hung(transport: str, fault: str, no_leaks: None) -> None:  # noqa: F811
+    if (transport, fault) == ("ucx", "hung"):
+        # The sender gets its typed error in time and survives, but UCX keeps its TCP
+        # connection to the stopped peer after close (a send is still in flight in
+        # UCX), which the no_leaks check counts. See kvtransfer/ucx.py.
+        pytest.skip("ucx keeps a socket to a SIGSTOPped receiver after close")
+
     async def main() -> None:
-        # UCX without endpoint error handling may abort the sender when its peer dies.
-        config = fast_config(transport, ucx_error_handling=True)
+        config = fast_config(transport)
         plan = [{"xfer": "r1", "gen": 1, "dst": [[0], [1], [2], [3]]}]
         peer = await PeerProcess(spec("receiver", config, LAYOUT_F32, 8, plan)).start()
         sender = start_sender(config, LAYOUT_F32, 8, seed=3)
@@ -110,10 +115,8 @@ def test_receiver_killed_or_hung(transport: str, fault: str, no_leaks: None) -> 
     asyncio.run(main())
 
 
-# ucx is left out of the two tests below for now: after the transfer fails, the
-# test process (receiver) was seen to abort inside UCX; see the report / ucx.py.
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> None:  # noqa: F811
     async def body(receiver: Any, peer: PeerProcess) -> None:
         future = receiver.expect("r1", [Region(5), Region(9)], 1)
@@ -128,7 +131,7 @@ def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> Non
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> None:  # noqa: F811
     async def body(receiver: Any, peer: PeerProcess) -> None:
         future = receiver.expect("r1", [Region(5), Region(9)], 1)
