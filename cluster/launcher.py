@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -34,10 +35,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def prefill_available() -> bool:
-    return os.path.isfile(os.path.join(ROOT, "prefill", "cli.py"))
-
-
 @dataclass(frozen=True, slots=True)
 class ClusterSpec:
     model_dir: str
@@ -59,10 +56,8 @@ class ClusterSpec:
             raise ValueError("worker counts must be >= 0")
         if self.num_decode + self.num_colocated == 0:
             raise ValueError("need at least one decode or colocated worker")
-        if self.num_prefill and not prefill_available():
-            raise ValueError("prefill workers are not yet available in this build "
-                             "(the prefill/ service is being written); use --colocated N "
-                             "or --decode N with --prefill 0")
+        if self.num_prefill and not self.num_decode:
+            raise ValueError("prefill workers need at least one decode worker to write into")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
 
@@ -95,6 +90,9 @@ class LocalCluster:
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
         self.children: list[Child] = []
         self.redis_url = ""
+        # The KV-transfer secret every prefill/decode child is given (environment only,
+        # never argv, so `ps` does not show it).
+        self.cluster_token = secrets.token_hex(16)
         self.http_port = spec.http_port or free_port(spec.host)
         self.grpc_port = spec.grpc_port or free_port(spec.host)
 
@@ -105,6 +103,7 @@ class LocalCluster:
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["SPLITSERVE_CLUSTER_TOKEN"] = self.cluster_token
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     cwd=ROOT, preexec_fn=_die_with_parent)
@@ -144,7 +143,7 @@ class LocalCluster:
         argv = self.cli_argv("worker", "--role", role, "--port", str(port), "--worker-id", wid,
                          "--metrics-port", str(free_port(self.spec.host)),
                          "--redis", self.redis_url, "--model", self.spec.model_dir,
-                         *self.spec.worker_args)
+                         "--transport", self.spec.transport, *self.spec.worker_args)
         child = self.spawn(wid, argv, f"{self.spec.host}:{port}")
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child
@@ -160,7 +159,8 @@ class LocalCluster:
         try:
             self.start_redis()
             for role, n in (("decode", self.spec.num_decode),
-                            ("colocated", self.spec.num_colocated)):
+                            ("colocated", self.spec.num_colocated),
+                            ("prefill", self.spec.num_prefill)):
                 for i in range(n):
                     self.start_worker(role, i)
             self.start_gateway()

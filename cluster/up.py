@@ -1,8 +1,8 @@
 """`splitserve up`: a local cluster (redis, workers, gateway) until Ctrl-C / SIGTERM.
 
 With `--demo-request` it sends one request through the HTTP endpoint and prints it
-(`make run`). Without prefill workers in this build, the default is one colocated
-worker; `--prefill N` says clearly that prefill is not available yet.
+(`make run`). The default is disaggregated: one prefill and one decode worker (tcp
+transport); `--colocated N` alone starts colocated workers only.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_spec(args: argparse.Namespace) -> Any:
-    from cluster.launcher import ClusterSpec, prefill_available
+    from cluster.launcher import ClusterSpec
     from engine.cli import resolve_model
 
     s = _settings(args)
-    disagg_default = prefill_available() and not ({"decode", "colocated"} & set(s))
+    disagg_default = not ({"decode", "colocated"} & set(s))
     prefill = int(s.get("prefill", 1 if disagg_default else 0))
     decode = int(s.get("decode", 1 if disagg_default else 0))
     colocated = int(s.get("colocated", 0 if (disagg_default or decode) else 1))

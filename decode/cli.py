@@ -1,4 +1,5 @@
-"""`splitserve worker`: run a decode or colocated worker (env vars are read only here)."""
+"""`splitserve worker`: run a prefill, decode or colocated worker (env vars are read only
+here: SPLITSERVE_REDIS_URL, SPLITSERVE_CLUSTER_TOKEN, SPLITSERVE_LOG_LEVEL)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,19 @@ import logging
 import os
 import socket
 import uuid
+from typing import TYPE_CHECKING
 
 from engine.cli import add_engine_arguments
+
+if TYPE_CHECKING:
+    from kvtransfer.config import TransferConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--role", choices=["decode", "colocated"], default="colocated")
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], default="colocated",
+                   help="prefill: serves Prefill (writes KV into decode workers); decode: "
+                        "may take a prefill peer per request; colocated: always local")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     p.add_argument("--advertise-host", default="", help="host others dial (default --host)")
@@ -28,13 +35,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0)
     p.add_argument("--load-interval-ms", type=int, default=100)
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--transport-address", default="")
+    p.add_argument("--transport", choices=["tcp", "shm", "ucx"], default="tcp",
+                   help="KV transfer transport between prefill and decode workers")
+    p.add_argument("--transfer-host", default=None,
+                   help="address the decode's KV receiver binds (default --host)")
+    p.add_argument("--transfer-port", type=int, default=0, help="KV receiver port (0: any)")
+    p.add_argument("--cluster-token-file", default=None,
+                   help="file holding the cluster's KV-transfer token "
+                        "(default $SPLITSERVE_CLUSTER_TOKEN)")
+    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="decode: what a failed remote prefill does")
+    p.add_argument("--kv-lease", type=float, default=30.0,
+                   help="seconds a transfer may take before its blocks are fenced and reused")
+    p.add_argument("--kv-checksum", action="store_true",
+                   help="verify a checksum of every transferred region")
     p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
 
 
 def served_model_name(model_dir: str, explicit: str | None) -> str:
     # Same default as the gateway's (gateway/cli.py): the directory's base name.
     return explicit or os.path.basename(os.path.normpath(model_dir))
+
+
+def cluster_token(args: argparse.Namespace) -> str:
+    if args.cluster_token_file:
+        with open(args.cluster_token_file) as f:
+            return f.read().strip()
+    return os.environ.get("SPLITSERVE_CLUSTER_TOKEN", "")
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
+    """The KV-transfer settings of a prefill or decode worker; None when colocated."""
+    from kvtransfer.config import TransferConfig
+
+    if args.role == "colocated":
+        return None
+    token = cluster_token(args)
+    if not token:
+        raise SystemExit(f"a {args.role} worker needs the cluster's KV-transfer token: set "
+                         "SPLITSERVE_CLUSTER_TOKEN or pass --cluster-token-file")
+    return TransferConfig(transport=args.transport, token=token,
+                          host=args.transfer_host or args.host, port=args.transfer_port,
+                          lease_s=args.kv_lease, checksum=args.kv_checksum)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,5 +96,5 @@ def run(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host, metrics_port=args.metrics_port,
         redis_url=args.redis, registration_ttl_s=args.registration_ttl,
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
-        drain_timeout_s=args.drain_timeout, transport_address=args.transport_address)
-    return asyncio.run(serve(config, ecfg))
+        drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy)
+    return asyncio.run(serve(config, ecfg, transfer_config(args)))

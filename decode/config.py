@@ -11,8 +11,8 @@ ROLES = ("prefill", "decode", "colocated")
 class WorkerConfig:
     """How a worker serves. `role` "colocated" always prefills locally; "decode" may
     take a prefill peer from the gateway (remote prefill; see WorkerService._run);
-    "prefill" serves only Info/Load (+ health, metrics, registration) here, its
-    `Prefill` service being added through `decode.server.serve(add_services=...)`."""
+    "prefill" serves `Prefill` (prefill/service.py) besides Info/Load; it refuses
+    Generate."""
 
     role: str
     worker_id: str
@@ -27,7 +27,8 @@ class WorkerConfig:
     load_interval_ms: int = 100
     load_keepalive_s: float = 1.0  # a report at least this often, changed or not
     drain_timeout_s: float = 30.0
-    transport_address: str = ""  # kvtransfer address; set by the lead's decode path
+    kv_failure_policy: str = "recompute"  # decode: after a failed remote prefill
+    prefill_timeout_s: float = 30.0  # decode: deadline of one Prefill call
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,5 +41,9 @@ class WorkerConfig:
             raise ValueError("need 0 < heartbeat_s < registration_ttl_s")
         if self.load_interval_ms <= 0 or self.load_keepalive_s <= 0:
             raise ValueError("load_interval_ms and load_keepalive_s must be positive")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_failure_policy must be 'recompute' or 'fail'")
+        if self.prefill_timeout_s <= 0:
+            raise ValueError("prefill_timeout_s must be positive")
         if self.drain_timeout_s < 0 or self.redis_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and redis_timeout_s > 0")

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from engine.llm_engine import RemoteAlloc
 from kvtransfer.base import KVReceiver
@@ -51,10 +52,12 @@ class RemotePrefillConfig:
 
 
 class RemotePrefiller:
-    def __init__(self, config: RemotePrefillConfig, worker_id: str) -> None:
+    def __init__(self, config: RemotePrefillConfig, worker_id: str,
+                 registry: CollectorRegistry | None = None) -> None:
+        """`registry`: where the receiver's transfer metrics go (the worker's)."""
         self.config = config
         self.worker_id = worker_id
-        self.receiver: KVReceiver = make_receiver(config.transfer)
+        self.receiver: KVReceiver = make_receiver(config.transfer, registry)
         self._generations = itertools.count(1)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._address = ""

@@ -1,5 +1,10 @@
-"""Runs a worker: gRPC server (Worker + health), model load, metrics, registration,
-and the graceful drain on SIGTERM/SIGINT.
+"""Runs a worker: gRPC server (Worker + health; Prefill on a prefill worker), model
+load, the KV-transfer side of its role, metrics, registration, and the graceful drain
+on SIGTERM/SIGINT.
+
+KV transfer by role: a decode worker runs a kvtransfer receiver over its KV cache (for
+`shm` the cache itself is allocated in shared memory) and advertises its address; a
+prefill worker's `Prefill` service connects to those addresses as a sender.
 
 Lifecycle: the server starts with `liveness` SERVING and `readiness` NOT_SERVING, loads
 the model (in a thread), then turns readiness on and registers in Redis. On SIGTERM
@@ -11,11 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,11 +31,21 @@ from prometheus_client import start_http_server
 from decode.config import WorkerConfig
 from decode.metrics import WorkerMetrics
 from decode.registration import RedisRegistrar
+from decode.remote import RemotePrefillConfig, RemotePrefiller
 from decode.service import WorkerService
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import num_kv_blocks
+from engine.models.loader import TORCH_DTYPES
 from engine.scheduler import SchedulerStats
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import KVLayout
 from protos import splitserve_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+    from prefill.service import PrefillService
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +54,78 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def kv_layout_string(engine_config: EngineConfig) -> str:
-    from kvtransfer.layout import KVLayout
-
     m = ModelConfig.from_model_dir(engine_config.model_dir)
     return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                     block_size=engine_config.cache.block_size,
                     dtype=engine_config.dtype or m.dtype).to_json()
 
 
-AddServices = Callable[[grpc.aio.Server, WorkerService], None]
+class KVSide:
+    """The KV-transfer part of a worker's role; owns the receiver or sender it makes."""
+
+    def __init__(self, config: WorkerConfig, transfer: TransferConfig | None,
+                 service: WorkerService, metrics: WorkerMetrics) -> None:
+        if config.role != "colocated" and transfer is None:
+            raise ValueError(f"a {config.role} worker needs a TransferConfig")
+        self.role = config.role
+        self.service = service
+        self.layout = KVLayout.from_json(service.kv_layout)
+        self.prefiller: RemotePrefiller | None = None
+        self.prefill: PrefillService | None = None
+        if config.role == "decode":
+            assert transfer is not None
+            self.prefiller = RemotePrefiller(
+                RemotePrefillConfig(transfer, config.kv_failure_policy,
+                                    config.prefill_timeout_s),
+                config.worker_id, metrics.registry)
+        elif config.role == "prefill":
+            from prefill.service import PrefillService
+
+            assert transfer is not None
+            self.prefill = PrefillService(service, transfer, metrics.registry)
+        self._shared = False
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        if self.prefill is not None:
+            pb_grpc.add_PrefillServicer_to_server(self.prefill, server)
+
+    def kv_cache(self, engine_config: EngineConfig) -> torch.Tensor | None:
+        """The engine's KV tensor when the transport must own it (shm), else None."""
+        if self.prefiller is None:
+            return None
+        m = ModelConfig.from_model_dir(engine_config.model_dir)
+        dtype = TORCH_DTYPES[engine_config.dtype or m.dtype]
+        kv = self.prefiller.allocate_kv(self.layout, num_kv_blocks(engine_config, m, dtype))
+        self._shared = kv is not None
+        return cast("torch.Tensor | None", kv)
+
+    async def start(self, llm: AsyncLLM, advertise_host: str) -> None:
+        if self.prefiller is not None:
+            address = await self.prefiller.start(llm.engine.runner.kv_cache, self.layout,
+                                                 self._shared)
+            self.service.transport_address = advertised(address, advertise_host)
+            self.service.prefiller = self.prefiller
+            log.info("kv receiver listening: %s", self.service.transport_address)
+
+    async def close(self) -> None:
+        if self.prefiller is not None:
+            await self.prefiller.close()
+        if self.prefill is not None:
+            await self.prefill.close()
+
+
+def advertised(address: str, host: str) -> str:
+    """A receiver bound to a wildcard address is dialled at the advertised host."""
+    desc = json.loads(address)
+    if desc.get("host") in ("0.0.0.0", "::", "") and host:
+        desc["host"] = host
+    return json.dumps(desc)
 
 
 async def serve(config: WorkerConfig, engine_config: EngineConfig,
-                add_services: AddServices | None = None) -> int:
+                transfer: TransferConfig | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
-
-    `add_services(server, service)` adds more servicers before the server starts (the
-    prefill worker adds `Prefill`); they find the engine at `service.llm` once loaded
-    (None before: answer UNAVAILABLE) and should refuse new work while
-    `service.draining`."""
+    `transfer` is required for the prefill and decode roles."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -69,12 +138,12 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
 
     metrics = WorkerMetrics(model, stats)
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
+    kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    if add_services is not None:
-        add_services(server, service)
+    kv_side.add_to(server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await health.set("liveness", SERVING)
     await health.set("readiness", NOT_SERVING)
@@ -86,7 +155,13 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     address = f"{config.advertise_host or config.host}:{port}"
     log.info("worker %s (%s) listening on %s; loading %s", config.worker_id, config.role,
              address, engine_config.model_dir)
-    llm = await asyncio.to_thread(AsyncLLM, engine_config)
+    try:
+        llm = await asyncio.to_thread(AsyncLLM, engine_config, kv_side.kv_cache(engine_config))
+        await kv_side.start(llm, config.advertise_host or config.host)
+    except BaseException:
+        await kv_side.close()
+        await server.stop(grace=None)
+        raise
     holder.append(llm)
     service.attach(llm)
     registrar = _registrar(config, model, address, service)
@@ -109,6 +184,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     if http is not None:
         http[0].shutdown()
     llm.shutdown()
+    await kv_side.close()
     log.info("worker %s stopped", config.worker_id)
     return 0
 

@@ -5,11 +5,11 @@ Each Generate call owns its engine request: when the call ends early (client can
 deadline, drain) the engine stream is closed, which aborts the request and frees its
 blocks.
 
-Seam for disaggregation: `_run(request, params, prefill_peer)` returns the stream of
-engine outputs. Today a request with a prefill peer prefills locally (as colocated).
-The lead's remote-prefill branch goes there: allocate the prompt's blocks, call
-`Prefill.Prefill` on the peer with this worker's transport address / block ids /
-generation, wait for the transfer, then continue decoding (recompute on failure).
+Disaggregation (role "decode"): a request whose gateway chose a prefill peer runs
+with `remote=`: the engine allocates the prompt's blocks (after local prefix hits) and
+`RemotePrefiller.fetch` has the peer prefill straight into them over kvtransfer; the
+request becomes runnable when every block has landed verified. On failure the policy
+recomputes locally or fails the request (decode/remote.py).
 """
 
 from __future__ import annotations
@@ -19,20 +19,23 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
 from decode.config import WorkerConfig
 from decode.metrics import WorkerMetrics
-from engine.async_llm import AsyncLLM, EngineDeadError
-from engine.llm_engine import RequestError
+from engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill
+from engine.llm_engine import RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import sampling_from_proto
+
+if TYPE_CHECKING:
+    from decode.remote import RemotePrefiller
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +56,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
         self.draining = False
         self.stopping = False  # set just before the server stops: Load streams end
-        # Where prefill peers write KV; the remote-prefill path may set it once its
-        # receiver listens (before readiness), Info and the registration report it.
-        self.transport_address = config.transport_address
+        # Set by decode/server.py before readiness on a decode worker: the receiver
+        # prefill peers write into, and its address (Info and registration report it).
+        self.prefiller: RemotePrefiller | None = None
+        self.transport_address = ""
         self.changed = asyncio.Event()  # poked on request start/end: load reports follow
 
     def attach(self, llm: AsyncLLM) -> None:
@@ -125,18 +129,23 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
              prefill_peer: pb.PrefillPeer | None) -> AsyncGenerator[RequestOutput, None]:
-        """The engine outputs for one request. SEAM (remote prefill): when
-        `prefill_peer` is set and this worker's role is "decode", the lead's branch
-        prefills on the peer and pushes KV here; for now every request prefills
-        locally. Closing the returned iterator must abort the request and free KV."""
+        """The engine outputs for one request, prefilled on `prefill_peer` when this is
+        a decode worker (else locally). Closing the returned iterator aborts the request,
+        cancels its remote prefill and frees its KV."""
         assert self.llm is not None  # Generate checked
-        if prefill_peer is not None and self.config.role == "decode":
-            log.debug("request %s: prefill peer %s given; prefilling locally for now",
-                      request.request_id, prefill_peer.address)
+        remote: RemotePrefill | None = None
+        prefiller = self.prefiller
+        if prefill_peer is not None and prefill_peer.address and prefiller is not None:
+            def remote(alloc: RemoteAlloc) -> Awaitable[int | None]:
+                assert prefiller is not None and prefill_peer is not None
+                return prefiller.fetch(alloc, request, prefill_peer)
+        elif prefill_peer is not None and self.config.role != "decode":
+            log.debug("request %s: prefill peer ignored by a %s worker", request.request_id,
+                      self.config.role)
         return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
             request.request_id, list(request.prompt_token_ids), params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            priority=request.priority))
+            priority=request.priority, remote=remote))
 
     @staticmethod
     def _response(rid: str, out: RequestOutput, n_prompt: int) -> pb.WorkerGenerateResponse:

@@ -28,6 +28,13 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The KV pool's size in blocks: `cache.num_blocks`, else what fits the byte budget."""
+    return config.cache.num_blocks or max(
+        1, config.cache.kv_cache_memory_bytes // kv_block_bytes(model_cfg, config.cache.block_size,
+                                                                dtype))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
                  kv_cache: torch.Tensor | None = None) -> None:
@@ -40,9 +47,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device)
         if kv_cache is None:
-            num_blocks = config.cache.num_blocks or max(
-                1, config.cache.kv_cache_memory_bytes
-                // kv_block_bytes(model_cfg, self.block_size, self.dtype))
+            num_blocks = num_kv_blocks(config, model_cfg, self.dtype)
             kv_cache = torch.zeros(kv_cache_shape(model_cfg, num_blocks, self.block_size),
                                    dtype=self.dtype, device=self.device)
         expected = kv_cache_shape(model_cfg, kv_cache.shape[0], self.block_size)

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from decode.service import WorkerService, request_id_from
 from engine.async_llm import AsyncLLM
@@ -43,16 +44,19 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PrefillService(pb_grpc.PrefillServicer):
-    def __init__(self, worker: WorkerService, transfer: TransferConfig) -> None:
+    def __init__(self, worker: WorkerService, transfer: TransferConfig,
+                 registry: CollectorRegistry | None = None) -> None:
+        """`registry`: where the sender's transfer metrics go (the worker's)."""
         self.worker = worker
         self.transfer = transfer
+        self._registry = registry
         self._sender: KVSender | None = None
         self._peers: dict[str, Peer] = {}
         self._connect_lock = asyncio.Lock()
 
     def _kv_sender(self, llm: AsyncLLM) -> KVSender:
         if self._sender is None:
-            sender = make_sender(self.transfer)
+            sender = make_sender(self.transfer, self._registry)
             sender.register(llm.engine.runner.kv_cache, KVLayout.from_json(self.worker.kv_layout))
             self._sender = sender
         return self._sender

@@ -62,11 +62,3 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
     for port in (http, grpc_port, worker_port, redis_port):
         assert _refused(port), f"port {port} still open after Ctrl-C"
     assert "stopped" in worker_log  # the worker drained and exited on its own
-
-
-def test_up_with_prefill_says_not_available_yet() -> None:
-    if os.path.isfile(os.path.join(ROOT, "prefill", "cli.py")):
-        pytest.skip("the prefill service exists: the disaggregated tests cover --prefill")
-    proc = _run_up("--model", tiny_model_dir("llama"), "--prefill", "1", "--decode", "1")
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and "not yet available" in out

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from cluster import up
-from cluster.launcher import ClusterSpec, prefill_available
+from cluster.launcher import ClusterSpec
 from tests.factories import tiny_model_dir
 
 
@@ -28,13 +28,13 @@ def test_flags_override_the_config_file(tmp_path) -> None:
     assert spec.gateway_args == ("--max-in-flight", "8")
 
 
-def test_default_cluster_without_prefill_is_one_colocated_worker() -> None:
+def test_default_cluster_is_one_prefill_one_decode_over_tcp() -> None:
     spec = up.build_spec(_args("--model", tiny_model_dir("llama")))
-    if prefill_available():
-        assert (spec.num_prefill, spec.num_decode) == (1, 1)
-    else:
-        assert (spec.num_prefill, spec.num_decode, spec.num_colocated) == (0, 0, 1)
+    assert (spec.num_prefill, spec.num_decode, spec.num_colocated) == (1, 1, 0)
+    assert spec.transport == "tcp"
     assert (spec.http_port, spec.grpc_port) == (8000, 50051)
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--colocated", "2"))
+    assert (spec.num_prefill, spec.num_decode, spec.num_colocated) == (0, 0, 2)
 
 
 def test_spec_errors() -> None:
@@ -42,6 +42,5 @@ def test_spec_errors() -> None:
         ClusterSpec(model_dir="m", num_colocated=0)
     with pytest.raises(ValueError):
         ClusterSpec(model_dir="m", transport="carrier-pigeon")
-    if not prefill_available():
-        with pytest.raises(ValueError, match="not yet available"):
-            ClusterSpec(model_dir="m", num_prefill=1, num_decode=1)
+    with pytest.raises(ValueError, match="decode worker"):
+        ClusterSpec(model_dir="m", num_prefill=1, num_decode=0, num_colocated=1)
