@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
@@ -107,6 +108,7 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._stats = self.engine.stats()
         self._dead: BaseException | None = None
+        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -184,6 +186,12 @@ class AsyncLLM:
         self._cmds.put(_Call(fn, asyncio.get_running_loop(), fut))
         return await fut
 
+    def set_kv_event_sink(self, sink: Callable[[list[KVEvent]], None] | None) -> None:
+        """`sink(events)` receives the block pool's BlockStored/BlockRemoved events after
+        every step, on the engine thread (so it must be quick and thread-safe). Without a
+        sink the events are dropped. For consistent snapshots, read the pool with `call`."""
+        self._kv_sink = sink
+
     def stats(self) -> SchedulerStats:
         """The scheduler's figures as of the end of the last step."""
         return self._stats
@@ -236,6 +244,15 @@ class AsyncLLM:
         except RequestError as e:
             self._deliver(cmd.request_id, e, last=True)
 
+    def _forward_kv_events(self) -> None:
+        events = self.engine.kv.pool.take_events()
+        sink = self._kv_sink
+        if events and sink is not None:
+            try:
+                sink(events)
+            except Exception:  # the index is advisory: never let it stop the engine
+                log.exception("kv event sink failed")
+
     def _loop(self) -> None:
         try:
             while True:
@@ -252,6 +269,7 @@ class AsyncLLM:
                 for out in self.engine.step():
                     self._deliver(out.request_id, out, last=out.finished)
                 self._stats = self.engine.stats()
+                self._forward_kv_events()
         except BaseException as e:  # a bug in the engine: fail every stream loudly
             log.exception("engine loop crashed")
             self._dead = e

@@ -136,6 +136,11 @@ class BlockPool:
         if removed:
             self._events.append(BlockRemoved(tuple(removed)))
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash the pool holds KV for (in use or evictable), e.g. for an index
+        snapshot; read it on the engine's thread."""
+        return list(self._cached)
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
