@@ -88,6 +88,7 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.children: list[Child] = []
         self.redis_url = ""
         # The KV-transfer secret every prefill/decode child is given (environment only,

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default $SPLITSERVE_CLUSTER_TOKEN)")
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="decode: what a failed remote prefill does")
+    p.add_argument("--prefill-timeout", type=float, default=30.0,
+                   help="decode: deadline in seconds of one Prefill call to a prefill peer")
     p.add_argument("--kv-lease", type=float, default=30.0,
                    help="seconds a transfer may take before its blocks are fenced and reused")
     p.add_argument("--kv-checksum", action="store_true",
@@ -96,5 +98,6 @@ def run(args: argparse.Namespace) -> int:
         advertise_host=args.advertise_host, metrics_port=args.metrics_port,
         redis_url=args.redis, registration_ttl_s=args.registration_ttl,
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
-        drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy)
+        drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy,
+        prefill_timeout_s=args.prefill_timeout)
     return asyncio.run(serve(config, ecfg, transfer_config(args)))

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from engine.llm_engine import RemoteAlloc
 from kvtransfer.base import KVReceiver
@@ -58,6 +58,10 @@ class RemotePrefiller:
         self.config = config
         self.worker_id = worker_id
         self.receiver: KVReceiver = make_receiver(config.transfer, registry)
+        self._outcomes = Counter(
+            "splitserve:remote_prefill", "Remote prefills by outcome (ok, or the policy "
+            "that handled a failure: recompute, fail)", ["outcome"],
+            registry=registry if registry is not None else CollectorRegistry())
         self._generations = itertools.count(1)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._address = ""
@@ -106,6 +110,7 @@ class RemotePrefiller:
             resp = await self._stub(peer.address).Prefill(
                 call, timeout=self.config.rpc_timeout_s, metadata=(("x-request-id", rid),))
             await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.lease_s)
+            self._outcomes.labels("ok").inc()
             return int(resp.first_token)
         except asyncio.CancelledError:
             await self._fence(rid, landed, "request cancelled")
@@ -116,6 +121,7 @@ class RemotePrefiller:
             log.warning("request %s: remote prefill on %s failed (%s); policy %s", rid,
                         peer.worker_id or peer.address, reason, self.config.policy)
             await self._fence(rid, landed, "remote prefill failed")
+            self._outcomes.labels(self.config.policy).inc()
             if self.config.policy == "fail":
                 raise RemotePrefillFailed(reason) from e
             return None

@@ -11,8 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from cluster.launcher import ROOT, free_port
 from tests.factories import tiny_model_dir
 
@@ -33,8 +31,10 @@ def _run_up(*args: str) -> subprocess.Popen[str]:
 
 
 def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
+    """The default cluster (1 prefill + 1 decode), here over shm: nothing is left."""
     http, grpc_port = free_port(), free_port()
-    proc = _run_up("--model", tiny_model_dir("llama"), "--colocated", "1", "--num-blocks",
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = _run_up("--model", tiny_model_dir("llama"), "--transport", "shm", "--num-blocks",
                    "64", "--http-port", str(http), "--grpc-port", str(grpc_port),
                    "--demo-request")
     out = ""
@@ -56,9 +56,15 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-    worker_log = open(os.path.join(logs.group(1), "colocated-0.log")).read()
-    worker_port = int(re.search(r"listening on 127\.0\.0\.1:(\d+)", worker_log).group(1))
+    worker_logs = [open(os.path.join(logs.group(1), f"{name}.log")).read()
+                   for name in ("prefill-0", "decode-0")]
+    ports = [int(re.search(r"listening on 127\.0\.0\.1:(\d+)", w).group(1))
+             for w in worker_logs]
+    ports.append(int(re.search(r'kv receiver listening: .*"port": (\d+)',
+                               worker_logs[1]).group(1)))
     redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", out).group(1))
-    for port in (http, grpc_port, worker_port, redis_port):
+    for port in (http, grpc_port, redis_port, *ports):
         assert _refused(port), f"port {port} still open after Ctrl-C"
-    assert "stopped" in worker_log  # the worker drained and exited on its own
+    for w in worker_logs:
+        assert "stopped" in w  # the worker drained and exited on its own
+    assert set(os.listdir("/dev/shm")) <= shm_before, "shared memory left behind"

@@ -1,0 +1,180 @@
+"""Disaggregated serving with real processes: redis-server, one prefill and one decode
+worker and the gateway (cluster.launcher, as `splitserve up` starts them). The routing
+profile sends every prompt to the prefill worker (decider threshold 0), so every
+request's KV crosses the transport under test into the decode's paged cache."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import openai
+import pytest
+
+from cluster.launcher import ClusterSpec, LocalCluster
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from protos import splitserve_pb2 as pb
+from protos import splitserve_pb2_grpc as pb_grpc
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.integration.serving_util import load_report, metric, wait_for
+
+NUM_BLOCKS = 128
+WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
+               "--max-num-batched-tokens", "64", "--log-level", "INFO")
+ALWAYS_REMOTE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: max_score\n"
+                 "  decider: {name: threshold, threshold: 0}\n")
+
+
+def start_cluster(tmp_path, transport: str, extra_worker_args: tuple[str, ...] = ()
+                  ) -> LocalCluster:
+    profile = tmp_path / "routing.yaml"
+    profile.write_text(ALWAYS_REMOTE)
+    spec = ClusterSpec(model_dir=tiny_model_dir("llama"), num_prefill=1, num_decode=1,
+                       num_colocated=0, transport=transport,
+                       worker_args=WORKER_ARGS + extra_worker_args,
+                       gateway_args=("--routing", str(profile)), ready_timeout_s=150,
+                       log_dir=str(tmp_path / "logs"))
+    c = LocalCluster(spec)
+    c.start()
+    return c
+
+
+def child(cluster: LocalCluster, name: str):
+    return next(c for c in cluster.children if c.name == name)
+
+
+def logs(cluster: LocalCluster) -> str:
+    return "\n".join(f"== {c.name}\n{c.log_tail(20)}" for c in cluster.children
+                     if c.name != "redis")
+
+
+def all_blocks_free(cluster: LocalCluster) -> bool:
+    reps = [load_report(child(cluster, n).grpc_address) for n in ("prefill-0", "decode-0")]
+    return all(r.num_free_blocks == r.num_blocks == NUM_BLOCKS and r.num_active == 0
+               for r in reps)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(tiny_model_dir("llama"), num_blocks=NUM_BLOCKS, max_num_seqs=32,
+               max_num_batched_tokens=64)
+
+
+def mixed_prompts() -> tuple[list[list[int]], list[int]]:
+    lengths = [3, 17, 40, 90, 5, 33, 64, 128, 8, 21, 50, 75, 12, 100, 16, 200]
+    prompts = [[(11 * i + 17 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    # Two prompts share a 48-token prefix: the second hits the decode's prefix cache.
+    prompts[9] = prompts[7][:48] + prompts[9]
+    return prompts, [4 + (i * 7) % 29 for i in range(len(prompts))]
+
+
+async def grpc_generate(port: int, prompts: list[list[int]], max_tokens: list[int]
+                        ) -> list[list[int]]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = pb_grpc.GenerateStub(ch)
+
+        async def one(p: list[int], m: int) -> list[int]:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                max_tokens=m, temperature=0.0))
+            out: list[int] = []
+            async for r in stub.Generate(req, timeout=120):
+                out += r.token_ids
+            return out
+        return list(await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
+def test_greedy_through_remote_prefill_equals_offline(tmp_path, offline, transport) -> None:
+    prompts, max_tokens = mixed_prompts()
+    ref = offline.generate(prompts, [SamplingParams(max_tokens=m, temperature=0)
+                                     for m in max_tokens])
+    before = set(os.listdir("/dev/shm"))
+    cluster = start_cluster(tmp_path, transport)
+    try:
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        got = asyncio.run(grpc_generate(cluster.grpc_port, prompts, max_tokens))
+        assert got == [r.token_ids for r in ref], logs(cluster)
+        # Every request was prefilled remotely and its KV crossed the transport.
+        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
+        assert ok == len(prompts), logs(cluster)
+        moved = metric(decode_metrics, "splitserve:kv_transfer_bytes_total",
+                       transport=transport)
+        assert moved > 0
+        # The OpenAI SDK, streaming, through the same path.
+        model = os.path.basename(cluster.spec.model_dir)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1",
+                          api_key="none", timeout=60, max_retries=0)
+        chunks = c.completions.create(model=model, prompt=prompts[3], max_tokens=max_tokens[3],
+                                      temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref[3].text
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()
+    assert set(os.listdir("/dev/shm")) <= before, "shared-memory segments left behind"
+    if transport == "tcp":  # the offline engine is transformers' greedy (spot check)
+        hf = hf_model(tiny_model_dir("llama"))
+        eos = offline.engine.eos_token_ids[0] if offline.engine.eos_token_ids else None
+        for i in (3, 9, 15):
+            assert hf_greedy(hf, prompts[i], max_tokens[i], eos) == ref[i].token_ids
+
+
+def test_disconnect_frees_blocks_on_both_workers_and_killed_prefill_is_recomputed(
+        tmp_path, offline) -> None:
+    cluster = start_cluster(tmp_path, "tcp", ("--prefill-timeout", "20"))
+    try:
+        _disconnect_mid_stream(cluster)
+        wait_for(lambda: all_blocks_free(cluster), 10, "free blocks after the disconnect")
+        _kill_prefill_while_decode_waits(cluster, offline)
+        wait_for(lambda: load_report(child(cluster, "decode-0").grpc_address).num_free_blocks
+                 == NUM_BLOCKS, 10, "the decode's blocks free after the recompute")
+    finally:
+        cluster.stop()
+
+
+def _disconnect_mid_stream(cluster: LocalCluster) -> None:
+    decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+    body = (b'{"prompt": [' + b", ".join(str(i % 400 + 3).encode() for i in range(150))
+            + b'], "max_tokens": 700, "ignore_eos": true, "temperature": 0, "stream": true}')
+    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                  + b"\r\n\r\n" + body)
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            chunk = s.recv(4096)
+            assert chunk, "stream ended early"
+            seen += chunk
+    wait_for(lambda: metric(decode_metrics, "vllm:request_success_total",
+                            finished_reason="abort") >= 1, 10, "the decode to abort")
+    assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok") == 1
+
+
+def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> None:
+    """The prefill worker hangs (SIGSTOP) with a Prefill call pending, then dies
+    (SIGKILL): the decode sees the call fail, fences the transfer and prefills itself."""
+    decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+    prompt = [(5 * j) % 300 + 2 for j in range(120)]
+    ref = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
+    victim = child(cluster, "prefill-0")
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    result: list[list[int]] = []
+    t = threading.Thread(target=lambda: result.extend(
+        asyncio.run(grpc_generate(cluster.grpc_port, [prompt], [12]))))
+    t.start()
+    try:
+        # The decode has allocated the prompt's blocks and is waiting on the peer.
+        wait_for(lambda: load_report(child(cluster, "decode-0").grpc_address).num_free_blocks
+                 < NUM_BLOCKS, 10, "the decode to allocate blocks for the remote prefill")
+        time.sleep(0.3)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive()
+    assert result == [ref.token_ids], logs(cluster)
+    assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="recompute") == 1
