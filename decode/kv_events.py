@@ -227,3 +227,19 @@ def engine_snapshot_source(llm: AsyncLLM) -> SnapshotSource:
         return await llm.call(take)
 
     return snapshot
+
+
+def start_kv_publisher(redis_url: str | None, model: str, node: str, llm: AsyncLLM,
+                       timeout_s: float) -> KVEventPublisher | None:
+    """The worker's publisher (None without Redis): device events from `llm`, started.
+    Other tiers join with `add_snapshot_source` + `publish`; the caller `close()`s it."""
+    if not redis_url:
+        return None
+    from kvtransfer.index import IndexConfig
+
+    index = RedisBlockIndex(redis_url, model, IndexConfig(timeout_ms=int(timeout_s * 1000)))
+    pub = KVEventPublisher(index, node)
+    pub.add_snapshot_source(DEVICE, engine_snapshot_source(llm))
+    llm.set_kv_event_sink(pub.on_engine_events)
+    pub.start()
+    return pub

@@ -29,6 +29,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
 from decode.config import WorkerConfig
+from decode.kv_events import start_kv_publisher
 from decode.metrics import WorkerMetrics
 from decode.registration import RedisRegistrar
 from decode.remote import RemotePrefillConfig, RemotePrefiller
@@ -166,6 +167,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     service.attach(llm)
     registrar = _registrar(config, model, address, service)
     beat = asyncio.create_task(registrar.run()) if registrar else None
+    kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
+                                  config.redis_timeout_s)
     await health.set("readiness", SERVING)
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()
@@ -176,6 +179,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
             await beat
     if registrar is not None:
         await registrar.remove()
+    if kv_index is not None:
+        await kv_index.close()
     service.stopping = True
     service.changed.set()
     await asyncio.sleep(0.1)  # let Load streams return before the server cancels them
