@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -94,11 +95,16 @@ class RemotePrefiller:
         return pb_grpc.PrefillStub(ch)
 
     async def fetch(self, alloc: RemoteAlloc, request: pb.WorkerGenerateRequest,
-                    peer: pb.PrefillPeer) -> int | None:
-        """Prefills `request` on `peer` into `alloc`'s blocks; see the module doc."""
+                    peer: pb.PrefillPeer, deadline: float | None = None) -> int | None:
+        """Prefills `request` on `peer` into `alloc`'s blocks; see the module doc.
+        `deadline` (time.monotonic) is the caller's: the Prefill call and the transfer's
+        lease get what is left of it, capped by the configured timeouts."""
         rid = alloc.request_id
         gen = next(self._generations)
-        landed = self.receiver.expect(rid, whole_blocks(alloc.missing_block_ids), gen)
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        rpc_timeout = min(self.config.rpc_timeout_s, left or self.config.rpc_timeout_s)
+        lease = min(self.config.transfer.lease_s, left or self.config.transfer.lease_s)
+        landed = self.receiver.expect(rid, whole_blocks(alloc.missing_block_ids), gen, lease)
         call = pb.PrefillRequest(
             request_id=rid, token_ids=request.prompt_token_ids, sampling=request.sampling,
             dest=pb.KVDestination(transport_address=self._address, block_ids=alloc.block_ids,
@@ -108,8 +114,8 @@ class RemotePrefiller:
             call.cache_salt = request.cache_salt
         try:
             resp = await self._stub(peer.address).Prefill(
-                call, timeout=self.config.rpc_timeout_s, metadata=(("x-request-id", rid),))
-            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.lease_s)
+                call, timeout=rpc_timeout, metadata=(("x-request-id", rid),))
+            await asyncio.wait_for(asyncio.shield(landed), lease)
             self._outcomes.labels("ok").inc()
             return int(resp.first_token)
         except asyncio.CancelledError:

@@ -88,7 +88,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         ended = False  # finished, rejected or failed: anything else is a client abort
         self.changed.set()
         try:
-            async with contextlib.aclosing(self._run(request, params, peer)) as outs:
+            left = context.time_remaining()
+            deadline = None if left is None else time.monotonic() + left
+            async with contextlib.aclosing(self._run(request, params, peer, deadline)) as outs:
                 async for out in outs:
                     now = time.monotonic()
                     if out.new_token_ids:
@@ -128,7 +130,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.metrics.itl.labels(model).observe((now - last) / n_new)
 
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
-             prefill_peer: pb.PrefillPeer | None) -> AsyncGenerator[RequestOutput, None]:
+             prefill_peer: pb.PrefillPeer | None, deadline: float | None = None,
+             ) -> AsyncGenerator[RequestOutput, None]:
         """The engine outputs for one request, prefilled on `prefill_peer` when this is
         a decode worker (else locally). Closing the returned iterator aborts the request,
         cancels its remote prefill and frees its KV."""
@@ -138,7 +141,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if prefill_peer is not None and prefill_peer.address and prefiller is not None:
             def remote(alloc: RemoteAlloc) -> Awaitable[int | None]:
                 assert prefiller is not None and prefill_peer is not None
-                return prefiller.fetch(alloc, request, prefill_peer)
+                return prefiller.fetch(alloc, request, prefill_peer, deadline)
         elif prefill_peer is not None and self.config.role != "decode":
             log.debug("request %s: prefill peer ignored by a %s worker", request.request_id,
                       self.config.role)

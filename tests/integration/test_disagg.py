@@ -130,6 +130,8 @@ def test_disconnect_frees_blocks_on_both_workers_and_killed_prefill_is_recompute
     try:
         _disconnect_mid_stream(cluster)
         wait_for(lambda: all_blocks_free(cluster), 10, "free blocks after the disconnect")
+        _deadline_during_prefill(cluster)
+        wait_for(lambda: all_blocks_free(cluster), 10, "free blocks after the deadline")
         _kill_prefill_while_decode_waits(cluster, offline)
         wait_for(lambda: load_report(child(cluster, "decode-0").grpc_address).num_free_blocks
                  == NUM_BLOCKS, 10, "the decode's blocks free after the recompute")
@@ -153,6 +155,28 @@ def _disconnect_mid_stream(cluster: LocalCluster) -> None:
     wait_for(lambda: metric(decode_metrics, "vllm:request_success_total",
                             finished_reason="abort") >= 1, 10, "the decode to abort")
     assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok") == 1
+
+
+def _deadline_during_prefill(cluster: LocalCluster) -> None:
+    """The deadline passes while the prefill worker is stalled (SIGSTOP) inside the
+    Prefill call: the gateway cancels the decode's stream, the decode cancels its Prefill
+    call and fences the transfer; resumed, the prefill worker drops the call. Both free
+    their blocks (checked by the caller)."""
+    prompt = [(3 * j) % 450 + 1 for j in range(300)]
+    prefill = child(cluster, "prefill-0")
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                     sampling=pb.SamplingParams(max_tokens=20, temperature=0.0))
+            with pytest.raises(grpc.RpcError) as ei:
+                list(pb_grpc.GenerateStub(ch).Generate(req, timeout=1.0))
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+    decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+    wait_for(lambda: metric(decode_metrics, "splitserve:kv_transfer_failures_total",
+                            kind="cancelled") >= 1, 10, "the decode to fence the transfer")
 
 
 def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> None:
