@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine_bench", "engine throughput vs transformers generate"),
     "transfer": ("bench.transfer_bench", "KV transfer GB/s per transport vs memcpy / raw TCP"),
+    "run": ("bench.run_cli", "measure a running OpenAI-compatible or splitserve gRPC server"),
+    "experiment": ("bench.experiment_cli", "start and compare cluster configurations"),
 }
 
 

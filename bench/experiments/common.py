@@ -1,0 +1,174 @@
+"""What every experiment shares: its config, a LocalCluster whose workers are pinned to
+cores, waiting until the gateway routes to every worker, measuring phases over the
+OpenAI HTTP API, and reading worker Prometheus counters.
+
+Ownership: an experiment owns each cluster it starts (a context manager: it is stopped
+before the next configuration starts, so configurations never share the machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from bench.base import BenchError, BenchRequest
+from bench.clients import OpenAIClient
+from bench.datasets import LengthDist, TokenPool, synthetic
+from bench.load import LoadSpec
+from bench.runner import Phase, run_phase
+from cluster.launcher import ClusterSpec, LocalCluster
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentConfig:
+    model_dir: str
+    out_dir: str
+    quick: bool = False  # a few-second version (the test suite runs it)
+    seed: int = 0
+    progress: bool = True
+    phase_timeout_s: float = 600.0
+    request_timeout_s: float = 120.0
+    transports: tuple[str, ...] = ("ucx", "tcp", "shm")
+    slo: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            raise BenchError(f"{self.model_dir!r} is not a model directory (no config.json)")
+        if self.phase_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise BenchError("timeouts must be > 0")
+
+
+class PinnedCluster(LocalCluster):
+    """A LocalCluster whose children named in `pins` (e.g. {"prefill-0": "0"}) run
+    through `bench.pin`, so each is confined to its cores with one thread per core."""
+
+    def __init__(self, spec: ClusterSpec, pins: dict[str, str]) -> None:
+        super().__init__(spec)
+        self.pins = pins
+
+    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Any:
+        if name in self.pins:
+            argv = [sys.executable, "-m", "bench.pin", self.pins[name], "--", *argv]
+        return super().spawn(name, argv, grpc_address)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.http_port}"
+
+    def worker_metrics_ports(self, role_prefix: str = "") -> list[int]:
+        return [int(c.extra["metrics_port"]) for c in self.children
+                if "metrics_port" in c.extra and c.name.startswith(role_prefix)]
+
+
+@contextlib.contextmanager
+def start_cluster(cfg: ExperimentConfig, *, prefill: int = 0, decode: int = 0,
+                  colocated: int = 0, transport: str = "tcp", pins: dict[str, str] | None = None,
+                  gateway_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                  ) -> Iterator[PinnedCluster]:
+    """Starts the cluster, waits until the gateway can route to all its workers, yields
+    it and stops it."""
+    spec = ClusterSpec(cfg.model_dir, num_prefill=prefill, num_decode=decode,
+                       num_colocated=colocated, transport=transport,
+                       worker_args=("--max-model-len", "2048", *worker_args),
+                       gateway_args=gateway_args,
+                       log_dir=os.path.join(cfg.out_dir, "logs", f"{int(time.time() * 1e3)}"))
+    cluster = PinnedCluster(spec, pins or {})
+    cluster.start()
+    try:
+        wait_routable(cluster, prefill + decode + colocated)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def wait_routable(cluster: PinnedCluster, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(cluster.url + "/debug/workers", timeout=2.0) as r:
+                seen = json.loads(r.read())
+        except OSError:
+            seen = []
+        if sum(bool(w.get("routable")) for w in seen) >= n:
+            return
+        cluster.check_alive()
+        time.sleep(0.2)
+    raise BenchError(f"the gateway saw {len(seen)} routable of {n} workers after "
+                     f"{timeout_s:.0f} s (logs in {cluster.log_dir})")
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """A /metrics page as {sample name: value summed over labels}."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5.0) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def scrape_all(ports: list[int]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for port in ports:
+        for k, v in scrape(port).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def measure(cfg: ExperimentConfig, cluster: PinnedCluster,
+            body: Callable[[OpenAIClient], Awaitable[list[Phase]]]) -> list[Phase]:
+    """Runs `body(client)` with an OpenAI client on the cluster's gateway, after a
+    warm-up of two tiny requests per worker (not measured)."""
+
+    async def main() -> list[Phase]:
+        client = OpenAIClient(cluster.url, timeout_s=cfg.request_timeout_s)
+        try:
+            pool = TokenPool.from_tokenizer_dir(cfg.model_dir, cfg.seed)
+            warm = synthetic(pool, 2 * max(1, len(cluster.children)), LengthDist(mean=16),
+                             LengthDist(mean=2), seed=cfg.seed + 99)
+            phase = await run_phase(client, warm, LoadSpec("concurrency", concurrency=2),
+                                    name="warm-up", progress=False, timeout_s=60.0)
+            if phase.summary["failed"]:
+                raise BenchError(f"warm-up failed: {phase.summary['errors']} "
+                                 f"(logs in {cluster.log_dir})")
+            return await body(client)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def phase_kw(cfg: ExperimentConfig) -> dict[str, Any]:
+    return {"progress": cfg.progress, "timeout_s": cfg.phase_timeout_s,
+            "slo": dict(cfg.slo) or None}
+
+
+def tokens(cfg: ExperimentConfig) -> TokenPool:
+    return TokenPool.from_tokenizer_dir(cfg.model_dir, cfg.seed)
+
+
+def fixed(pool: TokenPool, n: int, prompt_len: int, output_len: int, seed: int,
+          tag: str) -> list[BenchRequest]:
+    return synthetic(pool, n, LengthDist(mean=prompt_len), LengthDist(mean=output_len),
+                     seed=seed, tag=tag)
+
+
+def pick(summary: dict[str, Any], metric: str, q: str) -> float | None:
+    v = summary[metric][q]
+    return None if v is None else round(float(v), 6)
