@@ -22,6 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted Bearer key on /v1/* (repeatable; default $SPLITSERVE_API_KEY)")
     p.add_argument("--routing", default=None, help="routing profile YAML")
+    p.add_argument("--admin-key", default=os.environ.get("SPLITSERVE_ADMIN_KEY"),
+                   help="Bearer key of the admin API (/admin/v1/routing); default "
+                        "$SPLITSERVE_ADMIN_KEY; unset: the admin API is off")
+    p.add_argument("--index-timeout-ms", type=int, default=50,
+                   help="deadline of one Redis block index lookup")
     p.add_argument("--max-in-flight", type=int, default=256)
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -52,5 +57,6 @@ def run(args: argparse.Namespace) -> int:
         static_workers=tuple(w.strip() for w in args.workers.split(",") if w.strip()),
         api_keys=tuple(keys), max_in_flight=args.max_in_flight,
         client_max_size=args.max_body_bytes, request_timeout_s=args.request_timeout,
-        routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile())
+        routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile(),
+        admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

@@ -29,6 +29,12 @@ class GatewayConfig:
     retry_backoff_max_s: float = 2.0
     max_route_attempts: int = 2  # tries when a worker fails before its first token
     routing: RoutingProfile = field(default_factory=RoutingProfile)
+    admin_key: str | None = None  # Bearer key of /admin/v1/*; None: the admin API is off
+    index_timeout_ms: int = 50  # deadline of one block index lookup
+    index_breaker_failures: int = 3  # consecutive index failures that stop lookups...
+    index_breaker_cooldown_s: float = 2.0  # ...for this long, then one probe
+    locality_alpha: float = 0.2  # EWMA weight of one request in the index accuracy
+    locality_min_trust: float = 0.1  # floor of a worker's locality trust
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -46,3 +52,10 @@ class GatewayConfig:
             raise ValueError("timeouts and intervals must be positive")
         if self.max_route_attempts < 1:
             raise ValueError("max_route_attempts must be >= 1")
+        if self.admin_key is not None and len(self.admin_key) < 8:
+            raise ValueError("the admin key must be at least 8 characters")
+        if self.index_timeout_ms <= 0 or self.index_breaker_failures < 1 \
+                or self.index_breaker_cooldown_s <= 0:
+            raise ValueError("index timeout, breaker failures and cooldown must be positive")
+        if not 0 < self.locality_alpha <= 1 or not 0 <= self.locality_min_trust <= 1:
+            raise ValueError("need 0 < locality_alpha <= 1 and 0 <= locality_min_trust <= 1")

@@ -26,11 +26,13 @@ from gateway.errors import (
     Overloaded,
     UpstreamTimeout,
 )
+from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import GenerateInput, ModelContext
 from gateway.registry import WorkerRegistry
 from gateway.routing.base import RouteDecision, RouteRequest
-from gateway.routing.profile import NoCandidates, Router
+from gateway.routing.profile import NoCandidates, Router, RoutingProfile
+from kvtransfer.index import IndexConfig, IndexLookup, RedisBlockIndex
 from protos import splitserve_pb2 as pb
 from protos.convert import sampling_to_proto
 
@@ -44,9 +46,24 @@ class Gateway:
         self.ctx = ctx
         self.registry = registry
         self.metrics = metrics
-        self.router = Router(config.routing)
+        self.router = Router(config.routing)  # replaced whole by set_profile
         self.block_size = block_size
         self.in_flight = 0
+        index = RedisBlockIndex(config.redis_url, config.served_model_name, IndexConfig(
+            timeout_ms=config.index_timeout_ms,
+            breaker_failures=config.index_breaker_failures,
+            breaker_cooldown_s=config.index_breaker_cooldown_s)) if config.redis_url else None
+        self.locality = Locality(index, metrics, config.locality_alpha,
+                                 config.locality_min_trust)
+
+    def set_profile(self, profile: RoutingProfile) -> None:
+        """Swaps the routing profile atomically: requests routed after this call use the
+        new one; a request being routed keeps the router it started with."""
+        self.router = Router(profile)
+        log.info("event=routing_profile_set profile=%s", profile.to_dict())
+
+    async def close(self) -> None:
+        await self.locality.close()
 
     def observe_info(self, info: pb.InfoResponse) -> None:
         """A worker's Info: validate against its context limit, hash with its block
@@ -60,17 +77,32 @@ class Gateway:
     def ready(self) -> bool:
         return any(c.role in ("decode", "colocated") for c in self.registry.candidates())
 
-    def _route(self, inp: GenerateInput, request_id: str) -> RouteDecision:
-        # Block hashes for locality scoring (the Redis-index scorer of a later issue).
+    async def _route_request(self, inp: GenerateInput, request_id: str,
+                             ) -> tuple[RouteRequest, IndexLookup | None]:
+        """The prompt's block hashes (salted per tenant) and what the index knows of
+        them, for the live workers."""
         hashes = hash_blocks(inp.prompt_token_ids, self.block_size,
                              make_extra_key(inp.model, inp.cache_salt))
         req = RouteRequest(request_id, inp.prompt_token_ids, hashes, self.block_size)
+        nodes = {c.worker_id for c in self.registry.candidates()}
+        lookup = await self.locality.lookup(hashes, nodes)
+        return self.locality.fill(req, lookup), lookup
+
+    def _route(self, req: RouteRequest, lookup: IndexLookup | None,
+               model: str) -> RouteDecision:
         try:
             decision = self.router.route(req, self.registry.candidates())
         except NoCandidates as e:
-            raise NoWorkerAvailable(f"no ready worker for model {inp.model!r}: {e}") from e
+            raise NoWorkerAvailable(f"no ready worker for model {model!r}: {e}") from e
         self.metrics.routed.labels(decision.decode.worker_id,
                                    "remote" if decision.prefill else "local").inc()
+        if lookup is None and self.locality.index is not None:
+            reason = "index_unavailable"
+        elif req.cached_tokens.get(decision.decode.worker_id, 0) > 0:
+            reason = "prefix_hit"
+        else:
+            reason = "load"
+        self.metrics.decision_reasons.labels(reason).inc()
         return decision
 
     def _worker_request(self, inp: GenerateInput, request_id: str,
@@ -98,8 +130,9 @@ class Gateway:
                              "requests in flight; retry later")
         self.in_flight += 1
         try:
+            req, lookup = await self._route_request(inp, request_id)
             for attempt in range(1, self.config.max_route_attempts + 1):
-                decision = self._route(inp, request_id)
+                decision = self._route(req, lookup, inp.model)
                 sent = False
                 try:
                     # aclosing: when our caller stops early, the worker call is cancelled
@@ -107,6 +140,10 @@ class Gateway:
                     async with contextlib.aclosing(
                             self._call(inp, request_id, decision, deadline)) as responses:
                         async for resp in responses:
+                            if not sent and lookup is not None:
+                                wid = decision.decode.worker_id
+                                self.locality.observe(wid, req.cached_tokens.get(wid, 0),
+                                                      resp.num_cached_tokens)
                             sent = True
                             yield resp
                     return

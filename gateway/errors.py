@@ -35,6 +35,12 @@ class Unauthorized(APIError):
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class Forbidden(APIError):
+    status = 403
+    err_type = "PermissionDeniedError"
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class ModelNotFound(APIError):
     status = 404
     err_type = "NotFoundError"

@@ -23,9 +23,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.core import Gateway
-from gateway.errors import APIError, InvalidRequest, Unauthorized
+from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
 from gateway.protocol import GenerateInput, parse_chat, parse_completion
+from gateway.routing.profile import RoutingProfile
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,45 @@ async def workers(request: web.Request) -> web.Response:
     return web.json_response(request.app[GATEWAY_KEY].registry.snapshot())
 
 
+def _check_admin(request: web.Request) -> None:
+    """401 without a Bearer key, 403 with a wrong one or when no admin key is set."""
+    key = request.app[GATEWAY_KEY].config.admin_key
+    auth = request.headers.get("Authorization", "")
+    if not auth.startswith("Bearer ") or not auth[7:]:
+        raise Unauthorized("the admin API needs `Authorization: Bearer <admin key>`")
+    if key is None:
+        raise Forbidden("the admin API is disabled (start the gateway with --admin-key)")
+    if not hmac.compare_digest(auth[7:].encode(), key.encode()):
+        raise Forbidden("wrong admin key")
+
+
+async def get_routing(request: web.Request) -> web.Response:
+    """The live routing profile (as `POST` takes it)."""
+    _check_admin(request)
+    return web.json_response(request.app[GATEWAY_KEY].router.profile.to_dict())
+
+
+async def post_routing(request: web.Request) -> web.Response:
+    """Replaces the routing profile: a body in YAML or JSON (the same mapping as the
+    `--routing` file, `routing:` key optional), validated whole before the swap."""
+    import yaml
+
+    _check_admin(request)
+    gw = request.app[GATEWAY_KEY]
+    raw = await request.read()
+    try:
+        data = yaml.safe_load(raw.decode())
+        if isinstance(data, dict) and isinstance(data.get("routing"), dict):
+            data = data["routing"]
+        if not isinstance(data, dict):
+            raise ValueError("a routing profile is a mapping")
+        profile = RoutingProfile.from_dict(data)
+    except (ValueError, TypeError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise InvalidRequest(f"invalid routing profile: {e}") from e
+    gw.set_profile(profile)
+    return web.json_response(profile.to_dict())
+
+
 def build_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.client_max_size,
                           middlewares=[_middleware])
@@ -181,4 +221,6 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/workers", workers)
+    app.router.add_get("/admin/v1/routing", get_routing)
+    app.router.add_post("/admin/v1/routing", post_routing)
     return app

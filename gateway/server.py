@@ -82,4 +82,5 @@ async def serve(config: GatewayConfig, block_size: int = 16,
         await server.stop(grace=2.0)
     await runner.cleanup()
     await registry.stop()
+    await gw.close()
     return 0

@@ -37,14 +37,20 @@ class Candidate:
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What routing may look at. `block_hashes` are the prompt's full-block hashes
-    (engine.block_hash); `cached_tokens` maps worker id -> prompt tokens it already
-    holds, filled by a locality source (the Redis index, a later issue) or empty."""
+    (engine.block_hash). Filled from the Redis block index (gateway/locality.py), empty
+    without it: `cached_tokens` maps worker id -> prompt tokens it is predicted to hold
+    (what it will not recompute); `locality` worker id -> the tier of each leading block
+    it holds; `indexed_blocks` the leading blocks some node holds (a peer could serve
+    them); `locality_trust` worker id -> [0, 1], how far the index proved right for it."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     block_hashes: Sequence[BlockHash] = ()
     block_size: int = 16
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    locality: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    indexed_blocks: int = 0
+    locality_trust: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 the Router that runs them.
 
     scorers:                      # weighted sum of [0, 1] scores
+      - {name: prefix_locality, weight: 2.0, tiers: {device: 1.0, host: 0.8}}
       - {name: queue, weight: 1.0}
       - {name: kv_usage, weight: 0.5}
     picker: power_of_two          # or max_score
@@ -14,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import gateway.routing.locality  # noqa: F401  (registers prefix_locality)
 import gateway.routing.plugins  # noqa: F401  (registers the built-in plugins)
 from gateway.routing.base import (
     DECIDERS,
@@ -23,6 +25,7 @@ from gateway.routing.base import (
     Candidate,
     RouteDecision,
     RouteRequest,
+    Scorer,
 )
 from gateway.routing.plugins import DECODE_ROLES
 
@@ -35,18 +38,32 @@ class NoCandidates(LookupError):
 
 @dataclass(frozen=True, slots=True)
 class ScorerSpec:
+    """A scorer, its weight and its options (keyword arguments of its factory)."""
+
     name: str
     weight: float = 1.0
+    options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.name not in SCORERS.names():
             raise ValueError(f"unknown scorer {self.name!r}; known: {SCORERS.names()}")
         if not self.weight >= 0:
             raise ValueError(f"scorer {self.name!r}: weight must be >= 0")
+        self.create()  # bad options fail here, not at the first request
+
+    def create(self) -> Scorer:
+        try:
+            return SCORERS.create(self.name, **dict(self.options))
+        except TypeError as e:  # an option the scorer does not take
+            raise ValueError(f"scorer {self.name!r}: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "weight": self.weight, **dict(self.options)}
 
 
 def _default_scorers() -> tuple[ScorerSpec, ...]:
-    return (ScorerSpec("queue", 1.0), ScorerSpec("kv_usage", 0.5))
+    return (ScorerSpec("prefix_locality", 2.0), ScorerSpec("queue", 1.0),
+            ScorerSpec("kv_usage", 0.5))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +93,17 @@ class RoutingProfile:
             raise ValueError(f"unknown routing keys: {sorted(unknown)}")
         kw: dict[str, Any] = {}
         if "scorers" in d:
+            if not isinstance(d["scorers"], list):
+                raise ValueError("scorers must be a list")
             specs = []
             for s in d["scorers"]:
                 s = {"name": s} if isinstance(s, str) else s
-                if not isinstance(s, dict) or set(s) - {"name", "weight"}:
-                    raise ValueError(f"a scorer is a name or {{name, weight}}, got {s!r}")
-                specs.append(ScorerSpec(str(s["name"]), float(s.get("weight", 1.0))))
+                if not isinstance(s, dict) or "name" not in s:
+                    raise ValueError(f"a scorer is a name or {{name, weight, options...}}, "
+                                     f"got {s!r}")
+                opts = tuple(sorted((str(k), v) for k, v in s.items()
+                                    if k not in ("name", "weight")))
+                specs.append(ScorerSpec(str(s["name"]), _number(s.get("weight", 1.0)), opts))
             kw["scorers"] = tuple(specs)
         if "picker" in d:
             kw["picker"] = str(d["picker"])
@@ -97,6 +119,12 @@ class RoutingProfile:
             kw["seed"] = int(d["seed"])
         return cls(**kw)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The profile as `from_dict` reads it (round-trips)."""
+        return {"scorers": [s.to_dict() for s in self.scorers], "picker": self.picker,
+                "decider": {"name": self.decider, "threshold": self.decider_threshold},
+                "seed": self.seed}
+
     @classmethod
     def from_yaml(cls, path: str) -> RoutingProfile:
         import yaml
@@ -108,6 +136,12 @@ class RoutingProfile:
         return cls.from_dict(data.get("routing", data))
 
 
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"a scorer weight must be a number, got {v!r}")
+    return float(v)
+
+
 class Router:
     """Runs a profile's plugins. Stateless apart from the pickers' random streams."""
 
@@ -115,7 +149,7 @@ class Router:
         self.profile = profile
         self._decode_filter = FILTERS.create("ready_role", roles=DECODE_ROLES)
         self._prefill_filter = FILTERS.create("ready_role", roles=("prefill",))
-        self._scorers = [(SCORERS.create(s.name), s.weight) for s in profile.scorers]
+        self._scorers = [(s.create(), s.weight) for s in profile.scorers]
         self._picker = PICKERS.create(profile.picker, seed=profile.seed)
         self._decider = DECIDERS.create(profile.decider, threshold=profile.decider_threshold)
 

@@ -100,4 +100,5 @@ def test_example_profile_in_deploy_parses() -> None:
         os.path.abspath(__file__)))))
     prof = RoutingProfile.from_yaml(os.path.join(root, "deploy", "routing.example.yaml"))
     assert prof.picker == "power_of_two" and prof.decider_threshold == 256
-    assert [s.name for s in prof.scorers] == ["queue", "kv_usage"]
+    assert [s.name for s in prof.scorers] == ["prefix_locality", "queue", "kv_usage"]
+    assert dict(prof.scorers[0].options)["tiers"]["device"] == 1.0

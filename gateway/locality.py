@@ -1,0 +1,88 @@
+"""The gateway's view of KV locality: Redis block index lookups (timed, counted) that
+fill a RouteRequest, and the closed loop that learns per worker how far the index can
+be trusted.
+
+Closed loop: for the chosen worker the gateway predicts the prompt tokens it will not
+recompute (its leading indexed blocks, capped as the engine caps prefix hits: the last
+prompt token is always computed) and compares with the `num_cached_tokens` the worker
+reports. Accuracy per request is min(p, a) / max(p, a) (1 when both are 0); its EWMA is
+the worker's trust, the factor on its locality score (floored at `min_trust`).
+
+Ownership: Locality owns its RedisBlockIndex (`close()`); metrics are borrowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engine.block_hash import BlockHash
+from gateway.metrics import GatewayMetrics
+from gateway.routing.base import RouteRequest
+from kvtransfer.index import IndexLookup, RedisBlockIndex
+
+log = logging.getLogger(__name__)
+
+
+class Locality:
+    def __init__(self, index: RedisBlockIndex | None, metrics: GatewayMetrics,
+                 alpha: float = 0.2, min_trust: float = 0.1) -> None:
+        if not 0 < alpha <= 1 or not 0 <= min_trust <= 1:
+            raise ValueError("need 0 < alpha <= 1 and 0 <= min_trust <= 1")
+        self.index = index
+        self.metrics = metrics
+        self.alpha = alpha
+        self.min_trust = min_trust
+        self._accuracy: dict[str, float] = {}  # worker id -> EWMA of accuracy
+        self._errors_seen = 0
+
+    async def lookup(self, hashes: Sequence[BlockHash], nodes: set[str]) -> IndexLookup | None:
+        """None: no index, or it is unavailable (routing uses load only)."""
+        if self.index is None:
+            return None
+        if not hashes:
+            return IndexLookup(0, {})
+        t0 = time.perf_counter()
+        res = await self.index.lookup(hashes, nodes)
+        self.metrics.index_latency.observe(time.perf_counter() - t0)
+        errors = self.index.errors
+        if errors > self._errors_seen:
+            self.metrics.index_errors.inc(errors - self._errors_seen)
+            self._errors_seen = errors
+        result = "unavailable" if res is None else "hit" if res.nodes else "miss"
+        self.metrics.index_lookups.labels(result).inc()
+        return res
+
+    def fill(self, req: RouteRequest, lookup: IndexLookup | None) -> RouteRequest:
+        """The request with its locality fields set from `lookup` (as is when None)."""
+        if lookup is None:
+            return req
+        cap = (len(req.prompt_token_ids) - 1) // req.block_size
+        cached = {n: min(len(tiers), cap) * req.block_size for n, tiers in lookup.nodes.items()}
+        trust = {n: self.trust(n) for n in lookup.nodes}
+        return replace(req, cached_tokens=cached, locality=dict(lookup.nodes),
+                       indexed_blocks=lookup.num_blocks, locality_trust=trust)
+
+    def trust(self, worker_id: str) -> float:
+        return max(self.min_trust, self._accuracy.get(worker_id, 1.0))
+
+    def observe(self, worker_id: str, predicted: int, actual: int) -> None:
+        """A worker's first response: what it really had cached vs our prediction."""
+        hi = max(predicted, actual)
+        accuracy = 1.0 if hi == 0 else min(predicted, actual) / hi
+        prev = self._accuracy.get(worker_id, 1.0)
+        ewma = (1 - self.alpha) * prev + self.alpha * accuracy
+        self._accuracy[worker_id] = ewma
+        m = self.metrics
+        m.predicted_cached.labels(worker_id).inc(predicted)
+        m.actual_cached.labels(worker_id).inc(actual)
+        m.index_accuracy.labels(worker_id).set(ewma)
+        if accuracy < 0.5:
+            log.info("event=index_mispredict worker=%s predicted=%d actual=%d trust=%.2f",
+                     worker_id, predicted, actual, self.trust(worker_id))
+
+    async def close(self) -> None:
+        if self.index is not None:
+            await self.index.close()
