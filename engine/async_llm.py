@@ -21,6 +21,7 @@ import torch
 from engine.block_pool import KVEvent
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RemoteAlloc, RequestError
+from engine.offload import KVOffload
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerStats
@@ -100,8 +101,9 @@ _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
-        self.engine = LLMEngine(config, kv_cache)
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None,
+                 offload: KVOffload | None = None) -> None:
+        self.engine = LLMEngine(config, kv_cache, offload)
         self.tokenizer = self.engine.tokenizer
         self._cmds: queue.SimpleQueue[_Cmd | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}

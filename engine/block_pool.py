@@ -50,6 +50,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
+        # Newly cached blocks for an offload connector (engine/offload.py), if tracked.
+        self.track_new_cached = False
+        self._new_cached: list[tuple[KVBlock, BlockHash]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +125,8 @@ class BlockPool:
             block.block_hash = h
             self._cached[h] = block
             stored.append(h)
+            if self.track_new_cached:
+                self._new_cached.append((block, h))
         if stored:
             self._events.append(BlockStored(tuple(stored), parent_hash))
 
@@ -140,6 +145,11 @@ class BlockPool:
         """Every hash the pool holds KV for (in use or evictable), e.g. for an index
         snapshot; read it on the engine's thread."""
         return list(self._cached)
+
+    def take_new_cached(self) -> list[KVBlock]:
+        """Blocks cached since the last call that still hold that content."""
+        new, self._new_cached = self._new_cached, []
+        return [b for b, h in new if b.block_hash == h]
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

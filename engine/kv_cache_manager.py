@@ -102,9 +102,10 @@ class KVCacheManager:
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, other_holders: dict[int, int] | None = None) -> None:
+        """`other_holders`: references held outside requests (block_id -> count)."""
         self.pool.check_integrity()
-        held: dict[int, int] = {}
+        held: dict[int, int] = dict(other_holders or {})
         for blocks in self.req_blocks.values():
             for b in blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1

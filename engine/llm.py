@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, RequestError
+from engine.offload import KVOffload
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -31,8 +32,8 @@ class LLM:
     (e.g. `LLM(d, dtype="float32", num_blocks=64, max_num_batched_tokens=256)`).
     """
 
-    def __init__(self, model_dir: str, **kw: Any) -> None:
-        self.engine = LLMEngine(make_engine_config(model_dir, **kw))
+    def __init__(self, model_dir: str, offload: KVOffload | None = None, **kw: Any) -> None:
+        self.engine = LLMEngine(make_engine_config(model_dir, **kw), offload=offload)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

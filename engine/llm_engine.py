@@ -15,10 +15,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
+from engine.offload import KVOffload, OffloadConnector
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerStats
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ class _Track:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None,
+                 offload: KVOffload | None = None) -> None:
+        """`offload`: external KV tiers (e.g. kvtransfer.tiers.TieredCache); the caller
+        owns it and closes it after the engine is done."""
         self.config = config
         self.model_config = ModelConfig.from_model_dir(config.model_dir)
         self.model_id = config.model_id or config.model_dir
@@ -60,7 +64,11 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(self.runner.num_blocks, self.block_size,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.offload: OffloadConnector | None = None
+        if offload is not None and config.cache.enable_prefix_caching:
+            self.offload = OffloadConnector(offload, self.block_size)
+            self.kv.pool.track_new_cached = True
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self._tracks: dict[str, _Track] = {}
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -126,6 +134,7 @@ class LLMEngine:
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority)
         if not self.scheduler.allocate_remote(req):
             return None
+        self._run_loads(None)
         self._track(req)
         return RemoteAlloc(request_id, self.kv.block_ids(request_id),
                            req.num_computed_tokens, self.block_size)
@@ -165,13 +174,20 @@ class LLMEngine:
         return out
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run, or device blocks held until their offload copy is done."""
+        return self.scheduler.has_work() or bool(self.offload and self.offload.saving)
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.offload is not None:
+            self.offload.save_new(self.kv.pool, self.runner.kv_cache)
+            self.offload.reap(self.kv.pool)
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.offload is not None:  # idle but copies pending: wait, don't spin
+                self.offload.reap(self.kv.pool, timeout=0.01)
             return []
+        self._run_loads(out)
         sampled = self.runner.execute(out, self.kv)
         now = time.monotonic()
         outputs = []
@@ -188,7 +204,24 @@ class LLMEngine:
         for s in out.scheduled:  # producers report KV progress of chunks too
             if s.request.hold_kv and s.request not in got_token:
                 outputs.append(self._output(s.request, final=False))
+        if self.offload is not None:  # copy newly cached blocks out, off this thread
+            self.offload.save_new(self.kv.pool, self.runner.kv_cache)
         return outputs
+
+    def _run_loads(self, out: SchedulerOutput | None) -> None:
+        """Fills blocks planned from the external tiers; what did not land is computed
+        (this step's `out`) or left to the remote prefill (out None)."""
+        if self.offload is None:
+            return
+        for ld, got in self.offload.run_loads(self.runner.kv_cache):
+            lost = (len(ld.block_ids) - got) * self.block_size
+            log.warning("request %s: %d blocks failed to load from the offload tiers",
+                        ld.request.request_id, len(ld.block_ids) - got)
+            if out is not None:
+                self.scheduler.load_failed(out, ld.request, lost)
+            else:
+                ld.request.num_computed_tokens -= lost
+                ld.request.num_cached_tokens = ld.request.num_computed_tokens
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         track = self._tracks[req.request_id]
@@ -229,4 +262,5 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        held = self.offload.saving if self.offload is not None else {}
+        self.kv.check_integrity({b: 1 for b in held})

@@ -15,6 +15,7 @@ from typing import Any
 from engine.block_pool import KVBlock
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.offload import OffloadConnector
 from engine.request import Request, RequestStatus
 
 
@@ -47,9 +48,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 offload: OffloadConnector | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.offload = offload  # external KV tiers (host, disk, ...), if any
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -98,16 +101,22 @@ class Scheduler:
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
             blocks: list[KVBlock] = []
+            ext = 0  # blocks loaded from the external tiers into new blocks
             if self.kv.holds(req.request_id):  # its KV arrived (or was hit) remotely
                 num_hit = req.num_computed_tokens
             else:
                 blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - num_hit
+                ext = self.offload.match(req, len(blocks)) if self.offload else 0
+            # | device hit | external hit (loaded) | new tokens (computed) |
+            n = req.num_tokens - num_hit - ext * self.kv.block_size
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_slots(req, n, blocks):
+            if not self.kv.allocate_slots(req, n + ext * self.kv.block_size, blocks):
                 break  # head-of-line: keep order, wait for blocks
+            if ext:
+                self._plan_load(req, len(blocks), ext)
+                num_hit += ext * self.kv.block_size
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
@@ -119,6 +128,22 @@ class Scheduler:
         for req in admitted:
             self.waiting.remove(req)
 
+    def _plan_load(self, req: Request, first: int, num: int) -> None:
+        assert self.offload is not None
+        self.offload.plan_load(req, self.kv.block_ids(req.request_id), first, num)
+        self.kv.prefix_hits += num * self.kv.block_size
+
+    def load_failed(self, out: SchedulerOutput, req: Request, num_lost_tokens: int) -> None:
+        """Part of a planned load did not land (tier error, evicted meanwhile): those
+        tokens are computed this step instead (their blocks are already allocated)."""
+        req.num_computed_tokens -= num_lost_tokens
+        if req.num_cached_tokens is not None:
+            req.num_cached_tokens = min(req.num_cached_tokens, req.num_computed_tokens)
+        self.kv.prefix_hits -= num_lost_tokens
+        for s in out.scheduled:
+            if s.request is req:
+                s.num_new_tokens += num_lost_tokens
+
     # -- remote prefill (decode side) -------------------------------------------------
     def allocate_remote(self, req: Request) -> bool:
         """Takes local prefix hits and allocates blocks for the rest of the prompt, then
@@ -127,8 +152,12 @@ class Scheduler:
         Returns False (nothing changed) when the blocks are not free now.
         """
         blocks, num_hit = self.kv.get_computed_blocks(req)
+        ext = self.offload.match(req, len(blocks)) if self.offload else 0
         if not self.kv.allocate_slots(req, req.num_tokens - num_hit, blocks):
             return False
+        if ext:  # the engine loads them before the remote prefill is asked for the rest
+            self._plan_load(req, len(blocks), ext)
+            num_hit += ext * self.kv.block_size
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV

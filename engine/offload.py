@@ -1,0 +1,111 @@
+"""The engine's hook for an external KV cache (host DRAM, disk, peers...).
+
+vLLM's KV-connector split, in one process: the scheduler side decides (how many of a
+request's leading blocks the external cache holds, which freshly allocated blocks they
+load into), the worker side moves bytes (loads before the forward that needs them;
+saves of newly cached blocks, asynchronously). The bridge is `OffloadConnector`'s
+per-step list of `KVLoad`s.
+
+The engine imports nothing of ours: the implementation (`kvtransfer.tiers.TieredCache`)
+is passed in by whoever builds the engine. All `KVOffload` calls come from the engine
+thread; the implementation may copy on its own threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from engine.block_hash import BlockHash
+from engine.block_pool import BlockPool, KVBlock
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.request import Request
+
+
+class KVOffload(Protocol):
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `hashes` the external cache can load now."""
+        ...
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> int:
+        """Copies the leading run of `hashes` it holds into `kv_cache[block_ids]`
+        (synchronously: done when it returns); returns how many blocks were loaded."""
+        ...
+
+    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> list[int]:
+        """Starts copying newly cached device blocks out. Returns the block ids it will
+        read later: the engine keeps those alive until `take_saved` returns them."""
+        ...
+
+    def take_saved(self, timeout: float = 0.0) -> list[int]:
+        """Block ids whose copy finished since the last call (waits up to `timeout`
+        seconds for at least one while saves are pending)."""
+        ...
+
+
+@dataclass(slots=True)
+class KVLoad:
+    """Blocks `block_ids` of `request` are to be filled from the external cache."""
+
+    request: Request
+    hashes: list[BlockHash]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class OffloadConnector:
+    """Engine-side bookkeeping around a KVOffload: planned loads of this step, and the
+    device blocks held (one reference each) while their copy out is running."""
+
+    offload: KVOffload
+    block_size: int
+    loads: list[KVLoad] = field(default_factory=list)
+    saving: dict[int, KVBlock] = field(default_factory=dict)  # block_id -> held block
+    loaded_blocks: int = 0  # cumulative, for stats
+
+    # -- scheduler side ----------------------------------------------------------------
+    def match(self, request: Request, num_device_blocks: int) -> int:
+        """Blocks after the device hit that the external cache holds (one token always
+        stays to compute: its logits are sampled)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.update_block_hashes(self.block_size)[num_device_blocks:max_blocks]
+        return self.offload.lookup(hashes) if hashes else 0
+
+    def plan_load(self, request: Request, block_ids: Sequence[int], first: int,
+                  num: int) -> None:
+        hashes = request.block_hashes[first:first + num]
+        self.loads.append(KVLoad(request, list(hashes), list(block_ids[first:first + num])))
+
+    # -- worker side -------------------------------------------------------------------
+    def run_loads(self, kv_cache: torch.Tensor) -> list[tuple[KVLoad, int]]:
+        """Runs this step's loads; returns the short ones with the blocks that landed."""
+        short = []
+        loads, self.loads = self.loads, []
+        for ld in loads:
+            got = self.offload.load(ld.hashes, ld.block_ids, kv_cache)
+            self.loaded_blocks += got
+            if got < len(ld.hashes):
+                short.append((ld, got))
+        return short
+
+    def save_new(self, pool: BlockPool, kv_cache: torch.Tensor) -> None:
+        """Hands blocks the pool newly cached to the offload; holds those it copies."""
+        new = pool.take_new_cached()
+        if not new:
+            return
+        hashes = [b.block_hash for b in new if b.block_hash is not None]
+        kept = set(self.offload.save(hashes, [b.block_id for b in new], kv_cache))
+        held = [b for b in new if b.block_id in kept]
+        pool.touch(held)
+        self.saving.update((b.block_id, b) for b in held)
+
+    def reap(self, pool: BlockPool, timeout: float = 0.0) -> None:
+        """Drops the references of blocks whose copy finished."""
+        done = self.offload.take_saved(timeout) if self.saving else []
+        pool.free(self.saving.pop(b) for b in done)
