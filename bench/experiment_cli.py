@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--publish", action="store_true",
                    help="copy the report into docs/results/ and regenerate docs/results.md")
     p.add_argument("--transports", default="ucx,tcp,shm", help="transports experiment")
+    p.add_argument("--profiles", default="", help="routing experiment: extra profile YAMLs")
+    p.add_argument("--trace", default="", help="routing experiment: Mooncake JSONL")
     p.add_argument("--slo", default="", help="goodput SLOs, e.g. ttft=0.5,tpot=0.05")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase-timeout", type=float, default=600.0)
@@ -41,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
             model_dir=resolve_model(args.model), out_dir=args.out_dir, quick=args.quick,
             seed=args.seed, progress=not args.no_progress, phase_timeout_s=args.phase_timeout,
             transports=tuple(t for t in args.transports.split(",") if t),
-            slo=tuple(parse_slo(args.slo).items()))
+            slo=tuple(parse_slo(args.slo).items()),
+            profiles=tuple(p for p in args.profiles.split(",") if p), trace_path=args.trace)
         module = importlib.import_module(EXPERIMENTS[args.name][0])
         report = module.run(cfg)
     except (BenchError, ClusterError, ValueError) as e:

@@ -60,23 +60,28 @@ def latency_cdfs(phases: Sequence[Phase], path: str, title: str) -> str | None:
     return path
 
 
-def rate_sweep(phases: Sequence[Phase], path: str, title: str) -> str | None:
-    with_rate = [p for p in phases if "rate" in p.params]
-    if len({p.params["rate"] for p in with_rate}) < 2:
+SWEEP_LABELS = {"rate": "request rate (req/s)", "threshold": "decider threshold (tokens)"}
+
+
+def param_sweep(phases: Sequence[Phase], path: str, title: str, param: str = "rate",
+                ) -> str | None:
+    """TTFT and TPOT (p50, p99) against a swept parameter, one line per config."""
+    with_rate = [p for p in phases if param in p.params]
+    if len({p.params[param] for p in with_rate}) < 2:
         return None
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for config in sorted({p.config for p in with_rate}):
-        ps = sorted((p for p in with_rate if p.config == config), key=lambda p: p.params["rate"])
-        xs = [p.params["rate"] for p in ps]
+        ps = sorted((p for p in with_rate if p.config == config), key=lambda p: p.params[param])
+        xs = [p.params[param] for p in ps]
         for ax, key in zip(axes, ("ttft_s", "tpot_s"), strict=True):
             for q, style in (("p50", "-o"), ("p99", "--^")):
                 ys = [_ms(p.summary[key][q]) for p in ps]
                 ax.plot(xs, ys, style, label=f"{config or 'run'} {q}")
     for ax, name in zip(axes, ("TTFT", "TPOT"), strict=True):
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel(SWEEP_LABELS.get(param, param))
         ax.set_ylabel(f"{name} (ms)")
-        ax.set_title(f"{name} against request rate")
+        ax.set_title(f"{name} against {param}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
@@ -115,6 +120,8 @@ def _ms(v: float | None) -> float | None:
 def all_plots(phases: Sequence[Phase], out_dir: str, stem: str, title: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     made = [latency_cdfs(phases, os.path.join(out_dir, f"{stem}-latency-cdf.png"), title),
-            rate_sweep(phases, os.path.join(out_dir, f"{stem}-rate.png"), title),
+            param_sweep(phases, os.path.join(out_dir, f"{stem}-rate.png"), title, "rate"),
+            param_sweep(phases, os.path.join(out_dir, f"{stem}-threshold.png"), title,
+                        "threshold"),
             comparison_bars(phases, os.path.join(out_dir, f"{stem}-compare.png"), title)]
     return [p for p in made if p]

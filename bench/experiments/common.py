@@ -38,6 +38,8 @@ class ExperimentConfig:
     request_timeout_s: float = 120.0
     transports: tuple[str, ...] = ("ucx", "tcp", "shm")
     slo: tuple[tuple[str, float], ...] = ()
+    profiles: tuple[str, ...] = ()  # routing experiment: extra routing YAML files
+    trace_path: str = ""  # routing experiment: a Mooncake JSONL (default: the shared one)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
@@ -132,22 +134,30 @@ def scrape_all(ports: list[int]) -> dict[str, float]:
 
 
 def measure(cfg: ExperimentConfig, cluster: PinnedCluster,
-            body: Callable[[OpenAIClient], Awaitable[list[Phase]]]) -> list[Phase]:
+            body: Callable[[OpenAIClient], Awaitable[list[Phase]]],
+            warm_prompt_len: int = 16, metrics_ports: list[int] | None = None,
+            ) -> tuple[list[Phase], dict[str, float]]:
     """Runs `body(client)` with an OpenAI client on the cluster's gateway, after a
-    warm-up of two tiny requests per worker (not measured)."""
+    warm-up of two short requests per worker (not measured; make `warm_prompt_len`
+    longer than the decider threshold to warm the remote-prefill path too). Returns the
+    phases and how much each metric of `metrics_ports` grew during `body`."""
 
-    async def main() -> list[Phase]:
+    async def main() -> tuple[list[Phase], dict[str, float]]:
         client = OpenAIClient(cluster.url, timeout_s=cfg.request_timeout_s)
         try:
             pool = TokenPool.from_tokenizer_dir(cfg.model_dir, cfg.seed)
-            warm = synthetic(pool, 2 * max(1, len(cluster.children)), LengthDist(mean=16),
+            n_warm = 2 * max(1, len(cluster.worker_metrics_ports()))
+            warm = synthetic(pool, n_warm, LengthDist(mean=warm_prompt_len),
                              LengthDist(mean=2), seed=cfg.seed + 99)
             phase = await run_phase(client, warm, LoadSpec("concurrency", concurrency=2),
                                     name="warm-up", progress=False, timeout_s=60.0)
             if phase.summary["failed"]:
                 raise BenchError(f"warm-up failed: {phase.summary['errors']} "
                                  f"(logs in {cluster.log_dir})")
-            return await body(client)
+            before = scrape_all(metrics_ports or [])
+            phases = await body(client)
+            after = scrape_all(metrics_ports or [])
+            return phases, {k: v - before.get(k, 0.0) for k, v in after.items()}
         finally:
             await client.close()
 

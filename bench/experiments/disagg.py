@@ -15,7 +15,6 @@ the streams' TPOT p99 in each and TTFT p50 over all requests.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from bench.experiments.common import (
     start_cluster,
     tokens,
 )
+from bench.experiments.transports import routing_yaml
 from bench.load import LoadSpec
 from bench.report import Report
 from bench.runner import Phase, run_mixed, run_phase
@@ -52,16 +52,6 @@ class DisaggWorkload:
                    longs=3, long_prompt=320, long_output=2, long_rate=4.0, threshold=64)
 
 
-def _routing_yaml(cfg: ExperimentConfig, threshold: int) -> str:
-    path = os.path.join(cfg.out_dir, f"routing-threshold-{threshold}.yaml")
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    with open(path, "w") as f:
-        f.write("routing:\n  scorers:\n    - {name: queue, weight: 1.0}\n"
-                "    - {name: kv_usage, weight: 0.5}\n  picker: power_of_two\n"
-                f"  decider: {{name: threshold, threshold: {threshold}}}\n")
-    return path
-
-
 def run(cfg: ExperimentConfig) -> Report:
     w = DisaggWorkload.quick() if cfg.quick else DisaggWorkload()
     pool = tokens(cfg)
@@ -71,7 +61,7 @@ def run(cfg: ExperimentConfig) -> Report:
     long_load = LoadSpec("constant", rate=w.long_rate)
     mix = [(streams, stream_load), (longs, long_load)]
     kw = phase_kw(cfg)
-    routing = ("--routing", _routing_yaml(cfg, w.threshold))
+    routing = ("--routing", routing_yaml(cfg, w.threshold))
     phases: list[Phase] = []
 
     async def colocated(client: OpenAIClient) -> list[Phase]:
@@ -85,21 +75,16 @@ def run(cfg: ExperimentConfig) -> Report:
 
     with start_cluster(cfg, colocated=2, pins={"colocated-0": "0", "colocated-1": "1"},
                        gateway_args=routing) as cluster:
-        phases += measure(cfg, cluster, colocated)
+        phases += measure(cfg, cluster, colocated)[0]
     with start_cluster(cfg, prefill=1, decode=1, pins={"prefill-0": "0", "decode-0": "1"},
                        gateway_args=routing) as cluster:
-        before = _remote_prefills(cluster.worker_metrics_ports("decode"))
-        phases += measure(cfg, cluster, disagg)
-        remote = _remote_prefills(cluster.worker_metrics_ports("decode")) - before
+        measured, grew = measure(cfg, cluster, disagg, warm_prompt_len=w.threshold + 16,
+                                 metrics_ports=cluster.worker_metrics_ports("decode"))
+        phases += measured
+        remote = grew.get("splitserve:remote_prefill_total", 0.0)
     return Report("disagg", "Colocated vs disaggregated prefill/decode (2 cores)", phases,
                   summary=_summary(phases, remote), config={"workload": _asdict(w)},
                   notes=_notes(w, remote))
-
-
-def _remote_prefills(ports: list[int]) -> float:
-    from bench.experiments.common import scrape_all
-
-    return scrape_all(ports).get("splitserve:remote_prefill_total", 0.0)
 
 
 def _summary(phases: list[Phase], remote: float) -> dict[str, Any]:
