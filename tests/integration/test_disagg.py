@@ -170,13 +170,14 @@ def _deadline_during_prefill(cluster: LocalCluster) -> None:
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
                                      sampling=pb.SamplingParams(max_tokens=20, temperature=0.0))
             with pytest.raises(grpc.RpcError) as ei:
-                list(pb_grpc.GenerateStub(ch).Generate(req, timeout=1.0))
+                list(pb_grpc.GenerateStub(ch).Generate(req, timeout=2.5))
             assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         os.kill(prefill.proc.pid, signal.SIGCONT)
     decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
-    wait_for(lambda: metric(decode_metrics, "splitserve:kv_transfer_failures_total",
-                            kind="cancelled") >= 1, 10, "the decode to fence the transfer")
+    # Fenced as cancelled or, as the lease is the caller's remaining time, timed out.
+    wait_for(lambda: metric(decode_metrics, "splitserve:kv_transfer_failures_total") >= 1,
+             10, "the decode to fence the transfer")
 
 
 def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> None:
