@@ -67,14 +67,45 @@ def build_spec(args: argparse.Namespace) -> Any:
         gateway_args=tuple(str(a) for a in s.get("gateway_args", [])))
 
 
+# Long enough (> the default decider threshold of 256 tokens) that a disaggregated
+# cluster prefills it on the prefill worker and moves its KV to the decode worker.
+DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
 def demo_request(http_port: int, model: str, host: str = "127.0.0.1") -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 24,
+    body = json.dumps({"model": model, "prompt": DEMO_PROMPT, "max_tokens": 24,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"http://{host}:{http_port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         out: dict[str, Any] = json.loads(resp.read())
     return out
+
+
+def kv_summary(cluster: Any) -> str:
+    """Where the demo's KV came from, read off the decode workers' /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ok = moved = 0.0
+    for child in cluster.children:
+        if not child.name.startswith("decode") or "metrics_port" not in child.extra:
+            continue
+        url = f"http://{cluster.spec.host}:{child.extra['metrics_port']}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "splitserve:remote_prefill_total" and s.labels["outcome"] == "ok":
+                    ok += s.value
+                elif s.name == "splitserve:kv_transfer_bytes_total":
+                    moved += s.value
+    if not ok:
+        return "the decode worker prefilled this prompt itself (no remote prefill)"
+    return (f"prefilled on a prefill worker; {moved / 1024:.0f} KiB of KV moved to the decode "
+            f"worker over {cluster.spec.transport}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,9 +141,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.demo_request:
             out = demo_request(cluster.http_port, model)
-            print("\ndemo request: POST /v1/completions {\"prompt\": \"The quick brown fox\", "
-                  "\"max_tokens\": 24}")
+            print("\ndemo request: POST /v1/completions {\"prompt\": \"The quick brown fox "
+                  "jumps over the lazy dog. \" * 40, \"max_tokens\": 24}")
             print(json.dumps(out, indent=2), flush=True)
+            print(kv_summary(cluster), flush=True)
         while not stop.wait(0.5):
             cluster.check_alive()
     except (ClusterError, OSError) as e:

@@ -41,12 +41,14 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
     try:
         deadline = time.monotonic() + 150
         assert proc.stdout is not None
-        while '"completion_tokens"' not in out:
+        while "KV moved" not in out and "prefilled this prompt itself" not in out:
             assert time.monotonic() < deadline, out
             line = proc.stdout.readline()
             assert line, f"splitserve up exited early:\n{out}"
             out += line
         assert f"http://127.0.0.1:{http}/v1" in out and f"127.0.0.1:{grpc_port}" in out
+        assert '"completion_tokens": 24' in out
+        assert "prefilled on a prefill worker" in out and "over shm" in out, out
         logs = re.search(r"logs: (\S+)\)", out)
         assert logs, out
         proc.send_signal(signal.SIGINT)
