@@ -21,6 +21,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # Offload tiers (kvtransfer.tiers.config.tier_config_from_args reads these).
+    p.add_argument("--host-cache-blocks", type=int, default=0,
+                   help="KV blocks kept in host DRAM after the device (0: no host tier)")
+    p.add_argument("--disk-cache-dir", default=None, help="directory of the disk KV tier")
+    p.add_argument("--disk-cache-blocks", type=int, default=0,
+                   help="KV blocks kept on disk (needs --disk-cache-dir)")
+    p.add_argument("--disk-direct-io", choices=["auto", "on", "off"], default="auto",
+                   help="O_DIRECT for the disk tier (auto: where the filesystem takes it)")
+    p.add_argument("--lmcache-config", default=None,
+                   help="LMCache YAML config: adds an LMCache tier (splitserve[lmcache])")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

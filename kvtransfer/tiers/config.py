@@ -67,3 +67,20 @@ class TierConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.tiers)
+
+
+def tier_config_from_args(args: Any) -> TierConfig:
+    """TierConfig from the engine CLI flags (engine/cli.py). CLI-only: with an LMCache
+    tier it also turns LMCache's usage telemetry off in this process's environment
+    (LMCache reads LMCACHE_TRACK_USAGE itself) unless the user set it."""
+    lmcache = None
+    if getattr(args, "lmcache_config", None):
+        import os
+
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        lmcache = LMCacheTierConfig(config_file=args.lmcache_config)
+    direct = {"auto": None, "on": True, "off": False}[getattr(args, "disk_direct_io", "auto")]
+    return TierConfig(host_blocks=getattr(args, "host_cache_blocks", 0),
+                      disk_dir=getattr(args, "disk_cache_dir", None),
+                      disk_blocks=getattr(args, "disk_cache_blocks", 0),
+                      disk_direct_io=direct, lmcache=lmcache)

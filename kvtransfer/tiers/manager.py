@@ -66,6 +66,16 @@ class _SaveJob:
     ready: Any = None  # a CUDA event the copy waits for
 
 
+def engine_layout(engine_config: Any) -> KVLayout:
+    """The KV layout of an engine built from `engine_config` (engine.config.EngineConfig)."""
+    from engine.config import ModelConfig
+
+    m = ModelConfig.from_model_dir(engine_config.model_dir)
+    return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                    block_size=engine_config.cache.block_size,
+                    dtype=engine_config.dtype or m.dtype)
+
+
 class TieredCache:
     def __init__(self, config: TierConfig, layout: KVLayout,
                  publish: PublishFn | None = None, spare: SpareFn | None = None,
@@ -251,6 +261,21 @@ class TieredCache:
             self.publish(stored=stored, removed=removed)
         except Exception as e:  # the index is advisory
             log.warning("index publish failed: %s", e)
+
+    def attach_publisher(self, publisher: Any) -> None:
+        """Wires the index publisher (decode/kv_events.KVEventPublisher): our stores and
+        evictions go to its `publish`, and each tier becomes a snapshot source for its
+        resyncs. Call before `publisher.start()` or expect a resync."""
+        for tier in self.tiers:
+            publisher.add_snapshot_source(tier.name, self._snapshot_source(tier))
+        self.publish = publisher.publish
+
+    def _snapshot_source(self, tier: CacheTier) -> Callable[..., Any]:
+        async def source(drop_pending: Callable[[], None]) -> list[BlockHash]:
+            with self._lock:  # our publishes happen under this lock: atomic with them
+                drop_pending()
+                return tier.hashes()
+        return source
 
     # -- introspection -----------------------------------------------------------------
     def holdings(self) -> list[TierEntry]:
