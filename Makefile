@@ -17,11 +17,15 @@ $(STAMP): pyproject.toml
 
 deps: $(STAMP)
 
-# Debian packages later issues need (redis-server); installed only when missing.
+# Debian packages later issues need (redis-server; iproute2 for the multi-host test's
+# network namespaces); installed only when missing.
 sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }
+	@command -v ip >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; fi; }
 
 run: deps sysdeps
 	$(BIN)/splitserve up --demo-request
