@@ -179,6 +179,11 @@ def test_labels_selectors_and_secrets_line_up(name: str) -> None:
             sel = o["spec"]["selector"]
             sel = sel.get("matchLabels", sel)
             assert any(sel.items() <= lbl.items() for _, lbl in pods), o["metadata"]["name"]
+    for np in by_kind(objs, "NetworkPolicy").values():
+        sels = [np["spec"]["podSelector"]] + [f["podSelector"] for r in np["spec"]["ingress"]
+                                              for f in r.get("from", [])]
+        for sel in sels:
+            assert any(sel["matchLabels"].items() <= lbl.items() for _, lbl in pods)
     for w, t in pod_templates(objs):
         sel = w["spec"].get("selector", {}).get("matchLabels", {})
         assert sel.items() <= t["metadata"]["labels"].items()
