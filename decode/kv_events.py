@@ -25,9 +25,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockRemoved, BlockStored, KVEvent
@@ -229,10 +232,30 @@ def engine_snapshot_source(llm: AsyncLLM) -> SnapshotSource:
     return snapshot
 
 
+class PublisherCollector:
+    """The publisher's counters for a Prometheus registry (read at scrape time)."""
+
+    def __init__(self, pub: KVEventPublisher) -> None:
+        self.pub = pub
+
+    def collect(self) -> Iterator[Metric]:
+        p = self.pub
+        for name, doc, value in (
+                ("splitserve:index_published_ops", "Block index stores/removals sent",
+                 p.published),
+                ("splitserve:index_dropped_ops", "Block index operations dropped (queue "
+                 "full while Redis was away; a resync follows)", p.dropped),
+                ("splitserve:index_resyncs", "Full republishes of this node's blocks",
+                 p.resyncs)):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 def start_kv_publisher(redis_url: str | None, model: str, node: str, llm: AsyncLLM,
-                       timeout_s: float) -> KVEventPublisher | None:
-    """The worker's publisher (None without Redis): device events from `llm`, started.
-    Other tiers join with `add_snapshot_source` + `publish`; the caller `close()`s it."""
+                       timeout_s: float, registry: CollectorRegistry | None = None,
+                       ) -> KVEventPublisher | None:
+    """The worker's publisher (None without Redis): device events from `llm`, started,
+    its counters in `registry`. Other tiers join with `add_snapshot_source` + `publish`;
+    the caller `close()`s it."""
     if not redis_url:
         return None
     from kvtransfer.index import IndexConfig
@@ -241,5 +264,7 @@ def start_kv_publisher(redis_url: str | None, model: str, node: str, llm: AsyncL
     pub = KVEventPublisher(index, node)
     pub.add_snapshot_source(DEVICE, engine_snapshot_source(llm))
     llm.set_kv_event_sink(pub.on_engine_events)
+    if registry is not None:
+        registry.register(PublisherCollector(pub))
     pub.start()
     return pub

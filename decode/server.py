@@ -168,7 +168,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     registrar = _registrar(config, model, address, service)
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
-                                  config.redis_timeout_s)
+                                  config.redis_timeout_s, metrics.registry)
     await health.set("readiness", SERVING)
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()

@@ -26,6 +26,7 @@ class GatewayConfig:
     discovery_interval_s: float = 1.0
     redis_timeout_s: float = 0.5
     load_stale_s: float = 3.0  # no load report for this long: out of routing
+    redis_missing_grace_s: float = 10.0  # a live worker missing from Redis stays this long
     retry_backoff_max_s: float = 2.0
     max_route_attempts: int = 2  # tries when a worker fails before its first token
     routing: RoutingProfile = field(default_factory=RoutingProfile)
@@ -48,7 +49,8 @@ class GatewayConfig:
         if self.max_in_flight <= 0 or self.client_max_size <= 0:
             raise ValueError("max_in_flight and client_max_size must be positive")
         if min(self.request_timeout_s, self.worker_rpc_timeout_s, self.discovery_interval_s,
-               self.redis_timeout_s, self.load_stale_s, self.retry_backoff_max_s) <= 0:
+               self.redis_timeout_s, self.load_stale_s, self.retry_backoff_max_s,
+               self.redis_missing_grace_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
         if self.max_route_attempts < 1:
             raise ValueError("max_route_attempts must be >= 1")

@@ -56,6 +56,7 @@ class WorkerRegistry:
         self._on_info = on_info
         self._workers: dict[str, WorkerEntry] = {}  # by address
         self._redis_known: set[str] = set()
+        self._missing_since: dict[str, float] = {}  # known address -> first missed
         self._redis = (aioredis.Redis.from_url(
             config.redis_url, socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s, decode_responses=True)
@@ -164,11 +165,24 @@ class WorkerRegistry:
             return
         for addr in found - self._redis_known:
             self._add(addr, "redis")
+        now, kept = time.monotonic(), set()
+        for addr in found:
+            self._missing_since.pop(addr, None)
         for addr in self._redis_known - found:
             w = self._workers.get(addr)
-            if w is not None and w.source == "redis":
-                await self._remove(addr)
-        self._redis_known = found
+            if w is None or w.source != "redis":
+                continue
+            # A restarted (empty) Redis looks as if every worker left: one whose Load
+            # stream still says ready keeps routing for a grace period while it
+            # re-registers. A drained or dead worker is not routable and goes at once.
+            since = self._missing_since.setdefault(addr, now)
+            if w.routable(now, self.config.load_stale_s) \
+                    and now - since < self.config.redis_missing_grace_s:
+                kept.add(addr)
+                continue
+            self._missing_since.pop(addr, None)
+            await self._remove(addr)
+        self._redis_known = found | kept
 
     async def _discover_loop(self) -> None:
         while True:

@@ -31,7 +31,17 @@ PROFILE = """routing:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def spare_redis():
+    """Redis servers a test starts in place of the cluster's; stopped after the cluster
+    (workers and gateway talk to Redis while they shut down)."""
+    servers: list[RedisServer] = []
+    yield servers
+    for s in servers:
+        s.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, spare_redis):
     logs = tmp_path_factory.mktemp("locality-logs")
     profile = logs / "routing.yaml"
     profile.write_text(PROFILE)
@@ -122,7 +132,7 @@ def test_admin_api_swaps_the_live_profile(cluster) -> None:
     assert complete(cluster, ids) == full_hit(ids)
 
 
-def test_redis_outage_fails_no_request_and_the_index_is_rebuilt(cluster) -> None:
+def test_redis_outage_fails_no_request_and_the_index_is_rebuilt(cluster, spare_redis) -> None:
     port = cluster.http_port
     before = holders(cluster, prompt(1))
     assert before
@@ -135,18 +145,20 @@ def test_redis_outage_fails_no_request_and_the_index_is_rebuilt(cluster) -> None
     assert metric(port, "splitserve:routing_decisions_by_reason_total",
                   reason="index_unavailable") >= unavailable + 4
     server = RedisServer(port=int(cluster.redis_url.rsplit(":", 1)[1])).start()  # empty
-    try:
-        # The workers notice the empty Redis and republish what they hold.
-        wait_for(lambda: holders(cluster, prompt(1)) == before, 20, "the index rebuilt")
-        ids = prompt(20)
-        complete(cluster, ids)
-        wait_for(lambda: bool(holders(cluster, ids)), 10, "the new prefix in the index")
-        hits = metric(port, "splitserve:routing_decisions_by_reason_total",
-                      reason="prefix_hit")
-        # the gateway's breaker lets a probe through after its cooldown
-        wait_for(lambda: complete(cluster, ids) == full_hit(ids) and metric(
-            port, "splitserve:routing_decisions_by_reason_total", reason="prefix_hit") > hits,
-            15, "locality routing back", every=0.5)
-        assert complete(cluster, ids) == full_hit(ids)
-    finally:
-        server.kill()
+    spare_redis.append(server)
+    # The workers notice the empty Redis and republish what they hold.
+    wait_for(lambda: holders(cluster, prompt(1)) == before, 20, "the index rebuilt")
+    workers = [c for c in cluster.children if c.name.startswith("colocated")]
+    wait_for(lambda: all(metric(int(w.extra["metrics_port"]),
+                                "splitserve:index_resyncs_total") >= 2 for w in workers),
+             10, "both workers republished (at start and after the restart)")
+    ids = prompt(20)
+    complete(cluster, ids)
+    wait_for(lambda: bool(holders(cluster, ids)), 10, "the new prefix in the index")
+    hits = metric(port, "splitserve:routing_decisions_by_reason_total",
+                  reason="prefix_hit")
+    # the gateway's breaker lets a probe through after its cooldown
+    wait_for(lambda: complete(cluster, ids) == full_hit(ids) and metric(
+        port, "splitserve:routing_decisions_by_reason_total", reason="prefix_hit") > hits,
+        15, "locality routing back", every=0.5)
+    assert complete(cluster, ids) == full_hit(ids)

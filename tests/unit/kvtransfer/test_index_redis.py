@@ -267,3 +267,29 @@ def test_publisher_overflow_takes_a_new_epoch(server) -> None:
         await reader.close()
 
     asyncio.run(main())
+
+
+def test_a_restarted_node_s_old_entries_are_ignored(server) -> None:
+    hs = hashes(6)
+    device = Tier()
+
+    async def main() -> None:
+        reader = index(server)
+        old = KVEventPublisher(index(server), "n", PublisherConfig(interval_s=0.02))
+        old.add_snapshot_source("device", device.snapshot)
+        device.held = hs
+        await old.step()
+        res = await reader.lookup(hs)
+        assert res is not None and res.matched("n") == 6
+        await old.close(retire=False)  # a crash: nothing retired
+        device.held = hs[:2]  # what the restarted process holds
+        new = KVEventPublisher(index(server), "n", PublisherConfig(interval_s=0.02))
+        new.add_snapshot_source("device", device.snapshot)
+        await new.step()
+        assert new.epoch > old.epoch
+        res = await reader.lookup(hs)
+        assert res is not None and res.matched("n") == 2 and res.num_blocks == 2
+        await new.close()
+        await reader.close()
+
+    asyncio.run(main())
