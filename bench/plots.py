@@ -47,6 +47,9 @@ def latency_cdfs(phases: Sequence[Phase], path: str, title: str) -> str | None:
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
                 ax.step(xs, ys, where="post", label=p.name)
+        lows = [min(xs) for p in phases if (xs := _series(p, metric))]
+        if metric == "itl" and lows and min(lows) > 0:
+            ax.set_xscale("log")  # gaps span decode steps to whole prefills
         ax.set_title(f"{metric.upper()} CDF")
         ax.set_xlabel(f"{metric.upper()} (ms)")
         ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of gaps")

@@ -145,3 +145,14 @@ def test_load_offsets() -> None:
     with pytest.raises(BenchError):
         LoadSpec("burst", rate=1)
     random.seed(0)
+
+
+def test_ideal_cached_ratio_of_shared_prefixes(pool: ds.TokenPool) -> None:
+    from bench.experiments.routing import ideal_cached_ratio
+
+    # g0a g1a g0b g1b, 48 tokens = 3 blocks each; the second of each group finds its
+    # 32-token (2-block) prefix: 64 of 192 tokens.
+    reqs = ds.shared_prefix(pool, num_groups=2, per_group=2, prefix_len=32, suffix_len=16,
+                            output_len=1)
+    assert ideal_cached_ratio(reqs) == pytest.approx(64 / 192)
+    assert ideal_cached_ratio(reqs[:2]) == 0.0
