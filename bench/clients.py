@@ -65,6 +65,8 @@ class OpenAIClient:
                  timeout_s: float = 300.0) -> None:
         import aiohttp
 
+        if not url.startswith(("http://", "https://")):
+            raise BenchError(f"an OpenAI backend needs an http(s):// URL, got {url!r}")
         self.name = "openai-chat" if chat else "openai"
         self.url = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
         self.model, self.chat, self.timeout_s = model, chat, timeout_s

@@ -108,7 +108,8 @@ def markdown(report: Report, mach: dict[str, Any], plots: list[str]) -> str:
              f"{mach['memory_gib']} GiB, no GPU; {mach['platform']}, Python {mach['python']}.",
              ""]
     if report.summary:
-        lines += ["| figure | value |", "|---|---|"]
+        lines += ["Headline figures (latencies in seconds):", "", "| figure | value |",
+                  "|---|---|"]
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in report.summary.items()]
         lines.append("")
     lines += phase_table(report.phases) + [""]

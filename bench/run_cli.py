@@ -160,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
     except (BenchError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    phases = asyncio.run(measure(args, requests, specs, slo))
+    try:
+        phases = asyncio.run(measure(args, requests, specs, slo))
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "api_key"}
     report = Report(args.name, f"splitserve bench run: {args.url} ({args.dataset})", phases,
                     config=config)
