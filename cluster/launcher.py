@@ -10,6 +10,7 @@ no orphans are left. Children are started through their public command line
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +180,8 @@ class LocalCluster:
                                    f"({c.log_path}) ends:\n{c.log_tail()}")
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Every child healthy, then the gateway routing to every worker (it discovers
+        them through Redis a moment after they register)."""
         from cluster.health import is_ready
 
         deadline = time.monotonic() + (timeout_s or self.spec.ready_timeout_s)
@@ -186,11 +190,29 @@ class LocalCluster:
             self.check_alive()
             pending = [c for c in pending if not is_ready(c.grpc_address or "")]
             if not pending:
-                return
+                break
             if time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
                 raise ClusterError(f"not ready in time: {names} (logs in {self.log_dir})")
             time.sleep(0.25)
+        workers = {c.grpc_address for c in self.children
+                   if c.grpc_address and c.name != "gateway"}
+        if any(c.name == "gateway" for c in self.children):
+            self._wait_routable(workers, deadline)
+
+    def _wait_routable(self, addresses: set[str], deadline: float) -> None:
+        url = f"http://{self.spec.host}:{self.http_port}/debug/workers"
+        while True:
+            self.check_alive()
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    known = {w["address"] for w in json.loads(resp.read()) if w["routable"]}
+                if addresses <= known:
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the gateway did not see every worker in time "
+                                   f"(logs in {self.log_dir})")
+            time.sleep(0.1)
 
     # -- stopping --------------------------------------------------------------------------
     def stop_child(self, child: Child, sig: int = signal.SIGTERM) -> int | None:
