@@ -27,7 +27,11 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: python -m bench.pin CORES -- PROGRAM [ARGS...]", file=sys.stderr)
         return 2
-    cores = parse_cores(argv[0])
+    try:
+        cores = parse_cores(argv[0])
+    except ValueError as e:
+        print(f"bench.pin: {e}", file=sys.stderr)
+        return 2
     os.sched_setaffinity(0, cores)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(len(cores))

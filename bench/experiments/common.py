@@ -82,6 +82,13 @@ def start_cluster(cfg: ExperimentConfig, *, prefill: int = 0, decode: int = 0,
                        worker_args=("--max-model-len", "2048", *worker_args),
                        gateway_args=gateway_args,
                        log_dir=os.path.join(cfg.out_dir, "logs", f"{int(time.time() * 1e3)}"))
+    from bench.pin import parse_cores
+
+    for name, cores in (pins or {}).items():
+        try:
+            parse_cores(cores)
+        except ValueError as e:
+            raise BenchError(f"this experiment pins {name} to core(s) {cores}, but {e}") from e
     cluster = PinnedCluster(spec, pins or {})
     cluster.start()
     try:
