@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,8 +126,11 @@ class LMCacheTier:
             kv_shape=(layout.num_layers, 2, bs, layout.num_kv_heads, layout.head_dim),
             chunk_size=bs, role="worker")
         self._connector = BlockMajorConnector(layout)
+        self._remote = bool(getattr(lmc_cfg, "remote_url", None))
+        # Unique per tier: an abandoned (hung) destroy leaves its id registered.
+        self._instance = f"{config.instance_id}-{uuid.uuid4().hex[:8]}"
         self.engine = LMCacheEngineBuilder.get_or_create(
-            config.instance_id, lmc_cfg, self._meta, self._connector,
+            self._instance, lmc_cfg, self._meta, self._connector,
             lambda t, r: None, lambda o, r: o)
         self.engine.post_init()
         self._held = 0  # blocks put and not evicted by us (LMCache may drop more)
@@ -195,11 +199,20 @@ class LMCacheTier:
         assert self.engine.storage_manager is not None, "LMCache engine not initialized"
 
     def close(self) -> None:
-        """Destroys the LMCache engine, giving up after close_timeout_s (a Redis remote
-        can make destroy() hang; the daemon thread is then abandoned)."""
-        t = threading.Thread(target=LMCacheEngineBuilder.destroy,
-                             args=(self.config.instance_id,), daemon=True,
-                             name="lmcache-destroy")
+        """Destroys the LMCache engine, bounded by close_timeout_s.
+
+        LMCache 0.5.6 deadlocks closing a Redis remote: RedisConnector.close runs on the
+        storage manager's event loop and blocks that loop waiting for a coroutine it
+        scheduled on itself; the loop's thread is not a daemon, so the process could
+        never exit. With a remote we therefore stop that loop first (its thread ends),
+        then run destroy() in a daemon thread and abandon it if it does not return.
+        """
+        sm = self.engine.storage_manager
+        if self._remote and sm is not None and sm.loop.is_running():
+            sm.loop.call_soon_threadsafe(sm.loop.stop)
+            sm.thread.join(self.config.close_timeout_s)
+        t = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(self._instance,),
+                             daemon=True, name="lmcache-destroy")
         t.start()
         t.join(self.config.close_timeout_s)
         if t.is_alive():
