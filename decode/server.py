@@ -115,6 +115,15 @@ class KVSide:
             await self.prefill.close()
 
 
+def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
+    """tcp and shm move bytes through host memory; a KV cache on a GPU needs ucx (CUDA
+    IPC / NVLink / RDMA), so say so at start-up, not at the first transfer."""
+    if transfer is not None and engine_config.device.startswith("cuda") \
+            and transfer.transport != "ucx":
+        raise ValueError(f"--transport {transfer.transport} needs the KV cache in host "
+                         "memory; with --device cuda use --transport ucx")
+
+
 def advertised(address: str, host: str) -> str:
     """A receiver bound to a wildcard address is dialled at the advertised host."""
     desc = json.loads(address)
@@ -127,6 +136,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
                 transfer: TransferConfig | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
     `transfer` is required for the prefill and decode roles."""
+    check_device_transport(engine_config, transfer)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,0 +1,54 @@
+"""Worker set-up checks that need no model run: transport vs device, the CLI's token
+and role rules, the advertised receiver address."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from decode import cli
+from decode.server import advertised, check_device_transport
+from engine.llm import make_engine_config
+from tests.factories import tiny_model_dir
+from tests.integration.kvtransfer_util import fast_config
+
+
+def test_tcp_and_shm_refuse_a_cuda_kv_cache_at_start() -> None:
+    cfg = make_engine_config(tiny_model_dir("llama"), device="cuda")
+    for transport in ("tcp", "shm"):
+        with pytest.raises(ValueError, match="use --transport ucx"):
+            check_device_transport(cfg, fast_config(transport))
+    check_device_transport(cfg, fast_config("ucx"))
+    check_device_transport(make_engine_config(tiny_model_dir("llama")), fast_config("tcp"))
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_prefill_and_decode_roles_need_the_cluster_token(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_TOKEN", raising=False)
+    assert cli.transfer_config(_args("--role", "colocated")) is None
+    for role in ("prefill", "decode"):
+        with pytest.raises(SystemExit, match="cluster's KV-transfer token"):
+            cli.transfer_config(_args("--role", role))
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    cfg = cli.transfer_config(_args("--role", "decode", "--transport", "shm",
+                                    "--cluster-token-file", str(token), "--kv-lease", "7"))
+    assert cfg is not None
+    assert (cfg.token, cfg.transport, cfg.lease_s) == ("s3cret", "shm", 7.0)
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_TOKEN", "from-env")
+    cfg = cli.transfer_config(_args("--role", "prefill", "--host", "10.0.0.5"))
+    assert cfg is not None and (cfg.token, cfg.host) == ("from-env", "10.0.0.5")
+
+
+def test_a_wildcard_receiver_is_dialled_at_the_advertised_host() -> None:
+    desc = json.dumps({"transport": "tcp", "host": "0.0.0.0", "port": 9})
+    assert json.loads(advertised(desc, "10.1.2.3"))["host"] == "10.1.2.3"
+    bound = json.dumps({"transport": "tcp", "host": "10.0.0.7", "port": 9})
+    assert json.loads(advertised(bound, "10.1.2.3"))["host"] == "10.0.0.7"
