@@ -223,20 +223,29 @@ class TieredCache:
         self._store(idx, list(hashes), list(src))
 
     def _store(self, idx: int, hashes: list[BlockHash], src: list[torch.Tensor]) -> None:
-        """Puts blocks into tier `idx`, demoting its victims to tier idx + 1 first."""
-        with self._lock:
-            tier = self.tiers[idx]
-            new = [i for i, h in enumerate(hashes) if not tier.contains([h])]
-            if tier.capacity and idx + 1 < len(self.tiers):
-                over = len(tier) + len(new) - tier.capacity
-                if over > 0:
-                    self._demote(idx, tier.victims(over, self.spare))
-            evicted = tier.put(hashes, src, self.spare)
-            self._stats.add(self._stats.bytes_stored, tier.name,
-                            len(new) * self.layout.block_bytes)
-            self._note_evicted(tier.name, evicted)
-            self._publish([(hashes[i], tier.name) for i in new],
-                          [(h, tier.name) for h in evicted])
+        """Puts blocks into tier `idx`, demoting its victims to tier idx + 1 first (in
+        chunks of the tier's capacity, so a big batch never evicts its own blocks
+        without demoting them)."""
+        tier = self.tiers[idx]
+        step = tier.capacity or len(hashes) or 1
+        for i in range(0, len(hashes), step):
+            with self._lock:
+                self._store_chunk(idx, hashes[i:i + step], src[i:i + step])
+
+    def _store_chunk(self, idx: int, hashes: list[BlockHash],
+                     src: list[torch.Tensor]) -> None:
+        tier = self.tiers[idx]
+        new = [i for i, h in enumerate(hashes) if not tier.contains([h])]
+        if tier.capacity and idx + 1 < len(self.tiers):
+            over = len(tier) + len(new) - tier.capacity
+            if over > 0:
+                self._demote(idx, tier.victims(over, self.spare))
+        evicted = tier.put(hashes, src, self.spare)
+        self._stats.add(self._stats.bytes_stored, tier.name,
+                        len(new) * self.layout.block_bytes)
+        self._note_evicted(tier.name, evicted)
+        self._publish([(hashes[i], tier.name) for i in new],
+                      [(h, tier.name) for h in evicted])
 
     def _demote(self, idx: int, victims: list[BlockHash]) -> None:
         tier = self.tiers[idx]
