@@ -100,4 +100,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
         drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy,
         prefill_timeout_s=args.prefill_timeout)
-    return asyncio.run(serve(config, ecfg, transfer_config(args)))
+    from kvtransfer.tiers.config import tier_config_from_args
+
+    return asyncio.run(serve(config, ecfg, transfer_config(args),
+                             tier_config_from_args(args)))

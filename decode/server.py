@@ -41,6 +41,8 @@ from engine.models.loader import TORCH_DTYPES
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
+from kvtransfer.tiers.config import TierConfig
+from kvtransfer.tiers.worker import open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -133,9 +135,11 @@ def advertised(address: str, host: str) -> str:
 
 
 async def serve(config: WorkerConfig, engine_config: EngineConfig,
-                transfer: TransferConfig | None = None) -> int:
+                transfer: TransferConfig | None = None,
+                tier_config: TierConfig | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit code (0 after a clean drain).
-    `transfer` is required for the prefill and decode roles."""
+    `transfer` is required for the prefill and decode roles; `tier_config`: the KV
+    offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -166,10 +170,14 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     address = f"{config.advertise_host or config.host}:{port}"
     log.info("worker %s (%s) listening on %s; loading %s", config.worker_id, config.role,
              address, engine_config.model_dir)
+    tiers = open_tiers(tier_config, engine_config, metrics.registry)
     try:
-        llm = await asyncio.to_thread(AsyncLLM, engine_config, kv_side.kv_cache(engine_config))
+        llm = await asyncio.to_thread(AsyncLLM, engine_config, kv_side.kv_cache(engine_config),
+                                      tiers)
         await kv_side.start(llm, config.advertise_host or config.host)
     except BaseException:
+        if tiers is not None:
+            tiers.close()
         await kv_side.close()
         await server.stop(grace=None)
         raise
@@ -179,6 +187,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
                                   config.redis_timeout_s, metrics.registry)
+    if kv_index is not None and tiers is not None:
+        tiers.attach_publisher(kv_index)  # host/disk stores and evictions, resyncs
     await health.set("readiness", SERVING)
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()
@@ -199,6 +209,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     if http is not None:
         http[0].shutdown()
     llm.shutdown()
+    if tiers is not None:
+        tiers.close()
     await kv_side.close()
     log.info("worker %s stopped", config.worker_id)
     return 0

@@ -1,0 +1,82 @@
+"""Offload tiers in real worker processes: a colocated worker with host + disk tiers
+(`--host-cache-blocks`, `--disk-cache-dir`) offloads finished blocks, publishes them to
+the Redis index, and after the worker is restarted on the same directory its disk tier
+serves the prompts again — token-identical to transformers."""
+
+import asyncio
+import os
+
+import redis
+
+from cluster.launcher import ClusterSpec, LocalCluster
+from engine.block_hash import hash_blocks, make_extra_key
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.integration.serving_util import call_http, grpc_generate, metric, wait_for
+
+BS = 4
+MAX_TOKENS = 5
+
+
+def prompt(seed: int, n: int = 38) -> list[int]:
+    return [(i * 11 + seed * 97) % 470 + 20 for i in range(n)]
+
+
+def start(model_dir: str, disk_dir: str, logs: str) -> LocalCluster:
+    # 24 device blocks hold two of these requests: the rest is evicted to host, and
+    # the 4-block host tier demotes to disk.
+    args = ("--num-blocks", "24", "--block-size", str(BS), "--host-cache-blocks", "4",
+            "--disk-cache-dir", disk_dir, "--disk-cache-blocks", "256")
+    c = LocalCluster(ClusterSpec(model_dir=model_dir, num_prefill=0, num_decode=0,
+                                 num_colocated=1, worker_args=args, log_dir=logs,
+                                 ready_timeout_s=120))
+    c.start()
+    return c
+
+
+def worker_metrics_port(c: LocalCluster) -> int:
+    return int(next(ch for ch in c.children if ch.name.startswith("colocated"))
+               .extra["metrics_port"])
+
+
+def cached_tokens(c: LocalCluster, ids: list[int]) -> tuple[int, list[int]]:
+    status, body, _ = call_http(c.http_port, "POST", "/v1/completions",
+                                {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert status == 200, body
+    return int(body["usage"]["prompt_tokens_details"]["cached_tokens"]), body
+
+
+def test_disk_tier_survives_a_worker_restart(tmp_path) -> None:
+    model_dir = tiny_model_dir("llama")
+    disk = str(tmp_path / "kv-disk")
+    prompts = [prompt(s) for s in range(5)]
+    c = start(model_dir, disk, str(tmp_path / "logs1"))
+    try:
+        first = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts,
+                                          [MAX_TOKENS] * len(prompts)))
+        mport = worker_metrics_port(c)
+        wait_for(lambda: metric(mport, "splitserve:tier_bytes_total", tier="disk",
+                                direction="store") > 0, 20, "blocks demoted to disk")
+        # The index learns the offloaded blocks with their tier (host or disk).
+        model = os.path.basename(os.path.normpath(model_dir))
+        h0 = hash_blocks(prompts[0], BS, make_extra_key(model))[0]
+        r = redis.Redis.from_url(c.redis_url, decode_responses=True)
+        key = f"kvidx:{model}:{h0.hex()}"
+        wait_for(lambda: any(f.endswith(("@host", "@disk")) for f in r.hgetall(key)), 20,
+                 "host/disk entries in the block index")
+    finally:
+        c.stop()
+    assert any(name.endswith(".kvb") for name in os.listdir(disk))
+
+    c = start(model_dir, disk, str(tmp_path / "logs2"))
+    try:
+        hit, body = cached_tokens(c, prompts[0])
+        assert hit == (len(prompts[0]) - 1) // BS * BS  # every full block, from disk
+        mport = worker_metrics_port(c)
+        assert metric(mport, "splitserve:tier_hits_total", tier="disk") > 0
+        again = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts[:1],
+                                          [MAX_TOKENS]))
+    finally:
+        c.stop()
+    hf = hf_model(model_dir)
+    ref = hf_greedy(hf, prompts[0], MAX_TOKENS, hf.generation_config.eos_token_id)
+    assert again[0] == first[0] == ref
