@@ -36,25 +36,9 @@ def wait(arg: dict[str, Any]) -> Any:
 
 
 def generate(arg: dict[str, Any]) -> Any:
-    import grpc
+    from tests.integration.serving_util import grpc_generate
 
-    from protos import splitserve_pb2 as pb
-    from protos import splitserve_pb2_grpc as pb_grpc
-
-    async def run() -> list[list[int]]:
-        async with grpc.aio.insecure_channel(arg["grpc"]) as ch:
-            stub = pb_grpc.GenerateStub(ch)
-
-            async def one(p: list[int], m: int) -> list[int]:
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
-                    max_tokens=m, temperature=0.0))
-                out: list[int] = []
-                async for r in stub.Generate(req, timeout=60):
-                    out += r.token_ids
-                return out
-            return list(await asyncio.gather(*(one(p, m) for p, m in
-                                               zip(arg["prompts"], arg["max_tokens"]))))
-    return asyncio.run(run())
+    return asyncio.run(grpc_generate(arg["grpc"], arg["prompts"], arg["max_tokens"], 60.0))
 
 
 def metrics(arg: dict[str, Any]) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import time
@@ -66,3 +67,19 @@ def metric(port: int, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+async def grpc_generate(address: str, prompts: list[list[int]], max_tokens: list[int],
+                        timeout: float = 120.0) -> list[list[int]]:
+    """Greedy token ids of each prompt through the gateway's gRPC Generate, concurrently."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = pb_grpc.GenerateStub(ch)
+
+        async def one(p: list[int], m: int) -> list[int]:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+                max_tokens=m, temperature=0.0))
+            out: list[int] = []
+            async for r in stub.Generate(req, timeout=timeout):
+                out += r.token_ids
+            return out
+        return list(await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))))

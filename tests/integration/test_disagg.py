@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import load_report, metric, wait_for
+from tests.integration.serving_util import grpc_generate, load_report, metric, wait_for
 
 NUM_BLOCKS = 128
 WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
@@ -74,21 +74,6 @@ def mixed_prompts() -> tuple[list[list[int]], list[int]]:
     return prompts, [4 + (i * 7) % 29 for i in range(len(prompts))]
 
 
-async def grpc_generate(port: int, prompts: list[list[int]], max_tokens: list[int]
-                        ) -> list[list[int]]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = pb_grpc.GenerateStub(ch)
-
-        async def one(p: list[int], m: int) -> list[int]:
-            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
-                max_tokens=m, temperature=0.0))
-            out: list[int] = []
-            async for r in stub.Generate(req, timeout=120):
-                out += r.token_ids
-            return out
-        return list(await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))))
-
-
 @pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
 def test_greedy_through_remote_prefill_equals_offline(tmp_path, offline, transport) -> None:
     prompts, max_tokens = mixed_prompts()
@@ -98,7 +83,7 @@ def test_greedy_through_remote_prefill_equals_offline(tmp_path, offline, transpo
     cluster = start_cluster(tmp_path, transport)
     try:
         decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
-        got = asyncio.run(grpc_generate(cluster.grpc_port, prompts, max_tokens))
+        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
         assert got == [r.token_ids for r in ref], logs(cluster)
         # Every request was prefilled remotely and its KV crossed the transport.
         ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
@@ -190,7 +175,7 @@ def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> Non
     os.kill(victim.proc.pid, signal.SIGSTOP)
     result: list[list[int]] = []
     t = threading.Thread(target=lambda: result.extend(
-        asyncio.run(grpc_generate(cluster.grpc_port, [prompt], [12]))))
+        asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", [prompt], [12]))))
     t.start()
     try:
         # The decode has allocated the prompt's blocks and is waiting on the peer.

@@ -21,7 +21,13 @@ from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import call_http, load_report, metric, wait_for
+from tests.integration.serving_util import (
+    call_http,
+    grpc_generate,
+    load_report,
+    metric,
+    wait_for,
+)
 
 NUM_BLOCKS = 128
 MAX_MODEL_LEN = 768  # below the model's 1024: the gateway must learn it from the workers
@@ -119,19 +125,6 @@ def test_greedy_matches_offline_for_concurrent_requests(cluster, model, offline)
     ref = offline.generate(prompts, [SamplingParams(max_tokens=m, temperature=0)
                                      for m in max_tokens])
 
-    async def grpc_all() -> list[list[int]]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
-            stub = pb_grpc.GenerateStub(ch)
-
-            async def one(p: list[int], m: int) -> list[int]:
-                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
-                    max_tokens=m, temperature=0.0))
-                out: list[int] = []
-                async for r in stub.Generate(req, timeout=120):
-                    out += r.token_ids
-                return out
-            return await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens)))
-
     async def http_all() -> list[str]:
         c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{cluster.http_port}/v1",
                                api_key="none", timeout=120, max_retries=0)
@@ -141,7 +134,8 @@ def test_greedy_matches_offline_for_concurrent_requests(cluster, model, offline)
         await c.close()
         return [r.choices[0].text for r in rs]
 
-    assert asyncio.run(grpc_all()) == [r.token_ids for r in ref]
+    assert asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts,
+                                     max_tokens)) == [r.token_ids for r in ref]
     assert asyncio.run(http_all()) == [r.text for r in ref]
     # And the offline engine is transformers' greedy generate (spot check 4 prompts).
     hf = hf_model(cluster.spec.model_dir)
