@@ -139,3 +139,20 @@ def test_remote_allocation_loads_tier_hits_first(model):
             outs += [o for o in eng.step() if o.finished]
         assert [o.token_ids for o in outs] == [ref[0]]
         assert_no_leaks(llm)
+
+
+@pytest.mark.gpu
+def test_host_tier_with_a_cuda_kv_cache(model, tmp_path):
+    """Pinned host buffers, the save thread's own stream waiting on the step's event,
+    and loads synchronized before host slots can be reused."""
+    model_dir, prompts, ref = model
+    cfg = TierConfig(host_blocks=6, disk_dir=str(tmp_path), disk_blocks=64)
+    with TieredCache(cfg, layout_of(model_dir)) as tiers:
+        assert tiers.tiers[0].pinned
+        llm = LLM(model_dir, offload=tiers, dtype="float32", block_size=BS, num_blocks=16,
+                  device="cuda")
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == ref
+        assert tiers.wait_idle(10.0)
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == ref
+        assert tiers.stats().hits.get("disk", 0) > 0
+        assert_no_leaks(llm)
