@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "transfer": ("bench.transfer_bench", "KV transfer GB/s per transport vs memcpy / raw TCP"),
     "run": ("bench.run_cli", "measure a running OpenAI-compatible or splitserve gRPC server"),
     "experiment": ("bench.experiment_cli", "start and compare cluster configurations"),
+    "routing": ("bench.routing_bench", "round-robin vs least-loaded vs cache-aware routing"),
 }
 
 

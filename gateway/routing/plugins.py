@@ -1,5 +1,5 @@
 """The routing plugins of issue 4: readiness/role filter, queue-depth and KV-usage
-scorers, `max_score` and `power_of_two` pickers, the `threshold` decider."""
+scorers, `max_score`, `power_of_two` and `round_robin` pickers, the `threshold` decider."""
 
 from __future__ import annotations
 
@@ -91,6 +91,23 @@ class PowerOfTwoPicker:
         return candidates[i] if scores[i] >= scores[j] else candidates[j]
 
 
+class RoundRobinPicker:
+    """Each candidate in turn (ordered by worker id), whatever the scores: the baseline
+    that knows neither load nor cache. The rotation lives as long as the Router (a
+    profile swap restarts it)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._next = 0  # `seed` is accepted for the PICKERS interface; nothing is random
+
+    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate:
+        if not candidates:
+            raise ValueError("no candidates to pick from")
+        ordered = sorted(candidates, key=lambda c: c.worker_id)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return chosen
+
+
 class ThresholdDecider:
     """Remote prefill only when the prompt's part the decode does not hold is longer
     than `threshold` tokens, and a ready prefill worker exists."""
@@ -113,4 +130,5 @@ SCORERS.register("queue")(QueueDepthScorer)
 SCORERS.register("kv_usage")(KVUsageScorer)
 PICKERS.register("max_score")(MaxScorePicker)
 PICKERS.register("power_of_two")(PowerOfTwoPicker)
+PICKERS.register("round_robin")(RoundRobinPicker)
 DECIDERS.register("threshold")(ThresholdDecider)
