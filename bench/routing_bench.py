@@ -28,6 +28,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -182,7 +183,8 @@ def set_profile(url: str, admin_key: str, name: str) -> None:
 
 
 def run_phases(cfg: ExperimentConfig, url: str, admin_key: str,
-               work: dict[str, tuple[list[BenchRequest], LoadSpec]]) -> Any:
+               work: dict[str, tuple[list[BenchRequest], LoadSpec]],
+               ) -> Callable[[OpenAIClient], Awaitable[list[Phase]]]:
     """The measured body: each workload under each profile, one salt per phase."""
     run_id = secrets.token_hex(4)
 
@@ -250,8 +252,34 @@ def target_lines(s: dict[str, Any], workloads: list[str]) -> list[str]:
     return out
 
 
-def _verdict(v: float | None, ok: Any) -> str:
+def _verdict(v: float | None, ok: Callable[[float], bool]) -> str:
     return "no data" if v is None else ("met" if ok(v) else "MISSED")
+
+
+def hit_rate_plot(s: dict[str, Any], workloads: list[str], path: str) -> str:
+    """Bars: each profile's hit rate per workload, the workload's ceiling dashed."""
+    from bench.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(PROFILES)
+    for j, w in enumerate(workloads):
+        k = w.replace("-", "_")
+        for i, prof in enumerate(PROFILES):
+            x = j + (i - (len(PROFILES) - 1) / 2) * width
+            ax.bar(x, s[f"hit_rate_{prof}_{k}"], width, color=f"C{i}",
+                   label=prof if j == 0 else None)
+        ax.hlines(s[f"hit_ceiling_{k}"], j - 0.45, j + 0.45, colors="k", linestyles="--",
+                  label="infinite-cache ceiling" if j == 0 else None)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("cached prompt tokens / prompt tokens")
+    ax.set_title("Prefix hit rate per routing profile")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _ms(v: float | None) -> str:
@@ -354,6 +382,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     paths = write_report(report, args.out_dir, args.json)
+    plot = hit_rate_plot(report.summary, report.config["workloads"],
+                         os.path.join(args.out_dir, "bench-routing-hit-rate.png"))
+    paths["plots"].append(plot)
+    with open(paths["markdown"], "a") as f:
+        f.write(f"\n![bench-routing-hit-rate]({os.path.basename(plot)})\n")
     with open(paths["markdown"]) as f:
         print(f.read())
     print("targets:")

@@ -65,5 +65,6 @@ def test_bench_routing_quick(tmp_path: Path) -> None:
             f"hit_ceiling_{ph['params']['workload'].replace('-', '_')}"] + 1e-9
     md = (out / "bench-routing.md").read_text()
     assert "cache_aware hit rate" in md and "| cache_aware / mooncake |" in md
-    assert (out / "bench-routing-compare.png").read_bytes().startswith(b"\x89PNG")
+    for png in ("bench-routing-compare.png", "bench-routing-hit-rate.png"):
+        assert (out / png).read_bytes().startswith(b"\x89PNG") and f"({png})" in md
     assert "targets:" in proc.stdout and "round_robin's" in proc.stdout
