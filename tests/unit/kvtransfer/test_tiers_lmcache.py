@@ -26,10 +26,11 @@ def wait_contains(tier, hashes, timeout: float = 10.0) -> int:
     return n
 
 
-def make_tier(name: str, **overrides) -> LMCacheTier:
+def make_tier(name: str, close_timeout_s: float = 3.0, **overrides) -> LMCacheTier:
     base = {"local_cpu": False, "max_local_cpu_size": 0.05}
     base.update(overrides)
-    return LMCacheTier(LAYOUT, LMCacheTierConfig(instance_id=name, close_timeout_s=3.0,
+    return LMCacheTier(LAYOUT, LMCacheTierConfig(instance_id=name,
+                                                 close_timeout_s=close_timeout_s,
                                                  overrides=tuple(base.items())))
 
 
@@ -58,7 +59,10 @@ def test_lmcache_tier_redis_remote_with_bounded_close():
     from tests.redis_server import RedisServer
 
     server = RedisServer().start()
-    tier = make_tier("t-redis", remote_url=server.url, remote_serde="naive")
+    # LMCache 0.5.6's destroy() never returns with a Redis remote: close abandons it
+    # after close_timeout_s, so a short one keeps this test quick.
+    tier = make_tier("t-redis", close_timeout_s=1.0, remote_url=server.url,
+                     remote_serde="naive")
     try:
         hashes, data = make_blocks(3, seed=4)
         tier.put(hashes, list(data))
@@ -68,6 +72,6 @@ def test_lmcache_tier_redis_remote_with_bounded_close():
         assert torch.equal(out, data)
     finally:
         t0 = time.monotonic()
-        tier.close()  # destroy() may hang with a Redis remote: bounded at 3 s
-        assert time.monotonic() - t0 < 5.0
+        tier.close()  # bounded by close_timeout_s, not by LMCache
+        assert time.monotonic() - t0 < 3.0
         server.kill()
