@@ -1,12 +1,17 @@
-"""The decode side of disaggregation: a kvtransfer receiver over this worker's KV cache
-and the `Prefill` calls to prefill peers.
+"""The decode side of disaggregation: a kvtransfer receiver over this worker's KV cache,
+the `FetchKV` calls to peers holding a prefix and the `Prefill` calls to prefill peers.
 
-For one request (`fetch`): the engine has allocated blocks for the prompt (after local
-prefix hits); we announce the transfer into the missing blocks under a fresh
-generation, call the peer's `Prefill` with our transport address and block ids, and
-return its first token once the RPC has answered AND every block has landed verified.
-On any failure the transfer is fenced (late writes are dropped) and the policy
-decides: `recompute` returns None so the engine prefills locally, `fail` raises.
+For one request (`fill`), the engine has allocated blocks for the whole prompt (after
+local prefix hits and tier loads):
+
+    | local hit | pulled from a kv peer | pushed by the prefill peer, or computed here |
+
+`pull` asks the peer the index named for the blocks it holds (FetchKV); `fetch`
+announces the transfer into the still missing blocks under a fresh generation, calls
+the prefill peer's `Prefill` with our transport address and block ids, and returns its
+first token once the RPC has answered AND every block has landed verified. On any
+failure that transfer is fenced (late writes are dropped): a failed pull just computes
+more; after a failed prefill the policy decides (`recompute` locally, or `fail`).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from engine.async_llm import RemoteResult
 from engine.llm_engine import RemoteAlloc
 from kvtransfer.base import KVReceiver
 from kvtransfer.config import TransferConfig
@@ -63,6 +69,10 @@ class RemotePrefiller:
             "splitserve:remote_prefill", "Remote prefills by outcome (ok, or the policy "
             "that handled a failure: recompute, fail)", ["outcome"],
             registry=registry if registry is not None else CollectorRegistry())
+        self._pulls = Counter(
+            "splitserve:peer_fetch", "Peer fetches by outcome (ok, miss: the peer no "
+            "longer held every block, error)", ["outcome"],
+            registry=registry if registry is not None else CollectorRegistry())
         self._generations = itertools.count(1)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._address = ""
@@ -88,11 +98,77 @@ class RemotePrefiller:
             await ch.close()
         await self.receiver.close()
 
-    def _stub(self, address: str) -> pb_grpc.PrefillStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address)
-        return pb_grpc.PrefillStub(ch)
+        return ch
+
+    def _stub(self, address: str) -> pb_grpc.PrefillStub:
+        return pb_grpc.PrefillStub(self._channel(address))
+
+    def _timeouts(self, deadline: float | None) -> tuple[float, float]:
+        """(rpc timeout, lease): the configured ones, capped by the caller's deadline."""
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        return (min(self.config.rpc_timeout_s, left or self.config.rpc_timeout_s),
+                min(self.config.transfer.lease_s, left or self.config.transfer.lease_s))
+
+    async def fill(self, alloc: RemoteAlloc, request: pb.WorkerGenerateRequest,
+                   prefill_peer: pb.PrefillPeer | None, kv_peer: pb.KVPeer | None,
+                   deadline: float | None = None) -> RemoteResult:
+        """Fills `alloc`'s blocks from the peers the gateway named; see the module doc."""
+        remote_prefill = prefill_peer is not None and bool(prefill_peer.address)
+        if kv_peer is not None and kv_peer.address:
+            alloc = await self.pull(alloc, kv_peer, deadline, whole_prompt=remote_prefill)
+        if remote_prefill:
+            assert prefill_peer is not None
+            first = await self.fetch(alloc, request, prefill_peer, deadline)
+            if first is not None:
+                return RemoteResult(first_token=first,
+                                    num_computed_tokens=alloc.num_computed_tokens)
+        # Computed here from what landed; one token always stays to compute (its logits).
+        bs = alloc.block_size
+        return RemoteResult(num_computed_tokens=min(
+            alloc.num_computed_tokens, (alloc.num_prompt_tokens - 1) // bs * bs))
+
+    async def pull(self, alloc: RemoteAlloc, peer: pb.KVPeer, deadline: float | None,
+                   whole_prompt: bool) -> RemoteAlloc:
+        """Pulls the prompt blocks `peer` holds past our own into their places; returns
+        `alloc` advanced past them (unchanged if the pull failed or had nothing to do)."""
+        bs = alloc.block_size
+        first = alloc.num_computed_tokens // bs
+        limit = len(alloc.block_hashes) if whole_prompt else (alloc.num_prompt_tokens - 1) // bs
+        end = min(int(peer.num_blocks), limit)
+        if end <= first:
+            return alloc
+        xid, gen = f"{alloc.request_id}-pull", next(self._generations)
+        rpc_timeout, lease = self._timeouts(deadline)
+        landed = self.receiver.expect(xid, whole_blocks(alloc.block_ids[first:end]), gen, lease)
+        call = pb.FetchKVRequest(
+            request_id=xid, block_hashes=alloc.block_hashes[first:end],
+            dest=pb.KVDestination(transport_address=self._address, generation=gen,
+                                  block_ids=alloc.block_ids[first:end],
+                                  worker_id=self.worker_id))
+        try:
+            await pb_grpc.WorkerStub(self._channel(peer.address)).FetchKV(
+                call, timeout=rpc_timeout, metadata=(("x-request-id", alloc.request_id),))
+            await asyncio.wait_for(asyncio.shield(landed), lease)
+        except asyncio.CancelledError:
+            await self._fence(xid, landed, "request cancelled")
+            raise
+        except (grpc.aio.AioRpcError, KVTransferError, asyncio.TimeoutError) as e:
+            miss = isinstance(e, grpc.aio.AioRpcError) \
+                and e.code() == grpc.StatusCode.FAILED_PRECONDITION
+            self._pulls.labels("miss" if miss else "error").inc()
+            log.info("request %s: pull of %d blocks from %s failed (%s); computing them",
+                     alloc.request_id, end - first, peer.worker_id or peer.address,
+                     e.details() if isinstance(e, grpc.aio.AioRpcError) else repr(e))
+            await self._fence(xid, landed, "peer fetch failed")
+            return alloc
+        self._pulls.labels("ok").inc()
+        log.info("event=peer_fetch request_id=%s blocks=%d from=%s", alloc.request_id,
+                 end - first, peer.worker_id)
+        return replace(alloc, num_computed_tokens=end * bs)
 
     async def fetch(self, alloc: RemoteAlloc, request: pb.WorkerGenerateRequest,
                     peer: pb.PrefillPeer, deadline: float | None = None) -> int | None:
@@ -101,9 +177,7 @@ class RemotePrefiller:
         lease get what is left of it, capped by the configured timeouts."""
         rid = alloc.request_id
         gen = next(self._generations)
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        rpc_timeout = min(self.config.rpc_timeout_s, left or self.config.rpc_timeout_s)
-        lease = min(self.config.transfer.lease_s, left or self.config.transfer.lease_s)
+        rpc_timeout, lease = self._timeouts(deadline)
         landed = self.receiver.expect(rid, whole_blocks(alloc.missing_block_ids), gen, lease)
         call = pb.PrefillRequest(
             request_id=rid, token_ids=request.prompt_token_ids, sampling=request.sampling,

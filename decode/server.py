@@ -30,6 +30,7 @@ from prometheus_client import start_http_server
 
 from decode.config import WorkerConfig
 from decode.kv_events import start_kv_publisher
+from decode.kv_source import KVSource
 from decode.metrics import WorkerMetrics
 from decode.registration import RedisRegistrar
 from decode.remote import RemotePrefillConfig, RemotePrefiller
@@ -41,6 +42,7 @@ from engine.models.loader import TORCH_DTYPES
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
+from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
 from kvtransfer.tiers.worker import open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -64,17 +66,21 @@ def kv_layout_string(engine_config: EngineConfig) -> str:
 
 
 class KVSide:
-    """The KV-transfer part of a worker's role; owns the receiver or sender it makes."""
+    """The KV-transfer part of a worker's role. A decode worker receives (prefill peers
+    and kv peers write into its blocks); decode and prefill workers send (the prefill's
+    blocks, and cached blocks a peer asks for with FetchKV). Owns what it makes."""
 
     def __init__(self, config: WorkerConfig, transfer: TransferConfig | None,
                  service: WorkerService, metrics: WorkerMetrics) -> None:
         if config.role != "colocated" and transfer is None:
             raise ValueError(f"a {config.role} worker needs a TransferConfig")
-        self.role = config.role
+        self.transfer = transfer
         self.service = service
+        self.registry = metrics.registry
         self.layout = KVLayout.from_json(service.kv_layout)
         self.prefiller: RemotePrefiller | None = None
         self.prefill: PrefillService | None = None
+        self.pusher: KVPusher | None = None
         if config.role == "decode":
             assert transfer is not None
             self.prefiller = RemotePrefiller(
@@ -84,8 +90,7 @@ class KVSide:
         elif config.role == "prefill":
             from prefill.service import PrefillService
 
-            assert transfer is not None
-            self.prefill = PrefillService(service, transfer, metrics.registry)
+            self.prefill = PrefillService(service)
         self._shared = False
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -103,18 +108,24 @@ class KVSide:
         return cast("torch.Tensor | None", kv)
 
     async def start(self, llm: AsyncLLM, advertise_host: str) -> None:
+        kv = llm.engine.runner.kv_cache
         if self.prefiller is not None:
-            address = await self.prefiller.start(llm.engine.runner.kv_cache, self.layout,
-                                                 self._shared)
+            address = await self.prefiller.start(kv, self.layout, self._shared)
             self.service.transport_address = advertised(address, advertise_host)
             self.service.prefiller = self.prefiller
             log.info("kv receiver listening: %s", self.service.transport_address)
+        if self.transfer is not None:
+            self.pusher = KVPusher(self.transfer, kv, self.layout, self.registry)
+            self.service.kv_source = KVSource(llm, self.pusher, self.transfer.io_timeout_s,
+                                              self.registry)
+            if self.prefill is not None:
+                self.prefill.pusher = self.pusher
 
     async def close(self) -> None:
         if self.prefiller is not None:
             await self.prefiller.close()
-        if self.prefill is not None:
-            await self.prefill.close()
+        if self.pusher is not None:
+            await self.pusher.close()
 
 
 def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig | None) -> None:

@@ -26,7 +26,7 @@ import grpc
 
 from decode.config import WorkerConfig
 from decode.metrics import WorkerMetrics
-from engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill
+from engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill, RemoteResult
 from engine.llm_engine import RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -35,6 +35,7 @@ from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import sampling_from_proto
 
 if TYPE_CHECKING:
+    from decode.kv_source import KVSource
     from decode.remote import RemotePrefiller
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         # Set by decode/server.py before readiness on a decode worker: the receiver
         # prefill peers write into, and its address (Info and registration report it).
         self.prefiller: RemotePrefiller | None = None
+        self.kv_source: KVSource | None = None  # serves FetchKV (workers with a transport)
         self.transport_address = ""
         self.changed = asyncio.Event()  # poked on request start/end: load reports follow
 
@@ -138,10 +140,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         assert self.llm is not None  # Generate checked
         remote: RemotePrefill | None = None
         prefiller = self.prefiller
-        if prefill_peer is not None and prefill_peer.address and prefiller is not None:
-            def remote(alloc: RemoteAlloc) -> Awaitable[int | None]:
-                assert prefiller is not None and prefill_peer is not None
-                return prefiller.fetch(alloc, request, prefill_peer, deadline)
+        kv_peer = request.kv_peer if request.HasField("kv_peer") else None
+        if prefiller is not None and ((prefill_peer and prefill_peer.address)
+                                      or (kv_peer and kv_peer.address)):
+            def remote(alloc: RemoteAlloc) -> Awaitable[RemoteResult | int | None]:
+                assert prefiller is not None
+                return prefiller.fill(alloc, request, prefill_peer, kv_peer, deadline)
         elif prefill_peer is not None and self.config.role != "decode":
             log.debug("request %s: prefill peer ignored by a %s worker", request.request_id,
                       self.config.role)
@@ -157,6 +161,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             finish_reason=out.finish_reason or "" if out.finished else "",
             num_prompt_tokens=n_prompt, num_output_tokens=len(out.token_ids),
             num_cached_tokens=out.num_cached_tokens, error=out.error or "")
+
+    # -- FetchKV (peer fetch, holder side) ---------------------------------------------
+    async def FetchKV(self, request: pb.FetchKVRequest,
+                      context: grpc.aio.ServicerContext) -> pb.FetchKVResponse:
+        if self.kv_source is None or self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this worker serves no KV to peers (colocated, loading or "
+                                "draining)")
+            raise AssertionError("unreachable")
+        return await self.kv_source.fetch(request, context)
 
     # -- Load ------------------------------------------------------------------------
     def load_report(self) -> pb.LoadReport:

@@ -33,10 +33,21 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can run."""
 
 
-# Runs a remote prefill into the given blocks; returns the first token, or None to
-# prefill locally instead (e.g. the `recompute` policy after a failed transfer).
+@dataclass(frozen=True, slots=True)
+class RemoteResult:
+    """How a remote fill ended: `first_token` when the whole prompt's KV landed (and
+    the remote sampler drew the token); else the KV is valid up to
+    `num_computed_tokens` (block aligned; None: the local hit) and the rest is computed
+    here."""
+
+    first_token: int | None = None
+    num_computed_tokens: int | None = None
+
+
+# Fills the given blocks from elsewhere (a prefill node, a peer's cache); returns a
+# RemoteResult, or the first token / None as shorthand for RemoteResult(first_token=..).
 # Raising ends the request with an error (the `fail` policy).
-RemotePrefill = Callable[[RemoteAlloc], Awaitable[int | None]]
+RemotePrefill = Callable[[RemoteAlloc], Awaitable["RemoteResult | int | None"]]
 
 
 @dataclass(slots=True)
@@ -59,7 +70,7 @@ class _Abort:
 @dataclass(slots=True)
 class _RemoteDone:
     request_id: str
-    first_token: int | None
+    result: RemoteResult
 
 
 @dataclass(slots=True)
@@ -164,14 +175,15 @@ class AsyncLLM:
 
     async def _run_remote(self, remote: RemotePrefill, alloc: RemoteAlloc) -> None:
         try:
-            first = await remote(alloc)
+            got = await remote(alloc)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the `fail` policy: end the request with the reason
             log.warning("remote prefill of %s failed: %s", alloc.request_id, e)
             self._cmds.put(_Abort(alloc.request_id, error=f"remote prefill failed: {e}"))
             return
-        self._cmds.put(_RemoteDone(alloc.request_id, first))
+        result = got if isinstance(got, RemoteResult) else RemoteResult(first_token=got)
+        self._cmds.put(_RemoteDone(alloc.request_id, result))
 
     def release(self, request_id: str) -> None:
         """Frees the blocks a finished `hold_kv` request kept for sending."""
@@ -226,7 +238,8 @@ class AsyncLLM:
             if out is not None:
                 self._deliver(cmd.request_id, out, last=True)
         elif isinstance(cmd, _RemoteDone):
-            for out in eng.finish_remote(cmd.request_id, cmd.first_token):
+            r = cmd.result
+            for out in eng.finish_remote(cmd.request_id, r.first_token, r.num_computed_tokens):
                 self._deliver(out.request_id, out, last=out.finished)
         elif isinstance(cmd, _Release):
             eng.release(cmd.request_id)

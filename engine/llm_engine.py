@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_hash import make_extra_key
+from engine.block_hash import BlockHash, make_extra_key
+from engine.block_pool import KVBlock
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -38,6 +39,8 @@ class RemoteAlloc:
     block_ids: list[int]
     num_computed_tokens: int
     block_size: int
+    block_hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks (peer fetch)
+    num_prompt_tokens: int = 0
 
     @property
     def missing_block_ids(self) -> list[int]:
@@ -70,6 +73,7 @@ class LLMEngine:
             self.kv.pool.track_new_cached = True
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self._tracks: dict[str, _Track] = {}
+        self._pins: dict[int, int] = {}  # block id -> references pin_cached holds
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -137,16 +141,20 @@ class LLMEngine:
         self._run_loads(None)
         self._track(req)
         return RemoteAlloc(request_id, self.kv.block_ids(request_id),
-                           req.num_computed_tokens, self.block_size)
+                           req.num_computed_tokens, self.block_size,
+                           tuple(req.update_block_hashes(self.block_size)),
+                           len(prompt_token_ids))
 
-    def finish_remote(self, request_id: str, first_token: int | None) -> list[RequestOutput]:
+    def finish_remote(self, request_id: str, first_token: int | None,
+                      num_computed_tokens: int | None = None) -> list[RequestOutput]:
         """The remote prefill is over: with `first_token` the prompt's KV is in place;
-        with None it is computed locally instead. Returns outputs to deliver (the first
-        token's, final if that token already ends the request)."""
+        with None it is computed locally from `num_computed_tokens` (KV that arrived
+        from a peer, block aligned; default: the local hit). Returns outputs to deliver
+        (the first token's, final if that token already ends the request)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return []  # aborted meanwhile
-        self.scheduler.remote_kv_ready(req, first_token)
+        self.scheduler.remote_kv_ready(req, first_token, num_computed_tokens)
         if first_token is None:
             return []
         self.runner.sampler.skip(request_id, req.sampling_params,
@@ -161,6 +169,49 @@ class LLMEngine:
     def release(self, request_id: str) -> bool:
         """Frees the blocks a finished producer held for sending."""
         return self.scheduler.release(request_id)
+
+    # -- peer fetch (holder side) -------------------------------------------------------
+    def pin_cached(self, hashes: list[BlockHash]) -> list[int]:
+        """Block ids holding the leading run of `hashes` here, each with a reference
+        taken so it is neither evicted nor reused until `unpin`: device prefix-cache hits
+        first, then blocks the offload tiers load into fresh (and now cached) blocks."""
+        pool = self.kv.pool
+        blocks = []
+        for h in hashes:
+            b = pool.get_cached_block(h)
+            if b is None:
+                break
+            blocks.append(b)
+        pool.touch(blocks)
+        rest = list(hashes[len(blocks):])
+        if rest and self.offload is not None:
+            blocks += self._load_pinned(rest, blocks[-1].block_hash if blocks else None)
+        ids = [b.block_id for b in blocks]
+        for i in ids:
+            self._pins[i] = self._pins.get(i, 0) + 1
+        return ids
+
+    def _load_pinned(self, hashes: list[BlockHash], parent: BlockHash | None) -> list[KVBlock]:
+        assert self.offload is not None
+        n = self.offload.offload.lookup(hashes)
+        new = self.kv.pool.get_new_blocks(n) if n else None
+        if not new:
+            return []
+        got = self.offload.offload.load(hashes[:n], [b.block_id for b in new],
+                                        self.runner.kv_cache)
+        self.kv.pool.free(new[got:])
+        self.kv.pool.cache_full_blocks(new[:got], hashes[:got], parent)
+        return new[:got]
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Drops the references `pin_cached` took."""
+        for i in block_ids:
+            left = self._pins[i] - 1
+            if left:
+                self._pins[i] = left
+            else:
+                del self._pins[i]
+        self.kv.pool.free(self.kv.pool.blocks[i] for i in block_ids)
 
     def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Ends the request (as "error" when `error` is given) and frees its blocks;
@@ -262,5 +313,7 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def check_integrity(self) -> None:
-        held = self.offload.saving if self.offload is not None else {}
-        self.kv.check_integrity({b: 1 for b in held})
+        held = dict(self._pins)
+        for b in (self.offload.saving if self.offload is not None else {}):
+            held[b] = held.get(b, 0) + 1
+        self.kv.check_integrity(held)

@@ -165,17 +165,28 @@ class Scheduler:
         self.waiting.append(req)
         return True
 
-    def remote_kv_ready(self, req: Request, first_token: int | None) -> None:
+    def remote_kv_ready(self, req: Request, first_token: int | None,
+                        num_computed_tokens: int | None = None) -> None:
         """Makes a parked request runnable. With `first_token`, the whole prompt's KV
         has landed in its blocks and the token came from the remote sampler; with None
-        the remote prefill did not happen and the rest of the prompt is computed here
-        (blocks past the local hit are simply overwritten)."""
+        the rest of the prompt is computed here from `num_computed_tokens` (KV a peer
+        wrote; block aligned, below the prompt's length) or from the local hit (blocks
+        past it are simply overwritten)."""
         if req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             raise RuntimeError(f"request {req.request_id} is not waiting for remote KV")
         if first_token is not None:
+            if num_computed_tokens:  # the part that came from caches (a peer's) is cached
+                req.num_cached_tokens = max(req.num_cached_tokens or 0, num_computed_tokens)
             req.num_computed_tokens = req.num_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
             req.append_token(first_token)
+        elif num_computed_tokens is not None and num_computed_tokens > req.num_computed_tokens:
+            if num_computed_tokens % self.kv.block_size or num_computed_tokens >= req.num_tokens:
+                raise RuntimeError(f"bad remote KV extent {num_computed_tokens} for "
+                                   f"{req.request_id} ({req.num_tokens} tokens)")
+            # | local hit | pulled from a peer | computed here |
+            req.num_computed_tokens = req.num_cached_tokens = num_computed_tokens
+            self.kv.cache_blocks(req, num_computed_tokens)
         req.status = RequestStatus.WAITING
 
     def release(self, request_id: str) -> bool:

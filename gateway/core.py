@@ -98,6 +98,8 @@ class Gateway:
                                    "remote" if decision.prefill else "local").inc()
         if lookup is None and self.locality.index is not None:
             reason = "index_unavailable"
+        elif decision.kv_peer is not None:
+            reason = "peer_fetch"
         elif req.cached_tokens.get(decision.decode.worker_id, 0) > 0:
             reason = "prefix_hit"
         else:
@@ -118,6 +120,10 @@ class Gateway:
         if decision.prefill is not None:
             req.prefill_peer.address = decision.prefill.address
             req.prefill_peer.worker_id = decision.prefill.worker_id
+        if decision.kv_peer is not None:
+            req.kv_peer.address = decision.kv_peer.address
+            req.kv_peer.worker_id = decision.kv_peer.worker_id
+            req.kv_peer.num_blocks = decision.kv_peer_blocks
         return req
 
     async def stream(self, inp: GenerateInput, request_id: str, deadline: float,
@@ -142,7 +148,7 @@ class Gateway:
                         async for resp in responses:
                             if not sent and lookup is not None:
                                 wid = decision.decode.worker_id
-                                self.locality.observe(wid, req.cached_tokens.get(wid, 0),
+                                self.locality.observe(wid, decision.predicted_cached(req),
                                                       resp.num_cached_tokens)
                             sent = True
                             yield resp
@@ -166,9 +172,10 @@ class Gateway:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise UpstreamTimeout("the request's deadline passed before it was routed")
-        log.info("event=route request_id=%s worker=%s address=%s prefill=%s prompt_tokens=%d",
-                 request_id, decision.decode.worker_id, decision.decode.address,
-                 decision.prefill.worker_id if decision.prefill else "-",
+        log.info("event=route request_id=%s worker=%s address=%s prefill=%s kv_peer=%s "
+                 "prompt_tokens=%d", request_id, decision.decode.worker_id,
+                 decision.decode.address, decision.prefill.worker_id if decision.prefill else "-",
+                 decision.kv_peer.worker_id if decision.kv_peer else "-",
                  len(inp.prompt_token_ids))
         call = entry.stub.Generate(self._worker_request(inp, request_id, decision),
                                    timeout=remaining,

@@ -18,17 +18,15 @@ import time
 from dataclasses import replace
 
 import grpc
-from prometheus_client import CollectorRegistry
 
 from decode.service import WorkerService, request_id_from
 from engine.async_llm import AsyncLLM
 from engine.llm_engine import RequestError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVSender
-from kvtransfer.config import TransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import KVLayout, whole_blocks
-from kvtransfer.registry import make_sender
+from kvtransfer.pusher import KVPusher
 from kvtransfer.sender import Peer
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -44,37 +42,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PrefillService(pb_grpc.PrefillServicer):
-    def __init__(self, worker: WorkerService, transfer: TransferConfig,
-                 registry: CollectorRegistry | None = None) -> None:
-        """`registry`: where the sender's transfer metrics go (the worker's)."""
+    """`pusher` (set by the worker once its KV cache exists) sends the blocks."""
+
+    def __init__(self, worker: WorkerService) -> None:
         self.worker = worker
-        self.transfer = transfer
-        self._registry = registry
-        self._sender: KVSender | None = None
-        self._peers: dict[str, Peer] = {}
-        self._connect_lock = asyncio.Lock()
-
-    def _kv_sender(self, llm: AsyncLLM) -> KVSender:
-        if self._sender is None:
-            sender = make_sender(self.transfer, self._registry)
-            sender.register(llm.engine.runner.kv_cache, KVLayout.from_json(self.worker.kv_layout))
-            self._sender = sender
-        return self._sender
-
-    async def _peer(self, sender: KVSender, address: str) -> Peer:
-        """A connected, handshaken peer for `address` (reconnects if it died)."""
-        async with self._connect_lock:
-            peer = self._peers.get(address)
-            if peer is None or not peer.alive:
-                if peer is not None:
-                    await sender.disconnect(peer)
-                peer = await sender.connect(address)
-                self._peers[address] = peer
-            return peer
-
-    async def close(self) -> None:
-        if self._sender is not None:
-            await self._sender.close()
+        self.pusher: KVPusher | None = None
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -87,9 +59,12 @@ class PrefillService(pb_grpc.PrefillServicer):
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         t0 = time.monotonic()
-        sender = self._kv_sender(llm)
+        if self.pusher is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker not ready")
+            raise AssertionError("unreachable")
+        sender = self.pusher.sender
         try:
-            peer = await self._peer(sender, request.dest.transport_address)
+            peer = await self.pusher.peer(request.dest.transport_address)
             resp = await self._prefill(llm, sender, peer, rid, request, context)
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

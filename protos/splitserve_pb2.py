@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/splitserve.proto\x12\rsplitserve.v1\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\"1\n\x0bPrefillPeer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\xe2\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x30\n\x0cprefill_peer\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.PrefillPeerB\r\n\x0b_cache_salt\"\xc4\x01\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"&\n\x0bLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\xe4\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_active\x18\x07 \x01(\r\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\r\n\x0bInfoRequest\"\xc2\x01\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x19\n\x11transport_address\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\"\x81\x01\n\rKVDestination\x12\x19\n\x11transport_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x04\x64\x65st\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.KVDestinationB\r\n\x0b_cache_salt\"\\\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\"\xa1\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12num_blocks_written\x18\x04 \x01(\r\x12.\n\x07timings\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PrefillTimings2Y\n\x08Generate\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x32\xe5\x01\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12?\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport0\x01\x12?\n\x04Info\x12\x1a.splitserve.v1.InfoRequest\x1a\x1b.splitserve.v1.InfoResponse2S\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/splitserve.proto\x12\rsplitserve.v1\"\xae\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_cache_salt\"\x83\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\"1\n\x0bPrefillPeer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\"@\n\x06KVPeer\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\x8a\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x30\n\x0cprefill_peer\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.PrefillPeer\x12&\n\x07kv_peer\x18\x07 \x01(\x0b\x32\x15.splitserve.v1.KVPeerB\r\n\x0b_cache_salt\"\xc4\x01\n\x16WorkerGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"&\n\x0bLoadRequest\x12\x17\n\x0fmin_interval_ms\x18\x01 \x01(\r\"\xe4\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_running\x18\x03 \x01(\r\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x12\n\nnum_active\x18\x07 \x01(\r\x12\r\n\x05ready\x18\x08 \x01(\x08\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"\r\n\x0bInfoRequest\"\xc2\x01\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\tkv_layout\x18\x06 \x01(\t\x12\x19\n\x11transport_address\x18\x07 \x01(\t\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\"f\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12*\n\x04\x64\x65st\x18\x03 \x01(\x0b\x32\x1c.splitserve.v1.KVDestination\"%\n\x0f\x46\x65tchKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x81\x01\n\rKVDestination\x12\x19\n\x11transport_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x11\n\tworker_id\x18\x05 \x01(\t\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x04\x64\x65st\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.KVDestinationB\r\n\x0b_cache_salt\"\\\n\x0ePrefillTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\"\xa1\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12num_blocks_written\x18\x04 \x01(\r\x12.\n\x07timings\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PrefillTimings2Y\n\x08Generate\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x32\xaf\x02\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12?\n\x04Load\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport0\x01\x12?\n\x04Info\x12\x1a.splitserve.v1.InfoRequest\x1a\x1b.splitserve.v1.InfoResponse\x12H\n\x07\x46\x65tchKV\x12\x1d.splitserve.v1.FetchKVRequest\x1a\x1e.splitserve.v1.FetchKVResponse2S\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,30 +47,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_end=974
   _globals['_PREFILLPEER']._serialized_start=976
   _globals['_PREFILLPEER']._serialized_end=1025
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=1028
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1254
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=1257
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=1453
-  _globals['_LOADREQUEST']._serialized_start=1455
-  _globals['_LOADREQUEST']._serialized_end=1493
-  _globals['_LOADREPORT']._serialized_start=1496
-  _globals['_LOADREPORT']._serialized_end=1724
-  _globals['_INFOREQUEST']._serialized_start=1726
-  _globals['_INFOREQUEST']._serialized_end=1739
-  _globals['_INFORESPONSE']._serialized_start=1742
-  _globals['_INFORESPONSE']._serialized_end=1936
-  _globals['_KVDESTINATION']._serialized_start=1939
-  _globals['_KVDESTINATION']._serialized_end=2068
-  _globals['_PREFILLREQUEST']._serialized_start=2071
-  _globals['_PREFILLREQUEST']._serialized_end=2259
-  _globals['_PREFILLTIMINGS']._serialized_start=2261
-  _globals['_PREFILLTIMINGS']._serialized_end=2353
-  _globals['_PREFILLRESPONSE']._serialized_start=2356
-  _globals['_PREFILLRESPONSE']._serialized_end=2517
-  _globals['_GENERATE']._serialized_start=2519
-  _globals['_GENERATE']._serialized_end=2608
-  _globals['_WORKER']._serialized_start=2611
-  _globals['_WORKER']._serialized_end=2840
-  _globals['_PREFILL']._serialized_start=2842
-  _globals['_PREFILL']._serialized_end=2925
+  _globals['_KVPEER']._serialized_start=1027
+  _globals['_KVPEER']._serialized_end=1091
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=1094
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1360
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=1363
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1559
+  _globals['_LOADREQUEST']._serialized_start=1561
+  _globals['_LOADREQUEST']._serialized_end=1599
+  _globals['_LOADREPORT']._serialized_start=1602
+  _globals['_LOADREPORT']._serialized_end=1830
+  _globals['_INFOREQUEST']._serialized_start=1832
+  _globals['_INFOREQUEST']._serialized_end=1845
+  _globals['_INFORESPONSE']._serialized_start=1848
+  _globals['_INFORESPONSE']._serialized_end=2042
+  _globals['_FETCHKVREQUEST']._serialized_start=2044
+  _globals['_FETCHKVREQUEST']._serialized_end=2146
+  _globals['_FETCHKVRESPONSE']._serialized_start=2148
+  _globals['_FETCHKVRESPONSE']._serialized_end=2185
+  _globals['_KVDESTINATION']._serialized_start=2188
+  _globals['_KVDESTINATION']._serialized_end=2317
+  _globals['_PREFILLREQUEST']._serialized_start=2320
+  _globals['_PREFILLREQUEST']._serialized_end=2508
+  _globals['_PREFILLTIMINGS']._serialized_start=2510
+  _globals['_PREFILLTIMINGS']._serialized_end=2602
+  _globals['_PREFILLRESPONSE']._serialized_start=2605
+  _globals['_PREFILLRESPONSE']._serialized_end=2766
+  _globals['_GENERATE']._serialized_start=2768
+  _globals['_GENERATE']._serialized_end=2857
+  _globals['_WORKER']._serialized_start=2860
+  _globals['_WORKER']._serialized_end=3163
+  _globals['_PREFILL']._serialized_start=3165
+  _globals['_PREFILL']._serialized_end=3248
 # @@protoc_insertion_point(module_scope)

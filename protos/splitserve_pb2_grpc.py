@@ -121,6 +121,11 @@ class WorkerStub:
                 request_serializer=protos_dot_splitserve__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.FetchKV = channel.unary_unary(
+                '/splitserve.v1.Worker/FetchKV',
+                request_serializer=protos_dot_splitserve__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve__pb2.FetchKVResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -144,6 +149,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -161,6 +172,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_splitserve__pb2.InfoRequest.FromString,
                     response_serializer=protos_dot_splitserve__pb2.InfoResponse.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=protos_dot_splitserve__pb2.FetchKVRequest.FromString,
+                    response_serializer=protos_dot_splitserve__pb2.FetchKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -244,6 +260,33 @@ class Worker:
             '/splitserve.v1.Worker/Info',
             protos_dot_splitserve__pb2.InfoRequest.SerializeToString,
             protos_dot_splitserve__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/FetchKV',
+            protos_dot_splitserve__pb2.FetchKVRequest.SerializeToString,
+            protos_dot_splitserve__pb2.FetchKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,6 +58,14 @@ class RouteDecision:
     decode: Candidate
     prefill: Candidate | None  # None: the decode prefills locally
     scores: dict[str, float]  # worker id -> weighted score (for logs and metrics)
+    kv_peer: Candidate | None = None  # holds a longer prefix: the decode pulls it first
+    kv_peer_blocks: int = 0  # leading prompt blocks the index says kv_peer holds
+
+    def predicted_cached(self, req: RouteRequest) -> int:
+        """Prompt tokens the decode should not compute: its own hit or the pulled run."""
+        own = req.cached_tokens.get(self.decode.worker_id, 0)
+        cap = (len(req.prompt_token_ids) - 1) // req.block_size
+        return max(own, min(self.kv_peer_blocks, cap) * req.block_size)
 
 
 class Filter(Protocol):

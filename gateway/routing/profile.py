@@ -12,7 +12,7 @@ the Router that runs them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import gateway.routing.locality  # noqa: F401  (registers prefix_locality)
@@ -72,6 +72,9 @@ class RoutingProfile:
     picker: str = "power_of_two"
     decider: str = "threshold"
     decider_threshold: int = 256  # uncached prompt tokens above which P prefills
+    # A decode pulls a prefix from the worker holding the longest one (peer fetch) when
+    # that holds at least this many blocks more than the decode itself; 0: never.
+    peer_fetch_min_blocks: int = 2
     seed: int | None = None  # for the pickers' randomness (tests)
 
     def __post_init__(self) -> None:
@@ -85,10 +88,12 @@ class RoutingProfile:
             raise ValueError(f"unknown decider {self.decider!r}; known: {DECIDERS.names()}")
         if self.decider_threshold < 0:
             raise ValueError("decider threshold must be >= 0")
+        if self.peer_fetch_min_blocks < 0:
+            raise ValueError("peer_fetch min_blocks must be >= 0")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RoutingProfile:
-        unknown = set(d) - {"scorers", "picker", "decider", "seed"}
+        unknown = set(d) - {"scorers", "picker", "decider", "peer_fetch", "seed"}
         if unknown:
             raise ValueError(f"unknown routing keys: {sorted(unknown)}")
         kw: dict[str, Any] = {}
@@ -115,6 +120,11 @@ class RoutingProfile:
             kw["decider_threshold"] = int(dec.get("threshold", 256))
         elif dec is not None:
             raise ValueError(f"decider must be a name or a mapping, got {dec!r}")
+        pf = d.get("peer_fetch")
+        if isinstance(pf, dict) and set(pf) <= {"min_blocks"}:
+            kw["peer_fetch_min_blocks"] = int(pf.get("min_blocks", 2))
+        elif pf is not None:
+            raise ValueError(f"peer_fetch is a mapping {{min_blocks: N}}, got {pf!r}")
         if d.get("seed") is not None:
             kw["seed"] = int(d["seed"])
         return cls(**kw)
@@ -123,7 +133,7 @@ class RoutingProfile:
         """The profile as `from_dict` reads it (round-trips)."""
         return {"scorers": [s.to_dict() for s in self.scorers], "picker": self.picker,
                 "decider": {"name": self.decider, "threshold": self.decider_threshold},
-                "seed": self.seed}
+                "peer_fetch": {"min_blocks": self.peer_fetch_min_blocks}, "seed": self.seed}
 
     @classmethod
     def from_yaml(cls, path: str) -> RoutingProfile:
@@ -168,9 +178,37 @@ class Router:
             raise NoCandidates("no ready decode or colocated worker")
         scores = self._weighted(req, decodes)
         decode = self._picker.pick(decodes, scores)
+        peer, peer_blocks = self._kv_peer(req, decode, workers)
         prefill = None
         prefills = self._prefill_filter.filter(req, workers)
-        if decode.role == "decode" and self._decider.decide(req, decode, prefills):
-            prefill = self._picker.pick(prefills, self._weighted(req, prefills))
+        if decode.role == "decode":
+            # The decider judges what is left after the pull.
+            seen = RouteDecision(decode, None, {}, peer, peer_blocks).predicted_cached(req)
+            if self._decider.decide(replace(req, cached_tokens={
+                    **req.cached_tokens, decode.worker_id: seen}), decode, prefills):
+                prefill = self._picker.pick(prefills, self._weighted(req, prefills))
+        if peer is not None and prefill is not None and peer.worker_id == prefill.worker_id:
+            peer, peer_blocks = None, 0  # the prefill worker sends those blocks anyway
         return RouteDecision(decode, prefill,
-                             {c.worker_id: s for c, s in zip(decodes, scores, strict=True)})
+                             {c.worker_id: s for c, s in zip(decodes, scores, strict=True)},
+                             peer, peer_blocks)
+
+    def _kv_peer(self, req: RouteRequest, decode: Candidate,
+                 workers: list[Candidate]) -> tuple[Candidate | None, int]:
+        """The ready worker with a transport (decode or prefill role) whose caches hold
+        the longest leading run of the prompt's blocks, if it beats the decode's own by
+        `peer_fetch_min_blocks`."""
+        need = self.profile.peer_fetch_min_blocks
+        if decode.role != "decode" or need <= 0 or not req.locality:
+            return None, 0
+        own = len(req.locality.get(decode.worker_id, ()))
+        best: Candidate | None = None
+        best_n = own
+        for c in workers:
+            n = len(req.locality.get(c.worker_id, ()))
+            if c.ready and c.role in ("decode", "prefill") and c.worker_id != decode.worker_id \
+                    and n > best_n:
+                best, best_n = c, n
+        if best is None or best_n - own < need:
+            return None, 0
+        return best, best_n
