@@ -102,3 +102,41 @@ def test_example_profile_in_deploy_parses() -> None:
     assert prof.picker == "power_of_two" and prof.decider_threshold == 256
     assert [s.name for s in prof.scorers] == ["prefix_locality", "queue", "kv_usage"]
     assert dict(prof.scorers[0].options)["tiers"]["device"] == 1.0
+
+
+def _peer_router(**kw) -> Router:
+    return Router(RoutingProfile.from_dict({
+        "scorers": [{"name": "queue"}], "picker": "max_score", **kw}))
+
+
+def test_kv_peer_is_the_longest_prefix_holder_beyond_the_decode() -> None:
+    d0 = cand("d0", "decode")
+    d1 = cand("d1", "decode", num_waiting=5)  # busier: d0 is picked
+    p0 = cand("p0", "prefill")
+    req = RouteRequest("r", list(range(100)), block_size=16,
+                       cached_tokens={"d0": 16, "d1": 80},
+                       locality={"d0": ("device",), "d1": ("device",) * 5,
+                                 "p0": ("host",) * 3})
+    router = _peer_router(decider={"name": "threshold", "threshold": 30})
+    dec = router.route(req, [d0, d1, p0])
+    assert dec.decode.worker_id == "d0"
+    assert (dec.kv_peer and dec.kv_peer.worker_id, dec.kv_peer_blocks) == ("d1", 5)
+    # 100 - 80 pulled = 20 uncached tokens: under the threshold, no remote prefill.
+    assert dec.prefill is None and dec.predicted_cached(req) == 80
+    # Not worth it below min_blocks, and never for a colocated decode.
+    assert _peer_router(peer_fetch={"min_blocks": 5}).route(req, [d0, d1]).kv_peer is None
+    colo = cand("c0")
+    assert _peer_router().route(req, [colo, d1]).kv_peer is None
+
+
+def test_kv_peer_dropped_when_it_is_the_chosen_prefill_worker() -> None:
+    d0, p0 = cand("d0", "decode"), cand("p0", "prefill")
+    req = RouteRequest("r", list(range(300)), block_size=16, cached_tokens={},
+                       locality={"p0": ("device",) * 4})
+    dec = _peer_router(decider={"name": "threshold", "threshold": 0}).route(req, [d0, p0])
+    assert dec.prefill is not None and dec.prefill.worker_id == "p0"
+    assert dec.kv_peer is None  # p0 sends those blocks with the rest
+    with pytest.raises(ValueError, match="peer_fetch"):
+        RoutingProfile.from_dict({"peer_fetch": 3})
+    assert RoutingProfile.from_dict(
+        RoutingProfile(peer_fetch_min_blocks=7).to_dict()).peer_fetch_min_blocks == 7
