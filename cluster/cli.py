@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "run": ("bench.run_cli", "measure a running OpenAI-compatible or splitserve gRPC server"),
     "experiment": ("bench.experiment_cli", "start and compare cluster configurations"),
     "routing": ("bench.routing_bench", "round-robin vs least-loaded vs cache-aware routing"),
+    "tiers": ("bench.tiers_bench", "KV restore GB/s per offload tier vs recompute"),
 }
 
 

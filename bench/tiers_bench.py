@@ -1,0 +1,290 @@
+"""`splitserve bench tiers`: how fast each offload tier restores KV blocks into an engine's
+block-major KV cache, next to the time the engine takes to recompute those blocks.
+
+One run, one set of blocks: `--blocks` random KV blocks of a realistic layout (default
+bf16, 16 layers x 8 KV heads x head dim 128 x 16 tokens = 1 MiB per block, 384 MiB in
+all) are stored in the host DRAM tier, the local disk tier (O_DIRECT where the
+filesystem takes it) and the LMCache tier (its CPU backend), each alone in a
+`TieredCache`. A restore is what the engine does on a prefix hit: `lookup` + `load`
+of every block into the KV cache; each figure is the median of `--repeats` restores,
+checked bit-exact.
+
+Recompute: a random-weight Llama whose KV layout is exactly the blocks' (16 layers,
+8 KV heads, head dim 128; hidden 1024, so 8 query heads; bf16) prefills the tokens
+those blocks cover (`--prompt-len`-token prompts, prefix caching off). Its compute per
+KV byte is far below a real model of this KV layout (an 8B-class GQA model computes
+~15x more per token), so the recompute figure flatters recompute.
+
+Target (issue 5): the host tier restores >= 1.5x faster than the LMCache CPU tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.block_hash import BlockHash
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.tiers.config import TierConfig
+
+MIB = 1 << 20
+TARGET_HOST_OVER_LMCACHE = 1.5
+LMCACHE_WRITE_DEADLINE_S = 30.0  # LMCache writes asynchronously
+
+
+@dataclass(frozen=True, slots=True)
+class TierResult:
+    tier: str
+    blocks: int
+    bytes: int
+    seconds: float  # median restore
+    store_seconds: float
+    all_seconds: tuple[float, ...]  # every restore, in order
+    note: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", default=None, help="write the summary and every row here")
+    p.add_argument("--blocks", type=int, default=384, help="KV blocks restored per tier")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--repeats", type=int, default=5,
+                   help="restores per tier (the median counts: this box has stalls)")
+    p.add_argument("--prompt-len", type=int, default=512, help="tokens per recompute prompt")
+    p.add_argument("--disk-dir", default=None,
+                   help="parent of the disk tier's directory (default: the temp dir)")
+    p.add_argument("--quick", action="store_true", help="a few MiB, a tiny model (smoke test)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.quick:
+        args.blocks, args.layers, args.kv_heads, args.head_dim = 16, 2, 2, 64
+        args.repeats, args.prompt_len = 2, 64
+    if min(args.blocks, args.layers, args.kv_heads, args.head_dim, args.block_size,
+           args.repeats, args.prompt_len) < 1:
+        raise SystemExit("--blocks, --layers, --kv-heads, --head-dim, --block-size, "
+                         "--repeats and --prompt-len must be >= 1")
+    if args.prompt_len % args.block_size:
+        raise SystemExit("--prompt-len must be a multiple of --block-size")
+    if args.disk_dir is not None and not os.path.isdir(args.disk_dir):
+        raise SystemExit(f"--disk-dir {args.disk_dir!r} is not a directory")
+
+
+def make_blocks(layout: KVLayout, n: int, seed: int = 0
+                ) -> tuple[list[BlockHash], torch.Tensor]:
+    """n chained block hashes and random KV blocks (the data every tier restores)."""
+    import torch
+
+    from engine.block_hash import hash_blocks
+    from kvtransfer.memory import torch_dtype
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(1 << 20) for _ in range(n * layout.block_size)]
+    hashes = hash_blocks(tokens, layout.block_size, b"bench-tiers")
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(layout.tensor_shape(n), generator=g, dtype=torch_dtype(layout))
+    return hashes, data
+
+
+def measure_tier(name: str, config: TierConfig, layout: KVLayout, hashes: list[BlockHash],
+                 data: torch.Tensor, repeats: int) -> TierResult:
+    """Stores the blocks in a TieredCache of this one tier, then restores all of them
+    into a fresh KV cache `repeats` times (lookup + load, as the engine does)."""
+    import torch
+
+    from kvtransfer.tiers.manager import TieredCache
+
+    n = len(hashes)
+    kv = torch.zeros_like(data)
+    ids = list(range(n))
+    with TieredCache(config, layout) as tiers:
+        t0 = time.perf_counter()
+        tiers.put(hashes, list(data))
+        deadline = time.monotonic() + LMCACHE_WRITE_DEADLINE_S
+        while tiers.lookup(hashes) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"tier {name}: only {tiers.lookup(hashes)} of {n} blocks "
+                                 f"stored after {LMCACHE_WRITE_DEADLINE_S:.0f}s")
+            time.sleep(0.005)
+        store_s = time.perf_counter() - t0
+        times = []
+        for _ in range(repeats):
+            kv.zero_()
+            t0 = time.perf_counter()
+            got = tiers.load(hashes[:tiers.lookup(hashes)], ids, kv)
+            times.append(time.perf_counter() - t0)
+            if got != n or not torch.equal(kv, data):
+                raise SystemExit(f"tier {name}: restored {got} of {n} blocks, or not "
+                                 "bit-exact")
+        note = _note(tiers)
+    return TierResult(name, n, n * layout.block_bytes, statistics.median(times), store_s,
+                      tuple(times), note)
+
+
+def _note(tiers: Any) -> str:
+    tier = tiers.tiers[0]
+    if tier.name == "disk":
+        return "O_DIRECT" if tier.direct_io else "buffered (no O_DIRECT here: page cache)"
+    if tier.name == "host":
+        return "pinned" if tier.pinned else "pageable"
+    return "LocalCPUBackend"
+
+
+def tier_configs(args: argparse.Namespace, disk_dir: str, layout: KVLayout
+                 ) -> list[tuple[str, TierConfig | None, str]]:
+    """(name, config or None, why not) per tier, host first."""
+    from kvtransfer.tiers import LMCacheTierConfig, TierConfig
+    from kvtransfer.tiers.lmcache_tier import IMPORT_ERROR
+
+    n = args.blocks
+    out: list[tuple[str, TierConfig | None, str]] = [
+        ("host", TierConfig(host_blocks=n, pin_memory=None), ""),
+        ("disk", TierConfig(disk_dir=disk_dir, disk_blocks=n), "")]
+    if IMPORT_ERROR is not None:
+        out.append(("lmcache", None, f"LMCache is not importable: {IMPORT_ERROR}"))
+    else:
+        gib = n * layout.block_bytes / (1 << 30) * 1.25 + 0.05  # room beyond the blocks
+        lmc = LMCacheTierConfig(instance_id="bench-tiers", overrides=(
+            ("local_cpu", True), ("max_local_cpu_size", round(gib, 3))))
+        out.append(("lmcache", TierConfig(lmcache=lmc), ""))
+    return out
+
+
+def build_model(root: str, layout: KVLayout) -> dict[str, Any]:
+    """A random Llama whose KV layout is `layout` (hidden = kv heads x head dim)."""
+    from engine.default_model import llama_config, write_random_weights, write_tokenizer
+
+    vocab = write_tokenizer(root)
+    hidden = layout.num_kv_heads * layout.head_dim
+    cfg = llama_config(vocab, 0, [4], hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                       num_hidden_layers=layout.num_layers,
+                       num_attention_heads=layout.num_kv_heads,
+                       num_key_value_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                       torch_dtype=layout.dtype)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    write_random_weights(root, cfg)
+    return cfg
+
+
+def measure_recompute(layout: KVLayout, n_blocks: int, prompt_len: int,
+                      seed: int = 0) -> tuple[float, dict[str, Any]]:
+    """Seconds the engine takes to prefill n_blocks * block_size tokens (prompts of
+    `prompt_len`, one token sampled each) on a bench model of this KV layout."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from kvtransfer.tiers.manager import engine_layout
+
+    with tempfile.TemporaryDirectory(prefix="splitserve-bench-tiers-") as root:
+        cfg = build_model(root, layout)
+        per = prompt_len // layout.block_size
+        num_prompts = -(-n_blocks // per)
+        llm = LLM(root, dtype=layout.dtype, block_size=layout.block_size,
+                  num_blocks=num_prompts * (per + 1) + 4, enable_prefix_caching=False,
+                  max_num_batched_tokens=max(2048, prompt_len), max_num_seqs=num_prompts)
+        if engine_layout(llm.engine.config) != layout:
+            raise SystemExit("bench model's KV layout differs from the blocks'")
+        rng = random.Random(seed)
+        vocab = cfg["vocab_size"]
+        lens = [prompt_len] * (n_blocks // per) + \
+            ([(n_blocks % per) * layout.block_size] if n_blocks % per else [])
+        prompts = [[rng.randrange(10, vocab) for _ in range(m)] for m in lens]
+        one = SamplingParams(max_tokens=1, temperature=0)
+        llm.generate([prompts[0][:layout.block_size * 2]], one)  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, one)
+        seconds = time.perf_counter() - t0
+    model = {"hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
+             "num_attention_heads": cfg["num_attention_heads"], "vocab_size": vocab,
+             "prompts": len(prompts), "tokens": sum(lens)}
+    return seconds, model
+
+
+def summarize(results: dict[str, TierResult], recompute_s: float, total: int
+              ) -> dict[str, float | bool | None]:
+    def gbps(name: str) -> float | None:
+        r = results.get(name)
+        return r.gbps if r is not None else None
+
+    host, lmc = gbps("host"), gbps("lmcache")
+    ratio = host / lmc if host is not None and lmc is not None else None
+    return {"host_gbps": host, "disk_gbps": gbps("disk"), "lmcache_gbps": lmc,
+            "recompute_gbps": total / recompute_s / 1e9, "host_over_lmcache": ratio,
+            "target_host_over_lmcache": TARGET_HOST_OVER_LMCACHE,
+            "target_met": None if ratio is None else ratio >= TARGET_HOST_OVER_LMCACHE}
+
+
+def run(args: argparse.Namespace) -> int:
+    check_args(args)
+    # This is the CLI: LMCache reads these itself (telemetry off, no per-store INFO lines).
+    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    import torch
+
+    from kvtransfer.layout import KVLayout
+
+    layout = KVLayout(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                      head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
+    total = args.blocks * layout.block_bytes
+    print(f"blocks: {args.blocks} x {layout.block_bytes / MIB:.2f} MiB ({args.dtype}, "
+          f"{args.layers} layers x {args.kv_heads} KV heads x head dim {args.head_dim} x "
+          f"{args.block_size} tokens) = {total / MIB:.1f} MiB; median of {args.repeats} "
+          f"restores per tier; torch threads: {torch.get_num_threads()}", flush=True)
+    hashes, data = make_blocks(layout, args.blocks)
+    results: dict[str, TierResult] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="splitserve-bench-disk-", dir=args.disk_dir) as d:
+        for name, config, why in tier_configs(args, d, layout):
+            if config is None:
+                skipped[name] = why
+                print(f"{name}: skipped ({why})", flush=True)
+                continue
+            results[name] = r = measure_tier(name, config, layout, hashes, data, args.repeats)
+            print(f"{name:<10}{r.seconds * 1e3:>10.1f} ms{r.gbps:>9.2f} GB/s  ({r.note})",
+                  flush=True)
+    del data
+    recompute_s, model = measure_recompute(layout, args.blocks, args.prompt_len)
+    summary = summarize(results, recompute_s, total)
+    print(f"{'recompute':<10}{recompute_s * 1e3:>10.1f} ms{summary['recompute_gbps']:>9.2f} GB/s"
+          f"  (engine prefill of {model['tokens']} tokens in {model['prompts']} prompts on a "
+          f"random Llama of this KV layout: hidden {model['hidden_size']}, "
+          f"{model['num_attention_heads']} query heads, {args.dtype})")
+    for name, r in results.items():
+        print(f"{name} restore is {recompute_s / r.seconds:.1f}x faster than recompute")
+    ratio = summary["host_over_lmcache"]
+    if isinstance(ratio, float):
+        verdict = "met" if summary["target_met"] else "MISSED"
+        print(f"host / lmcache: {ratio:.2f}x (target >= {TARGET_HOST_OVER_LMCACHE}x: {verdict})")
+    if args.json:
+        result = {
+            "summary": summary,
+            "tiers": {n: {"gbps": r.gbps, "restore_s": r.seconds, "store_s": r.store_seconds,
+                          "restore_s_all": list(r.all_seconds),
+                          "blocks": r.blocks, "bytes": r.bytes, "note": r.note}
+                      for n, r in results.items()},
+            "skipped": skipped,
+            "recompute": {"seconds": recompute_s, "model": model},
+            "config": {"layout": layout.to_json(), "block_bytes": layout.block_bytes,
+                       **{k: v for k, v in vars(args).items() if not k.startswith("_")},
+                       "torch_threads": torch.get_num_threads()},
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
