@@ -142,7 +142,9 @@ class RemotePrefiller:
         if end <= first:
             return alloc
         xid, gen = f"{alloc.request_id}-pull", next(self._generations)
-        rpc_timeout, lease = self._timeouts(deadline)
+        # Cached blocks only move (no compute): a pull gets one I/O deadline, not a lease.
+        rpc_timeout, lease = (min(t, self.config.transfer.io_timeout_s)
+                              for t in self._timeouts(deadline))
         landed = self.receiver.expect(xid, whole_blocks(alloc.block_ids[first:end]), gen, lease)
         call = pb.FetchKVRequest(
             request_id=xid, block_hashes=alloc.block_hashes[first:end],
