@@ -37,7 +37,7 @@ test: deps sysdeps
 	$(BIN)/python -m pytest -q tests
 
 lint: deps
-	$(BIN)/ruff check engine kvtransfer cluster bench protos decode gateway tests
+	$(BIN)/ruff check engine kvtransfer cluster bench protos decode prefill gateway tests
 	$(BIN)/mypy
 
 bench-engine: deps
