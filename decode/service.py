@@ -134,9 +134,11 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
              prefill_peer: pb.PrefillPeer | None, deadline: float | None = None,
              ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine outputs for one request, prefilled on `prefill_peer` when this is
-        a decode worker (else locally). Closing the returned iterator aborts the request,
-        cancels its remote prefill and frees its KV."""
+        """The engine outputs for one request. On a decode worker the prompt's KV comes
+        from the peers the gateway named (blocks pulled from `kv_peer`, the rest pushed by
+        `prefill_peer`) through `RemotePrefiller.fill`; otherwise it is computed here.
+        Closing the returned iterator aborts the request, cancels its remote fill and
+        frees its KV."""
         assert self.llm is not None  # Generate checked
         remote: RemotePrefill | None = None
         prefiller = self.prefiller
@@ -146,8 +148,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             def remote(alloc: RemoteAlloc) -> Awaitable[RemoteResult | int | None]:
                 assert prefiller is not None
                 return prefiller.fill(alloc, request, prefill_peer, kv_peer, deadline)
-        elif prefill_peer is not None and self.config.role != "decode":
-            log.debug("request %s: prefill peer ignored by a %s worker", request.request_id,
+        elif prefill_peer is not None or kv_peer is not None:
+            log.debug("request %s: peers ignored by a %s worker", request.request_id,
                       self.config.role)
         return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
             request.request_id, list(request.prompt_token_ids), params,
