@@ -275,6 +275,31 @@ class RedisBlockIndex:
         self._clean_later(stale)
         return _result(runs, i)
 
+    async def holders(self, hashes: Sequence[BlockHash]
+                      ) -> dict[BlockHash, frozenset[str]] | None:
+        """The nodes holding each of `hashes` (any tier; only entries of a node's current
+        epoch count), one pipelined round trip; a block nobody holds maps to an empty set.
+        Unlike `lookup` it does not stop at a missing block (for sole-copy sparing, which
+        asks about arbitrary blocks). None when Redis is unavailable."""
+        hashes = list(hashes)[:self.config.max_lookup_blocks]
+        if not hashes:
+            return {}
+
+        async def fetch() -> list[dict[str, str]]:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hgetall(self.epochs_key)
+            for h in hashes:
+                pipe.hgetall(self.block_key(h))
+            return list(await pipe.execute())
+
+        try:
+            rows = await self._call("holders", fetch)
+        except IndexUnavailable as e:
+            log.debug("index holders: %s", e)
+            return None
+        epochs = rows[0]
+        return {h: _current_nodes(row, epochs) for h, row in zip(hashes, rows[1:], strict=True)}
+
     def _clean_later(self, stale: list[tuple[str, str, str]]) -> None:
         """Deletes entries older than their node's epoch in the background (one task at a
         time, bounded; a failure only leaves them for the next reader or their TTL)."""
@@ -324,6 +349,16 @@ def _extend(runs: dict[str, list[str]], i: int, key: str, row: dict[str, str],
         if len(run) == i:
             run.append(tier)
     return True
+
+
+def _current_nodes(row: dict[str, str], epochs: dict[str, str]) -> frozenset[str]:
+    """Nodes with an entry of their registered epoch in one block's hash row."""
+    nodes = set()
+    for field, epoch in row.items():
+        node = field.rpartition("@")[0]
+        if node and epochs.get(node) == epoch:
+            nodes.add(node)
+    return frozenset(nodes)
 
 
 def _older(epoch: str, current: str) -> bool:

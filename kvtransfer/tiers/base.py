@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 SpareFn = Callable[[BlockHash], bool]
 
 
+class BlockHolders(Protocol):
+    """What sole-copy sparing (sparing.py) asks the block index (kvtransfer.index's
+    RedisBlockIndex): which nodes hold each block; None when the index cannot say."""
+
+    async def holders(self, hashes: Sequence[BlockHash]
+                      ) -> dict[BlockHash, frozenset[str]] | None: ...
+
+
 class TierError(KVTransferError):
     """A tier failed to read or write (I/O error, corrupt file, backend failure)."""
 
