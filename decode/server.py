@@ -44,7 +44,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout
 from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
-from kvtransfer.tiers.worker import open_tiers
+from kvtransfer.tiers.worker import attach_index, open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -198,8 +198,9 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
                                   config.redis_timeout_s, metrics.registry)
+    sparing = None  # tier eviction spares blocks no other node holds (index view)
     if kv_index is not None and tiers is not None:
-        tiers.attach_publisher(kv_index)  # host/disk stores and evictions, resyncs
+        sparing = attach_index(tiers, kv_index)  # host/disk stores and evictions, resyncs
     await health.set("readiness", SERVING)
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()
@@ -210,6 +211,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
             await beat
     if registrar is not None:
         await registrar.remove()
+    if sparing is not None:
+        await sparing.close()
     if kv_index is not None:
         await kv_index.close()
     service.stopping = True

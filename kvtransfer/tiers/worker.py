@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtransfer.tiers.config import TierConfig
 
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from engine.config import EngineConfig
     from kvtransfer.tiers.manager import TieredCache
+    from kvtransfer.tiers.sparing import SoleCopyView, SparingConfig
 
 
 def open_tiers(config: TierConfig | None, engine_config: EngineConfig,
@@ -27,3 +28,15 @@ def open_tiers(config: TierConfig | None, engine_config: EngineConfig,
     if registry is not None:
         registry.register(TierCollector(tiers.stats))
     return tiers
+
+
+def attach_index(tiers: TieredCache, publisher: Any,
+                 sparing: SparingConfig | None = None) -> SoleCopyView:
+    """Wires the worker's block-index publisher (decode/kv_events.KVEventPublisher) into
+    `tiers`: their stores, evictions and resyncs go to the index, and eviction spares
+    blocks the index says no other node holds (a view refreshed on the running loop).
+    The caller `close()`s the returned view before closing the publisher."""
+    from kvtransfer.tiers.sparing import start_sole_copy_sparing
+
+    tiers.attach_publisher(publisher)
+    return start_sole_copy_sparing(tiers, publisher.index, publisher.node, sparing)
