@@ -13,8 +13,8 @@ Read path: `lookup` walks the tiers for the longest leading run (a run may conti
 in another tier: blocks 0-3 on disk, 4-7 in host); `load` copies that run into the
 engine's freshly allocated device blocks, counting hits and bytes per tier.
 
-Sparing sole copies: `spare(hash) -> bool` (settable at run time, e.g. from the index's
-view: True when no other node holds the block) makes eviction skip such blocks while
+Sparing sole copies: `spare(hash) -> bool` (settable at run time; the worker sets
+sparing.SoleCopyView, the index's view: True when no other node holds the block) makes eviction skip such blocks while
 others can go; LRU order otherwise.
 """
 
