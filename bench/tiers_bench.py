@@ -14,8 +14,9 @@ up to seconds when other processes take the cores, which says nothing about the 
 Recompute: a random-weight Llama whose KV layout is exactly the blocks' (16 layers,
 8 KV heads, head dim 128; hidden 1024, so 8 query heads; bf16) prefills the tokens
 those blocks cover (`--prompt-len`-token prompts, prefix caching off). Its compute per
-KV byte is far below a real model of this KV layout (an 8B-class GQA model computes
-~15x more per token), so the recompute figure flatters recompute.
+KV byte (~0.4 GFLOP per 64 KiB token) is ~20x below a real model with this KV layout
+(a GQA model with hidden 4096, 32 query heads: ~7 GFLOP per token), so the recompute
+figure flatters recompute.
 
 Target (issue 5): the host tier restores >= 1.5x faster than the LMCache CPU tier.
 """
