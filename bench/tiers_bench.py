@@ -309,45 +309,59 @@ def run(args: argparse.Namespace) -> int:
             else:
                 configs.append((name, config))
         results = measure_tiers(configs, layout, hashes, data, args.repeats)
+    print_tiers(results)
+    del data
+    recompute_s, model = measure_recompute(layout, args.blocks, args.prompt_len)
+    summary = summarize(results, recompute_s, total)
+    print_verdict(args, results, summary, recompute_s, model)
+    if args.json:
+        write_json(args.json, args, layout, summary, results, skipped, recompute_s, model)
+    return 0
+
+
+def print_tiers(results: dict[str, TierResult]) -> None:
     print(f"{'':<10}{'best':>10}{'':>12}{'median':>10}")
     for r in results.values():
         print(f"{r.tier:<10}{r.seconds * 1e3:>7.1f} ms{r.gbps:>7.2f} GB/s"
               f"{r.median_seconds * 1e3:>7.1f} ms  ({r.note})", flush=True)
-    del data
-    recompute_s, model = measure_recompute(layout, args.blocks, args.prompt_len)
-    summary = summarize(results, recompute_s, total)
+
+
+def print_verdict(args: argparse.Namespace, results: dict[str, TierResult],
+                  summary: dict[str, Any], recompute_s: float, model: dict[str, Any]) -> None:
     print(f"{'recompute':<10}{recompute_s * 1e3:>7.1f} ms{summary['recompute_gbps']:>7.2f} GB/s"
           f"  (engine prefill of {model['tokens']} tokens in {model['prompts']} prompts on a "
           f"random Llama of this KV layout: hidden {model['hidden_size']}, "
           f"{model['num_attention_heads']} query heads, {args.dtype})")
     for name, r in results.items():
-        if name == "memcpy":
-            continue
-        print(f"{name} restore is {recompute_s / r.seconds:.1f}x faster than recompute")
-    ratio = summary["host_over_lmcache"]
-    if isinstance(ratio, float):
-        verdict = "met" if summary["target_met"] else "MISSED"
-        print(f"host / lmcache: {ratio:.2f}x (target >= {TARGET_HOST_OVER_LMCACHE}x: {verdict})")
-        copy = summary["memcpy_gbps"]
-        if isinstance(copy, float) and isinstance(summary["lmcache_gbps"], float):
-            print(f"ceiling here: both restore with one host copy; memcpy / lmcache = "
-                  f"{copy / summary['lmcache_gbps']:.2f}x, host at "
-                  f"{results['host'].gbps / copy:.0%} of memcpy")
-    if args.json:
-        result = {
-            "summary": summary,
-            "tiers": {n: {"gbps": r.gbps, "restore_s": r.seconds,
-                          "restore_s_median": r.median_seconds,
-                          "store_s": r.store_seconds,
-                          "restore_s_all": list(r.all_seconds),
-                          "blocks": r.blocks, "bytes": r.bytes, "note": r.note}
-                      for n, r in results.items()},
-            "skipped": skipped,
-            "recompute": {"seconds": recompute_s, "model": model},
-            "config": {"layout": layout.to_json(), "block_bytes": layout.block_bytes,
-                       **{k: v for k, v in vars(args).items() if not k.startswith("_")},
-                       "torch_threads": torch.get_num_threads()},
-        }
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+        if name != "memcpy":
+            print(f"{name} restore is {recompute_s / r.seconds:.1f}x faster than recompute")
+    ratio, copy, lmc = (summary["host_over_lmcache"], summary["memcpy_gbps"],
+                        summary["lmcache_gbps"])
+    if ratio is None:
+        return
+    verdict = "met" if summary["target_met"] else "MISSED"
+    print(f"host / lmcache: {ratio:.2f}x (target >= {TARGET_HOST_OVER_LMCACHE}x: {verdict})")
+    print(f"ceiling here: both restore with one host copy; memcpy / lmcache = "
+          f"{copy / lmc:.2f}x, host at {results['host'].gbps / copy:.0%} of memcpy")
+
+
+def write_json(path: str, args: argparse.Namespace, layout: KVLayout, summary: dict[str, Any],
+               results: dict[str, TierResult], skipped: dict[str, str], recompute_s: float,
+               model: dict[str, Any]) -> None:
+    import torch
+
+    result = {
+        "summary": summary,
+        "tiers": {n: {"gbps": r.gbps, "restore_s": r.seconds,
+                      "restore_s_median": r.median_seconds, "store_s": r.store_seconds,
+                      "restore_s_all": list(r.all_seconds), "blocks": r.blocks,
+                      "bytes": r.bytes, "note": r.note}
+                  for n, r in results.items()},
+        "skipped": skipped,
+        "recompute": {"seconds": recompute_s, "model": model},
+        "config": {"layout": layout.to_json(), "block_bytes": layout.block_bytes,
+                   **{k: v for k, v in vars(args).items() if not k.startswith("_")},
+                   "torch_threads": torch.get_num_threads()},
+    }
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
