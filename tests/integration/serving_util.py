@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -83,3 +84,18 @@ async def grpc_generate(address: str, prompts: list[list[int]], max_tokens: list
                 out += r.token_ids
             return out
         return list(await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens))))
+
+
+def stream_then_hang_up(port: int, body: dict[str, Any], events: int) -> None:
+    """POSTs a streaming completion over a raw socket, reads `events` SSE events, then
+    closes the connection mid-stream (a client that went away)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: " + str(len(data)).encode()
+                  + b"\r\n\r\n" + data)
+        seen = b""
+        while seen.count(b"data: ") < events:
+            chunk = s.recv(4096)
+            assert chunk, "stream ended early"
+            seen += chunk

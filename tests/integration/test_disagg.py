@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import threading
 import time
 
@@ -22,7 +21,13 @@ from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import grpc_generate, load_report, metric, wait_for
+from tests.integration.serving_util import (
+    grpc_generate,
+    load_report,
+    metric,
+    stream_then_hang_up,
+    wait_for,
+)
 
 NUM_BLOCKS = 128
 WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "32",
@@ -126,17 +131,9 @@ def test_disconnect_frees_blocks_on_both_workers_and_killed_prefill_is_recompute
 
 def _disconnect_mid_stream(cluster: LocalCluster) -> None:
     decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
-    body = (b'{"prompt": [' + b", ".join(str(i % 400 + 3).encode() for i in range(150))
-            + b'], "max_tokens": 700, "ignore_eos": true, "temperature": 0, "stream": true}')
-    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                  + b"\r\n\r\n" + body)
-        seen = b""
-        while seen.count(b"data: ") < 3:
-            chunk = s.recv(4096)
-            assert chunk, "stream ended early"
-            seen += chunk
+    stream_then_hang_up(cluster.http_port, {
+        "prompt": [i % 400 + 3 for i in range(150)], "max_tokens": 700, "ignore_eos": True,
+        "temperature": 0}, events=3)
     wait_for(lambda: metric(decode_metrics, "vllm:request_success_total",
                             finished_reason="abort") >= 1, 10, "the decode to abort")
     assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok") == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import grpc
@@ -26,6 +25,7 @@ from tests.integration.serving_util import (
     grpc_generate,
     load_report,
     metric,
+    stream_then_hang_up,
     wait_for,
 )
 
@@ -228,17 +228,8 @@ def test_client_disconnect_frees_every_block(cluster, model) -> None:
     ports = [int(w.extra["metrics_port"]) for w in workers(cluster)]
     aborted = sum(metric(p, "vllm:request_success_total", finished_reason="abort")
                   for p in ports)
-    body = (b'{"prompt": "Once upon a time", "max_tokens": 700, "ignore_eos": true, '
-            b'"temperature": 0, "stream": true}')
-    with socket.create_connection(("127.0.0.1", cluster.http_port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
-                  + b"\r\n\r\n" + body)
-        seen = b""
-        while seen.count(b"data: ") < 4:
-            chunk = s.recv(4096)
-            assert chunk, "stream ended early"
-            seen += chunk
+    stream_then_hang_up(cluster.http_port, {"prompt": "Once upon a time", "max_tokens": 700,
+                                            "ignore_eos": True, "temperature": 0}, events=4)
     # Connection closed mid-stream: the worker must abort and free all its blocks.
     def aborts() -> float:
         return sum(metric(p, "vllm:request_success_total", finished_reason="abort")
