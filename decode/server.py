@@ -41,7 +41,7 @@ from engine.model_runner import num_kv_blocks
 from engine.models.loader import TORCH_DTYPES
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import KVLayout, engine_layout
 from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
 from kvtransfer.tiers.worker import attach_index, open_tiers
@@ -59,10 +59,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def kv_layout_string(engine_config: EngineConfig) -> str:
-    m = ModelConfig.from_model_dir(engine_config.model_dir)
-    return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                    block_size=engine_config.cache.block_size,
-                    dtype=engine_config.dtype or m.dtype).to_json()
+    return engine_layout(engine_config).to_json()
 
 
 class KVSide:

@@ -17,8 +17,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvtransfer.errors import LayoutMismatch
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYOUT_NAME = "block_major_v1"
@@ -153,3 +157,15 @@ def _whole(r: Region, layout: KVLayout) -> bool:
 def whole_blocks(block_ids: Iterable[int]) -> list[Region]:
     """One whole-block region per block id (callers coalesce via `coalesce`)."""
     return [Region(b) for b in block_ids]
+
+
+def engine_layout(engine_config: EngineConfig) -> KVLayout:
+    """The KV layout of an engine built from `engine_config`: what a worker registers
+    with its transports and tiers, and checks at handshake (torch-free, like this
+    module)."""
+    from engine.config import ModelConfig
+
+    m = ModelConfig.from_model_dir(engine_config.model_dir)
+    return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                    block_size=engine_config.cache.block_size,
+                    dtype=engine_config.dtype or m.dtype)

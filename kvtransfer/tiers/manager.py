@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from engine.block_hash import BlockHash
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import KVLayout, engine_layout  # noqa: F401  (re-exported)
 from kvtransfer.memory import torch_dtype
 from kvtransfer.tiers.base import CacheTier, SpareFn, TierError
 from kvtransfer.tiers.config import TierConfig
@@ -64,16 +64,6 @@ class _SaveJob:
     block_ids: list[int]
     kv_cache: torch.Tensor
     ready: Any = None  # a CUDA event the copy waits for
-
-
-def engine_layout(engine_config: Any) -> KVLayout:
-    """The KV layout of an engine built from `engine_config` (engine.config.EngineConfig)."""
-    from engine.config import ModelConfig
-
-    m = ModelConfig.from_model_dir(engine_config.model_dir)
-    return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                    block_size=engine_config.cache.block_size,
-                    dtype=engine_config.dtype or m.dtype)
 
 
 class TieredCache:
