@@ -114,13 +114,9 @@ class TransferTable:
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
             return False
-        cells = list(region.cells(self.layout))
-        for block, mask in cells:
-            if xfer.expected.get(block, 0) & mask != mask or xfer.claimed.get(block, 0) & mask:
-                self.fail(xfer_id, ProtocolError(f"{region} not expected by {xfer_id!r}"))
-                return False
-        for block, mask in cells:
-            xfer.claimed[block] = xfer.claimed.get(block, 0) | mask
+        if not _claim(xfer, region, self.layout):
+            self.fail(xfer_id, ProtocolError(f"{region} not expected by {xfer_id!r}"))
+            return False
         xfer.writers.add(writer)
         xfer.inflight += 1
         return True
@@ -133,7 +129,7 @@ class TransferTable:
             self.fail(xfer_id, IntegrityError(f"checksum mismatch in {region} of {xfer_id!r}"))
             return  # fail() resolves once nothing is in flight
         if xfer.error is None:
-            xfer.remaining -= sum(m.bit_count() for _, m in region.cells(self.layout))
+            xfer.remaining -= region.num_blocks * _mask(region, self.layout).bit_count()
             xfer.nbytes += region.nbytes(self.layout)
             if xfer.remaining == 0:
                 self._resolve(xfer_id, None)
@@ -226,3 +222,36 @@ class TransferTable:
             xfer.future.exception()  # a failure nobody awaits is not an asyncio error log
         if self._on_resolved is not None:
             self._on_resolved(xfer_id, xfer.generation, error, xfer.writers)
+
+
+def _mask(region: Region, layout: KVLayout) -> int:
+    start, end = region.layers(layout)
+    return ((1 << (end - start)) - 1) << start
+
+
+def _claim(xfer: _Transfer, region: Region, layout: KVLayout) -> bool:
+    """Claim `region`'s cells if all are expected and unclaimed; False otherwise.
+
+    Same rule as per-cell checks, but a 64 MiB region is 4096 blocks and this runs
+    before an shm GRANT: the common case (one mask, blocks not yet claimed) uses
+    dict operations that run in C (0.7 -> ~0.1 ms per 4096 blocks).
+    """
+    mask = _mask(region, layout)
+    blocks = range(region.block_id, region.block_id + region.num_blocks)
+    try:
+        masks = set(map(xfer.expected.__getitem__, blocks))
+    except KeyError:
+        return False
+    if any(m & mask != mask for m in masks):
+        return False
+    if not xfer.claimed:
+        xfer.claimed = dict.fromkeys(blocks, mask)
+        return True
+    if xfer.claimed.keys().isdisjoint(blocks):
+        xfer.claimed.update(dict.fromkeys(blocks, mask))
+        return True
+    if any(xfer.claimed.get(b, 0) & mask for b in blocks):
+        return False
+    for b in blocks:
+        xfer.claimed[b] = xfer.claimed.get(b, 0) | mask
+    return True
