@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"region sizes must be multiples of {block} bytes within the pool: {bad}")
     ref_bytes = max(64 * MIB, int(args.gib * GIB)) if not args.quick else 16 * MIB
     memcpy = measure_memcpy(sizes, ref_bytes, args.pool_mib * MIB)
-    raw_tcp = measure_raw_tcp(ref_bytes)
+    raw_tcp = measure_raw_tcp(ref_bytes, args.pool_mib * MIB)
     results = [r for t in args.transports.split(",")
                for r in asyncio.run(bench_transport(t.strip(), sizes, args))]
     summary = summarize(results, memcpy, raw_tcp)
@@ -121,18 +121,20 @@ def measure_memcpy(sizes: list[int], total: int, pool: int) -> dict[str, float]:
             "gbps": max(best.values())}
 
 
-def measure_raw_tcp(total: int) -> dict[str, float]:
-    """Blocking sendall/recv_into between two processes; kernel-tuned and 4 MiB buffers."""
+def measure_raw_tcp(total: int, pool: int) -> dict[str, float]:
+    """Blocking sendall/recv_into between two processes; kernel-tuned and 4 MiB socket
+    buffers. Like the memcpy reference, both ends rotate through `pool`-byte buffers, so
+    the bytes come from and land in memory out of cache, as a KV pool's do."""
     out: dict[str, float] = {}
     for label, buffers in (("autotuned", 0), ("4MiB_buffers", 4 * MIB)):
         with socket.create_server(("127.0.0.1", 0)) as listener:
             port = listener.getsockname()[1]
             proc = mp.get_context("spawn").Process(
-                target=raw_tcp_sender, args=(port, total, 4 * MIB, buffers), daemon=True)
+                target=raw_tcp_sender, args=(port, total, 4 * MIB, buffers, pool), daemon=True)
             proc.start()
             try:
                 listener.settimeout(60)
-                seconds = raw_tcp_receive(listener, total, 4 * MIB, buffers)
+                seconds = raw_tcp_receive(listener, total, 4 * MIB, buffers, pool)
             finally:
                 proc.join(30)
                 if proc.is_alive():

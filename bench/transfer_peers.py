@@ -69,35 +69,44 @@ async def _sender_loop(conn: Connection, config_kw: dict[str, Any], address: str
         await sender.close()
 
 
-def raw_tcp_sender(port: int, total: int, chunk: int, buffer_bytes: int) -> None:
-    """Child entry point: stream `total` bytes to 127.0.0.1:port in `chunk` sendall calls."""
-    data = memoryview(bytearray(b"\x07" * chunk))
+def raw_tcp_sender(port: int, total: int, chunk: int, buffer_bytes: int,
+                   pool: int = 0) -> None:
+    """Child entry point: stream `total` bytes to 127.0.0.1:port in `chunk` sendall calls,
+    reading them from a `pool`-byte buffer in turn (out of cache, as a KV pool is)."""
+    data = memoryview(bytearray(b"\x07" * max(pool, chunk)))
     with socket.create_connection(("127.0.0.1", port)) as sock:
         _tune(sock, buffer_bytes)
-        sent = 0
+        sent = off = 0
         while sent < total:
             n = min(chunk, total - sent)
-            sock.sendall(data[:n])
+            if off + n > len(data):
+                off = 0
+            sock.sendall(data[off:off + n])
             sent += n
+            off += n
         sock.shutdown(socket.SHUT_WR)
         sock.recv(1)  # wait for the receiver's close so the last bytes are counted there
 
 
 def raw_tcp_receive(listener: socket.socket, total: int, chunk: int,
-                    buffer_bytes: int) -> float:
-    """Accept one stream and read `total` bytes with recv_into; returns seconds."""
+                    buffer_bytes: int, pool: int = 0) -> float:
+    """Accept one stream and read `total` bytes with recv_into, into a `pool`-byte buffer
+    in turn (out of cache, as a KV pool is); returns seconds."""
     sock, _ = listener.accept()
     with sock:
         _tune(sock, buffer_bytes)
-        buf = memoryview(bytearray(chunk))
-        got, t0 = 0, 0.0
+        buf = memoryview(bytearray(max(pool, chunk)))
+        got, off, t0 = 0, 0, 0.0
         while got < total:
-            k = sock.recv_into(buf)
+            if off + chunk > len(buf):
+                off = 0
+            k = sock.recv_into(buf[off:off + chunk])
             if k == 0:
                 raise ConnectionError("raw TCP sender closed early")
             if got == 0:
                 t0 = time.perf_counter()
             got += k
+            off += k
         return time.perf_counter() - t0
 
 
