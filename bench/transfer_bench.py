@@ -19,7 +19,7 @@ import json
 import multiprocessing as mp
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-transfers", type=int, default=2000)
     p.add_argument("--min-transfers", type=int, default=16)
     p.add_argument("--pool-mib", type=int, default=512, help="KV pool per side")
+    p.add_argument("--ucx-lanes", type=int, default=None,
+                   help="receiver UCX workers a large region is split across (default: config)")
     p.add_argument("--quick", action="store_true", help="a few MB per transport (smoke test)")
 
 
@@ -145,12 +147,13 @@ def measure_raw_tcp(total: int, pool: int) -> dict[str, float]:
 
 
 # ----- transports ------------------------------------------------------------------
-def bench_config(transport: str) -> Any:
+def bench_config(transport: str, ucx_lanes: int | None = None) -> Any:
     from kvtransfer import TransferConfig
 
     # Long deadlines: a 64 MiB region over a slow path must not trip io_timeout_s.
-    return TransferConfig(transport=transport, token="bench-token", io_timeout_s=60.0,
-                          lease_s=120.0, heartbeat_s=1.0, liveness_timeout_s=30.0)
+    config = TransferConfig(transport=transport, token="bench-token", io_timeout_s=60.0,
+                            lease_s=120.0, heartbeat_s=1.0, liveness_timeout_s=30.0)
+    return config if ucx_lanes is None else replace(config, ucx_lanes=ucx_lanes)
 
 
 async def bench_transport(transport: str, sizes: list[int], args: argparse.Namespace
@@ -160,7 +163,7 @@ async def bench_transport(transport: str, sizes: list[int], args: argparse.Names
 
     layout = KVLayout(**BENCH_LAYOUT)
     pool_blocks = args.pool_mib * MIB // layout.block_bytes
-    config = bench_config(transport)
+    config = bench_config(transport, args.ucx_lanes)
     receiver = make_receiver(config)
     if transport == "shm":
         kv = receiver.allocate(layout, pool_blocks)  # type: ignore[attr-defined]

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from kvtransfer import (
     IntegrityError,
@@ -150,3 +151,54 @@ def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> No
         receiver.cancel("r1")
 
     asyncio.run(_with_sender_child(transport, TWO_WRITES, body))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not any(getattr(t, "values", [t])[0] == "ucx" for t in TRANSPORTS),
+                    reason="ucxx not installed")
+def test_ucx_sender_gone_before_its_payload(no_leaks: None) -> None:  # noqa: F811
+    """A WRITE announced but its UCX message never sent: the receive posted into the
+    blocks must not keep them (or the transfer) forever once the sender is gone."""
+    from kvtransfer import wire
+    from kvtransfer.ucx import UcxSender
+
+    class AnnounceOnly(UcxSender):  # a sender that dies between frame and payload
+        async def _send_regions(self, peer: Any, pairs: Any, xfer_id: str, generation: int,
+                                checksum: bool) -> None:
+            for _, dst in pairs:
+                async with peer.send_lock:
+                    peer.state["seq"] += 1
+                    await wire.send_all(asyncio.get_running_loop(), peer.sock, wire.pack_frame(
+                        wire.Frame.WRITE, wire.WriteHeader(xfer_id, generation, dst, 0, 0).pack()))
+
+    async def main() -> None:
+        config = fast_config("ucx")
+        receiver = await start_receiver(config, LAYOUT_F32, 16)
+        sender = AnnounceOnly(config)
+        sender.register(start_sender(config, LAYOUT_F32, 16, seed=3).kv.tensor, LAYOUT_F32)
+        good = start_sender(config, LAYOUT_F32, 16, seed=4)
+        try:
+            future = receiver.expect("r1", [Region(5), Region(9)], 1)
+            conn = await sender.connect(receiver.address())
+            await sender.write(conn, [Region(0)], [Region(5)], "r1", 1)
+            await asyncio.sleep(0.3)
+            assert receiver.table.pending() == ["r1"]
+            await sender.disconnect(conn)
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnavailable):
+                await asyncio.wait_for(future, 5)
+            assert time.monotonic() - t0 < 3 and not receiver.table.pending()
+            # The blocks are free for a new transfer, and only its bytes land in them.
+            again = receiver.expect("r2", [Region(5), Region(9)], 1)
+            peer = await good.connect(receiver.address())
+            await good.write(peer, [Region(0), Region(1)], [Region(5), Region(9)], "r2", 1)
+            await good.finish(peer, "r2")
+            await asyncio.wait_for(again, 5)
+            assert torch.equal(receiver.kv.tensor[5], good.kv.tensor[0])
+            assert torch.equal(receiver.kv.tensor[9], good.kv.tensor[1])
+        finally:
+            await sender.close()
+            await good.close()
+            await receiver.close()
+
+    asyncio.run(main())

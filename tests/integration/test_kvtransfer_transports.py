@@ -152,3 +152,38 @@ def test_wrong_token_and_layout_are_refused(transport: str, no_leaks: None) -> N
 def _r(item: list[int]) -> Any:
     from kvtransfer import Region
     return Region(*item)
+
+
+# 3 KiB blocks: 401 contiguous ones coalesce into one 1.2 MB region, which ucx cuts
+# into one part per receiver lane (parts of unequal, page-rounded sizes).
+LAYOUT_3K = KVLayout(num_layers=4, num_kv_heads=2, head_dim=12, block_size=8,
+                     dtype="bfloat16")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_large_regions_bit_exact(transport: str, no_leaks: None) -> None:
+    n = 401
+    plan = [{"xfer": "big", "gen": 1, "src": [[[s] for s in range(n)]],
+             "dst": [[[450 + s] for s in range(n)]], "checksum": False},
+            {"xfer": "big-csum", "gen": 1, "src": [[[10 + s] for s in range(n)]],
+             "dst": [[[s] for s in range(n)]], "checksum": True}]
+
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_3K, 900)
+        futures = [receiver.expect(t["xfer"], [_r(d) for d in t["dst"][0]], 1) for t in plan]
+        peer = await PeerProcess(spec("sender", config, LAYOUT_3K, n + 10, plan,
+                                      address=receiver.address())).start()
+        try:
+            assert (await peer.line())["ready"]
+            assert all(r["ok"] for r in await peer.lines(len(plan)))
+            await asyncio.wait_for(asyncio.gather(*futures), 30)
+            assert await peer.wait() == 0
+            check_bit_exact(receiver.kv.tensor, make_kv(LAYOUT_3K, n + 10, 1234), plan)
+            receiver.table.check_integrity()
+        finally:
+            await peer.aclose()
+            await receiver.close()
+
+    asyncio.run(main())
