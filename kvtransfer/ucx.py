@@ -27,8 +27,12 @@ that dies while UCX is still wiring an endpoint up (error handling off) corrupts
 the sender's heap; after this round trip a dead peer is only a silent one.
 
 Faults: a receiver killed or stopped mid-transfer gives the sender PeerUnavailable
-or TransferTimeout from the control channel. A stale write drains into a scratch
-buffer owned by its receive task (ucxx keeps only a raw pointer to a buffer).
+or TransferTimeout from the control channel. A sender that goes away leaves receives
+posted into destination blocks, which ucxx cannot cancel; the receiver completes them
+with an empty message from the lane to itself (`_Lane.unblock`), so the fenced
+transfer resolves and its blocks are free; the sender's message, if it still comes,
+matches nothing. A stale write drains into a scratch buffer owned by its receive task
+(ucxx keeps only a raw pointer to a buffer).
 Left: after a SIGSTOPped receiver, UCX keeps its TCP connection to it until the
 worker can be torn down (a send is still in flight).
 
