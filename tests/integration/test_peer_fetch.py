@@ -19,7 +19,7 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
 def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport) -> None:
     (tmp_path / "routing.yaml").write_text(PROFILE)
     model = tiny_model_dir("llama")
