@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a transfer may take before its blocks are fenced and reused")
     p.add_argument("--kv-checksum", action="store_true",
                    help="verify a checksum of every transferred region")
+    p.add_argument("--ucx-lanes", type=int, default=2,
+                   help="ucx: UCX workers a decode's receiver splits large regions across")
+    p.add_argument("--ucx-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="ucx: a UCX setting without the UCX_ prefix, e.g. TLS=rc,cuda_ipc "
+                        "(repeatable; replaces the defaults for the KV cache's memory)")
     p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
 
 
@@ -76,9 +81,20 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
     if not token:
         raise SystemExit(f"a {args.role} worker needs the cluster's KV-transfer token: set "
                          "SPLITSERVE_CLUSTER_TOKEN or pass --cluster-token-file")
-    return TransferConfig(transport=args.transport, token=token,
-                          host=args.transfer_host or args.host, port=args.transfer_port,
-                          lease_s=args.kv_lease, checksum=args.kv_checksum)
+    options = []
+    for item in args.ucx_option:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--ucx-option takes NAME=VALUE, got {item!r}")
+        options.append((name.removeprefix("UCX_"), value))
+    try:
+        return TransferConfig(transport=args.transport, token=token,
+                              host=args.transfer_host or args.host, port=args.transfer_port,
+                              lease_s=args.kv_lease, checksum=args.kv_checksum,
+                              ucx_lanes=args.ucx_lanes,
+                              ucx_options=tuple(options) if options else None)
+    except ValueError as e:
+        raise SystemExit(f"invalid KV-transfer settings: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,17 +6,21 @@ applied by the ucx transport before ucxx initialises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TRANSPORTS = ("tcp", "shm", "ucx")
 
-# What worked between two processes on a CPU host: cross-memory attach for bulk
-# data (one copy, kernel does it), TCP for the wire-up, `self` for loopback.
-# UCX_RNDV_THRESH low so every region we send takes the zero-copy rendezvous path.
-DEFAULT_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
+# Host KV caches: what worked between two processes on a CPU host: cross-memory
+# attach for bulk data (one copy, the kernel does it), TCP for the wire-up, `self` for
+# loopback. UCX_RNDV_THRESH low so every region we send takes the zero-copy
+# rendezvous path.
+HOST_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
     ("TLS", "tcp,cma,self"),
     ("RNDV_THRESH", "8192"),
 )
+# CUDA KV caches: UCX picks its transports (cuda_ipc over NVLink/PCIe on one host,
+# RDMA between hosts); a TLS list would have to name every one of them.
+CUDA_UCX_OPTIONS: tuple[tuple[str, str], ...] = (("RNDV_THRESH", "8192"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +45,8 @@ class TransferConfig:
     checksum: bool = False
     socket_buffer_bytes: int = 4 << 20
     shm_name: str | None = None
-    ucx_options: tuple[tuple[str, str], ...] = field(default=DEFAULT_UCX_OPTIONS)
+    # None: HOST_UCX_OPTIONS or CUDA_UCX_OPTIONS, by where the KV cache lives.
+    ucx_options: tuple[tuple[str, str], ...] | None = None
     # Off keeps UCX's cross-memory-attach fast path; on survives a receiver dying
     # mid-send (UCX may abort the process otherwise) at TCP-fallback speed.
     ucx_error_handling: bool = False
@@ -66,6 +71,12 @@ class TransferConfig:
             raise ValueError("ucx_lanes must be in [1, 8]")
         if self.socket_buffer_bytes < 65536:
             raise ValueError("socket_buffer_bytes must be at least 64 KiB")
-        for item in self.ucx_options:
+        for item in self.ucx_options or ():
             if len(item) != 2 or item[0].startswith("UCX_"):
                 raise ValueError("ucx_options are (NAME, value) pairs without the UCX_ prefix")
+
+    def ucx_options_for(self, cuda: bool) -> tuple[tuple[str, str], ...]:
+        """The UCX options for a KV cache in host (cuda=False) or device memory."""
+        if self.ucx_options is not None:
+            return self.ucx_options
+        return CUDA_UCX_OPTIONS if cuda else HOST_UCX_OPTIONS

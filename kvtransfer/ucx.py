@@ -36,8 +36,8 @@ matches nothing. A stale write drains into a scratch buffer owned by its receive
 Left: after a SIGSTOPped receiver, UCX keeps its TCP connection to it until the
 worker can be torn down (a send is still in flight).
 
-UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options`, passed to the
-UCX context at creation; nothing here reads the environment.
+UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options_for(cuda)`, passed
+to the UCX context at creation; nothing here reads the environment.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ _SEQ_BITS = 24
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _SPLIT_MIN = 1 << 20  # smaller regions travel whole, on lane 0
 _ALIGN = 4096
-# Above the rendezvous threshold (config.DEFAULT_UCX_OPTIONS): the wire-up send
+# Above the rendezvous threshold (config.HOST_UCX_OPTIONS): the wire-up send
 # completes only once the receiver has fetched it, i.e. both directions are up.
 _WIREUP_BYTES = 64 << 10
 _MAX_LANES = 8
@@ -219,7 +219,9 @@ class UcxReceiver(ReceiverBase):
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._lanes = [_Lane(self.config.ucx_options, loop)
+        assert self.kv is not None, "register() the KV cache first"
+        options = self.config.ucx_options_for(self.kv.is_cuda)
+        self._lanes = [_Lane(options, loop)
                        for _ in range(self.config.ucx_lanes)]
         await super().start()
 
@@ -326,7 +328,9 @@ class UcxSender(SenderBase):
         if not isinstance(addresses, list) or not 1 <= len(addresses) <= _MAX_LANES:
             raise ProtocolError("ucx WELCOME without a valid lane list")
         if not self._lanes:
-            self._lanes.append(_Lane(self.config.ucx_options, asyncio.get_running_loop()))
+            assert self.kv is not None
+            self._lanes.append(_Lane(self.config.ucx_options_for(self.kv.is_cuda),
+                                     asyncio.get_running_loop()))
         lane = self._lanes[0]
         base = int(peer.welcome["tag_base"])
         eps: list[Any] = []

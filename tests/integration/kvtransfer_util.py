@@ -32,7 +32,8 @@ def fast_config(transport: str, **kw: Any) -> TransferConfig:
 
 def config_dict(config: TransferConfig) -> dict[str, Any]:
     d = asdict(config)
-    d["ucx_options"] = [list(p) for p in config.ucx_options]
+    if config.ucx_options is not None:
+        d["ucx_options"] = [list(p) for p in config.ucx_options]
     return d
 
 

@@ -52,3 +52,25 @@ def test_a_wildcard_receiver_is_dialled_at_the_advertised_host() -> None:
     assert json.loads(advertised(desc, "10.1.2.3"))["host"] == "10.1.2.3"
     bound = json.dumps({"transport": "tcp", "host": "10.0.0.7", "port": 9})
     assert json.loads(advertised(bound, "10.1.2.3"))["host"] == "10.0.0.7"
+
+
+def test_ucx_settings_from_the_cli(monkeypatch) -> None:
+    from kvtransfer.config import CUDA_UCX_OPTIONS, HOST_UCX_OPTIONS
+
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_TOKEN", "t")
+    cfg = cli.transfer_config(_args("--role", "decode", "--transport", "ucx"))
+    assert cfg is not None and cfg.ucx_lanes == 2 and cfg.ucx_options is None
+    # Defaults by memory: host caches pin UCX to cma/tcp, CUDA ones let UCX choose.
+    assert cfg.ucx_options_for(False) == HOST_UCX_OPTIONS
+    assert cfg.ucx_options_for(True) == CUDA_UCX_OPTIONS
+    assert not any(name == "TLS" for name, _ in CUDA_UCX_OPTIONS)
+    cfg = cli.transfer_config(_args("--role", "decode", "--transport", "ucx", "--ucx-lanes",
+                                    "1", "--ucx-option", "UCX_TLS=rc,cuda_ipc",
+                                    "--ucx-option", "RNDV_THRESH=16384"))
+    assert cfg is not None and cfg.ucx_lanes == 1
+    expect = (("TLS", "rc,cuda_ipc"), ("RNDV_THRESH", "16384"))
+    assert cfg.ucx_options == expect
+    assert cfg.ucx_options_for(True) == cfg.ucx_options_for(False) == expect
+    for bad in (("--ucx-option", "TLS"), ("--ucx-lanes", "0")):
+        with pytest.raises(SystemExit):
+            cli.transfer_config(_args("--role", "decode", "--transport", "ucx", *bad))
