@@ -263,7 +263,13 @@ class UcxReceiver(ReceiverBase):
         task = asyncio.get_running_loop().create_task(self._complete(conn, header, posted))
         table = self._posted.setdefault(conn.id, {})
         table[task] = posted
-        task.add_done_callback(table.pop)
+
+        def done(t: asyncio.Task[None]) -> None:
+            table.pop(t, None)
+            if not table and conn.id not in self._conns:  # the connection's last one
+                self._posted.pop(conn.id, None)
+
+        task.add_done_callback(done)
 
     async def _complete(self, conn: Conn, header: wire.WriteHeader | None,
                         posted: _Posted) -> None:
@@ -306,6 +312,8 @@ class UcxReceiver(ReceiverBase):
             log.warning("sender %s left %d receives in flight; unblocking them", conn.peer,
                         len(self._posted[conn.id]))
             self._unblock(conn.id)
+        else:
+            self._posted.pop(conn.id, None)
         self._seq.pop(conn.id, None)
         self._tag_base.pop(conn.id, None)
 

@@ -188,6 +188,8 @@ def test_ucx_sender_gone_before_its_payload(no_leaks: None) -> None:  # noqa: F8
             with pytest.raises(PeerUnavailable):
                 await asyncio.wait_for(future, 5)
             assert time.monotonic() - t0 < 3 and not receiver.table.pending()
+            await asyncio.sleep(0.1)
+            assert not receiver._posted, "receives of a gone sender were kept"
             # The blocks are free for a new transfer, and only its bytes land in them.
             again = receiver.expect("r2", [Region(5), Region(9)], 1)
             peer = await good.connect(receiver.address())
