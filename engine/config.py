@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 class ModelDirError(ValueError):
@@ -151,8 +152,11 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_blocks: int | None = None  # None: from kv_cache_memory_bytes, else free memory
+    # None: 512 MiB on CPU; on CUDA what gpu_memory_utilization leaves after the
+    # weights, a profiled forward pass of the largest batch and the CUDA graphs.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # vLLM's flag: share of the GPU's memory we may use
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -160,6 +164,10 @@ class CacheConfig:
             raise ValueError("block_size must be a positive power of two")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +192,11 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    # None: "triton" on CUDA, "torch" (SDPA, the reference) elsewhere. The elementwise
+    # kernels (RMSNorm, rotary, SiLU*mul) follow the same choice.
+    attention_backend: str | None = None
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
+    load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -192,3 +205,20 @@ class EngineConfig:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.attention_backend not in (None, "torch", "triton"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; "
+                             "choose from ('torch', 'triton')")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load format {self.load_format!r}; "
+                             f"choose from {LOAD_FORMATS}")
+
+    @property
+    def backend(self) -> str:
+        """The attention backend in use (the default follows the device)."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") and not self.enforce_eager

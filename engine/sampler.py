@@ -7,8 +7,11 @@ whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]  # token id -> log-probability
@@ -42,11 +45,13 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> tuple[list[int], list[Logprobs | None]]:
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 ) -> tuple[list[int], list[Logprobs | None]]:
         """logits: [B, V] float32, one row per request. Returns one token id per row and,
         for rows that asked, the log-probabilities (of the raw logits, before
         temperature) of the sampled token and the top-n tokens."""
+        request_ids = [r.request_id for r in requests]
+        params = [r.sampling_params for r in requests]
         tokens = self._sample(logits, request_ids, params)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         lps: list[Logprobs | None] = [None] * len(params)
