@@ -100,7 +100,10 @@ class KVSide:
             return None
         m = ModelConfig.from_model_dir(engine_config.model_dir)
         dtype = TORCH_DTYPES[engine_config.dtype or m.dtype]
-        kv = self.prefiller.allocate_kv(self.layout, num_kv_blocks(engine_config, m, dtype))
+        num_blocks = num_kv_blocks(engine_config, m, dtype)
+        if num_blocks is None:  # CUDA, sized from free memory: the engine allocates it
+            return None
+        kv = self.prefiller.allocate_kv(self.layout, num_blocks)
         self._shared = kv is not None
         return cast("torch.Tensor | None", kv)
 

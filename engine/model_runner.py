@@ -1,5 +1,11 @@
 """The worker side of the engine: owns the model and the KV cache tensor, turns a
 SchedulerOutput into one forward pass, and samples.
+
+A step's inputs are built once on the host and copied to the device in one transfer
+(engine.step_inputs); the forward pass has no per-sequence Python (the attention
+backend reads the step's metadata tensors). On CUDA, decode-only steps replay CUDA
+graphs (engine.cuda_graphs) and the KV pool is sized from free GPU memory after a
+profiled forward pass of the largest batch.
 """
 
 from __future__ import annotations
@@ -8,16 +14,19 @@ import logging
 
 import torch
 
-from engine.attention import AttentionMetadata, SeqAttn
+from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.sampler import Logprobs, Sampler
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_inputs import StepInputBuilder
 
 log = logging.getLogger(__name__)
 
 Sampled = tuple[int, Logprobs | None]
+CPU_KV_BYTES = 512 * 1024 * 1024  # the CPU pool's default size
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -28,11 +37,16 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """The KV pool's size in blocks: `cache.num_blocks`, else what fits the byte budget."""
-    return config.cache.num_blocks or max(
-        1, config.cache.kv_cache_memory_bytes // kv_block_bytes(model_cfg, config.cache.block_size,
-                                                                dtype))
+def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int | None:
+    """The KV pool's size in blocks: `cache.num_blocks`, else what fits the byte budget
+    (512 MiB on CPU). None on CUDA without either: sized from free GPU memory."""
+    cache = config.cache
+    if cache.num_blocks:
+        return cache.num_blocks
+    budget = cache.kv_cache_memory_bytes
+    if budget is None and config.device.startswith("cuda"):
+        return None
+    return max(1, (budget or CPU_KV_BYTES) // kv_block_bytes(model_cfg, cache.block_size, dtype))
 
 
 class ModelRunner:
@@ -45,11 +59,17 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype or model_cfg.dtype]
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device)
+        self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
+        self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device,
+                                config.load_format)
+        self.model.set_kernels(make_backend(config.backend), config.backend == "triton",
+                               self.max_model_len)
+        self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
+        self.graphs: DecodeGraphs | None = None
+        if config.use_cuda_graphs:
+            self.graphs = self._make_graphs(capture=True)
         if kv_cache is None:
-            num_blocks = num_kv_blocks(config, model_cfg, self.dtype)
-            kv_cache = torch.zeros(kv_cache_shape(model_cfg, num_blocks, self.block_size),
-                                   dtype=self.dtype, device=self.device)
+            kv_cache = self._allocate_kv()
         expected = kv_cache_shape(model_cfg, kv_cache.shape[0], self.block_size)
         if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
             raise ValueError(f"kv cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
@@ -57,48 +77,121 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
         self.sampler = Sampler(self.device, config.seed)
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture()
 
+    def _make_graphs(self, capture: bool) -> DecodeGraphs:
+        return DecodeGraphs(self._forward_logits, self.config.scheduler.max_num_seqs,
+                            cdiv(self.max_model_len, self.block_size), self.device,
+                            self.model_cfg.sliding_window, capture=capture)
+
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
+
+    # -- the KV pool ------------------------------------------------------------------
+    def _allocate_kv(self) -> torch.Tensor:
+        num_blocks = num_kv_blocks(self.config, self.model_cfg, self.dtype)
+        if num_blocks is None:
+            budget = self._profile_kv_budget()
+            num_blocks = budget // kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+            if num_blocks < cdiv(self.max_model_len, self.block_size):
+                raise ValueError(
+                    f"{budget / 2**30:.2f} GiB left for the KV cache holds {num_blocks} blocks, "
+                    f"fewer than one max_model_len ({self.max_model_len}) request needs; "
+                    "raise --gpu-memory-utilization or lower --max-model-len")
+            log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
+                     num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
+        return torch.zeros(kv_cache_shape(self.model_cfg, num_blocks, self.block_size),
+                           dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def _profile_kv_budget(self) -> int:
+        """Bytes the KV pool may take on CUDA: gpu_memory_utilization of the device,
+        less the weights, the peak of a forward pass of the largest prefill batch (and
+        its logits for max_num_seqs rows), memory outside torch, and the CUDA graphs'
+        pool (estimated by a decode forward of the largest graph bucket)."""
+        dev = self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        sched = self.config.scheduler
+        t = min(sched.max_num_batched_tokens, self.max_model_len)
+        scratch = torch.zeros(kv_cache_shape(self.model_cfg, cdiv(t, self.block_size) + 1,
+                                             self.block_size), dtype=self.dtype, device=dev)
+        self.kv_cache = scratch
+        hidden = self.model(*self._dummy_batch(t, 1))
+        self.model.compute_logits(hidden[:sched.max_num_seqs]).sort(dim=-1)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        graph_bytes = 0
+        if self.graphs is not None:
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            b = self.graphs.max_batch
+            ids, pos, _, meta = self._dummy_batch(b, b)
+            self._forward_logits(ids, pos, meta)
+            torch.cuda.synchronize(dev)
+            graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+        del scratch, hidden, self.kv_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = total - free - torch.cuda.memory_reserved(dev)
+        budget = int(self.config.cache.gpu_memory_utilization * total - peak - non_torch
+                     - graph_bytes)
+        log.info("memory profile: peak %.2f GiB, outside torch %.2f GiB, graphs ~%.2f GiB",
+                 peak / 2**30, non_torch / 2**30, graph_bytes / 2**30)
+        return max(budget, 0)
+
+    def _dummy_batch(self, t: int, b: int,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """`b` sequences sharing `t` tokens (all in the first one when b == 1, else one
+        each), written to the scratch cache's first blocks (the profile's input)."""
+        dev, bs = self.device, self.block_size
+        i32: dict = {"dtype": torch.int32, "device": dev}
+        q_lens = [t] if b == 1 else [1] * b
+        qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], **i32)
+        seq_lens = torch.tensor(q_lens, **i32)
+        width = cdiv(max(q_lens), bs)
+        tables = torch.arange(width, **i32).repeat(b, 1)
+        slots = torch.arange(t, **i32) if b == 1 else torch.zeros(b, **i32)
+        meta = AttentionMetadata(
+            num_seqs=b, num_tokens=t, slot_mapping=slots, query_start_loc=qsl,
+            seq_lens=seq_lens, block_tables=tables, max_query_len=max(q_lens),
+            max_seq_len=max(q_lens), query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=q_lens, sliding_window=self.model_cfg.sliding_window)
+        positions = torch.arange(t, **i32) if b == 1 else torch.zeros(b, **i32)
+        return torch.zeros(len(positions), **i32), positions, self.kv_cache, meta
+
+    # -- a step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, Sampled]:
         """Runs one step; returns {request_id: (token, logprobs)} for requests whose
         computed tokens reach their end this step (partial prefill chunks sample nothing).
         """
-        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out, kv)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        if not sample_reqs:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        ids = [r.request_id for r in sample_reqs]
-        tokens, logprobs = self.sampler(logits, ids, [r.sampling_params for r in sample_reqs])
-        return dict(zip(ids, zip(tokens, logprobs, strict=True), strict=True))
+        bucket = self._graph_bucket(out.scheduled)
+        if bucket is not None:
+            assert self.graphs is not None
+            step = self.inputs.build(out.scheduled, kv, pad_to=bucket,
+                                     width=self.graphs.width, out=self.graphs.buffer)
+            logits = self.graphs.run(bucket, step)[:len(out.scheduled)]
+        else:
+            step = self.inputs.build(out.scheduled, kv)
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            if not step.sample_reqs:
+                return {}
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+        tokens, logprobs = self.sampler(logits, step.sample_reqs)
+        return {r.request_id: (t, lp)
+                for r, t, lp in zip(step.sample_reqs, tokens, logprobs, strict=True)}
 
-    def _prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple:
-        bs = self.block_size
-        tokens: list[int] = []
-        pos: list[int] = []
-        slot_b: list[int] = []
-        slot_o: list[int] = []
-        seqs: list[SeqAttn] = []
-        sample_rows: list[int] = []
-        sample_reqs = []
-        dev = self.device
-        for s in out.scheduled:
-            req, n = s.request, s.num_new_tokens
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            table = kv.block_ids(req.request_id)
-            seqs.append(SeqAttn(len(tokens), n, end, torch.tensor(
-                table[:cdiv(end, bs)], dtype=torch.long, device=dev)))
-            tokens += req.all_token_ids[start:end]
-            pos += range(start, end)
-            slot_b += [table[p // bs] for p in range(start, end)]
-            slot_o += [p % bs for p in range(start, end)]
-            if end == req.num_tokens:
-                sample_rows.append(len(tokens) - 1)
-                sample_reqs.append(req)
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_b, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor(slot_o, dtype=torch.long, device=dev),
-            seqs=seqs, sliding_window=self.model_cfg.sliding_window)
-        return (torch.tensor(tokens, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev), sample_reqs)
+    def _graph_bucket(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The graph bucket for a decode-only step (every sequence computes its one
+        newest token and samples), else None (eager)."""
+        if self.graphs is None or len(scheduled) > self.graphs.max_batch:
+            return None
+        for s in scheduled:
+            r = s.request
+            if s.num_new_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens:
+                return None
+        return self.graphs.bucket_for(len(scheduled))

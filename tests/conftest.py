@@ -19,6 +19,12 @@ def _has_cuda() -> bool:
         return False
 
 
+if not _has_cuda():
+    # Without a GPU the Triton kernels run under Triton's interpreter (read when triton
+    # is first imported, so here, before any test imports it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("gpu" in item.keywords for item in items) and not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

@@ -9,13 +9,18 @@ Hugging Face's separate weights into them.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 
 class RMSNorm(nn.Module):
@@ -23,13 +28,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: ModuleType | None = None  # engine.kernels when fused (set_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)[0]
         # Same arithmetic as transformers: normalise in float32, cast, then scale.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the decoder layer's add then norm."""
+        if self.ops is not None:
+            out, res = self.ops.rms_norm(x, self.weight, self.eps, residual)
+            return out, res
+        res = x + residual
+        return self.forward(res), res
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -57,6 +74,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class Rope:
+    """One step's rotary embedding: cos/sin tensors (torch path), or the positions and
+    the cos/sin cache the fused Triton kernel reads (in place)."""
+
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor | None = None,
+                 sin: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+                 ops: ModuleType | None = None) -> None:
+        self.positions, self.cos, self.sin, self.cache, self.ops = (
+            positions, cos, sin, cache, ops)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops is not None:
+            self.ops.rotary_embedding(q, k, self.positions, self.cache)
+            return q, k
+        assert self.cos is not None and self.sin is not None
+        return apply_rope(q, self.cos, self.sin), apply_rope(k, self.cos, self.sin)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -69,9 +104,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+        self.backend: AttentionBackend = TorchSDPABackend()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -79,8 +116,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_layer, meta)
+        q, k = rope.apply(q, k)
+        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -90,9 +127,13 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -104,10 +145,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next
+        layer (or the final norm) adds them, fused with its norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, kv_layer, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -130,6 +179,24 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim),
                              persistent=False)
+        self.ops: ModuleType | None = None
+        self.cos_sin_cache: torch.Tensor | None = None
+
+    def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:
+        """Chooses the attention backend and, with `fused`, the Triton elementwise
+        kernels (engine.kernels: RMSNorm with residual add, rotary, SiLU*mul)."""
+        ops = None
+        if fused:
+            from engine import kernels as ops
+
+            inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+            self.cos_sin_cache = ops.build_cos_sin_cache(inv_freq, max_positions)
+        self.ops = ops
+        for m in self.modules():
+            if isinstance(m, RMSNorm | MLP):
+                m.ops = ops
+            elif isinstance(m, Attention):
+                m.backend = backend
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +209,16 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]; kv_cache: the block-major cache. Returns hidden [T, H]."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        if self.ops is not None and self.cos_sin_cache is not None:
+            rope = Rope(positions, cache=self.cos_sin_cache, ops=self.ops)
+        else:
+            rope = Rope(positions, *self.rope_cos_sin(positions, x.dtype))
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[:, i], meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
+        if residual is None:
+            return self.model.norm(x)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

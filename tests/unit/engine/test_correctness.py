@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, SeqAttn
+from engine.attention import AttentionMetadata
 from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.models.loader import load_model
@@ -62,8 +62,10 @@ def test_logits_match_transformers(arch_model):
     nb = -(-n // bs)
     cache = torch.zeros(nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim)
     pos = torch.arange(n)
-    meta = AttentionMetadata(slot_blocks=pos // bs, slot_offsets=pos % bs,
-                             seqs=[SeqAttn(0, n, n, torch.arange(nb))])
+    meta = AttentionMetadata(
+        num_seqs=1, num_tokens=n, slot_mapping=pos, query_start_loc=torch.tensor([0, n]),
+        seq_lens=torch.tensor([n]), block_tables=torch.arange(nb)[None], max_query_len=n,
+        max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
     with torch.inference_mode():
         ours = model.compute_logits(model(torch.tensor(ids), pos, cache, meta))
         ref = hf(torch.tensor([ids])).logits[0].float()

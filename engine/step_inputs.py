@@ -1,0 +1,135 @@
+"""One step's model inputs and attention metadata, built on the host with numpy and
+copied to the device in ONE transfer.
+
+Every integer a step needs (token ids, positions, slots, query offsets, sequence
+lengths, block tables, rows to sample) goes into one int32 staging buffer (pinned on
+CUDA) with this layout, for T tokens, B sequences, W block-table columns, S sampled
+rows:
+
+    # | input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
+    # | block_tables B*W | sample_rows S |
+
+and one `copy_` moves it into a device buffer whose views the forward pass reads. A
+decode-only step replayed from a CUDA graph is built the same way, padded to the
+graph's batch size, straight into the graph's own input buffer (fixed addresses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.request import Request
+from engine.scheduler import ScheduledRequest
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] int32 rows of the flat batch whose logits are sampled
+    sample_reqs: list[Request]  # the request of each sampled row
+
+
+def layout_size(t: int, b: int, w: int, s: int) -> int:
+    return 3 * t + (b + 1) + b + b * w + s
+
+
+def views(buf: torch.Tensor, t: int, b: int, w: int, s: int) -> tuple[torch.Tensor, ...]:
+    """(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, sample_rows)
+    as views of `buf` laid out as the module docstring draws."""
+    sizes = [t, t, t, b + 1, b, b * w, s]
+    parts = list(torch.split(buf[:sum(sizes)], sizes))
+    parts[5] = parts[5].view(b, w)
+    return tuple(parts)
+
+
+class StepInputBuilder:
+    """Owns the staging (host) and input (device) buffers; `build` fills them."""
+
+    def __init__(self, block_size: int, device: torch.device,
+                 sliding_window: int | None) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window = sliding_window
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._dev = torch.empty(0, dtype=torch.int32, device=device)
+        # The staging buffer is reused: its last async copy must be done before refill.
+        self._copied: torch.cuda.Event | None = None
+
+    def _reserve(self, n: int) -> None:
+        if self._host.numel() >= n:
+            return
+        n = max(n, 2 * self._host.numel())
+        pin = self.device.type == "cuda"
+        self._host = torch.empty(n, dtype=torch.int32, pin_memory=pin)
+        # On CPU the forward pass reads the staging buffer itself: no copy at all.
+        self._dev = self._host if self.device.type == "cpu" else torch.empty(
+            n, dtype=torch.int32, device=self.device)
+
+    def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager,
+              pad_to: int | None = None, width: int | None = None,
+              out: torch.Tensor | None = None) -> StepInputs:
+        """Lays out the step for `scheduled` and copies it to the device.
+
+        `pad_to` (decode-only steps) pads the batch to that many one-token sequences
+        (slot -1, seq_len 0: not written, zero output); `width` fixes the block-table
+        width; `out` is the device buffer to fill (a CUDA graph's), else our own.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        bs = self.block_size
+        reqs = [s.request for s in scheduled]
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(reqs))
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        ends = starts + q_lens
+        n_real, t_real = len(reqs), int(q_lens.sum())
+        b = pad_to or n_real
+        t = t_real + (b - n_real)
+        w = width or max(1, cdiv(int(ends.max()), bs))
+        samples = [i for i, r in enumerate(reqs) if ends[i] == r.num_tokens]
+        s = len(samples)
+        self._reserve(layout_size(t, b, w, s))
+        ids, pos, slots, qsl, seq_lens, tables, rows = (
+            v.numpy() for v in views(self._host, t, b, w, s))
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:n_real + 1])
+        qsl[n_real + 1:] = t_real + np.arange(1, b - n_real + 1)
+        seq_lens[:n_real] = ends
+        seq_lens[n_real:] = 0
+        tables.fill(0)
+        tok: list[int] = []
+        for i, r in enumerate(reqs):
+            table = kv.block_ids(r.request_id)[:cdiv(int(ends[i]), bs)]
+            tables[i, :len(table)] = table
+            tok += r.all_token_ids[starts[i]:ends[i]]
+        ids[:t_real] = tok
+        # Each token's position: its index in the flat batch, shifted per sequence.
+        seq_of = np.repeat(np.arange(n_real), q_lens)
+        p = np.arange(t_real) - np.repeat(qsl[:n_real] - starts, q_lens)
+        pos[:t_real] = p
+        slots[:t_real] = tables[seq_of, p // bs] * bs + p % bs
+        ids[t_real:], pos[t_real:], slots[t_real:] = 0, 0, -1
+        if s:
+            rows[:] = qsl[1:][samples] - 1
+        n = layout_size(t, b, w, s)
+        dev = self._dev if out is None else out
+        if dev.data_ptr() != self._host.data_ptr():
+            dev[:n].copy_(self._host[:n], non_blocking=True)
+            if dev.is_cuda:
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+        d = views(dev, t, b, w, s)
+        meta = AttentionMetadata(
+            num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
+            seq_lens=d[4], block_tables=d[5], max_query_len=int(q_lens.max()),
+            max_seq_len=int(ends.max()), query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
+        return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples])
