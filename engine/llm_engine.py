@@ -157,8 +157,6 @@ class LLMEngine:
         self.scheduler.remote_kv_ready(req, first_token, num_computed_tokens)
         if first_token is None:
             return []
-        self.runner.sampler.skip(request_id, req.sampling_params,
-                                 self.model_config.vocab_size)
         req.first_token_time = time.monotonic()
         status = self._check_stop(req)
         if status is not None:
@@ -304,7 +302,6 @@ class LLMEngine:
 
     def _finish_output(self, req: Request) -> RequestOutput:
         out = self._output(req, final=True)
-        self.runner.sampler.forget(req.request_id)
         del self._tracks[req.request_id]
         return out
 

@@ -51,6 +51,8 @@ class Request:
     first_token_time: float | None = None
     # A prefill producer keeps its blocks after finishing until the KV has been sent.
     hold_kv: bool = False
+    # Sampling seed of an unseeded request, drawn once by the sampler from the engine's seed.
+    sample_seed: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,13 +1,23 @@
-"""Turns last-position logits into tokens: greedy, temperature, top-k, top-p, seeds.
+"""Turns last-position logits into tokens: greedy, temperature, top-k, top-p, seeds,
+presence/frequency/repetition penalties, logprobs.
 
-Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise), so a
-seeded request draws its noise from its own generator and gets the same tokens
-whatever else is in the batch.
+Everything is batched tensor work on the logits' device with one host->device copy of
+the per-row parameters (plus one of the token history when a row has a penalty) and
+one device->host copy of the results.
+
+Random draws carry no generator state: the noise for vocabulary entry `v` of a row is
+a pure function of (seed, position of the token being sampled, v), a counter-based
+hash evaluated with integer tensor ops. So a seeded request gets the same tokens
+whatever else is in the batch and on whichever worker samples it: a remote prefill
+samples the first token, the decode worker the rest, and after a fail-over the new
+worker continues the same sequence, with nothing to hand over or skip.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,87 +26,233 @@ from engine.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]  # token id -> log-probability
 
+_M32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9  # odd, spreads consecutive vocabulary ids over the 32-bit ring
+_KEY_SALT = 0x85EBCA6B  # separates the two per-row keys
+
+
+# -- counter-based RNG ---------------------------------------------------------------
+# Values are 32-bit unsigned integers held in int64 tensors. Every intermediate stays in
+# [0, 2**63), so nothing relies on signed overflow (undefined in the C++ kernels, and
+# shifts of negative numbers would be arithmetic, not logical).
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32) and a 32-bit constant c, without overflow:
+    the low 31 bits of c multiply exactly (< 2**63); its top bit contributes
+    x * 2**31 mod 2**32 == (x & 1) << 31."""
+    y = x * (c & 0x7FFFFFFF)
+    if c >> 31:
+        y = y + ((x & 1) << 31)
+    return y & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons' hash prospector): a bijection on 32-bit values with
+    near-ideal avalanche, so neighbouring inputs give unrelated outputs."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row from int64 seeds in [0, 2**63) and positions in [0, 2**31):
+    the seed's halves and the position are absorbed one at a time through the mixer."""
+    k = _mix32((seeds >> 32) ^ _GOLDEN32)
+    k = _mix32(k ^ (seeds & _M32))
+    k = _mix32(k ^ positions)
+    return k, _mix32(k ^ _KEY_SALT)
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
+                  ) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1): entry (b, v) = U(seeds[b], positions[b], v)."""
+    k1, k2 = row_keys(seeds, positions)
+    ids = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64), _GOLDEN32)
+    # A second keyed round, so rows whose first keys differ by a multiple of the
+    # stride do not get the same noise shifted along the vocabulary.
+    x = _mix32((k1.unsqueeze(1) + ids) & _M32)
+    x = _mix32(x ^ k2.unsqueeze(1))
+    # 23 bits so that (h + 0.5) is exact in float32: u stays strictly inside (0, 1)
+    # and -log(u) strictly positive (no 0/0 in the race below).
+    return ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+
+
+# -- logits processing ---------------------------------------------------------------
+
+def apply_penalties(logits: torch.Tensor, tokens: torch.Tensor, prompt_lens: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor,
+                    repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on a copy of `logits` [B, V]. `tokens` [B, L] holds each row's
+    history padded with V, its first `prompt_lens[b]` entries prompt, the rest output.
+    Repetition scales every token seen in prompt or output (positive logits divided,
+    others multiplied); frequency subtracts per output occurrence, presence once."""
+    b, v = logits.shape
+    cols = torch.arange(tokens.shape[1], device=logits.device)
+    out_tokens = tokens.masked_fill(cols.unsqueeze(0) < prompt_lens.unsqueeze(1), v)
+    # Column V collects the padding and is dropped.
+    counts = torch.zeros(b, v + 1, device=logits.device, dtype=logits.dtype)
+    counts.scatter_add_(1, out_tokens, torch.ones_like(out_tokens, dtype=logits.dtype))
+    counts = counts[:, :v]
+    seen = torch.zeros(b, v + 1, device=logits.device, dtype=torch.bool)
+    seen.scatter_(1, tokens, True)
+    rep = torch.where(seen[:, :v], repetition.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - frequency.unsqueeze(1) * counts
+    return logits - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                ) -> torch.Tensor:
+    """Sets to -inf what top-k ([B] int64, V disables) and top-p ([B], 1 disables) drop."""
+    vocab = logits.shape[-1]
+    sorted_logits, idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+
+
+# -- the sampler ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Rows:
+    """Per-row parameters on the device, one column each of a single copied tensor."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    position: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    prompt_len: torch.Tensor
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
+        or p.repetition_penalty != 1.0
+
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self._default = torch.Generator(device=device)
-        self._default.manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
-
-    def skip(self, request_id: str, params: SamplingParams, vocab_size: int) -> None:
-        """Advances a seeded request's generator past one draw made elsewhere (the
-        first token sampled by a remote prefill), so the rest of its stream is the
-        one a single node would have produced."""
-        if params.seed is not None and not params.greedy:
-            torch.empty(vocab_size, device=self.device).exponential_(
-                generator=self._generator(request_id, params))
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self._default
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-            self._generators[request_id] = gen
-        return gen
+        # Host-side: it only hands out one seed per unseeded request, never noise.
+        self._seeds = random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
                  ) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [B, V] float32, one row per request. Returns one token id per row and,
-        for rows that asked, the log-probabilities (of the raw logits, before
+        """logits: [B, V] float32, one row per request, the token to sample sits at
+        position `request.num_tokens`. Returns one token id per row and, for rows that
+        asked, the log-probabilities (of the raw logits, before penalties and
         temperature) of the sampled token and the top-n tokens."""
-        request_ids = [r.request_id for r in requests]
+        if not requests:
+            return [], []
         params = [r.sampling_params for r in requests]
-        tokens = self._sample(logits, request_ids, params)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        lps: list[Logprobs | None] = [None] * len(params)
-        if want:
-            logp = logits[want].log_softmax(dim=-1)
-            for row, i in enumerate(want):
-                n = params[i].logprobs or 0
-                top = logp[row].topk(n) if n else None
-                entry = {tokens[i]: float(logp[row, tokens[i]])}
-                if top is not None:
-                    entry |= dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                lps[i] = entry
-        return tokens, lps
+        rows = self._rows(requests, logits.shape[1])
+        processed = logits
+        if any(_has_penalty(p) for p in params):
+            tokens = self._history(requests, logits.shape[1])
+            processed = apply_penalties(logits, tokens, rows.prompt_len, rows.presence,
+                                        rows.frequency, rows.repetition)
+        ids = processed.argmax(dim=-1)
+        if not all(p.greedy for p in params):
+            ids = torch.where(rows.temperature == 0, ids, self._sample(processed, params, rows))
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if not want:
+            return ids.cpu().tolist(), [None] * len(params)
+        return self._with_logprobs(logits, ids, params, max(want))
 
-    def _sample(self, logits: torch.Tensor, request_ids: list[str],
-                params: list[SamplingParams]) -> list[int]:
-        greedy = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            return [int(t) for t in greedy.tolist()]
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
-                             device=logits.device, dtype=torch.float32)
-        logits = logits / temps.unsqueeze(1)
-        logits = self._top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            if not p.greedy:
-                noise[i].exponential_(generator=self._generator(rid, p))
-        sampled = (probs / noise.clamp_min(1e-10)).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        return [int(t) for t in torch.where(is_greedy, greedy, sampled).tolist()]
+    def _rows(self, requests: Sequence[Request], vocab: int) -> _Rows:
+        table = []
+        for r in requests:
+            p = r.sampling_params
+            seed = 0 if p.greedy else self._seed(r)
+            # Only the repetition penalty looks at the prompt; else the history is output.
+            plen = r.num_prompt_tokens if p.repetition_penalty != 1.0 else 0
+            table.append([p.temperature, min(p.top_k or vocab, vocab), p.top_p,
+                          seed & _M32, seed >> 32, r.num_tokens, p.presence_penalty,
+                          p.frequency_penalty, p.repetition_penalty, plen])
+        # float64 holds every column exactly (ints < 2**53), so one copy carries them all.
+        t = self._to_device(torch.tensor(table, dtype=torch.float64))
+        ints, floats = t.to(torch.int64), t.to(torch.float32)
+        return _Rows(temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 2],
+                     seed=ints[:, 3] | (ints[:, 4] << 32), position=ints[:, 5],
+                     presence=floats[:, 6], frequency=floats[:, 7],
+                     repetition=floats[:, 8], prompt_len=ints[:, 9])
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """One host->device copy. On CUDA from pinned memory and non-blocking: a copy
+        from pageable memory would first wait for the forward pass still queued."""
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _seed(self, req: Request) -> int:
+        """The request's seed, or one drawn once for an unseeded request and kept on it
+        (a preempted and recomputed request then redraws the same tokens)."""
+        if req.sampling_params.seed is not None:
+            return req.sampling_params.seed
+        if req.sample_seed is None:
+            req.sample_seed = self._seeds.getrandbits(63)
+        return req.sample_seed
+
+    def _history(self, requests: Sequence[Request], vocab: int) -> torch.Tensor:
+        """[B, L] int64 on the device: prompt + output ids of rows with a repetition
+        penalty, output ids of rows with only presence/frequency, padded with `vocab`."""
+        hist: list[list[int]] = []
+        for r in requests:
+            p = r.sampling_params
+            if p.repetition_penalty != 1.0:
+                hist.append(r.all_token_ids)
+            else:
+                hist.append(r.output_token_ids if _has_penalty(p) else [])
+        out = torch.full((len(hist), max(map(len, hist))), vocab, dtype=torch.int64)
+        for i, h in enumerate(hist):
+            out[i, :len(h)] = torch.as_tensor(h, dtype=torch.int64)
+        return self._to_device(out)
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        if all(p.top_k is None and p.top_p >= 1.0 for p in params):
-            return logits
-        vocab = logits.shape[-1]
-        ks = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)
-        ps = torch.tensor([p.top_p for p in params], device=logits.device)
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        drop = ranks >= ks.unsqueeze(1)
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= ps.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
+    def _sample(logits: torch.Tensor, params: list[SamplingParams], rows: _Rows,
+                ) -> torch.Tensor:
+        """The exponential race: argmax(probs / E), E ~ Exp(1) per entry, picks entry v
+        with probability probs[v]. Greedy rows get a placeholder temperature of 1 and
+        are overridden by the caller."""
+        temps = torch.where(rows.temperature == 0, 1.0, rows.temperature)
+        logits = logits / temps.unsqueeze(1)
+        if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+            logits = top_k_top_p(logits, rows.top_k, rows.top_p)
+        probs = logits.softmax(dim=-1)
+        exp_noise = uniform_noise(rows.seed, rows.position, logits.shape[1]).log_().neg_()
+        return (probs / exp_noise).argmax(dim=-1)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, ids: torch.Tensor,
+                       params: list[SamplingParams], n: int,
+                       ) -> tuple[list[int], list[Logprobs | None]]:
+        """Packs ids, the sampled token's logprob and the top-n (ids, values) of every
+        row into one float64 tensor (exact for ids and float32 values): one copy back."""
+        logp = logits.log_softmax(dim=-1)
+        top = logp.topk(n, dim=-1)
+        packed = torch.cat([ids.unsqueeze(1).double(),
+                            logp.gather(1, ids.unsqueeze(1)).double(),
+                            top.indices.double(), top.values.double()], dim=1)
+        tokens: list[int] = []
+        lps: list[Logprobs | None] = []
+        for p, row in zip(params, packed.cpu().tolist(), strict=True):
+            tok = int(row[0])
+            tokens.append(tok)
+            if p.logprobs is None:
+                lps.append(None)
+                continue
+            k = p.logprobs
+            top_ids, top_vals = row[2:2 + k], row[2 + n:2 + n + k]
+            lps.append({tok: row[1]} | {int(i): v for i, v in zip(top_ids, top_vals,
+                                                                    strict=True)})
+        return tokens, lps
