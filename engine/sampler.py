@@ -155,9 +155,16 @@ class Sampler:
         if not requests:
             return [], []
         params = [r.sampling_params for r in requests]
+        penalties = any(_has_penalty(p) for p in params)
+        if not penalties and all(p.greedy for p in params):
+            ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
+            want = [p.logprobs for p in params if p.logprobs is not None]
+            if not want:
+                return ids.cpu().tolist(), [None] * len(params)
+            return self._with_logprobs(logits, ids, params, max(want))
         rows = self._rows(requests, logits.shape[1])
         processed = logits
-        if any(_has_penalty(p) for p in params):
+        if penalties:
             tokens = self._history(requests, logits.shape[1])
             processed = apply_penalties(logits, tokens, rows.prompt_len, rows.presence,
                                         rows.frequency, rows.repetition)

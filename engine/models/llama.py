@@ -185,10 +185,11 @@ class LlamaForCausalLM(nn.Module):
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:
         """Chooses the attention backend and, with `fused`, the Triton elementwise
         kernels (engine.kernels: RMSNorm with residual add, rotary, SiLU*mul)."""
-        ops = None
+        ops: ModuleType | None = None
         if fused:
-            from engine import kernels as ops
+            import engine.kernels
 
+            ops = engine.kernels
             inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
             self.cos_sin_cache = ops.build_cos_sin_cache(inv_freq, max_positions)
         self.ops = ops
