@@ -1,0 +1,32 @@
+"""The Triton attention backend (the CUDA default): the KV write, then split-K decode
+for decode-only steps or the unified kernel for any other mix, all launched from
+device metadata. No per-sequence Python and no device->host sync, so a decode-only
+forward can be captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import triton_attn
+from engine.attention.base import AttentionMetadata
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        """`num_splits` fixes split-K decode's splits (a power of two); None picks
+        them from the batch shape (`triton_attn.num_decode_splits`)."""
+        self.num_splits = num_splits
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        triton_attn.write_kv(k, v, kv_layer, meta.slot_mapping)
+        if meta.is_decode_only:
+            return triton_attn.decode_attention(
+                q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits)
+        return triton_attn.unified_attention(
+            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window)
