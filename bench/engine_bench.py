@@ -3,6 +3,10 @@
 
 transformers pads the batch to its longest prompt and keeps generating until the
 longest output is done; we count for both only the tokens each request asked for.
+
+With --device or --model-shape it runs bench.engine_shape_bench instead: a known model
+shape with random weights on one device, four workloads, and the roofline measured in
+the same run. Without them: the CPU figure below on a small random Llama.
 """
 
 from __future__ import annotations
@@ -22,10 +26,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[64, 128], metavar=("MIN", "MAX"))
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--hf-batch-size", type=int, default=0, help="0: all prompts in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-batch-size", type=int, default=0,
+                   help="0: all prompts in one batch (shape bench: up to 64 per batch)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default 2048 (shape bench: 16384 on CUDA, and at least workload "
+                        "d's prompt)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
+    add_shape_arguments(p)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The model-shape benchmark's flags (bench.engine_shape_bench)."""
+    from engine.cli import model_shape_arg
+    from engine.model_shapes import MODEL_SHAPES
+
+    g = p.add_argument_group("model-shape benchmark (with --device or --model-shape)")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    g.add_argument("--model-shape", type=model_shape_arg, default=None,
+                   metavar="{" + ",".join(MODEL_SHAPES) + "}",
+                   help="known shape (random weights, load format dummy), or a config.json")
+    g.add_argument("--workloads", default="a,b,c,d",
+                   help="subset of a (1x 512+256), b (64x 512+128), c (nano-vllm's 256 "
+                        "requests), d (8k prefill)")
+    g.add_argument("--scale", type=float, default=1.0,
+                   help="multiply request counts and lengths (smoke runs)")
+    g.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
 def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
@@ -80,6 +111,10 @@ def run_hf(model_dir: str, prompts: list[list[int]], out_lens: list[int],
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device is not None or args.model_shape is not None:
+        from bench.engine_shape_bench import run as run_shapes
+
+        return run_shapes(args)
     import torch
 
     rng = random.Random(args.seed)
@@ -89,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                    for _ in range(args.num_prompts)]
         out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
         n_out = sum(out_lens)
-        ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens)
+        ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048)
         hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
     result: dict[str, Any] = {
         "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,

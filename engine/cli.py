@@ -3,19 +3,68 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, ensure_default_model
+from engine.model_shapes import MODEL_SHAPES, SHAPE_NOTICE, model_shape_dir
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6,
+               "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10,
+               "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '2GB', '1e9' or a plain integer -> bytes (argparse type)."""
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = s[len(num):].strip()
+    try:
+        value = float(num) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 4GiB, 512MiB, 2GB, 1073741824)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def model_shape_arg(text: str) -> str:
+    """A shipped shape's name or the path of a config.json file (argparse type)."""
+    if text in MODEL_SHAPES or (text.endswith(".json") and os.path.isfile(text)):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown model shape {text!r}; choose from {', '.join(MODEL_SHAPES)} "
+        "or pass the path of a config.json file")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags every engine-running command shares."""
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory (default: the embedded random model)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None,
+                       help="Hugging Face model directory (default: the embedded random model)")
+    which.add_argument("--model-shape", type=model_shape_arg, default=None,
+                       metavar="{" + ",".join(MODEL_SHAPES) + "}",
+                       help="a known model's config.json with the embedded tokenizer and no "
+                            "weights (implies --load-format dummy); or a config.json path")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=None,
+                   help="auto: *.safetensors from the model directory; dummy: random weights "
+                        "generated on the device from config.json alone (default: auto, "
+                        "dummy with --model-shape)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
+                   help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the GPU's memory the engine may use (weights, "
+                        "activations, graphs and the KV pool)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="KV pool size, e.g. 4GiB (default: 512MiB on CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves); --num-blocks overrides")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -53,12 +102,30 @@ def resolve_model(model: str | None) -> str:
     return ensure_default_model()
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def resolve_model_and_format(args: argparse.Namespace) -> tuple[str, str]:
+    """(model directory, load format) from --model / --model-shape / --load-format.
+    A model shape has no weights, so it implies dummy weights and refuses "auto"."""
+    shape = getattr(args, "model_shape", None)
+    load_format = getattr(args, "load_format", None)
+    if shape is None:
+        return resolve_model(args.model), load_format or "auto"
+    if load_format == "auto":
+        raise SystemExit(f"--model-shape {shape} has no weights; it runs only with "
+                         "--load-format dummy")
+    print(SHAPE_NOTICE.format(name=shape), file=sys.stderr)
+    return model_shape_dir(shape), "dummy"
 
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model_dir, load_format = resolve_model_and_format(args)
     return EngineConfig(
-        model_dir=resolve_model(args.model), dtype=args.dtype, device=args.device,
-        max_model_len=args.max_model_len,
-        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
+        model_dir=model_dir, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, load_format=load_format,
+        attention_backend=getattr(args, "attention_backend", None),
+        enforce_eager=getattr(args, "enforce_eager", False),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                          kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
+                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens))
 

@@ -1,4 +1,5 @@
-"""Builds a model from a Hugging Face directory: config.json + *.safetensors (sharded too)."""
+"""Builds a model from a Hugging Face directory: config.json + *.safetensors (sharded
+too), or from config.json alone with random weights (load_format "dummy")."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, ModelDirError
+from engine.config import LOAD_FORMATS, ModelConfig, ModelDirError
 from engine.models.llama import LlamaForCausalLM, rope_inv_freq
 
 # HF name (regex) -> (our parameter name, shard index within the fused parameter).
@@ -34,22 +35,63 @@ def _shard_sizes(cfg: ModelConfig, name: str) -> list[int]:
 def safetensors_files(model_dir: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
-        raise ModelDirError(f"{model_dir!r} has no *.safetensors weight files")
+        raise ModelDirError(f"{model_dir!r} has no *.safetensors weight files "
+                            "(--load-format dummy runs it with random weights)")
     return files
 
 
-def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
-    """Returns the model in eval mode with every parameter loaded from the directory.
+def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+    """Returns the model in eval mode on `device`. load_format "auto" loads every
+    parameter from the directory's *.safetensors (raises ModelDirError naming missing
+    or unexpected tensors); "dummy" needs only the config and fills the parameters with
+    random values generated on the device (deterministic for a seed)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
+    model = _empty_model(cfg, dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        _load_safetensors(model, model_dir, cfg)
+    return model.eval()
 
-    Raises ModelDirError naming missing or unexpected tensors.
-    """
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """The model with uninitialised parameters on the device, allocated once in `dtype`
+    (casting on the meta device first avoids a float32 copy of every weight)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """vLLM's dummy format: one fill per tensor, on the tensor's own device (no host
+    round trip): N(0, std) for matrices, ones for norm scales, zeros for biases.
+    Tied tensors are filled once (named_parameters yields a shared tensor once)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=None if p.is_meta else _generator(gens, p, seed))
+        elif name.endswith("bias"):
+            p.zero_()
+        else:  # 1-D scales: RMSNorm weights (layer norms, final norm, q/k norms)
+            p.fill_(1.0)
+
+
+def _generator(gens: dict[torch.device, torch.Generator], p: torch.Tensor,
+               seed: int) -> torch.Generator:
+    g = gens.get(p.device)
+    if g is None:
+        g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+    return g
+
+
+def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # shares embed_tokens' tensor
@@ -76,7 +118,6 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype,
         raise ModelDirError(f"weights missing from {model_dir!r}: {missing[:8]}")
     if unexpected:
         raise ModelDirError(f"unexpected tensors in {model_dir!r}: {unexpected[:8]}")
-    return model.eval()
 
 
 def _map_name(key: str) -> tuple[str, int]:

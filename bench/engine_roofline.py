@@ -1,0 +1,177 @@
+"""The machine's limits, measured in the benchmark's own run, and a model's cost per
+engine step: the roofline `bench engine --model-shape` holds our step times against.
+
+A step's roofline time is max(bytes / bandwidth, FLOPs / matmul peak): decode steps are
+bound by reading the weights and the KV cache, prefill steps by the matmuls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class MachineLimits:
+    device: str
+    bandwidth_bytes_s: float
+    bandwidth_method: str
+    matmul_flop_s: float
+    matmul_method: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "bandwidth_GB_s": self.bandwidth_bytes_s / 1e9,
+                "matmul_TFLOP_s": self.matmul_flop_s / 1e12}
+
+
+def measure_limits(device: torch.device, dtype: torch.dtype) -> MachineLimits:
+    """HBM bandwidth and matmul throughput on CUDA (device-to-device copy, a GEMM in
+    `dtype`); on CPU a memcpy and a float32 GEMM, labelled so (a smoke-test stand-in)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        copy_bytes, n = 2 << 30, 8192
+        bw = _best_seconds(device, lambda: _copy(device, copy_bytes), reps=20)
+        mm = _best_seconds(device, lambda: _gemm(device, n, dtype), reps=10)
+        return MachineLimits(
+            name, 2 * copy_bytes / bw, "device-to-device copy of 2 GiB, bytes read + "
+            "written / time (best of 20, CUDA events)",
+            2 * n**3 / mm, f"{_short(dtype)} GEMM {n}x{n}x{n} (best of 10, CUDA events)")
+    copy_bytes, n = 128 << 20, 1024
+    bw = _best_seconds(device, lambda: _copy(device, copy_bytes), reps=5)
+    mm = _best_seconds(device, lambda: _gemm(device, n, torch.float32), reps=5)
+    return MachineLimits(
+        f"cpu ({torch.get_num_threads()} threads)", 2 * copy_bytes / bw,
+        "CPU memcpy of 128 MiB, bytes read + written / time (best of 5)",
+        2 * n**3 / mm, f"CPU float32 GEMM {n}x{n}x{n} (best of 5)")
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _copy(device: torch.device, nbytes: int) -> tuple[Any, Any]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), (src, dst)
+
+
+def _gemm(device: torch.device, n: int, dtype: torch.dtype) -> tuple[Any, Any]:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return (lambda: torch.mm(a, b, out=out)), (a, b, out)
+
+
+def _best_seconds(device: torch.device, setup: Any, reps: int) -> float:
+    """Best time of `reps` runs of the op `setup()` returns, after one warm-up run
+    (the best, not the mean: a limit is what the machine can do, not what it did)."""
+    op, keep = setup()
+    op()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            op()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+    del keep
+    return min(times)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """Bytes and FLOPs of one engine step of a model, counted from its config."""
+
+    layer_params: int  # all decoder layers
+    head_params: int  # lm_head (the embedding matrix when tied): read every step
+    embed_params: int  # rows are gathered, not streamed: no roofline bytes
+    norm_params: int  # the final norm
+    itemsize: int
+    kv_bytes_per_token: int  # all layers, K and V
+    attn_flops_per_pair: int  # one query token attending one key, all layers
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, itemsize: int) -> ModelCost:
+        h, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.qkv_bias else 0)
+        norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+        per_layer = attn + 3 * h * cfg.intermediate_size + norms
+        vocab = cfg.vocab_size * h
+        return cls(layer_params=cfg.num_layers * per_layer, head_params=vocab,
+                   embed_params=0 if cfg.tie_word_embeddings else vocab, norm_params=h,
+                   itemsize=itemsize,
+                   kv_bytes_per_token=cfg.num_layers * 2 * kv * itemsize,
+                   # QK^T and PV: 2 FLOPs per multiply-add each, per head and dim
+                   attn_flops_per_pair=cfg.num_layers * 4 * cfg.num_heads * d)
+
+    @property
+    def params(self) -> int:
+        return self.layer_params + self.head_params + self.embed_params + self.norm_params
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights every step streams: layers, final norm, lm_head."""
+        return (self.layer_params + self.norm_params + self.head_params) * self.itemsize
+
+    def step_bytes(self, kv_tokens_read: int) -> int:
+        return self.weight_bytes + kv_tokens_read * self.kv_bytes_per_token
+
+    def step_flops(self, tokens: int, sampled: int, attn_pairs: int) -> int:
+        """Matmul FLOPs: 2 * params per token through the layers, the lm_head only for
+        the rows that are sampled, and causal attention over `attn_pairs` (query, key)."""
+        return (2 * self.layer_params * tokens + 2 * self.head_params * sampled
+                + self.attn_flops_per_pair * attn_pairs)
+
+
+def causal_pairs(start: int, end: int) -> int:
+    """(query, key) pairs of positions start..end-1 attending causally to 0..p:
+    sum of (p + 1) over p in [start, end)."""
+    return (end * (end + 1) - start * (start + 1)) // 2
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step as the benchmark saw it: its time and what it computed."""
+
+    seconds: float
+    tokens: int
+    sampled: int
+    attn_pairs: int
+    kv_tokens_read: int
+    decode_only: bool
+
+
+def step_summary(steps: list[StepRecord], cost: ModelCost, limits: MachineLimits,
+                 decode_only: bool | None) -> dict[str, Any] | None:
+    """Measured step time against the roofline over the decode-only steps (True), the
+    other steps (False) or all (None). Memory roofline: weights + the KV read at each
+    step's context lengths over the bandwidth; compute roofline: the step's matmul
+    FLOPs over the GEMM peak; roofline: the larger of the two, step by step."""
+    chosen = [s for s in steps if decode_only is None or s.decode_only == decode_only]
+    if not chosen:
+        return None
+    measured = sum(s.seconds for s in chosen)
+    mem = [cost.step_bytes(s.kv_tokens_read) / limits.bandwidth_bytes_s for s in chosen]
+    comp = [cost.step_flops(s.tokens, s.sampled, s.attn_pairs) / limits.matmul_flop_s
+            for s in chosen]
+    both = sum(max(m, c) for m, c in zip(mem, comp, strict=True))
+    k = len(chosen)
+    return {"steps": k, "tokens": sum(s.tokens for s in chosen),
+            "mean_ms": measured / k * 1e3, "memory_roofline_ms": sum(mem) / k * 1e3,
+            "compute_roofline_ms": sum(comp) / k * 1e3, "roofline_ms": both / k * 1e3,
+            "memory_frac": sum(mem) / measured, "compute_frac": sum(comp) / measured,
+            "roofline_frac": both / measured}

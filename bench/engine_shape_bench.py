@@ -1,0 +1,412 @@
+"""`splitserve bench engine --device cuda --model-shape S`: our engine and transformers'
+`generate` on a known model shape with random weights (load format dummy), next to the
+machine's limits measured in the same run.
+
+Workloads (each scaled by --scale):
+  a  1 request, 512 prompt + 256 output tokens            decode-bound latency
+  b  64 concurrent requests, 512 + 128                      batched decode
+  c  nano-vllm's throughput workload: 256 requests, prompt and output lengths uniform
+     in [100, 1024], ignore_eos, temperature 0.6 (as nano-vllm's bench.py)
+  d  one 8k-token prompt's prefill (1 output token)         compute-bound prefill
+
+Every request ignores eos, so both engines produce exactly the tokens asked for;
+transformers pads a batch (left) to its longest prompt and generates until the longest
+output is done, and we count for it, as for us, only the tokens each request asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench.engine_roofline import (
+    MachineLimits,
+    ModelCost,
+    StepRecord,
+    causal_pairs,
+    measure_limits,
+    step_summary,
+)
+from engine.config import ModelConfig
+
+WORKLOADS = ("a", "b", "c", "d")
+PREFILL_LEN = 8192
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    out_lens: list[int]
+    temperature: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """What tok/s counts: output tokens, or prompt tokens for the prefill workload."""
+        return "prefill" if self.name == "d" else "output"
+
+    def describe(self) -> str:
+        """'64 x (512 + 128)': requests x (prompt + output tokens), ranges where they vary."""
+        return f"{len(self.prompts)} x ({_span(list(map(len, self.prompts)))} + " \
+            f"{_span(self.out_lens)})"
+
+    @property
+    def counted_tokens(self) -> int:
+        if self.kind == "prefill":
+            return sum(map(len, self.prompts))
+        return sum(self.out_lens)
+
+
+def _span(xs: list[int]) -> str:
+    lo, hi = min(xs), max(xs)
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def make_workloads(names: list[str], scale: float, vocab: int, max_len: int,
+                   seed: int = 0) -> list[Workload]:
+    """The chosen workloads with request counts and lengths multiplied by `scale`;
+    token ids uniform in [0, min(vocab, 10000)) as nano-vllm's bench draws them."""
+    rng = random.Random(seed)
+    hi = min(vocab, 10000)
+
+    def n(x: int) -> int:
+        return max(1, round(x * scale))
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(hi) for _ in range(length)]
+
+    out = []
+    for name in names:
+        if name == "a":
+            out.append(Workload("a", [prompt(n(512))], [n(256)]))
+        elif name == "b":
+            out.append(Workload("b", [prompt(n(512)) for _ in range(n(64))], [n(128)] * n(64)))
+        elif name == "c":
+            lens = [(rng.randint(n(100), n(1024)), rng.randint(n(100), n(1024)))
+                    for _ in range(n(256))]
+            out.append(Workload("c", [prompt(p) for p, _ in lens], [o for _, o in lens],
+                                temperature=0.6))
+        elif name == "d":
+            out.append(Workload("d", [prompt(min(n(PREFILL_LEN), max_len - 1))], [1]))
+        else:
+            raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+    return out
+
+
+# -- our engine ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Recorder:
+    """Sees what each engine step scheduled, by wrapping the engine's scheduler on this
+    one instance (read-only: the scheduler's output is passed through untouched)."""
+
+    steps: list[StepRecord] = field(default_factory=list)
+    last: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    def attach(self, engine: Any) -> None:
+        inner = engine.scheduler.schedule
+
+        def schedule() -> Any:
+            out = inner()
+            # (start, end, num_tokens, num_prompt_tokens) before the step updates them
+            self.last = [(s.request.num_computed_tokens,
+                          s.request.num_computed_tokens + s.num_new_tokens,
+                          s.request.num_tokens, s.request.num_prompt_tokens)
+                         for s in out.scheduled]
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    def record(self, seconds: float) -> None:
+        if not self.last:
+            return
+        self.steps.append(StepRecord(
+            seconds=seconds, tokens=sum(e - s for s, e, _, _ in self.last),
+            sampled=sum(1 for _, e, n, _ in self.last if e == n),
+            attn_pairs=sum(causal_pairs(s, e) for s, e, _, _ in self.last),
+            kv_tokens_read=sum(e for _, e, _, _ in self.last),
+            decode_only=all(e - s == 1 and s >= p for s, e, _, p in self.last)))
+        self.last = []
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[float, list[StepRecord]]:
+    """Runs the workload to completion on `llm`'s engine; returns (seconds, steps)."""
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rec = _Recorder()
+    rec.attach(engine)
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):
+            engine.add_request(f"bench-{w.name}-{i}", p, SamplingParams(
+                max_tokens=o, temperature=w.temperature, ignore_eos=True))
+        produced = 0
+        while engine.has_work():
+            s0 = time.perf_counter()
+            outs = engine.step()
+            _sync(device)
+            rec.record(time.perf_counter() - s0)
+            produced += sum(len(o.token_ids) for o in outs if o.finished)
+        seconds = time.perf_counter() - t0
+    finally:
+        del engine.scheduler.schedule  # back to the class's method
+    if produced != sum(w.out_lens):
+        raise RuntimeError(f"workload {w.name}: {produced} tokens, expected {sum(w.out_lens)}")
+    return seconds, rec.steps
+
+
+def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[Workload],
+             args: argparse.Namespace) -> Any:
+    """Our engine sized for the workloads: every request of the largest one may run at
+    once; on CPU the KV pool holds them all, on CUDA it is sized from free memory."""
+    from engine.llm import LLM
+
+    bs = 16
+    max_seqs = max(len(w.prompts) for w in workloads)
+    longest = max(len(p) for w in workloads for p in w.prompts)
+    max_len = max(len(p) + o for w in workloads for p, o in zip(w.prompts, w.out_lens,
+                                                                 strict=True))
+    kw: dict[str, Any] = {}
+    if device.type != "cuda":
+        kw["num_blocks"] = max(sum(-(-(len(p) + o) // bs) + 1 for p, o in
+                                   zip(w.prompts, w.out_lens, strict=True)) for w in workloads)
+    # One step can take the whole 8k prompt, so (d) times a single prefill forward.
+    budget = args.max_num_batched_tokens or max(16384 if device.type == "cuda" else 2048,
+                                                longest)
+    return LLM(model_dir, device=str(device), dtype=dtype, load_format="dummy",
+               block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+               max_model_len=max_len,
+               enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+               attention_backend=args.attention_backend,
+               gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+
+
+def warm_up(llm: Any, w: Workload) -> None:
+    """Runs a few of the workload's own requests, short, before it is timed: kernels
+    compile and allocator caches fill for its lengths and sampling outside the figure."""
+    from engine.sampling_params import SamplingParams
+
+    k = min(len(w.prompts), 8)
+    llm.generate(w.prompts[:k], [SamplingParams(max_tokens=min(o, 4), ignore_eos=True,
+                                                temperature=w.temperature)
+                                 for o in w.out_lens[:k]])
+
+
+# -- transformers ------------------------------------------------------------------------
+
+def make_hf(model_dir: str, device: torch.device, dtype: torch.dtype) -> Any:
+    """transformers' model of the same config, random weights from its own init, built on
+    the device, SDPA attention."""
+    import transformers as tf
+
+    tf.logging.set_verbosity_error()
+    cfg = tf.AutoConfig.from_pretrained(model_dir)
+    with device:
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype,
+                                                    attn_implementation="sdpa")
+    return model.eval()
+
+
+def hf_batch_size(w: Workload, requested: int) -> int:
+    # Beyond 64 rows, transformers' padded KV cache of the long workload outgrows memory.
+    return requested or min(len(w.prompts), 64)
+
+
+def run_hf_workload(model: Any, w: Workload, device: torch.device, batch_size: int) -> float:
+    pad = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(0, len(w.prompts), batch_size):
+        batch, lens = w.prompts[i:i + batch_size], w.out_lens[i:i + batch_size]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                            device=device)
+        sample = {"do_sample": True, "temperature": w.temperature, "top_k": 0,
+                  "top_p": 1.0} if w.temperature > 0 else {"do_sample": False}
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens),
+                           min_new_tokens=max(lens), pad_token_id=pad, **sample)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+# -- results ------------------------------------------------------------------------------
+
+# Which steps and which roofline each workload is held against (the issue's targets).
+_ROOFLINE = {"a": ("decode", "memory_frac"), "b": ("decode", "memory_frac"),
+             "c": ("all_steps", "roofline_frac"), "d": ("prefill", "compute_frac")}
+
+
+def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
+                    hf: tuple[float, int] | None, cost: ModelCost,
+                    limits: MachineLimits) -> dict[str, Any]:
+    n = w.counted_tokens
+    phases = {"decode": step_summary(steps, cost, limits, True),
+              "prefill": step_summary(steps, cost, limits, False),
+              "all_steps": step_summary(steps, cost, limits, None)}
+    phase, key = _ROOFLINE[w.name]
+    held = phases[phase]
+    hf_tok_s = n / hf[0] if hf else None
+    return {
+        "summary": {"ours_tok_s": n / ours_s, "hf_tok_s": hf_tok_s,
+                    "ratio_hf": (n / ours_s) / hf_tok_s if hf_tok_s else None,
+                    "roofline_frac": held[key] if held else None,
+                    "roofline": f"{phase} steps, {key.removesuffix('_frac')} roofline",
+                    "tok_s_counts": f"{w.kind} tokens"},
+        "describe": w.describe(), "requests": len(w.prompts),
+        "prompt_tokens": sum(map(len, w.prompts)),
+        "output_tokens": sum(w.out_lens), "temperature": w.temperature,
+        "ours": {"seconds": ours_s, **phases},
+        "hf": {"seconds": hf[0], "batch_size": hf[1]} if hf else None,
+    }
+
+
+def print_result(result: dict[str, Any]) -> None:
+    c, lim = result["config"], result["limits"]
+    print(f"shape {c['model_shape']}: {c['params'] / 1e9:.3g} B params, {c['dtype']} on "
+          f"{lim['device']}; load format dummy (random weights)")
+    print(f"limits (measured now): {lim['bandwidth_GB_s']:.4g} GB/s [{lim['bandwidth_method']}]"
+          f"; {lim['matmul_TFLOP_s']:.4g} TFLOP/s [{lim['matmul_method']}]")
+    print(f"{'workload':<38}{'ours tok/s':>12}{'hf tok/s':>11}{'ours/hf':>9}"
+          f"{'step ms':>10}{'roof ms':>10}{'of roof':>9}")
+    for name, r in result["workloads"].items():
+        s = r["summary"]
+        phase = _ROOFLINE[name][0]
+        held = r["ours"][phase] or {}
+        roof_ms = held.get({"decode": "memory_roofline_ms", "prefill": "compute_roofline_ms",
+                            "all_steps": "roofline_ms"}[phase], float("nan"))
+        hf = f"{s['hf_tok_s']:>11.1f}{s['ratio_hf']:>8.2f}x" if s["hf_tok_s"] else \
+            f"{'-':>11}{'-':>9}"
+        frac = s["roofline_frac"]
+        label = f"{r['describe']} ({phase})"
+        print(f"{name}  {label:<35}{s['ours_tok_s']:>12.1f}{hf}"
+              f"{held.get('mean_ms', float('nan')):>10.3f}{roof_ms:>10.3f}"
+              f"{frac if frac is not None else float('nan'):>9.3f}")
+    print("tok/s counts output tokens (prompt tokens for d); step ms: our mean step time "
+          "over the roofline's steps (decode-only for a, b; all for c; prefill for d)")
+
+
+# -- the run -------------------------------------------------------------------------------
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: list[Workload],
+                 args: argparse.Namespace,
+                 ) -> tuple[dict[str, tuple[float, list[StepRecord]]], dict[str, Any]]:
+    """Every workload on one engine; returns ({name: (seconds, steps)}, engine settings)."""
+    llm = make_llm(model_dir, device, dtype, workloads, args)
+    results = {}
+    for w in workloads:
+        warm_up(llm, w)
+        results[w.name] = run_ours_workload(llm, w, device)
+    engine = llm.engine
+    engine.check_integrity()
+    cfg = engine.config
+    info = {"num_kv_blocks": engine.runner.num_blocks, "block_size": cfg.cache.block_size,
+            "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "attention_backend": cfg.backend, "cuda_graphs": cfg.use_cuda_graphs,
+            "prefix_caching": cfg.cache.enable_prefix_caching}
+    del llm, engine
+    _free(device)
+    return results, info
+
+
+def run_hf_all(model_dir: str, device: torch.device, dtype: torch.dtype,
+               workloads: list[Workload], batch: int) -> dict[str, tuple[float, int]]:
+    model = make_hf(model_dir, device, dtype)
+    results = {}
+    for w in workloads:
+        bs = hf_batch_size(w, batch)
+        k = min(len(w.prompts), 4)  # warm-up: a few of its requests, short
+        run_hf_workload(model, Workload(w.name, w.prompts[:k], [min(o, 4) for o in
+                                                               w.out_lens[:k]],
+                                        w.temperature), device, k)
+        results[w.name] = (run_hf_workload(model, w, device, bs), bs)
+    del model
+    _free(device)
+    return results
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad or not names:
+        raise SystemExit(f"--workloads takes a comma-separated subset of {','.join(WORKLOADS)}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.model_shapes import model_shape_dir
+    from engine.models.loader import TORCH_DTYPES
+
+    if args.model_shape is None:
+        raise SystemExit("bench engine --device needs --model-shape (e.g. llama3-8b)")
+    if args.scale <= 0:
+        raise SystemExit("--scale must be positive")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model_dir = model_shape_dir(args.model_shape)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    workloads = make_workloads(_names(args.workloads), args.scale, cfg.vocab_size,
+                               cfg.max_position_embeddings, args.seed)
+    limits = measure_limits(device, TORCH_DTYPES[dtype])
+    _free(device)
+    cost = ModelCost.from_config(cfg, TORCH_DTYPES[dtype].itemsize)
+    print(f"measured: {limits.bandwidth_bytes_s / 1e9:.4g} GB/s, "
+          f"{limits.matmul_flop_s / 1e12:.4g} TFLOP/s; running our engine...", file=sys.stderr)
+    ours, engine_info = run_ours_all(model_dir, device, dtype, workloads, args)
+    hf: dict[str, tuple[float, int]] = {}
+    if not args.skip_hf:
+        print("running transformers generate...", file=sys.stderr)
+        hf = run_hf_all(model_dir, device, TORCH_DTYPES[dtype], workloads, args.hf_batch_size)
+    per = {w.name: workload_result(w, *ours[w.name], hf.get(w.name), cost, limits)
+           for w in workloads}
+    result = {"summary": {k: r["summary"] for k, r in per.items()}, "workloads": per,
+              "limits": limits.to_json(),
+              "config": {**_config(args, cfg, cost, device, dtype), "engine": engine_info,
+                         "hf_batch_size": {w.name: hf[w.name][1] for w in workloads
+                                           if w.name in hf}}}
+    print_result(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def _config(args: argparse.Namespace, cfg: ModelConfig, cost: ModelCost,
+            device: torch.device, dtype: str) -> dict[str, Any]:
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {"model_shape": args.model_shape, "device": str(device), "dtype": dtype,
+            "params": cost.params, "weight_bytes_per_step": cost.weight_bytes,
+            "kv_bytes_per_token": cost.kv_bytes_per_token, "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "scale": args.scale, "seed": args.seed,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "torch": torch.__version__, "transformers": tf_version,
+            "torch_threads": torch.get_num_threads()}

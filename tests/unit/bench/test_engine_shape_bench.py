@@ -1,0 +1,67 @@
+"""`splitserve bench engine --model-shape`: the shape benchmark end to end on a CPU with a
+tiny shape (workloads a, b, d scaled down, float32), its workloads and its roofline."""
+
+from __future__ import annotations
+
+import json
+
+from bench.engine_roofline import ModelCost, causal_pairs
+from bench.engine_shape_bench import make_workloads
+from cluster.cli import main
+from engine.config import ModelConfig
+
+TINY = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 1024,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": True, "torch_dtype": "float32"}
+
+
+def test_bench_engine_model_shape_on_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the shape's directory is cached under ~
+    shape, out = tmp_path / "tiny.json", tmp_path / "bench.json"
+    shape.write_text(json.dumps(TINY))
+    assert main(["bench", "engine", "--device", "cpu", "--model-shape", str(shape),
+                 "--workloads", "a,b,d", "--scale", "0.04", "--dtype", "float32",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"a", "b", "d"}
+    for name, s in result["summary"].items():
+        assert {"ours_tok_s", "hf_tok_s", "ratio_hf", "roofline_frac"} <= set(s)
+        assert s["ours_tok_s"] > 0 and s["hf_tok_s"] > 0 and s["ratio_hf"] > 0, name
+        assert 0 < s["roofline_frac"] < 1.5, name
+    w = result["workloads"]
+    assert w["b"]["requests"] == 3 and w["b"]["ours"]["decode"]["steps"] > 0
+    assert w["d"]["ours"]["prefill"]["tokens"] == w["d"]["prompt_tokens"] == 328
+    assert w["d"]["ours"]["decode"] is None  # one output token: the prefill step only
+    assert "CPU memcpy" in result["limits"]["bandwidth_method"]
+    assert "float32 GEMM" in result["limits"]["matmul_method"]
+    assert result["limits"]["bandwidth_GB_s"] > 0 and result["config"]["params"] > 0
+    printed = capsys.readouterr().out
+    assert "ours tok/s" in printed and "GB/s" in printed
+
+
+def test_workloads_follow_the_issue_and_scale():
+    full = {w.name: w for w in make_workloads(["a", "b", "c", "d"], 1.0, 151936, 40960)}
+    assert (len(full["a"].prompts[0]), full["a"].out_lens) == (512, [256])
+    assert len(full["b"].prompts) == 64 and set(full["b"].out_lens) == {128}
+    c = full["c"]
+    assert len(c.prompts) == 256 and c.temperature == 0.6
+    assert all(100 <= len(p) <= 1024 for p in c.prompts)
+    assert all(100 <= o <= 1024 for o in c.out_lens) and len(set(c.out_lens)) > 100
+    assert len(full["d"].prompts[0]) == 8192 and full["d"].counted_tokens == 8192
+    # an 8k-context model keeps the prompt + its one output token inside the context
+    (d,) = make_workloads(["d"], 1.0, 128256, 8192)
+    assert len(d.prompts[0]) == 8191
+    (b,) = make_workloads(["b"], 0.5, 1024, 4096)
+    assert len(b.prompts) == 32 and len(b.prompts[0]) == 256
+
+
+def test_roofline_counts():
+    assert causal_pairs(0, 4) == 1 + 2 + 3 + 4 and causal_pairs(9, 10) == 10
+    cfg = ModelConfig.from_dict(TINY)
+    cost = ModelCost.from_config(cfg, 4)
+    # K and V of 2 layers x 2 kv heads x 16 dims, float32
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert cost.step_bytes(10) == cost.weight_bytes + 10 * cost.kv_bytes_per_token
+    assert cost.step_flops(3, 1, 0) == 2 * cost.layer_params * 3 + 2 * 1024 * 64
