@@ -1,10 +1,15 @@
 """LocalCluster: redis-server, workers and the gateway as child processes on one host.
 
-Ownership: the cluster owns every child it starts. Each child runs in its own process
-group (a terminal's Ctrl-C reaches only the launcher, which then stops children in
-order: gateway, workers, redis) and, on Linux, gets SIGTERM if the launcher dies, so
-no orphans are left. Children are started through their public command line
-(`python -m cluster.cli worker|gateway ...`), never imported.
+Ownership: the cluster owns every child it starts, through its Supervisor. Each child
+runs in its own process group (a terminal's Ctrl-C reaches only the launcher, which then
+stops children in order: gateway, workers, redis) and, on Linux, gets SIGTERM if the
+launcher dies, so no orphans are left. Children are started through their public command
+line (`python -m cluster.cli worker|gateway ...`), never imported.
+
+Start-up is strict (a child that dies before the cluster is ready is an error). After
+that, `supervise()` — called in a loop by `splitserve up` — restarts children that exit
+(see cluster/supervisor.py); a LocalCluster nobody supervises leaves exited children
+down, which is what tests that stop a child on purpose rely on.
 """
 
 from __future__ import annotations
@@ -16,19 +21,20 @@ import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from cluster.errors import ClusterError, CrashLoopError
+from cluster.supervisor import Child, RestartPolicy, Supervisor
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRANSPORTS = ("ucx", "tcp", "shm")
-
-
-class ClusterError(RuntimeError):
-    """A child failed to start or become ready; the message names it and its log."""
+# Re-exported: callers import these from the launcher.
+__all__ = ["Child", "ClusterError", "ClusterSpec", "CrashLoopError", "LocalCluster",
+           "RestartPolicy", "free_port"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,6 +58,7 @@ class ClusterSpec:
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
     log_dir: str | None = None  # None: a fresh temporary directory
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -64,34 +71,14 @@ class ClusterSpec:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
 
 
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: str
-    grpc_address: str | None = None  # health-checked for readiness
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def log_tail(self, n: int = 30) -> str:
-        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-        return ""
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.log_dir = spec.log_dir or tempfile.mkdtemp(prefix="splitserve-up-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.children: list[Child] = []
+        self.supervisor = Supervisor(spec.restart, cwd=ROOT)
+        self.children: list[Child] = self.supervisor.children  # the same list
+        self.status_path = os.path.join(self.log_dir, "status.json")
         self.redis_url = ""
         # The KV-transfer secret every prefill/decode child is given (environment only,
         # never argv, so `ps` does not show it).
@@ -107,12 +94,7 @@ class LocalCluster:
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["SPLITSERVE_CLUSTER_TOKEN"] = self.cluster_token
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=ROOT, preexec_fn=_die_with_parent)
-        child = Child(name, proc, log_path, grpc_address)
-        self.children.append(child)
-        return child
+        return self.supervisor.start(name, argv, env, log_path, grpc_address)
 
     def cli_argv(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "cluster.cli", *args]
@@ -168,6 +150,7 @@ class LocalCluster:
                     self.start_worker(role, i)
             self.start_gateway()
             self.wait_ready()
+            self.write_status()
         except BaseException:
             self.stop()
             raise
@@ -214,24 +197,46 @@ class LocalCluster:
                                    f"(logs in {self.log_dir})")
             time.sleep(0.1)
 
+    # -- supervision -----------------------------------------------------------------------
+    def supervise(self) -> None:
+        """One supervision round (restart exited children after their backoff) and an
+        updated status.json. Raises CrashLoopError when a child keeps exiting; the caller
+        then stops the cluster."""
+        try:
+            changed = self.supervisor.poll()
+        except CrashLoopError:
+            self.write_status()
+            raise
+        if changed:
+            self.write_status()
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts per child since start."""
+        return self.supervisor.restarts()
+
+    def write_status(self) -> None:
+        """`<log_dir>/status.json`: pid, running, restarts, last exit and log per child,
+        replaced atomically so a reader never sees half a file."""
+        tmp = self.status_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"redis_url": self.redis_url, "http_port": self.http_port,
+                       "grpc_port": self.grpc_port, "children": self.supervisor.status()}, f,
+                      indent=1)
+        os.replace(tmp, self.status_path)
+
     # -- stopping --------------------------------------------------------------------------
     def stop_child(self, child: Child, sig: int = signal.SIGTERM) -> int | None:
-        if child.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, sig)
-            try:
-                child.proc.wait(self.spec.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait(5.0)
-        return child.proc.returncode
+        """Stops `child` for good (supervision does not restart it)."""
+        return self.supervisor.stop(child, sig, self.spec.stop_timeout_s)
 
     def stop(self) -> None:
         """Gateway first (no new work), then workers (they drain), then redis."""
         order = sorted(self.children, key=lambda c: (c.name != "gateway", c.name == "redis"))
         for c in order:
             self.stop_child(c)
+        with contextlib.suppress(OSError):
+            self.write_status()
 
     def __enter__(self) -> LocalCluster:
         self.start()

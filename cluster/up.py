@@ -3,12 +3,17 @@
 With `--demo-request` it sends one request through the HTTP endpoint and prints it
 (`make run`). The default is disaggregated: one prefill and one decode worker (tcp
 transport); `--colocated N` alone starts colocated workers only.
+
+Once up, the launcher supervises: a child that exits (Redis, a worker, the gateway) is
+restarted after a backoff, and a crash loop stops everything with exit code 1 (the
+`--restart-*` / `--max-restarts` flags; see cluster/supervisor.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
@@ -29,6 +34,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     p.add_argument("--demo-request", action="store_true",
                    help="send one request through the HTTP endpoint once ready")
+    p.add_argument("--restart-backoff", type=float, default=None,
+                   help="seconds before the first restart of an exited child (default 0.5; "
+                   "doubles per restart)")
+    p.add_argument("--restart-backoff-max", type=float, default=None,
+                   help="longest wait before a restart (default 10)")
+    p.add_argument("--restart-reset-after", type=float, default=None,
+                   help="a child up this many seconds starts from the first backoff again "
+                   "(default 30)")
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="restarts of one child within --restart-window before the cluster "
+                   "stops (default 5; 0: any exit stops it)")
+    p.add_argument("--restart-window", type=float, default=None,
+                   help="seconds (default 60)")
+
+
+# settings key (flag or YAML) -> (RestartPolicy field, its type)
+RESTART_KEYS: dict[str, tuple[str, type]] = {
+    "restart_backoff": ("backoff_initial_s", float),
+    "restart_backoff_max": ("backoff_max_s", float),
+    "restart_reset_after": ("reset_after_s", float),
+    "max_restarts": ("max_restarts", int),
+    "restart_window": ("window_s", float)}
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,14 +68,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(conf, dict):
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
-                "grpc_port", "num_blocks"):
+                "grpc_port", "num_blocks", *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
     return conf
 
 
 def build_spec(args: argparse.Namespace) -> Any:
-    from cluster.launcher import ClusterSpec
+    from cluster.launcher import ClusterSpec, RestartPolicy
     from engine.cli import resolve_model
 
     s = _settings(args)
@@ -64,7 +91,9 @@ def build_spec(args: argparse.Namespace) -> Any:
         num_colocated=colocated, transport=str(s.get("transport", "tcp")),
         http_port=int(s.get("http_port", 8000)), grpc_port=int(s.get("grpc_port", 50051)),
         worker_args=tuple(worker_args),
-        gateway_args=tuple(str(a) for a in s.get("gateway_args", [])))
+        gateway_args=tuple(str(a) for a in s.get("gateway_args", [])),
+        restart=RestartPolicy(**{field: kind(s[key])
+                                 for key, (field, kind) in RESTART_KEYS.items() if key in s}))
 
 
 # Long enough (> the default decider threshold of 256 tokens) that a disaggregated
@@ -118,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Supervision events (exits, restarts) go to stderr with a time stamp.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -136,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
           f"/v1/completions, /v1/chat/completions, /health, /metrics)\n"
           f"  gRPC Generate: {spec.host}:{cluster.grpc_port}\n  redis: {cluster.redis_url}\n"
           f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'\nCtrl-C stops everything.",
-          flush=True)
+          f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'\n  status (pids, restarts): "
+          f"{cluster.status_path}\nCtrl-C stops everything.", flush=True)
     try:
         if args.demo_request:
             out = demo_request(cluster.http_port, model)
@@ -145,8 +176,8 @@ def run(args: argparse.Namespace) -> int:
                   "jumps over the lazy dog. \" * 40, \"max_tokens\": 24}")
             print(json.dumps(out, indent=2), flush=True)
             print(kv_summary(cluster), flush=True)
-        while not stop.wait(0.5):
-            cluster.check_alive()
+        while not stop.wait(0.2):
+            cluster.supervise()
     except (ClusterError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,17 @@
+"""Errors of the local launcher; each message names the child and its log."""
+
+from __future__ import annotations
+
+
+class ClusterError(RuntimeError):
+    """A child failed to start or become ready; the message names it and its log."""
+
+
+class CrashLoopError(ClusterError):
+    """A child kept exiting after restarts (more than the policy allows in its window);
+    the launcher gives up and stops the whole cluster."""
+
+    def __init__(self, name: str, log_path: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.log_path = log_path
