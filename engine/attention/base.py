@@ -28,7 +28,7 @@ class AttentionMetadata:
     """How the flat token batch of one step maps onto sequences and cache slots.
 
     Device tensors (on the cache's device):
-      slot_mapping     [T] int64   flat slot `block_id * block_size + offset` of each new
+      slot_mapping     [T] int32   flat slot `block_id * block_size + offset` of each new
                                    token's K/V; -1 marks a padding token (not written).
       query_start_loc  [B+1] int32 cumulative new-token counts; sequence i's queries are
                                    rows query_start_loc[i] .. query_start_loc[i+1] - 1.
