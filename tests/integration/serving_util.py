@@ -99,3 +99,12 @@ def stream_then_hang_up(port: int, body: dict[str, Any], events: int) -> None:
             chunk = s.recv(4096)
             assert chunk, "stream ended early"
             seen += chunk
+
+
+def port_refused(port: int) -> bool:
+    """True when nothing accepts connections on 127.0.0.1:`port` (a stopped server)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return False
+    except OSError:
+        return True

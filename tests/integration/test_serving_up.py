@@ -6,21 +6,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from cluster.launcher import ROOT, free_port
 from tests.factories import tiny_model_dir
-
-
-def _refused(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return False
-    except OSError:
-        return True
+from tests.integration.serving_util import port_refused
 
 
 def _run_up(*args: str) -> subprocess.Popen[str]:
@@ -66,7 +58,7 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
                                worker_logs[1]).group(1)))
     redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", out).group(1))
     for port in (http, grpc_port, redis_port, *ports):
-        assert _refused(port), f"port {port} still open after Ctrl-C"
+        assert port_refused(port), f"port {port} still open after Ctrl-C"
     for w in worker_logs:
         assert "stopped" in w  # the worker drained and exited on its own
     assert set(os.listdir("/dev/shm")) <= shm_before, "shared memory left behind"

@@ -23,7 +23,7 @@ import pytest
 
 from cluster.launcher import ROOT, free_port
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import call_http, grpc_generate, wait_for
+from tests.integration.serving_util import call_http, grpc_generate, port_refused, wait_for
 
 pytestmark = pytest.mark.skipif(not any(
     os.access(os.path.join(d, "redis-server"), os.X_OK)
@@ -103,14 +103,6 @@ class Up:
             self.proc.wait(10)
 
 
-def _refused(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return False
-    except OSError:
-        return True
-
-
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -131,7 +123,7 @@ def _redis_ping(port: int) -> bool:
 def _assert_nothing_left(up: Up, ports: list[int]) -> None:
     wait_for(lambda: all(_gone(p) for p in up.pids), 10, f"children {up.pids} to be gone")
     for port in ports:
-        assert _refused(port), f"port {port} still open"
+        assert port_refused(port), f"port {port} still open"
 
 
 @pytest.fixture(scope="module")
