@@ -80,9 +80,12 @@ class LocalCluster:
         self.children: list[Child] = self.supervisor.children  # the same list
         self.status_path = os.path.join(self.log_dir, "status.json")
         self.redis_url = ""
-        # The KV-transfer secret every prefill/decode child is given (environment only,
-        # never argv, so `ps` does not show it).
-        self.cluster_token = secrets.token_hex(16)
+        # The cluster secret every child is given (environment only, never argv, so `ps`
+        # does not show it): KV-transfer handshakes and signed worker RPCs (workers check,
+        # the gateway signs). The launcher's own $SPLITSERVE_CLUSTER_TOKEN if set (a
+        # client of the workers then knows it), else a fresh one.
+        self.cluster_token = os.environ.get("SPLITSERVE_CLUSTER_TOKEN") or \
+            secrets.token_hex(16)
         self.http_port = spec.http_port or free_port(spec.host)
         self.grpc_port = spec.grpc_port or free_port(spec.host)
 

@@ -12,9 +12,11 @@ import uuid
 from typing import TYPE_CHECKING
 
 from engine.cli import add_engine_arguments
+from protos.auth import add_tls_arguments
 
 if TYPE_CHECKING:
     from kvtransfer.config import TransferConfig
+    from protos.auth import RpcSecurity
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster-token-file", default=None,
                    help="file holding the cluster's KV-transfer token "
                         "(default $SPLITSERVE_CLUSTER_TOKEN)")
+    p.add_argument("--rpc-auth-window", type=float, default=30.0,
+                   help="seconds a signed worker RPC stays valid (clock skew + replay "
+                        "window; protos/auth.py)")
+    add_tls_arguments(p, "this worker")
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="decode: what a failed remote prefill does")
     p.add_argument("--prefill-timeout", type=float, default=30.0,
@@ -69,6 +75,25 @@ def cluster_token(args: argparse.Namespace) -> str:
         with open(args.cluster_token_file) as f:
             return f.read().strip()
     return os.environ.get("SPLITSERVE_CLUSTER_TOKEN", "")
+
+
+def rpc_security(args: argparse.Namespace) -> RpcSecurity:
+    """The credential this worker checks on its RPCs (and signs its calls to peers
+    with): the cluster token, and TLS when --tls-* are given. Prefill and decode
+    workers cannot start without the token (transfer_config); a colocated worker
+    without one serves its RPCs unauthenticated, and says so."""
+    from protos.auth import RpcSecurity, tls_from_args
+
+    token = cluster_token(args)
+    if not token and args.role == "colocated":  # the other roles stop in transfer_config
+        logging.getLogger(__name__).warning(
+            "no cluster token (SPLITSERVE_CLUSTER_TOKEN / --cluster-token-file): this "
+            "worker's RPCs are UNAUTHENTICATED; anyone who reaches its port can use it")
+    try:
+        return RpcSecurity(token, tls_from_args(args.tls_cert, args.tls_key, args.tls_ca),
+                           args.rpc_auth_window)
+    except ValueError as e:
+        raise SystemExit(f"invalid RPC security settings: {e}") from None
 
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
@@ -115,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis, registration_ttl_s=args.registration_ttl,
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
         drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy,
-        prefill_timeout_s=args.prefill_timeout)
+        prefill_timeout_s=args.prefill_timeout, security=rpc_security(args))
     from kvtransfer.tiers.config import tier_config_from_args
 
     return asyncio.run(serve(config, ecfg, transfer_config(args),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from protos.auth import RpcSecurity
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -29,6 +31,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     kv_failure_policy: str = "recompute"  # decode: after a failed remote prefill
     prefill_timeout_s: float = 30.0  # decode: deadline of one Prefill call
+    # The cluster credential on its RPCs, served and made (protos/auth.py); mTLS.
+    security: RpcSecurity = field(default_factory=RpcSecurity)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter
@@ -35,6 +35,7 @@ from kvtransfer.layout import KVLayout, whole_blocks
 from kvtransfer.registry import make_receiver
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
+from protos.auth import RpcSecurity
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RemotePrefillConfig:
     transfer: TransferConfig
     policy: str = "recompute"
     rpc_timeout_s: float = 30.0  # a Prefill call's deadline (the lease, by default)
+    security: RpcSecurity = field(default_factory=RpcSecurity)  # signs calls to peers
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -101,7 +103,7 @@ class RemotePrefiller:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address)
+            ch = self._channels[address] = self.config.security.channel(address)
         return ch
 
     def _stub(self, address: str) -> pb_grpc.PrefillStub:

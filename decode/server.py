@@ -82,7 +82,7 @@ class KVSide:
             assert transfer is not None
             self.prefiller = RemotePrefiller(
                 RemotePrefillConfig(transfer, config.kv_failure_policy,
-                                    config.prefill_timeout_s),
+                                    config.prefill_timeout_s, config.security),
                 config.worker_id, metrics.registry)
         elif config.role == "prefill":
             from prefill.service import PrefillService
@@ -166,11 +166,13 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
     kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # Every RPC but health needs the cluster credential (protos/auth.py).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                             interceptors=config.security.interceptors(metrics.registry))
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     kv_side.add_to(server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = config.security.add_port(server, f"{config.host}:{config.port}")
     await health.set("liveness", SERVING)
     await health.set("readiness", NOT_SERVING)
     await server.start()

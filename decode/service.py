@@ -143,6 +143,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         remote: RemotePrefill | None = None
         prefiller = self.prefiller
         kv_peer = request.kv_peer if request.HasField("kv_peer") else None
+        resume = list(request.resume_token_ids)
+        if resume and prefill_peer is not None:
+            # A prefill samples the first output token, which a resumed request has:
+            # its KV (prompt + resumed tokens) comes from a kv peer or is computed here.
+            prefill_peer = None
         if prefiller is not None and ((prefill_peer and prefill_peer.address)
                                       or (kv_peer and kv_peer.address)):
             def remote(alloc: RemoteAlloc) -> Awaitable[RemoteResult | int | None]:
@@ -154,7 +159,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
             request.request_id, list(request.prompt_token_ids), params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            priority=request.priority, remote=remote))
+            priority=request.priority, remote=remote, resume_token_ids=resume))
 
     @staticmethod
     def _response(rid: str, out: RequestOutput, n_prompt: int) -> pb.WorkerGenerateResponse:

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -59,6 +59,7 @@ class _Add:
     priority: int
     remote: bool = False
     hold_kv: bool = False
+    resume: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -129,7 +130,8 @@ class AsyncLLM:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
                        priority: int = 0, remote: RemotePrefill | None = None,
-                       hold_kv: bool = False) -> AsyncGenerator[RequestOutput, None]:
+                       hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yields outputs until one is finished. Raises RequestError (bad request,
         before any work) or EngineDeadError. Leaving the iteration early (client gone,
         task cancelled) aborts the request, cancels its remote prefill and frees its
@@ -140,17 +142,20 @@ class AsyncLLM:
         are not free now, the request simply prefills locally.
         `hold_kv`: a producer; outputs report KV progress every step and the blocks
         stay held after the request finishes, until `release(request_id)`.
+        `resume_token_ids`: fail-over; output tokens another worker already streamed
+        (see LLMEngine.add_request). Outputs count them but never repeat them.
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._dead}")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, resume_token_ids)
         q: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
-                            priority, remote=remote is not None, hold_kv=hold_kv))
+                            priority, remote=remote is not None, hold_kv=hold_kv,
+                            resume=list(resume_token_ids)))
         finished = False
         task: asyncio.Task[None] | None = None
         try:
@@ -251,11 +256,13 @@ class AsyncLLM:
     def _add(self, cmd: _Add) -> None:
         args = (cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt, cmd.priority)
         try:
-            alloc = self.engine.add_remote_request(*args) if cmd.remote else None
+            alloc = self.engine.add_remote_request(*args, resume_token_ids=cmd.resume) \
+                if cmd.remote else None
             if alloc is not None:
                 self._deliver(cmd.request_id, alloc, last=False)
             else:
-                self.engine.add_request(*args, hold_kv=cmd.hold_kv)
+                self.engine.add_request(*args, hold_kv=cmd.hold_kv,
+                                        resume_token_ids=cmd.resume)
         except RequestError as e:
             self._deliver(cmd.request_id, e, last=True)
 

@@ -41,6 +41,14 @@ class IncrementalDetokenizer:
             self._ids.append(tid)
             self._step()
 
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Adds tokens whose text an earlier stream of this request already showed
+        (fail-over): the text holds them (stop strings see it whole), and what a stream
+        would have returned by now is marked returned, so the next delta continues
+        exactly where that stream left off."""
+        self.add(token_ids)
+        self.take_delta()
+
     def _step(self) -> None:
         prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
         full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)

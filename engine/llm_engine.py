@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.structured import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,17 +80,27 @@ class LLMEngine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
+                                            eos)
 
     # -- requests -----------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 resume_token_ids: Sequence[int] = ()) -> None:
         """Raises RequestError if the request cannot run on this engine."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError(f"prompt holds token ids outside [0, {vocab})")
+        if any(not 0 <= t < vocab for t in resume_token_ids):
+            raise RequestError(f"resume_token_ids holds token ids outside [0, {vocab})")
+        if len(resume_token_ids) >= params.max_tokens:
+            raise RequestError(f"{len(resume_token_ids)} resumed tokens leave nothing to "
+                               f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
+            if params.structured is not None:  # compiled (and cached) before any work
+                self.structured.compile(params.structured)
         except ValueError as e:
             raise RequestError(str(e)) from e
         total = len(prompt_token_ids) + params.max_tokens
@@ -103,27 +115,41 @@ class LLMEngine:
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, cache_salt: str | None, priority: int,
-                     hold_kv: bool = False) -> Request:
+                     hold_kv: bool = False, resume_token_ids: Sequence[int] = ()) -> Request:
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise RequestError(f"request id {request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
-        return Request(request_id, list(prompt_token_ids), params,
-                       extra_key=make_extra_key(self.model_id, cache_salt),
-                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                       priority=priority, hold_kv=hold_kv)
+        self.validate(prompt_token_ids, params, resume_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params,
+                      extra_key=make_extra_key(self.model_id, cache_salt),
+                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                      priority=priority, hold_kv=hold_kv)
+        if params.structured is not None:
+            req.grammar = self.structured.new_state(params.structured)
+        for tok in resume_token_ids:  # outputs with no KV yet: computed like a preemption's
+            req.append_token(tok)
+        return req
 
     def _track(self, req: Request) -> None:
         p = req.sampling_params
-        self._tracks[req.request_id] = _Track(IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids[-6:], p.stop, p.skip_special_tokens))
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
+                                       p.skip_special_tokens)
+        detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
+        self._tracks[req.request_id] = _Track(detok, sent_tokens=req.num_output_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
-                    priority: int = 0, hold_kv: bool = False) -> Request:
+                    priority: int = 0, hold_kv: bool = False,
+                    resume_token_ids: Sequence[int] = ()) -> Request:
         """Queues a request. With `hold_kv` (a prefill producer) its blocks outlive it
-        until `release`, and every step reports its KV progress."""
+        until `release`, and every step reports its KV progress.
+
+        `resume_token_ids` (fail-over): output tokens another worker already streamed.
+        The request continues after them as if it had produced them itself: they count
+        toward max_tokens, positions (and so seeded sampling, engine/sampler.py) and
+        penalties continue, stop strings see their text, and outputs neither repeat
+        them nor their text. Their KV is computed here (prefix hits apply)."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
-                                hold_kv)
+                                hold_kv, resume_token_ids)
         self._track(req)
         self.scheduler.add_request(req)
         return req
@@ -131,11 +157,15 @@ class LLMEngine:
     # -- remote prefill (decode side) -------------------------------------------------
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, cache_salt: str | None = None,
-                           priority: int = 0) -> RemoteAlloc | None:
+                           priority: int = 0, resume_token_ids: Sequence[int] = (),
+                           ) -> RemoteAlloc | None:
         """Allocates blocks for the whole prompt and parks the request until its KV
         arrives from a prefill node (then call `finish_remote`). Returns where the KV
-        must land, or None when the blocks are not free now (nothing was queued)."""
-        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority)
+        must land, or None when the blocks are not free now (nothing was queued).
+        With `resume_token_ids` (add_request) the "prompt" whose KV arrives is the
+        prompt plus those tokens: only a peer's cached blocks (FetchKV) can fill it."""
+        req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
+                                resume_token_ids=resume_token_ids)
         if not self.scheduler.allocate_remote(req):
             return None
         self._run_loads(None)
@@ -143,7 +173,7 @@ class LLMEngine:
         return RemoteAlloc(request_id, self.kv.block_ids(request_id),
                            req.num_computed_tokens, self.block_size,
                            tuple(req.update_block_hashes(self.block_size)),
-                           len(prompt_token_ids))
+                           req.num_tokens)
 
     def finish_remote(self, request_id: str, first_token: int | None,
                       num_computed_tokens: int | None = None) -> list[RequestOutput]:
@@ -281,6 +311,13 @@ class LLMEngine:
         p = req.sampling_params
         if tok in req.eos_token_ids or tok in p.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
+            if not req.grammar.advance(req.output_token_ids):
+                log.warning("request %s: token %s is outside its grammar; ending it",
+                            req.request_id, req.grammar.rejected)
+                return RequestStatus.FINISHED_ERROR
+            if req.grammar.terminated:
+                return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
@@ -303,6 +340,8 @@ class LLMEngine:
     def _finish_output(self, req: Request) -> RequestOutput:
         out = self._output(req, final=True)
         del self._tracks[req.request_id]
+        if req.grammar is not None and req.grammar.rejected is not None:
+            out.error = f"token {req.grammar.rejected} is outside the request's grammar"
         return out
 
     # -- introspection ------------------------------------------------------------

@@ -6,6 +6,12 @@ import argparse
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
+
+from protos.auth import add_tls_arguments
+
+if TYPE_CHECKING:
+    from protos.auth import RpcSecurity
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +38,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cluster-token-file", default=None,
+                   help="file holding the cluster token that signs calls to workers "
+                        "(default $SPLITSERVE_CLUSTER_TOKEN; protos/auth.py)")
+    add_tls_arguments(p, "the gateway's gRPC front")
     p.add_argument("--log-level", default=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO"))
+
+
+def _security(args: argparse.Namespace) -> RpcSecurity:
+    from protos.auth import RpcSecurity, tls_from_args
+
+    token = os.environ.get("SPLITSERVE_CLUSTER_TOKEN", "")
+    if args.cluster_token_file:
+        with open(args.cluster_token_file) as f:
+            token = f.read().strip()
+    try:
+        return RpcSecurity(token, tls_from_args(args.tls_cert, args.tls_key, args.tls_ca))
+    except ValueError as e:
+        raise SystemExit(f"invalid RPC security settings: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,5 +81,6 @@ def run(args: argparse.Namespace) -> int:
         api_keys=tuple(keys), max_in_flight=args.max_in_flight,
         client_max_size=args.max_body_bytes, request_timeout_s=args.request_timeout,
         routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile(),
-        admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms)
+        admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms,
+        security=_security(args))
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

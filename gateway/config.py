@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.identity import TenantKey
 from gateway.routing.profile import RoutingProfile
+from protos.auth import RpcSecurity
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,16 @@ class GatewayConfig:
     index_breaker_cooldown_s: float = 2.0  # ...for this long, then one probe
     locality_alpha: float = 0.2  # EWMA weight of one request in the index accuracy
     locality_min_trust: float = 0.1  # floor of a worker's locality trust
+    tenant_keys: tuple[TenantKey, ...] = ()  # API key -> tenant and labels (also accepted)
+    default_tenant: str = "default"  # requests no key or trusted claim identifies
+    trust_client_identity: bool = False  # honour X-Tenant/X-Labels, metadata.tenant
+    max_waiting_per_worker: int = 16  # a worker with this many waiting takes no more...
+    kv_headroom: float = 0.0  # ...nor one with less free KV than this (0: not checked)
+    admission_queue_size: int = 256  # requests waiting at the gateway; more get 429
+    strategies_poll_s: float = 1.0  # how often the stored scheduling strategies are read
+    # Signs every call to a worker with the cluster token; TLS for the gRPC front and
+    # towards workers (protos/auth.py).
+    security: RpcSecurity = field(default_factory=RpcSecurity)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -61,3 +73,7 @@ class GatewayConfig:
             raise ValueError("index timeout, breaker failures and cooldown must be positive")
         if not 0 < self.locality_alpha <= 1 or not 0 <= self.locality_min_trust <= 1:
             raise ValueError("need 0 < locality_alpha <= 1 and 0 <= locality_min_trust <= 1")
+        if self.max_waiting_per_worker < 1 or self.admission_queue_size < 0:
+            raise ValueError("need max_waiting_per_worker >= 1 and admission_queue_size >= 0")
+        if not 0 <= self.kv_headroom < 1 or self.strategies_poll_s <= 0:
+            raise ValueError("need 0 <= kv_headroom < 1 and strategies_poll_s > 0")

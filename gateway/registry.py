@@ -101,6 +101,10 @@ class WorkerRegistry:
     def entry(self, address: str) -> WorkerEntry | None:
         return self._workers.get(address)
 
+    def inflight_total(self) -> int:
+        """Worker calls this gateway has open, on every known worker (routable or not)."""
+        return sum(w.inflight for w in self._workers.values())
+
     def mark_failed(self, address: str) -> None:
         """A call to the worker failed: out of routing until its next load report."""
         w = self._workers.get(address)
@@ -120,7 +124,7 @@ class WorkerRegistry:
     def _add(self, address: str, source: str) -> None:
         if address in self._workers:
             return
-        channel = grpc.aio.insecure_channel(address)
+        channel = self.config.security.channel(address)  # every call signed
         w = WorkerEntry(address, source, channel, pb_grpc.WorkerStub(channel))
         w.task = asyncio.create_task(self._watch(w))
         self._workers[address] = w

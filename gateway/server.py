@@ -66,7 +66,9 @@ async def serve(config: GatewayConfig, block_size: int = 16,
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerateServicer_to_server(GenerateService(gw), server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        # TLS when configured; clients are not asked for certificates (API keys).
+        config.security.add_port(server, f"{config.host}:{config.grpc_port}",
+                                 require_client_cert=False)
         await health.set("liveness", SERVING)
         await health.set("readiness", NOT_SERVING)
         await server.start()

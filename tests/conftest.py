@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The cluster token every LocalCluster hands its children, so test helpers that call
+# workers directly (serving_util.load_report) can sign their calls (protos/auth.py).
+os.environ.setdefault("SPLITSERVE_CLUSTER_TOKEN", "splitserve-test-cluster-token")
 
 
 def _has_cuda() -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -15,6 +16,7 @@ import grpc
 
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
+from protos.auth import signed_metadata
 
 
 def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,
@@ -39,8 +41,13 @@ def call_http(port: int, method: str, path: str, body: bytes | dict | None = Non
 
 
 def load_report(address: str, timeout: float = 3.0) -> pb.LoadReport:
+    """A worker's first load report, signed with the test session's cluster token
+    (tests/conftest.py; LocalCluster hands it to every child)."""
+    md = signed_metadata(os.environ.get("SPLITSERVE_CLUSTER_TOKEN", ""),
+                         "/splitserve.v1.Worker/Load")
     with grpc.insecure_channel(address) as ch:
-        call = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(min_interval_ms=50), timeout=timeout)
+        call = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(min_interval_ms=50), timeout=timeout,
+                                           metadata=md)
         try:
             return next(iter(call))
         finally:
