@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
 LOAD_FORMATS = ("auto", "dummy")
+SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")
 
 
 class ModelDirError(ValueError):
@@ -175,13 +176,20 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # fcfs | priority
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+    # VTC's cost of a prompt token computed and of an output token generated (the
+    # paper's w_p and w_q); a tenant's counter grows by cost / its strategy weight.
+    vtc_input_cost: float = 1.0
+    vtc_output_cost: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.policy!r}; "
+                             f"choose from {SCHEDULING_POLICIES}")
+        if self.vtc_input_cost < 0 or self.vtc_output_cost < 0:
+            raise ValueError("vtc_input_cost and vtc_output_cost must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

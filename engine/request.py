@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_hash import BlockHash, hash_blocks
 from engine.sampling_params import SamplingParams
+from engine.strategies import DEFAULT_POLICY, Policy
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +58,24 @@ class Request:
     hold_kv: bool = False
     # Sampling seed of an unseeded request, drawn once by the sampler from the engine's seed.
     sample_seed: int | None = None
+    # Structured outputs: this request's matcher (engine/structured.py); None: unconstrained.
+    grammar: GrammarState | None = None
+    # Who sent it: the tenant and its labels select scheduling strategies.
+    tenant: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    # Scheduler-owned: the strategies' policy for it, when it last joined the waiting line
+    # (FCFS order among equals), when its running slice began, prompt tokens charged (VTC).
+    policy: Policy = DEFAULT_POLICY
+    queued_time: float = 0.0
+    slice_start: float = 0.0
+    num_prompt_charged: int = 0
+    # Parallel sampling (n / best_of): which sample this is, and on the sample that
+    # prefills, the other samples waiting for its prompt KV (engine/parallel.py).
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
+    # Per prompt token 1..N-1 (prompt_logprobs), and the sum of the sampled tokens'.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -69,9 +92,19 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: such a request skips the prefix cache (its
+        prompt positions must run through the model)."""
+        k = self.sampling_params.prompt_logprobs
+        return k is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     def update_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Extends `block_hashes` to cover every full block of `all_token_ids`."""

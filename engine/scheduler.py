@@ -4,19 +4,31 @@ Each step hands out a token budget: running requests first (one token each when
 decoding, a chunk when still prefilling), then waiting requests, whose prompts are
 chunked to fit. When blocks run out, the least-progressed running request is
 preempted: its blocks are freed and it is recomputed later.
+
+Waiting requests are admitted by the policy: `fcfs` (arrival), `priority` (the request's
+`priority` value, lower first), or `vtc` (fair sharing between tenants, engine/fairness.py).
+Scheduling strategies (engine/strategies.py) act under every policy: `priority: true`
+requests come first, running and waiting, and preempt lower ones when blocks, seats or the
+token budget are short; `max_running` caps a tenant's running requests; a request that ran
+its `execution_time` slice while a request of its rank was left waiting yields its place
+(a preemption whose full blocks stay in the prefix cache) and rejoins the back of the line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.block_pool import KVBlock
 from engine.config import SchedulerConfig
+from engine.fairness import FairShare, TenantServed
 from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
 from engine.request import Request, RequestStatus
+from engine.strategies import EMPTY, StrategySet
 
 
 @dataclass(slots=True)
@@ -45,11 +57,19 @@ class SchedulerStats:
     num_blocks: int
     prefix_cache_queries: int  # cumulative tokens
     prefix_cache_hits: int  # cumulative tokens
+    tenants: Mapping[str, TenantServed] = field(default_factory=dict)  # cumulative
+    strategies_version: int = 0
+
+
+def _rank(r: Request) -> int:
+    """0 for requests a `priority` strategy selects, 1 for the rest."""
+    return 0 if r.policy.priority else 1
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 offload: OffloadConnector | None = None) -> None:
+                 offload: OffloadConnector | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
         self.offload = offload  # external KV tiers (host, disk, ...), if any
@@ -58,22 +78,45 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.held: dict[str, Request] = {}  # finished producers whose KV is being sent
         self.num_preemptions = 0
+        self.clock = clock  # time slices and waiting order (tests pass a step clock)
+        self.fair = FairShare(config.vtc_input_cost, config.vtc_output_cost)
+        self.strategies = EMPTY
+        self._left_waiting: Counter[int] = Counter()  # rank -> ready requests left waiting
 
-    def add_request(self, request: Request) -> None:
+    def set_strategies(self, strategies: StrategySet) -> None:
+        """Applies a new strategy set to every request, from the next `schedule` on."""
+        self.strategies = strategies
+        for r in self.requests.values():
+            self._apply_policy(r)
+
+    def _apply_policy(self, r: Request) -> None:
+        r.policy = self.strategies.for_request(r.tenant, r.labels, r.request_id)
+
+    def _enqueue(self, request: Request) -> None:
+        """A new request joins the waiting line (VTC lifts its tenant's counter)."""
+        self._apply_policy(request)
+        request.queued_time = self.clock()
+        self.fair.arrive(request.tenant, (r.tenant for r in self.waiting))
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_request(self, request: Request) -> None:
+        self._enqueue(request)
 
     def has_work(self) -> bool:
         return bool(self.running or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV
                                         for r in self.waiting))
 
-    def _order_key(self, r: Request) -> tuple[float, float]:
+    def _order_key(self, r: Request) -> tuple[int, float, float]:
         prio = float(r.priority) if self.config.policy == "priority" else 0.0
-        return (prio, r.arrival_time)
+        return (_rank(r), prio, r.queued_time)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        now = self.clock()
+        yielded = self._yield_slices(now)
+        self.running.sort(key=_rank)  # stable: priority strategies first, else as before
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -86,47 +129,133 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n))
+                self.fair.charge_prompt(req, n)
                 budget -= n
                 i += 1
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, yielded, now)
+        running = Counter(r.tenant for r in self.running)
+        self._left_waiting = Counter(_rank(r) for r in self._ready()
+                                     if not self._capped(r, running))
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        self.waiting.sort(key=self._order_key)
-        admitted = []
-        for req in self.waiting:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+    def _ready(self, skip: Collection[Request] = ()) -> Iterator[Request]:
+        return (r for r in self.waiting
+                if r.status != RequestStatus.WAITING_FOR_REMOTE_KV and r not in skip)
+
+    @staticmethod
+    def _capped(r: Request, running: Counter[str]) -> bool:
+        cap = r.policy.max_running
+        return cap is not None and running[r.tenant] >= cap
+
+    def _admission_order(self, skip: Collection[Request]) -> Iterator[Request]:
+        """Ready waiting requests in the order the policy admits them. Lazy: under VTC
+        each pick goes to the tenant whose counter is smallest now, after the charges of
+        the picks before it."""
+        ready = sorted(self._ready(skip), key=self._order_key)
+        if self.config.policy != "vtc":
+            yield from ready
+            return
+        queues: dict[str, deque[Request]] = {}
+        for r in ready:
+            queues.setdefault(r.tenant, deque()).append(r)
+        while queues:
+            tenant = min(queues, key=lambda t: (_rank(queues[t][0]), self.fair.counter(t),
+                                                queues[t][0].queued_time))
+            q = queues[tenant]
+            yield q.popleft()
+            if not q:
+                del queues[tenant]
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int,
+                       skip: Collection[Request], now: float) -> None:
+        running = Counter(r.tenant for r in self.running)
+        admitted: list[Request] = []
+        for req in self._admission_order(skip):
+            if self._capped(req, running):
                 continue
-            blocks: list[KVBlock] = []
-            ext = 0  # blocks loaded from the external tiers into new blocks
-            if self.kv.holds(req.request_id):  # its KV arrived (or was hit) remotely
-                num_hit = req.num_computed_tokens
-            else:
-                blocks, num_hit = self.kv.get_computed_blocks(req)
-                ext = self.offload.match(req, len(blocks)) if self.offload else 0
-            # | device hit | external hit (loaded) | new tokens (computed) |
-            n = req.num_tokens - num_hit - ext * self.kv.block_size
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if not self.kv.allocate_slots(req, n + ext * self.kv.block_size, blocks):
-                break  # head-of-line: keep order, wait for blocks
-            if ext:
-                self._plan_load(req, len(blocks), ext)
-                num_hit += ext * self.kv.block_size
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = num_hit
+            n = self._try_admit(req, budget)
+            while n is None and (got := self._preempt_lower(req, out)) is not None:
+                victim, refund = got
+                running[victim.tenant] -= 1
+                budget += refund
+                n = self._try_admit(req, budget)
+            if n is None:
+                break  # head-of-line: keep order, wait for room
             req.status = RequestStatus.RUNNING
+            req.slice_start = now
             self.running.append(req)
             admitted.append(req)
+            running[req.tenant] += 1
             out.scheduled.append(ScheduledRequest(req, n))
+            self.fair.charge_prompt(req, n)
             budget -= n
         for req in admitted:
             self.waiting.remove(req)
+        waiting_tenants = {r.tenant for r in self.waiting}
+        for req in admitted:
+            if req.tenant not in waiting_tenants:
+                self.fair.left(req.tenant)
+
+    def _try_admit(self, req: Request, budget: int) -> int | None:
+        """Allocates `req`'s blocks and returns how many tokens it computes this step, or
+        None (nothing changed) when the budget, a seat or the blocks are short."""
+        if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return None
+        blocks: list[KVBlock] = []
+        ext = 0  # blocks loaded from the external tiers into new blocks
+        if self.kv.holds(req.request_id):  # its KV arrived (or was hit) remotely
+            num_hit = req.num_computed_tokens
+        else:
+            blocks, num_hit = self.kv.get_computed_blocks(req)
+            ext = self.offload.match(req, len(blocks)) if self.offload else 0
+        # | device hit | external hit (loaded) | new tokens (computed) |
+        n = req.num_tokens - num_hit - ext * self.kv.block_size
+        if n > budget and not self.config.enable_chunked_prefill:
+            return None
+        n = min(n, budget)
+        if not self.kv.allocate_slots(req, n + ext * self.kv.block_size, blocks):
+            return None
+        if ext:
+            self._plan_load(req, len(blocks), ext)
+            num_hit += ext * self.kv.block_size
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = num_hit
+        return n
+
+    def _preempt_lower(self, req: Request, out: SchedulerOutput) -> tuple[Request, int] | None:
+        """Makes room for `req` by preempting a running request of lower rank (taking it
+        out of this step); returns it and the budget it gave back, or None if none."""
+        lower = [r for r in self.running if _rank(r) > _rank(req)]
+        if not lower:
+            return None
+        victim = self._pick_victim(lower)
+        refund = 0
+        for s in out.scheduled:
+            if s.request is victim:
+                out.scheduled.remove(s)
+                refund = s.num_new_tokens
+                break
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return victim, refund
+
+    def _yield_slices(self, now: float) -> set[Request]:
+        """Decoding requests whose `execution_time` slice is over give their place, one
+        for each request of their rank left waiting by the last step."""
+        yielded: set[Request] = set()
+        for rank, num_waiting in self._left_waiting.items():
+            over = sorted((r for r in self.running if _rank(r) == rank
+                           and r.policy.execution_time_ns is not None
+                           and r.num_computed_tokens >= r.num_prompt_tokens
+                           and (now - r.slice_start) * 1e9 >= r.policy.execution_time_ns),
+                          key=lambda r: r.slice_start)
+            for r in over[:num_waiting]:
+                self._preempt(r, yielded=True)
+                r.queued_time = now  # the back of the line
+                yielded.add(r)
+        return yielded
 
     def _plan_load(self, req: Request, first: int, num: int) -> None:
         assert self.offload is not None
@@ -161,8 +290,7 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._enqueue(req)
         return True
 
     def remote_kv_ready(self, req: Request, first_token: int | None,
@@ -187,7 +315,25 @@ class Scheduler:
             # | local hit | pulled from a peer | computed here |
             req.num_computed_tokens = req.num_cached_tokens = num_computed_tokens
             self.kv.cache_blocks(req, num_computed_tokens)
+        # KV computed elsewhere is not service of this scheduler (VTC charges none of it)
+        req.num_prompt_charged = max(req.num_prompt_charged,
+                                     min(req.num_computed_tokens, req.num_prompt_tokens))
         req.status = RequestStatus.WAITING
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Queues `child`, a parallel sample of `parent`'s prompt holding its first
+        token, on the parent's computed prompt KV (shared blocks, engine/kv_cache_manager
+        `fork`); it is admitted like a request whose KV arrived. Without a free block for
+        the copy it waits like a preempted request (recomputed, prefix hits apply).
+        Returns the block copy (source, destination) the runner must make, if any."""
+        self.requests[child.request_id] = child
+        self.waiting.append(child)
+        if not self.kv.can_fork():
+            child.status = RequestStatus.PREEMPTED
+            return None
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        return self.kv.fork(parent, child)
 
     def release(self, request_id: str) -> bool:
         """Frees a finished producer's held blocks. False if none are held."""
@@ -198,20 +344,25 @@ class Scheduler:
         return True
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
-        # Least progressed loses the least work; under the priority policy the lowest
-        # priority (largest value) goes first, latest arrival breaking ties.
-        def badness(r: Request) -> tuple[float, int, float]:
+        # Requests without a priority strategy go first; least progressed loses the least
+        # work; under the priority policy the lowest priority (largest value) goes first,
+        # latest arrival breaking ties.
+        def badness(r: Request) -> tuple[int, float, int, float]:
             prio = float(r.priority) if self.config.policy == "priority" else 0.0
-            return (prio, -r.num_computed_tokens, r.arrival_time)
+            return (_rank(r), prio, -r.num_computed_tokens, r.arrival_time)
         return max(candidates, key=badness)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, yielded: bool = False) -> None:
+        """Frees `req`'s blocks (its full ones stay in the prefix cache) and puts it back
+        in the waiting line to be recomputed; a time-slice yield is not a preemption."""
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if not yielded:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self.fair.preempted(req)
         self.waiting.append(req)
 
     def update_from_output(self, out: SchedulerOutput,
@@ -227,9 +378,8 @@ class Scheduler:
             self.kv.cache_blocks(req, req.num_computed_tokens)
             got = sampled.get(req.request_id)
             if got is not None:
-                req.append_token(got[0])
-                if got[1] is not None:
-                    req.logprobs.append(got[1])
+                req.append_token(got[0], got[1])
+                self.fair.charge_output(req)
                 got_token.append(req)
         return got_token
 
@@ -259,4 +409,6 @@ class Scheduler:
             num_blocks=self.kv.pool.num_blocks,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            tenants={t: replace(v) for t, v in self.fair.served.items()},
+            strategies_version=self.strategies.version,
         )
