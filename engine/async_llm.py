@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -42,6 +42,10 @@ class RemoteResult:
 
     first_token: int | None = None
     num_computed_tokens: int | None = None
+    # n / best_of: every sample's first token (the first is `first_token`) and logprobs;
+    # and the prompt's logprobs when asked for (LLMEngine.finish_remote).
+    samples: tuple[tuple[int, dict[int, float] | None], ...] = ()
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 
 # Fills the given blocks from elsewhere (a prefill node, a peer's cache); returns a
@@ -60,6 +64,8 @@ class _Add:
     remote: bool = False
     hold_kv: bool = False
     resume: list[int] = field(default_factory=list)
+    tenant: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -131,6 +137,7 @@ class AsyncLLM:
                        params: SamplingParams, cache_salt: str | None = None,
                        priority: int = 0, remote: RemotePrefill | None = None,
                        hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
+                       tenant: str = "", labels: Mapping[str, str] | None = None,
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Yields outputs until one is finished. Raises RequestError (bad request,
         before any work) or EngineDeadError. Leaving the iteration early (client gone,
@@ -155,7 +162,8 @@ class AsyncLLM:
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
                             priority, remote=remote is not None, hold_kv=hold_kv,
-                            resume=list(resume_token_ids)))
+                            resume=list(resume_token_ids), tenant=tenant,
+                            labels=dict(labels or {})))
         finished = False
         task: asyncio.Task[None] | None = None
         try:
@@ -244,7 +252,8 @@ class AsyncLLM:
                 self._deliver(cmd.request_id, out, last=True)
         elif isinstance(cmd, _RemoteDone):
             r = cmd.result
-            for out in eng.finish_remote(cmd.request_id, r.first_token, r.num_computed_tokens):
+            for out in eng.finish_remote(cmd.request_id, r.first_token, r.num_computed_tokens,
+                                         r.samples, r.prompt_logprobs):
                 self._deliver(out.request_id, out, last=out.finished)
         elif isinstance(cmd, _Release):
             eng.release(cmd.request_id)
@@ -256,13 +265,15 @@ class AsyncLLM:
     def _add(self, cmd: _Add) -> None:
         args = (cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt, cmd.priority)
         try:
-            alloc = self.engine.add_remote_request(*args, resume_token_ids=cmd.resume) \
-                if cmd.remote else None
+            alloc = self.engine.add_remote_request(
+                *args, resume_token_ids=cmd.resume, tenant=cmd.tenant, labels=cmd.labels,
+            ) if cmd.remote else None
             if alloc is not None:
                 self._deliver(cmd.request_id, alloc, last=False)
             else:
                 self.engine.add_request(*args, hold_kv=cmd.hold_kv,
-                                        resume_token_ids=cmd.resume)
+                                        resume_token_ids=cmd.resume, tenant=cmd.tenant,
+                                        labels=cmd.labels)
         except RequestError as e:
             self._deliver(cmd.request_id, e, last=True)
 

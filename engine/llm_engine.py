@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +19,12 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
 from engine.offload import KVOffload, OffloadConnector
 from engine.outputs import RequestOutput
+from engine.parallel import SampleGroup
 from engine.request import Request, RequestStatus
+from engine.sampler import Logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.strategies import StrategySet
 from engine.structured import StructuredOutputs
 from engine.tokenizer import Tokenizer
 
@@ -75,6 +78,7 @@ class LLMEngine:
             self.kv.pool.track_new_cached = True
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self._tracks: dict[str, _Track] = {}
+        self._groups: dict[str, SampleGroup] = {}  # n / best_of requests, by every member id
         self._pins: dict[int, int] = {}  # block id -> references pin_cached holds
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -115,14 +119,16 @@ class LLMEngine:
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, cache_salt: str | None, priority: int,
-                     hold_kv: bool = False, resume_token_ids: Sequence[int] = ()) -> Request:
+                     hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
+                     tenant: str = "", labels: Mapping[str, str] | None = None) -> Request:
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params, resume_token_ids)
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
-                      priority=priority, hold_kv=hold_kv)
+                      priority=priority, hold_kv=hold_kv, tenant=tenant,
+                      labels=dict(labels or {}))
         if params.structured is not None:
             req.grammar = self.structured.new_state(params.structured)
         for tok in resume_token_ids:  # outputs with no KV yet: computed like a preemption's
@@ -139,7 +145,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
                     priority: int = 0, hold_kv: bool = False,
-                    resume_token_ids: Sequence[int] = ()) -> Request:
+                    resume_token_ids: Sequence[int] = (), tenant: str = "",
+                    labels: Mapping[str, str] | None = None) -> Request:
         """Queues a request. With `hold_kv` (a prefill producer) its blocks outlive it
         until `release`, and every step reports its KV progress.
 
@@ -149,15 +156,64 @@ class LLMEngine:
         penalties continue, stop strings see their text, and outputs neither repeat
         them nor their text. Their KV is computed here (prefix hits apply)."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
-                                hold_kv, resume_token_ids)
+                                hold_kv, resume_token_ids, tenant, labels)
         self._track(req)
+        self._new_group(req)
         self.scheduler.add_request(req)
         return req
+
+    def _new_group(self, req: Request) -> None:
+        """n / best_of > 1: the other samples wait in `req.forks` (engine/parallel.py)."""
+        if req.sampling_params.num_samples == 1:
+            return
+        group = SampleGroup.of(req)
+        for m in group.members:
+            self._groups[m.request_id] = group
+            if m is not req:
+                if m.sampling_params.structured is not None:
+                    m.grammar = self.structured.new_state(m.sampling_params.structured)
+                self._track(m)
+
+    def _fork(self, parent: Request, firsts: Sequence[tuple[int, Logprobs | None]],
+              ) -> list[RequestOutput]:
+        """Starts the samples waiting on `parent`'s prompt KV, each with its first token
+        (`firsts`, in fork order); returns their outputs."""
+        forks, parent.forks = parent.forks, []
+        outs, copies = [], []
+        for child, (tok, lp) in zip(forks, firsts, strict=True):
+            child.prompt_logprobs = parent.prompt_logprobs
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_token_time = parent.first_token_time
+            child.append_token(tok, lp)
+            status = self._check_stop(child)
+            if status is not None:  # done already: its KV is never needed
+                child.status = status
+                outs += self._emit(child, final=True)
+                continue
+            copy = self.scheduler.fork(parent, child)
+            if copy is not None:
+                copies.append(copy)
+            outs += self._emit(child, final=False)
+        self.runner.copy_blocks(copies)
+        return outs
+
+    def _emit(self, req: Request, final: bool) -> list[RequestOutput]:
+        """`req`'s output to deliver (none, or several, for a sample group's member)."""
+        group = self._groups.get(req.request_id)
+        if group is None:
+            return [self._finish_output(req) if final else self._output(req, final=False)]
+        if not final and group.hold:
+            return []  # text and tokens accumulate until the ranking
+        outs = group.add(self._finish_output(req) if final else self._output(req, False))
+        if final:
+            del self._groups[req.request_id]
+        return outs
 
     # -- remote prefill (decode side) -------------------------------------------------
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int],
                            params: SamplingParams, cache_salt: str | None = None,
                            priority: int = 0, resume_token_ids: Sequence[int] = (),
+                           tenant: str = "", labels: Mapping[str, str] | None = None,
                            ) -> RemoteAlloc | None:
         """Allocates blocks for the whole prompt and parks the request until its KV
         arrives from a prefill node (then call `finish_remote`). Returns where the KV
@@ -165,34 +221,55 @@ class LLMEngine:
         With `resume_token_ids` (add_request) the "prompt" whose KV arrives is the
         prompt plus those tokens: only a peer's cached blocks (FetchKV) can fill it."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
-                                resume_token_ids=resume_token_ids)
+                                resume_token_ids=resume_token_ids, tenant=tenant,
+                                labels=labels)
         if not self.scheduler.allocate_remote(req):
             return None
         self._run_loads(None)
         self._track(req)
+        self._new_group(req)
         return RemoteAlloc(request_id, self.kv.block_ids(request_id),
                            req.num_computed_tokens, self.block_size,
                            tuple(req.update_block_hashes(self.block_size)),
                            req.num_tokens)
 
     def finish_remote(self, request_id: str, first_token: int | None,
-                      num_computed_tokens: int | None = None) -> list[RequestOutput]:
+                      num_computed_tokens: int | None = None,
+                      samples: Sequence[tuple[int, Logprobs | None]] = (),
+                      prompt_logprobs: list[Logprobs] | None = None) -> list[RequestOutput]:
         """The remote prefill is over: with `first_token` the prompt's KV is in place;
         with None it is computed locally from `num_computed_tokens` (KV that arrived
         from a peer, block aligned; default: the local hit). Returns outputs to deliver
-        (the first token's, final if that token already ends the request)."""
+        (the first token's, final if that token already ends the request).
+
+        `samples`: the remote sampler's first token of every sample (n / best_of; the
+        first is `first_token`) with their logprobs; `prompt_logprobs`, if asked for.
+        Samples it did not draw prefill here (prefix-cache hits apply)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return []  # aborted meanwhile
-        self.scheduler.remote_kv_ready(req, first_token, num_computed_tokens)
+        lp = samples[0][1] if samples and samples[0][0] == first_token else None
+        self.scheduler.remote_kv_ready(req, first_token, num_computed_tokens, lp)
         if first_token is None:
             return []
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = prompt_logprobs
         req.first_token_time = time.monotonic()
+        outs = []
+        if req.forks:
+            drawn = list(samples[1:1 + len(req.forks)])
+            for child in req.forks[len(drawn):]:  # not drawn remotely: computed here
+                req.forks.remove(child)
+                self.scheduler.add_request(child)
+            outs += self._fork(req, drawn)
         status = self._check_stop(req)
         if status is not None:
             self.scheduler.finish(request_id, status)
-            return [self._finish_output(req)]
-        return [self._output(req, final=False)]
+        return outs + self._emit(req, final=status is not None)
+
+    def set_strategies(self, strategies: StrategySet) -> None:
+        """Scheduling strategies for every request, from the next step on."""
+        self.scheduler.set_strategies(strategies)
 
     def release(self, request_id: str) -> bool:
         """Frees the blocks a finished producer held for sending."""
@@ -245,6 +322,19 @@ class LLMEngine:
         """Ends the request (as "error" when `error` is given) and frees its blocks;
         returns its final output, or None if the request is unknown or finished."""
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+        group = self._groups.get(request_id)
+        if group is not None and request_id == group.request_id:
+            outs: list[RequestOutput] = []
+            for m in group.members:  # every sample still live, started or not
+                if m.request_id not in self._groups:
+                    continue
+                if self.scheduler.finish(m.request_id, status) is None:
+                    m.status = status  # a fork not started yet
+                outs += self._emit(m, final=True)
+            if not outs:
+                return None
+            outs[-1].error = error
+            return outs[-1]
         req = self.scheduler.finish(request_id, status)
         if req is None:
             return None
@@ -274,15 +364,15 @@ class LLMEngine:
         for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = now
+            if req.forks:  # before its own stop check: they fork off its blocks
+                outputs += self._fork(req, [sampled[c.request_id] for c in req.forks])
             status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
-                outputs.append(self._finish_output(req))
-            else:
-                outputs.append(self._output(req, final=False))
+            outputs += self._emit(req, final=status is not None)
         for s in out.scheduled:  # producers report KV progress of chunks too
             if s.request.hold_kv and s.request not in got_token:
-                outputs.append(self._output(s.request, final=False))
+                outputs += self._emit(s.request, final=False)
         if self.offload is not None:  # copy newly cached blocks out, off this thread
             self.offload.save_new(self.kv.pool, self.runner.kv_cache)
         return outputs
@@ -334,6 +424,9 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            index=req.index, cumulative_logprob=req.cumulative_logprob,
+            prompt_logprobs=req.prompt_logprobs
+            if req.sampling_params.prompt_logprobs is not None else None,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=self.kv.block_ids(req.request_id) if req.hold_kv else None)
 
