@@ -1,0 +1,408 @@
+"""The simulated cluster: a gateway (the real Router and Locality over the in-process
+index) in front of simulated workers, on one event clock.
+
+A request's path is the serving path's (gateway/core.py, decode/service.py,
+decode/remote.py, prefill/service.py):
+
+    arrive -> gateway: block hashes, index lookup (Locality), Router.route
+      -> decode D (after the request RPC). Peers named?  D.allocate_remote (local hit +
+         tier restores), pull the run a kv_peer holds (FetchKV: pin, push, unpin),
+         then the prefill peer P runs it as a producer (hold_kv, one token), pushing each
+         finished chunk's blocks to D; when the last landed, D.remote_kv_ready(first
+         token) and P releases its blocks. Otherwise D prefills locally.
+      -> D's continuous batching streams the rest.
+
+Time: each worker steps when it has work; a step lasts what the latency model says.
+Transfers take a worker's egress link (sim/worker.py). Load reports reach the router
+every `report_interval_s` (the gateway's registry view), its own in-flight counts at
+once, as in the gateway.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bench.base import RequestResult
+from engine.kv_cache_manager import cdiv
+from engine.request import RequestStatus
+from engine.scheduler import SchedulerOutput
+from gateway.locality import Locality
+from gateway.metrics import GatewayMetrics
+from gateway.routing.base import Candidate, RouteDecision, RouteRequest
+from gateway.routing.profile import NoCandidates, Router, RoutingProfile
+from sim.index import InProcessBlockIndex
+from sim.latency import LatencyModel
+from sim.profile import HardwareProfile
+from sim.worker import SimRequest, SimWorker, Tokens, WorkerSpec, make_request
+from sim.workload import BlockHasher, SimRequestSpec
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Runs a coroutine that never suspends (the in-process index's lookup) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a simulated call suspended")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 2
+    num_blocks: int = 0  # per worker; 0: the profile's
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    routing: RoutingProfile = field(default_factory=RoutingProfile)
+    report_interval_s: float = 0.1  # decode/config.py load_interval_ms
+    max_in_flight: int = 0  # the gateway's limit (429 beyond); 0: none
+    max_model_len: int = 1 << 20
+    salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
+    itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
+
+    def __post_init__(self) -> None:
+        if self.prefill and not self.decode:
+            raise ValueError("prefill workers need decode workers")
+        if self.decode + self.colocated < 1:
+            raise ValueError("need at least one decode or colocated worker")
+        if min(self.prefill, self.decode, self.colocated, self.num_blocks, self.host_blocks,
+               self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0:
+            raise ValueError("counts must be >= 0, itl_every >= 1, report interval >= 0")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request from arrival to its last token."""
+
+    index: int
+    spec: SimRequestSpec
+    req: SimRequest
+    route: RouteRequest
+    decision: RouteDecision | None = None
+    first: float | None = None
+    last: float = 0.0
+    itl: list[float] | None = None
+    kv_landed: float = 0.0  # remote prefill: when the last pushed block lands on D
+    sent_blocks: int = 0
+    computed: int = 0  # remote prefill: prompt tokens D held before the push (hit + pull)
+
+
+@dataclass(slots=True)
+class SimStats:
+    transfer_bytes: dict[str, int] = field(default_factory=dict)  # prefill, peer, host, disk
+    remote_prefills: int = 0
+    peer_fetches: int = 0
+    peer_misses: int = 0
+    rejected: int = 0
+    stalled: int = 0
+    events: int = 0
+
+    def add_bytes(self, kind: str, n: int) -> None:
+        self.transfer_bytes[kind] = self.transfer_bytes.get(kind, 0) + n
+
+
+class Simulator:
+    def __init__(self, config: ClusterConfig, profile: HardwareProfile,
+                 latency: LatencyModel | None = None) -> None:
+        self.config = config
+        self.profile = profile
+        self.latency = latency or LatencyModel(profile)
+        self.index = InProcessBlockIndex()
+        self.locality = Locality(self.index, GatewayMetrics())  # type: ignore[arg-type]
+        self.router = Router(config.routing)
+        self.hasher = BlockHasher(profile.block_size)
+        nb = config.num_blocks or profile.num_blocks
+        specs = [WorkerSpec(f"prefill-{i}", "prefill", nb, config.host_blocks,
+                            config.disk_blocks) for i in range(config.prefill)]
+        specs += [WorkerSpec(f"decode-{i}", "decode", nb, config.host_blocks,
+                             config.disk_blocks) for i in range(config.decode)]
+        specs += [WorkerSpec(f"colocated-{i}", "colocated", nb, config.host_blocks,
+                             config.disk_blocks) for i in range(config.colocated)]
+        self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
+                                               config.max_model_len, self.clock)
+                        for s in specs}
+        self.nodes = frozenset(self.workers)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._seq = itertools.count()
+        self._flights: dict[str, Flight] = {}
+        self._inflight: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self._cands: dict[str, Candidate] = {}
+        self._reported = -1e30
+        self.results: list[RequestResult | None] = []
+        self.stats = SimStats()
+        self._arrivals: Iterator[SimRequestSpec] = iter(())
+        self._rpc = profile.request_overhead_s / 2  # each way
+
+    # -- the clock ----------------------------------------------------------------------
+    def clock(self) -> float:
+        return self.now
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+
+    def run(self, specs: Iterable[SimRequestSpec]) -> list[RequestResult]:
+        """Replays `specs` (in arrival order) to the end; returns one result per request,
+        in arrival order."""
+        self._arrivals = iter(specs)
+        self._next_arrival()
+        heap = self._heap
+        pop = heapq.heappop
+        n = 0
+        while heap:
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            fn(arg)
+            n += 1
+        self.stats.events += n
+        self._fail_stalled()
+        return [r for r in self.results if r is not None]
+
+    def _fail_stalled(self) -> None:
+        """Requests left when no event is: the workers' schedulers hold them and will
+        never run them (e.g. head-of-line behind a request that needs blocks parked
+        requests hold). They fail with that reason, and their blocks are freed."""
+        for rid, flight in list(self._flights.items()):
+            if rid.startswith("prefill-") or self.results[flight.index] is not None:
+                continue
+            self.stats.stalled += 1
+            d = flight.decision
+            assert d is not None
+            w = self.workers[d.decode.worker_id]
+            w.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
+            if d.prefill is not None:
+                p = self.workers[d.prefill.worker_id]
+                p.scheduler.finish(f"prefill-{rid}", RequestStatus.FINISHED_ABORTED)
+            self._reject(flight, "stalled: the worker's scheduler never ran it")
+        self._flights.clear()
+
+    def _next_arrival(self) -> None:
+        spec = next(self._arrivals, None)
+        if spec is not None:
+            self.at(spec.arrival_s, self._arrive, spec)
+
+    # -- the gateway --------------------------------------------------------------------
+    def candidates(self) -> list[Candidate]:
+        """The registry's snapshot: load reports at most `report_interval_s` old, this
+        gateway's in-flight counts now."""
+        if self.now - self._reported >= self.config.report_interval_s:
+            self._reported = self.now
+            for w in self.workers.values():
+                self._cands[w.worker_id] = self._report(w)
+        return list(self._cands.values())
+
+    def _report(self, w: SimWorker) -> Candidate:
+        s = w.scheduler
+        pool = w.kv.pool
+        return Candidate(w.worker_id, w.worker_id, w.role, True, len(s.waiting),
+                         len(s.running), pool.usage, pool.num_free_blocks, pool.num_blocks,
+                         self._inflight[w.worker_id])
+
+    def _set_inflight(self, worker_id: str, delta: int) -> None:
+        self._inflight[worker_id] += delta
+        c = self._cands.get(worker_id)
+        if c is not None:
+            self._cands[worker_id] = replace(c, inflight=self._inflight[worker_id])
+
+    def _arrive(self, spec: SimRequestSpec) -> None:
+        self._next_arrival()
+        i = len(self.results)
+        self.results.append(None)
+        rid = f"r{i}"
+        n_total = spec.prompt_len + spec.output_len
+        hashes = self.hasher.hashes(spec, n_total, self.config.salt)
+        req = make_request(rid, spec.prompt_len, hashes, self.now)
+        bs = self.profile.block_size
+        route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
+                             hashes[:spec.prompt_len // bs], bs)
+        flight = Flight(i, spec, req, route)
+        if self.config.max_in_flight and len(self._flights) >= self.config.max_in_flight:
+            self._reject(flight, "overloaded: the gateway is at its in-flight limit")
+            return
+        lookup = run_sync(self.locality.lookup(route.block_hashes, set(self.nodes)))
+        flight.route = self.locality.fill(route, lookup)
+        try:
+            decision = self.router.route(flight.route, self.candidates())
+        except NoCandidates as e:
+            self._reject(flight, f"no worker available: {e}")
+            return
+        flight.decision = decision
+        self._flights[rid] = flight
+        self._set_inflight(decision.decode.worker_id, 1)
+        self.at(self.now + self._rpc, self._on_decode, flight)
+
+    def _reject(self, flight: Flight, error: str) -> None:
+        if not error.startswith("stalled"):
+            self.stats.rejected += 1
+        s = flight.spec
+        self.results[flight.index] = RequestResult(
+            ok=False, prompt_len=s.prompt_len, start_s=s.arrival_s, error=error, tag=s.tag)
+
+    # -- the decode worker's Generate (decode/service.py, decode/remote.py) -----------------
+    def _on_decode(self, flight: Flight) -> None:
+        d = flight.decision
+        assert d is not None
+        w = self.workers[d.decode.worker_id]
+        req = flight.req
+        if w.role == "decode" and (d.prefill is not None or d.kv_peer is not None) \
+                and w.scheduler.allocate_remote(req):
+            t = self.now + w.restore_seconds()
+            bs = self.profile.block_size
+            computed = req.num_computed_tokens
+            if d.kv_peer is not None:
+                t, computed = self._pull(flight, w, t, computed)
+            if d.prefill is not None:
+                flight.sent_blocks = computed // bs
+                flight.computed = computed
+                self.at(t + self._rpc, self._on_prefill, flight)
+            else:
+                cap = (flight.spec.prompt_len - 1) // bs * bs
+                self.at(t, self._remote_ready, (flight, None, min(computed, cap)))
+            return
+        w.scheduler.add_request(req)
+        self._kick(w)
+
+    def _pull(self, flight: Flight, w: SimWorker, t: float, computed: int) -> tuple[float, int]:
+        """FetchKV from the kv peer: the blocks it holds past ours, or nothing (a miss)."""
+        d = flight.decision
+        assert d is not None and d.kv_peer is not None
+        bs = self.profile.block_size
+        n_prompt = flight.spec.prompt_len
+        first = computed // bs
+        limit = cdiv(n_prompt, bs) if d.prefill is not None else (n_prompt - 1) // bs
+        end = min(d.kv_peer_blocks, limit, n_prompt // bs)
+        if end <= first:
+            return t, computed
+        peer = self.workers[d.kv_peer.worker_id]
+        blocks = peer.pin(flight.req.block_hashes[first:end])
+        peer.publish_events()
+        if len(blocks) < end - first:
+            peer.unpin(blocks)
+            self.stats.peer_misses += 1
+            return t, computed
+        nbytes = (end - first) * self.latency.kv_block_bytes
+        landed = peer.link(t + self._rpc, nbytes)
+        self.at(landed, lambda b: peer.unpin(b), blocks)
+        self.stats.add_bytes("peer", nbytes)
+        self.stats.peer_fetches += 1
+        return landed, end * bs
+
+    def _on_prefill(self, flight: Flight) -> None:
+        """The prefill peer's Prefill: the prompt as a producer (prefill/service.py)."""
+        d = flight.decision
+        assert d is not None and d.prefill is not None
+        p = self.workers[d.prefill.worker_id]
+        spec = flight.spec
+        hashes = flight.req.block_hashes[:(spec.prompt_len + 1) // self.profile.block_size]
+        prod = make_request(f"prefill-{flight.req.request_id}", spec.prompt_len, hashes,
+                            self.now, hold_kv=True)
+        self._flights[prod.request_id] = flight
+        p.scheduler.add_request(prod)
+        self.stats.remote_prefills += 1
+        self._kick(p)
+
+    def _push(self, flight: Flight, p: SimWorker, done: int) -> None:
+        """Sends the producer's newly finished blocks to the decode."""
+        if done > flight.sent_blocks:
+            nbytes = (done - flight.sent_blocks) * self.latency.kv_block_bytes
+            flight.kv_landed = p.link(self.now, nbytes)
+            self.stats.add_bytes("prefill", nbytes)
+            flight.sent_blocks = done
+
+    def _remote_ready(self, arg: tuple[Flight, int | None, int | None]) -> None:
+        flight, first_token, computed = arg
+        d = flight.decision
+        assert d is not None
+        w = self.workers[d.decode.worker_id]
+        req = flight.req
+        w.scheduler.remote_kv_ready(req, first_token, computed)
+        if first_token is not None:
+            self._token(w, flight)
+        self._kick(w)
+
+    # -- steps --------------------------------------------------------------------------
+    def _kick(self, w: SimWorker) -> None:
+        if w.busy:
+            return
+        started = w.start_step()
+        w.publish_events()
+        if started is None:
+            return
+        out, dt = started
+        w.busy = True
+        self.at(self.now + dt, self._step_done, (w, out))
+
+    def _step_done(self, arg: tuple[SimWorker, SchedulerOutput]) -> None:
+        w, out = arg
+        w.busy = False
+        got = w.finish_step(out)
+        bs = self.profile.block_size
+        for req in got:
+            if req.hold_kv:
+                self._producer_done(w, req)
+            else:
+                self._token(w, self._flights[req.request_id])
+        for s in out.scheduled:  # producers' finished chunks go out while the next computes
+            r = s.request
+            if r.hold_kv and r.status == RequestStatus.RUNNING:
+                self._push(self._flights[r.request_id], w, r.num_computed_tokens // bs)
+        w.publish_events()
+        self._kick(w)
+
+    def _producer_done(self, p: SimWorker, prod: Any) -> None:
+        flight = self._flights.pop(prod.request_id)
+        p.scheduler.finish(prod.request_id, RequestStatus.FINISHED_LENGTH)
+        self._push(flight, p, cdiv(flight.spec.prompt_len, self.profile.block_size))
+        landed = max(self.now, flight.kv_landed)
+        self.at(landed, lambda r: (p.scheduler.release(r), p.publish_events(), self._kick(p)),
+                prod.request_id)
+        self.at(landed + self._rpc, self._remote_ready, (flight, 0, flight.computed))
+
+    def _token(self, w: SimWorker, flight: Flight) -> None:
+        """A token reached the client (time of the step's end, plus the way back)."""
+        t = self.now
+        if flight.first is None:
+            flight.first = t
+            if flight.spec.output_len > 1 and flight.index % self.config.itl_every == 0:
+                flight.itl = []
+            d = flight.decision
+            assert d is not None
+            self.locality.observe(d.decode.worker_id, d.predicted_cached(flight.route),
+                                  flight.req.num_cached_tokens or 0)
+        elif flight.itl is not None:
+            flight.itl.append(t - flight.last)
+        flight.last = t
+        req = flight.req
+        if w.stop_reason(req, flight.spec.output_len) is not None:
+            w.scheduler.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
+            w.requests_done += 1
+            self._complete(w, flight)
+
+    def _complete(self, w: SimWorker, flight: Flight) -> None:
+        del self._flights[flight.req.request_id]
+        self._set_inflight(w.worker_id, -1)
+        s = flight.spec
+        assert flight.first is not None
+        lat = self.profile.request_overhead_s / 2  # the response's way back
+        self.results[flight.index] = RequestResult(
+            ok=True, prompt_len=s.prompt_len, output_len=flight.req.num_output_tokens,
+            start_s=s.arrival_s, ttft_s=flight.first - s.arrival_s + lat,
+            e2e_s=flight.last - s.arrival_s + lat, itl_s=flight.itl or [],
+            cached_tokens=flight.req.num_cached_tokens or 0, tag=s.tag)
+
+    # -- checks -------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every pool's invariants hold, and nothing is still in flight."""
+        for w in self.workers.values():
+            w.check_integrity()
+        assert not self._flights, f"{len(self._flights)} requests still in flight"

@@ -1,0 +1,60 @@
+"""The latency model that stands in for the forward pass: one engine step's time from
+what the real scheduler scheduled, by the roofline of bench/engine_roofline.py (the
+same FLOP and byte counts `bench engine` holds measured steps against) with the
+profile's efficiency factors and fixed costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from bench.engine_roofline import ModelCost
+from engine.config import ModelConfig
+from engine.scheduler import ScheduledRequest
+from sim.profile import HardwareProfile
+
+
+class LatencyModel:
+    def __init__(self, profile: HardwareProfile, model: ModelConfig | None = None) -> None:
+        self.profile = profile
+        cfg = model or profile.model_config()
+        self.cost = ModelCost.from_config(cfg, profile.itemsize)
+        p = profile
+        # Seconds per unit, folded once: the hot path is a few multiplications.
+        self._s_per_flop = 1.0 / (p.peak_flop_s * p.compute_efficiency)
+        self._s_per_byte = 1.0 / (p.bandwidth_bytes_s * p.memory_efficiency)
+        self._flop_token = 2 * self.cost.layer_params
+        self._flop_sampled = 2 * self.cost.head_params
+        self._flop_pair = self.cost.attn_flops_per_pair
+        self._kv_token = self.cost.kv_bytes_per_token
+        self._weights = self.cost.weight_bytes
+        self._max = p.combine == "max"
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self._kv_token * self.profile.block_size
+
+    def seconds(self, tokens: int, sampled: int, pairs: int, kv_read: int,
+                seqs: int) -> float:
+        """One step computing `tokens` (of which `sampled` rows go through the lm_head),
+        `pairs` causal (query, key) pairs, reading `kv_read` cached tokens."""
+        c = (tokens * self._flop_token + sampled * self._flop_sampled
+             + pairs * self._flop_pair) * self._s_per_flop
+        m = (self._weights + kv_read * self._kv_token) * self._s_per_byte
+        p = self.profile
+        return p.step_overhead_s + p.seq_overhead_s * seqs + (
+            (c if c > m else m) if self._max else c + m)
+
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
+        """The step's time, read off the scheduler's output before it is applied."""
+        tokens = sampled = pairs = kv = 0
+        for s in scheduled:
+            r = s.request
+            a = r.num_computed_tokens
+            b = a + s.num_new_tokens
+            tokens += s.num_new_tokens
+            if b >= len(r.all_token_ids):
+                sampled += 1
+            pairs += (b * (b + 1) - a * (a + 1)) >> 1
+            kv += b
+        return self.seconds(tokens, sampled, pairs, kv, len(scheduled))

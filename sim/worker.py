@@ -1,0 +1,213 @@
+"""One simulated worker: the engine's real Scheduler, KVCacheManager and BlockPool (and
+OffloadConnector, over simulated tiers), with the latency model in place of the model
+runner. The LLMEngine calls it makes are the ones engine/llm_engine.py makes, in the
+same order: schedule -> (restores) -> forward -> update_from_output -> stop checks ->
+finish; allocate_remote / remote_kv_ready for disaggregated requests; pin / unpin of
+cached blocks for peers.
+
+Requests carry no token ids: `SimRequest` is the engine's Request whose token lists are
+counters (the scheduler only counts tokens) and whose block hashes are given up front
+(sim/workload.py's BlockHasher), so no token is ever hashed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from engine.block_pool import BlockRemoved, BlockStored, KVBlock
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.offload import OffloadConnector
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from sim.index import InProcessBlockIndex
+from sim.latency import LatencyModel
+from sim.profile import HardwareProfile
+from sim.tiers import SimTiers
+
+PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never read
+
+
+class Tokens:
+    """A token list that only counts (len, append): what the scheduler reads."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, token: int) -> None:
+        self.n += 1
+
+
+class SimRequest(Request):
+    """engine.request.Request with counting token lists and precomputed hashes."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = cast(list[int], Tokens(len(self.prompt_token_ids)))
+        self.output_token_ids = cast(list[int], Tokens())
+
+    def update_block_hashes(self, block_size: int) -> list[Any]:
+        return self.block_hashes  # every full block's hash is known from the start
+
+
+def make_request(request_id: str, prompt_len: int, hashes: list[Any], arrival: float,
+                 hold_kv: bool = False) -> SimRequest:
+    return SimRequest(request_id, cast(list[int], Tokens(prompt_len)), PARAMS,
+                      arrival_time=arrival, hold_kv=hold_kv, block_hashes=hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    worker_id: str
+    role: str  # prefill | decode | colocated
+    num_blocks: int
+    host_blocks: int = 0  # offload tiers (0: none)
+    disk_blocks: int = 0
+
+
+class SimWorker:
+    def __init__(self, spec: WorkerSpec, profile: HardwareProfile, latency: LatencyModel,
+                 index: InProcessBlockIndex, max_model_len: int,
+                 clock: Callable[[], float]) -> None:
+        self.spec = spec
+        self.worker_id = spec.worker_id
+        self.role = spec.role
+        self.profile = profile
+        self.latency = latency
+        self.index = index
+        self.max_model_len = max_model_len
+        bs = profile.block_size
+        self.kv = KVCacheManager(spec.num_blocks, bs, enable_caching=True)
+        self.tiers: SimTiers | None = None
+        offload = None
+        caps = [("host", spec.host_blocks), ("disk", spec.disk_blocks)]
+        if any(c for _, c in caps):
+            self.tiers = SimTiers(caps, self._publish)
+            offload = OffloadConnector(self.tiers, bs)
+            self.kv.pool.track_new_cached = True
+        self.offload = offload
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=profile.max_num_seqs,
+            max_num_batched_tokens=profile.max_num_batched_tokens), self.kv, offload,
+            clock=clock)
+        self.busy = False
+        self.link_free_at = 0.0  # this worker's egress link is busy until then
+        self.pins: dict[int, int] = {}
+        # per-worker load figures for the report
+        self.busy_s = 0.0
+        self.steps = 0
+        self.tokens_computed = 0
+        self.requests_done = 0
+
+    # -- the index --------------------------------------------------------------------
+    def _publish(self, stored: list[tuple[Any, str]], removed: list[tuple[Any, str]]) -> None:
+        self.index.apply(self.worker_id, stored, removed)
+
+    def publish_events(self) -> None:
+        """The block pool's stores and evictions since the last call, as the worker's KV
+        event publisher sends them (tier "device")."""
+        stored: list[tuple[Any, str]] = []
+        removed: list[tuple[Any, str]] = []
+        for ev in self.kv.pool.take_events():
+            if isinstance(ev, BlockStored):
+                stored += [(h, "device") for h in ev.block_hashes]
+            elif isinstance(ev, BlockRemoved):
+                removed += [(h, "device") for h in ev.block_hashes]
+        if stored or removed:
+            self.index.apply(self.worker_id, stored, removed)
+
+    # -- a step -------------------------------------------------------------------------
+    def start_step(self) -> tuple[SchedulerOutput, float] | None:
+        """Schedules one step; returns it and its duration, or None when idle."""
+        if self.offload is not None:
+            self.offload.save_new(self.kv.pool, None)
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return None
+        dt = self.latency.step(out.scheduled) + self.restore_seconds()
+        dt += self.profile.token_overhead_s * sum(
+            1 for s in out.scheduled
+            if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens)
+        self.steps += 1
+        self.busy_s += dt
+        self.tokens_computed += out.num_tokens
+        return out, dt
+
+    def restore_seconds(self) -> float:
+        """Runs the planned tier restores (the engine's _run_loads) and times them."""
+        if self.offload is None or self.tiers is None:
+            return 0.0
+        self.offload.run_loads(None)
+        block = self.latency.kv_block_bytes
+        return sum(self.profile.links[tier].seconds(n * block)
+                   for tier, n in self.tiers.take_pending())
+
+    def finish_step(self, out: SchedulerOutput) -> list[Request]:
+        """Applies the step (one sampled token per request that reached its end);
+        returns the requests that got a token."""
+        sampled = {s.request.request_id: (0, None) for s in out.scheduled
+                   if s.request.num_computed_tokens + s.num_new_tokens
+                   >= s.request.num_tokens}
+        got = self.scheduler.update_from_output(out, sampled)
+        if self.offload is not None:
+            self.offload.save_new(self.kv.pool, None)
+            self.offload.reap(self.kv.pool)
+        return got
+
+    def stop_reason(self, req: Request, max_tokens: int) -> RequestStatus | None:
+        """LLMEngine._check_stop for ignore_eos requests."""
+        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- peer fetch (holder side): LLMEngine.pin_cached / unpin ---------------------------
+    def pin(self, hashes: list[Any]) -> list[KVBlock]:
+        pool = self.kv.pool
+        blocks = []
+        for h in hashes:
+            b = pool.get_cached_block(h)
+            if b is None:
+                break
+            blocks.append(b)
+        pool.touch(blocks)
+        rest = hashes[len(blocks):]
+        if rest and self.offload is not None and self.tiers is not None:
+            n = self.tiers.lookup(rest)
+            new = pool.get_new_blocks(n) if n else None
+            if new:
+                got = self.tiers.load(rest[:n], [b.block_id for b in new], None)
+                pool.free(new[got:])
+                pool.cache_full_blocks(new[:got], rest[:got],
+                                       blocks[-1].block_hash if blocks else None)
+                blocks += new[:got]
+        for b in blocks:
+            self.pins[b.block_id] = self.pins.get(b.block_id, 0) + 1
+        return blocks
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        for b in blocks:
+            left = self.pins[b.block_id] - 1
+            if left:
+                self.pins[b.block_id] = left
+            else:
+                del self.pins[b.block_id]
+        self.kv.pool.free(blocks)
+
+    def link(self, start: float, nbytes: int, kind: str = "kv") -> float:
+        """Sends `nbytes` on this worker's egress link no earlier than `start`; returns
+        when they have landed (transfers from one worker are serialized)."""
+        begin = max(start, self.link_free_at)
+        self.link_free_at = begin + self.profile.links[kind].seconds(nbytes)
+        return self.link_free_at
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(dict(self.pins))
+        if self.tiers is not None:
+            self.tiers.check_integrity()

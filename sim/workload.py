@@ -1,0 +1,202 @@
+"""Simulated workloads: what arrives when, how long its prompt and answer are, and which
+prompts share which prefixes, without materializing token ids (a Mooncake prompt is
+~12k tokens; a million of them do not fit in memory as lists).
+
+A prompt is a chain of segments `(key, tokens)`: two prompts whose first k segments
+have equal keys share those tokens, exactly as bench/datasets.py builds token ids (a
+Mooncake hash id -> one block of tokens derived from the id; a shared-prefix group ->
+one system prompt). `BlockHasher` turns segments into the engine's per-block prefix
+identities: block j's hash names the prefix up to its last token, so equal prefixes
+give equal hashes and anything else differs, the property engine/block_hash.py gives
+real tokens. Hashes are ints (dict keys in the block pool and the index; nothing leaves
+the process).
+
+Sources: `from_bench` (any bench dataset and load shape, token ids as one-token
+segments: the validation path), `mooncake` (the trace, streamed, with bench's length
+arithmetic), `synthetic` (Poisson or bursty arrivals), `shared_prefix`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from bench.base import BenchError, BenchRequest
+from bench.datasets import MOONCAKE_BLOCK_TOKENS, LengthDist
+from bench.load import LoadSpec, start_offsets, units
+
+_OFFSET_BITS = 21  # a segment is shorter than 2M tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequestSpec:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    segments: tuple[tuple[int, int], ...]  # (content key, tokens); cover >= prompt_len
+    tag: str = ""
+
+
+class BlockHasher:
+    """Prefix identities of full blocks. `chain` ids are shared by every request of a
+    run (one per distinct prefix of segments); a `salt` starts a separate chain root
+    (bench's per-phase cache_salt)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._chains: dict[tuple[int, int], int] = {}
+        self._fresh = 0
+
+    def _chain(self, parent: int, key: int) -> int:
+        k = (parent, key)
+        c = self._chains.get(k)
+        if c is None:
+            c = self._chains[k] = len(self._chains) + 1
+        return c
+
+    def unique(self) -> int:
+        """A hash no prompt block has (output blocks: sampled tokens are never shared)."""
+        self._fresh += 1
+        return -self._fresh
+
+    def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
+        """One hash per full block of `total_len` tokens (prompt + output)."""
+        bs = self.block_size
+        out: list[int] = []
+        chain, seg_end, i = -1 - salt, 0, 0
+        segs = spec.segments
+        n_prompt = spec.prompt_len
+        for j in range(total_len // bs):
+            end = (j + 1) * bs
+            if end > n_prompt:  # holds sampled tokens: unique
+                out.extend(self.unique() for _ in range(total_len // bs - j))
+                break
+            while seg_end < end:  # advance to the segment holding token end - 1
+                key, n = segs[i]
+                chain = self._chain(chain, key)
+                seg_end += n
+                i += 1
+            out.append((chain << _OFFSET_BITS) | (end - (seg_end - segs[i - 1][1])))
+        return out
+
+
+def from_bench(requests: Sequence[BenchRequest], load: LoadSpec) -> list[SimRequestSpec]:
+    """Bench requests under an open-loop load shape (bench/load.py's own offsets);
+    token-id prompts keep their exact sharing, text prompts share nothing."""
+    work = units(list(requests))
+    offsets = start_offsets(load, work)
+    if offsets is None:
+        raise BenchError("the simulator replays open-loop loads (poisson, constant, trace)")
+    out = []
+    for t, unit in zip(offsets, work, strict=True):
+        for r in unit:  # session turns arrive together (no closed loop in the simulator)
+            segs = tuple((int(x), 1) for x in r.prompt) if isinstance(r.prompt, tuple) \
+                else ((_text_key(r.prompt), r.prompt_len),)
+            out.append(SimRequestSpec(t, r.prompt_len, r.output_len, segs, r.tag))
+    out.sort(key=lambda s: s.arrival_s)
+    return out
+
+
+def _text_key(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode()) | (1 << 40)
+
+
+def trace_prompt_len(n_hashes: int, n_in: int, block_tokens: int) -> tuple[int, int]:
+    """(prompt tokens, tokens of the last hash id's block): bench/datasets.py's
+    `_trace_prompt` arithmetic (a partial last block is a prefix of its full block)."""
+    last_fill = n_in - MOONCAKE_BLOCK_TOKENS * (n_hashes - 1)
+    last_fill = min(max(last_fill, 1), MOONCAKE_BLOCK_TOKENS)
+    last_len = max(1, math.ceil(last_fill * block_tokens / MOONCAKE_BLOCK_TOKENS))
+    return block_tokens * (n_hashes - 1) + last_len, last_len
+
+
+def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+             time_scale: float = 1.0, output_scale: float = 1.0,
+             max_output_len: int | None = None, max_input_len: int | None = None,
+             repeat: int = 1) -> Iterator[SimRequestSpec]:
+    """The Mooncake JSONL as bench.datasets.mooncake reads it (same lengths, arrivals
+    `timestamp / 1000 * time_scale`), streamed. `repeat` > 1 replays the trace again
+    after its end with fresh hash ids (new conversations, same shape), for runs longer
+    than the trace; `limit` caps the total."""
+    if block_tokens < 1 or time_scale < 0 or output_scale <= 0 or repeat < 1:
+        raise BenchError("need block_tokens >= 1, time_scale >= 0, output_scale > 0, "
+                         "repeat >= 1")
+    n = 0
+    span = 0.0
+    for k in range(repeat):
+        t0: float | None = None
+        last = 0.0
+        with open(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and n >= limit:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    ts, n_in = float(rec["timestamp"]), int(rec["input_length"])
+                    n_out, hashes = int(rec["output_length"]), [int(h) for h in rec["hash_ids"]]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise BenchError(f"{path}:{lineno}: not a Mooncake record ({e})") from e
+                if not hashes or n_in < 1:
+                    continue
+                n_prompt, _ = trace_prompt_len(len(hashes), n_in, block_tokens)
+                if max_input_len is not None:
+                    n_prompt = min(n_prompt, max_input_len)
+                n_out = max(1, round(n_out * output_scale))
+                if max_output_len is not None:
+                    n_out = min(n_out, max_output_len)
+                t0 = ts if t0 is None else t0
+                last = (ts - t0) / 1000.0 * time_scale
+                segs = tuple(((k << 40) | h, block_tokens) for h in hashes)
+                n += 1
+                yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace")
+        span += last
+
+
+def arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """`n` arrival times at mean `rate`/s: Poisson (burstiness 1), or gamma gaps whose
+    coefficient of variation is `burstiness` (> 1: bursts and lulls)."""
+    if not rate > 0 or not burstiness > 0:
+        raise BenchError("need rate > 0 and burstiness > 0")
+    if burstiness == 1.0:
+        return start_offsets(LoadSpec("poisson", rate=rate, seed=seed), [[]] * n) or []
+    rng = random.Random(seed)
+    shape = 1.0 / burstiness**2
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+    return out
+
+
+def synthetic(n: int, rate: float, input_len: LengthDist, output_len: LengthDist,
+              burstiness: float = 1.0, seed: int = 0) -> list[SimRequestSpec]:
+    """Unshared prompts (each its own content) arriving at `rate`."""
+    rng = random.Random(seed)
+    out = []
+    for i, t in enumerate(arrivals(n, rate, burstiness, seed)):
+        p = input_len.sample(rng)
+        out.append(SimRequestSpec(t, p, output_len.sample(rng), (((1 << 41) | i, p),),
+                                  "synthetic"))
+    return out
+
+
+def shared_prefix(num_groups: int, per_group: int, prefix_len: int, suffix_len: int,
+                  output_len: int, rate: float, burstiness: float = 1.0,
+                  seed: int = 0) -> list[SimRequestSpec]:
+    """bench.datasets.shared_prefix's shape (groups interleaved) arriving at `rate`."""
+    if min(num_groups, per_group, prefix_len, suffix_len) < 1:
+        raise BenchError("shared-prefix needs groups, per-group, prefix and suffix >= 1")
+    times = arrivals(num_groups * per_group, rate, burstiness, seed)
+    out = []
+    for i, t in enumerate(times):
+        g = i % num_groups
+        segs = (((1 << 42) | g, prefix_len), ((1 << 43) | i, suffix_len))
+        out.append(SimRequestSpec(t, prefix_len + suffix_len, output_len, segs, f"group{g}"))
+    return out
