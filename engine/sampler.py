@@ -23,6 +23,7 @@ import torch
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured import apply_grammar_masks
 
 Logprobs = dict[int, float]  # token id -> log-probability
 
@@ -154,9 +155,12 @@ class Sampler:
         temperature) of the sampled token and the top-n tokens."""
         if not requests:
             return [], []
+        if any(r.grammar is not None for r in requests):  # structured outputs, first of all
+            apply_grammar_masks(logits, requests)
         params = [r.sampling_params for r in requests]
         penalties = any(_has_penalty(p) for p in params)
-        if not penalties and all(p.greedy for p in params):
+        edits = self._logit_edits(requests)
+        if not penalties and edits is None and all(p.greedy for p in params):
             ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
             want = [p.logprobs for p in params if p.logprobs is not None]
             if not want:
@@ -164,9 +168,11 @@ class Sampler:
             return self._with_logprobs(logits, ids, params, max(want))
         rows = self._rows(requests, logits.shape[1])
         processed = logits
+        if edits is not None:  # logit_bias, min_tokens: before penalties, as vLLM
+            processed = logits.index_put((edits[0], edits[1]), edits[2], accumulate=True)
         if penalties:
             tokens = self._history(requests, logits.shape[1])
-            processed = apply_penalties(logits, tokens, rows.prompt_len, rows.presence,
+            processed = apply_penalties(processed, tokens, rows.prompt_len, rows.presence,
                                         rows.frequency, rows.repetition)
         ids = processed.argmax(dim=-1)
         if not all(p.greedy for p in params):
@@ -193,6 +199,22 @@ class Sampler:
                      seed=ints[:, 3] | (ints[:, 4] << 32), position=ints[:, 5],
                      presence=floats[:, 6], frequency=floats[:, 7],
                      repetition=floats[:, 8], prompt_len=ints[:, 9])
+
+    def _logit_edits(self, requests: Sequence[Request],
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids, values) to add to the logits: each row's logit_bias, and -inf
+        on EOS and stop tokens while a row has fewer than min_tokens outputs. One copy."""
+        table: list[tuple[int, int, float]] = []
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            table += [(i, t, b) for t, b in p.logit_bias.items()]
+            if r.num_output_tokens < p.min_tokens:
+                table += [(i, t, float("-inf"))
+                          for t in {*r.eos_token_ids, *p.stop_token_ids}]
+        if not table:
+            return None
+        t = self._to_device(torch.tensor(table, dtype=torch.float64))
+        return t[:, 0].long(), t[:, 1].long(), t[:, 2].float()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """One host->device copy. On CUDA from pinned memory and non-blocking: a copy
@@ -245,21 +267,29 @@ class Sampler:
                        ) -> tuple[list[int], list[Logprobs | None]]:
         """Packs ids, the sampled token's logprob and the top-n (ids, values) of every
         row into one float64 tensor (exact for ids and float32 values): one copy back."""
-        logp = logits.log_softmax(dim=-1)
-        top = logp.topk(n, dim=-1)
-        packed = torch.cat([ids.unsqueeze(1).double(),
-                            logp.gather(1, ids.unsqueeze(1)).double(),
-                            top.indices.double(), top.values.double()], dim=1)
-        tokens: list[int] = []
-        lps: list[Logprobs | None] = []
-        for p, row in zip(params, packed.cpu().tolist(), strict=True):
-            tok = int(row[0])
-            tokens.append(tok)
-            if p.logprobs is None:
-                lps.append(None)
-                continue
-            k = p.logprobs
-            top_ids, top_vals = row[2:2 + k], row[2 + n:2 + n + k]
-            lps.append({tok: row[1]} | {int(i): v for i, v in zip(top_ids, top_vals,
-                                                                    strict=True)})
-        return tokens, lps
+        return token_logprobs(logits, ids, [p.logprobs for p in params])
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int | None],
+                   ) -> tuple[list[int], list[Logprobs | None]]:
+    """(ids as ints, and per row b with ks[b] not None: {ids[b]: its logprob} followed
+    by the ks[b] most likely tokens, best first: vLLM's order, where a chosen token
+    among them keeps the first place). Log-softmax of `logits` [B, V] as given; the
+    results travel in one float64 tensor (exact for ids and float32 values): one copy."""
+    n = max((k for k in ks if k is not None), default=0)
+    logp = logits.log_softmax(dim=-1)
+    top = logp.topk(n, dim=-1)
+    packed = torch.cat([ids.unsqueeze(1).double(),
+                        logp.gather(1, ids.unsqueeze(1)).double(),
+                        top.indices.double(), top.values.double()], dim=1)
+    tokens: list[int] = []
+    lps: list[Logprobs | None] = []
+    for k, row in zip(ks, packed.cpu().tolist(), strict=True):
+        tok = int(row[0])
+        tokens.append(tok)
+        if k is None:
+            lps.append(None)
+            continue
+        top_ids, top_vals = row[2:2 + k], row[2 + n:2 + n + k]
+        lps.append({tok: row[1]} | {int(i): v for i, v in zip(top_ids, top_vals, strict=True)})
+    return tokens, lps

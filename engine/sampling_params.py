@@ -4,6 +4,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output text (engine/structured.py compiles it with xgrammar).
+
+    `spec` by kind: json_schema, a serialized JSON Schema; json_object, unused (any JSON
+    object); regex, the pattern; choice, unused (`choices` holds the allowed strings);
+    grammar, EBNF in xgrammar's (GBNF) syntax.
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, "
+                             f"got {self.kind!r}")
+        if self.kind == "choice":
+            if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
+                raise ValueError("a choice constraint needs a non-empty list of non-empty "
+                                 "strings")
+        elif self.kind != "json_object" and not self.spec:
+            raise ValueError(f"the {self.kind} constraint is empty")
+
+    @property
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        return self.kind, self.spec, self.choices
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,6 +59,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured: StructuredOutput | None = None  # constrained decoding (xgrammar)
+    # Parallel samples of one prompt: `best_of` are drawn (one prefill, forked KV) and
+    # the `n` with the highest cumulative logprob returned. None: best_of == n.
+    n: int = 1
+    best_of: int | None = None
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,6 +75,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = None
+        self.logit_bias = dict(self.logit_bias or {})
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn from the prompt (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def greedy(self) -> bool:
@@ -66,9 +112,26 @@ class SamplingParams:
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got "
                              f"{self.repetition_penalty}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n!r}")
+        if self.best_of is not None and (not isinstance(self.best_of, int)
+                                         or self.best_of < self.n):
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        for t, bias in self.logit_bias.items():
+            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"logit_bias holds {t!r}, not a token id of this model")
+            if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise ValueError(f"stop_token_ids holds {t!r}, not a token id of this model")
+        if self.structured is not None:
+            self.structured.validate()

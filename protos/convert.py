@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutput
 from protos import splitserve_pb2 as pb
 
 
@@ -10,9 +10,17 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
         top_k=p.top_k or 0, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens)
+        ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
+        n=p.n, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+        min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.structured is not None:
+        msg.structured.CopyFrom(structured_to_proto(p.structured))
+    for name in ("best_of", "logprobs", "prompt_logprobs"):
+        if getattr(p, name) is not None:
+            setattr(msg, name, getattr(p, name))
     return msg
 
 
@@ -28,4 +36,54 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         skip_special_tokens=(msg.skip_special_tokens if msg.HasField("skip_special_tokens")
-                             else True))
+                             else True),
+        n=msg.n or 1, best_of=msg.best_of if msg.HasField("best_of") else None,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
+                            else 1.0),
+        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        structured=structured_from_proto(msg.structured))
+
+
+Logprobs = dict[int, float]  # token id -> logprob; the chosen token first (engine/sampler.py)
+
+
+def logprobs_to_proto(lps: list[Logprobs], chosen: list[int], k: int,
+                      ) -> list[pb.TokenLogprob]:
+    """One TokenLogprob per position: the chosen token's logprob, its rank when it is
+    among the top `k` (else 0: not known), and the top `k`, best first."""
+    out = []
+    for lp, tok in zip(lps, chosen, strict=True):
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+        rank = next((i + 1 for i, (t, _) in enumerate(top) if t == tok), 0)
+        out.append(pb.TokenLogprob(token_id=tok, logprob=lp[tok], rank=rank, top=[
+            pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
+    return out
+
+
+def logprobs_from_proto(msgs: list[pb.TokenLogprob]) -> list[Logprobs]:
+    return [{m.token_id: m.logprob} | {t.token_id: t.logprob for t in m.top} for m in msgs]
+
+
+def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:
+    if s.kind == "choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(s.choices)))
+    if s.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    msg = pb.StructuredOutput()
+    setattr(msg, s.kind, s.spec)  # json_schema | regex | grammar: the text
+    return msg
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    """None when no constraint is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, getattr(msg, kind))
