@@ -39,7 +39,7 @@ class KVCacheManager:
         At least one token is always left to compute: the last prompt token's logits
         are needed to sample.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -95,6 +95,34 @@ class KVCacheManager:
         parent = hashes[start - 1] if start else None
         self.pool.cache_full_blocks(blocks[start:end], hashes[start:end], parent)
         self._num_cached[request.request_id] = end
+
+    def can_fork(self) -> bool:
+        return self.pool.num_free_blocks > 0
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Gives `child` the parent's computed KV: full blocks shared (a reference each),
+        the last partial block copied, since both append to it. The child's blocks cover
+        `parent.num_computed_tokens` tokens.
+
+        # | shared full blocks (ref_cnt + 1) | partial block: a new block, copy of the parent's |
+        Returns the (source, destination) block ids to copy, or None when the computed
+        tokens fill whole blocks. The caller checked `can_fork` (one free block)."""
+        blocks = self.req_blocks[parent.request_id]
+        n = parent.num_computed_tokens
+        full = blocks[:n // self.block_size]
+        self.pool.touch(full)
+        mine = list(full)
+        copy = None
+        if n % self.block_size:
+            new = self.pool.get_new_blocks(1)
+            if new is None:
+                raise RuntimeError("fork without a free block (call can_fork first)")
+            copy = (blocks[len(full)].block_id, new[0].block_id)
+            mine += new
+        self.req_blocks[child.request_id] = mine
+        self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0),
+                                                 len(full))
+        return copy
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks (tail first, so its prefix is evicted last)."""

@@ -40,8 +40,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
-        """Returns one finished output per prompt, in order. A prompt the engine
-        rejects gets finish_reason "error" with the reason; the others still run."""
+        """Returns one finished output per prompt, in order (n of them, by sample index,
+        for a prompt sampled with n / best_of). A prompt the engine rejects gets finish_reason "error" with the reason; the others still run."""
         plist: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             plist = [prompts]  # type: ignore[list-item]
@@ -53,7 +53,7 @@ class LLM:
             else list(sampling)
         if len(params) != len(plist):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, list[RequestOutput]] = {}
         order = []
         for prompt, p in zip(plist, params, strict=True):
             rid = f"offline-{next(self._ids)}"
@@ -63,10 +63,10 @@ class LLM:
             try:
                 self.engine.add_request(rid, ids, replace(p))
             except RequestError as e:
-                results[rid] = RequestOutput(rid, ids, finished=True, finish_reason="error",
-                                             error=str(e))
+                results[rid] = [RequestOutput(rid, ids, finished=True, finish_reason="error",
+                                              error=str(e))]
         while self.engine.has_work():
             for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-        return [results[rid] for rid in order]
+                if out.finish_reason is not None:  # a sample ended
+                    results.setdefault(out.request_id, []).append(out)
+        return [o for rid in order for o in sorted(results[rid], key=lambda o: o.index)]

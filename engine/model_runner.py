@@ -19,7 +19,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.models.loader import TORCH_DTYPES, load_model
-from engine.sampler import Logprobs, Sampler
+from engine.request import Request
+from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
 
@@ -178,12 +179,52 @@ class ModelRunner:
         else:
             step = self.inputs.build(out.scheduled, kv)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+            self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
             if not step.sample_reqs:
                 return {}
             logits = self.model.compute_logits(hidden[step.sample_rows])
-        tokens, logprobs = self.sampler(logits, step.sample_reqs)
-        return {r.request_id: (t, lp)
-                for r, t, lp in zip(step.sample_reqs, tokens, logprobs, strict=True)}
+        reqs = step.sample_reqs
+        if any(r.forks for r in reqs):
+            # Parallel samples draw their first tokens from the one prefill's logits row.
+            rows = [i for i, r in enumerate(reqs) for _ in range(1 + len(r.forks))]
+            reqs = [x for r in reqs for x in (r, *r.forks)]
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logprobs = self.sampler(logits, reqs)
+        return {r.request_id: (t, lp) for r, t, lp in zip(reqs, tokens, logprobs, strict=True)}
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
+                         query_start_loc: list[int]) -> None:
+        """Appends to `prompt_logprobs` of each request that asked, for the prompt tokens
+        this step's chunk predicts: position p's logits score prompt token p + 1."""
+        rows: list[int] = []
+        owners: list[Request] = []
+        targets: list[int] = []
+        for i, s in enumerate(scheduled):
+            r = s.request
+            start = r.num_computed_tokens
+            if not r.wants_prompt_logprobs or start > len(r.prompt_logprobs):
+                continue  # (a gap: prompt KV that came from elsewhere has no logits)
+            # | done: len(prompt_logprobs) | this chunk's rest | ... | last prompt token |
+            first = len(r.prompt_logprobs)
+            last = min(start + s.num_new_tokens, r.num_prompt_tokens - 1)
+            rows += [query_start_loc[i] + p - start for p in range(first, last)]
+            owners += [r] * max(0, last - first)
+            targets += r.prompt_token_ids[first + 1:last + 1]
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        ids = torch.tensor(targets, device=logits.device)
+        _, lps = token_logprobs(logits, ids, [r.sampling_params.prompt_logprobs
+                                              for r in owners])
+        for r, lp in zip(owners, lps, strict=True):
+            assert lp is not None
+            r.prompt_logprobs.append(lp)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV block copies (source, destination), e.g. a forked sample's partial block."""
+        if pairs:
+            src, dst = zip(*pairs, strict=True)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
     def _graph_bucket(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The graph bucket for a decode-only step (every sequence computes its one

@@ -73,6 +73,8 @@ class OffloadConnector:
     def match(self, request: Request, num_device_blocks: int) -> int:
         """Blocks after the device hit that the external cache holds (one token always
         stays to compute: its logits are sampled)."""
+        if request.wants_prompt_logprobs:  # its prompt must run through the model
+            return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.update_block_hashes(self.block_size)[num_device_blocks:max_blocks]
         return self.offload.lookup(hashes) if hashes else 0

@@ -27,6 +27,12 @@ class RequestOutput:
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for
+    # Parallel sampling (engine/parallel.py): the sample this output belongs to. Then
+    # `finish_reason` marks the end of this sample and `finished` the last output of
+    # the whole request.
+    index: int = 0
+    cumulative_logprob: float = 0.0  # of the sampled tokens (when logprobs were computed)
+    prompt_logprobs: list[dict[int, float]] | None = None  # prompt tokens 1..N-1, if asked
     # Producers (prefill for a remote decode) only: KV progress, so the KV of finished
     # blocks can be sent while later chunks compute.
     num_computed_tokens: int = 0

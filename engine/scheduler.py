@@ -294,7 +294,8 @@ class Scheduler:
         return True
 
     def remote_kv_ready(self, req: Request, first_token: int | None,
-                        num_computed_tokens: int | None = None) -> None:
+                        num_computed_tokens: int | None = None,
+                        logprobs: dict[int, float] | None = None) -> None:
         """Makes a parked request runnable. With `first_token`, the whole prompt's KV
         has landed in its blocks and the token came from the remote sampler; with None
         the rest of the prompt is computed here from `num_computed_tokens` (KV a peer
@@ -307,7 +308,7 @@ class Scheduler:
                 req.num_cached_tokens = max(req.num_cached_tokens or 0, num_computed_tokens)
             req.num_computed_tokens = req.num_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            req.append_token(first_token)
+            req.append_token(first_token, logprobs)
         elif num_computed_tokens is not None and num_computed_tokens > req.num_computed_tokens:
             if num_computed_tokens % self.kv.block_size or num_computed_tokens >= req.num_tokens:
                 raise RuntimeError(f"bad remote KV extent {num_computed_tokens} for "
