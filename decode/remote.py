@@ -36,6 +36,7 @@ from kvtransfer.registry import make_receiver
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.auth import RpcSecurity
+from protos.convert import logprobs_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,19 @@ class RemotePrefillConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.rpc_timeout_s <= 0:
             raise ValueError("rpc_timeout_s must be positive")
+
+
+def remote_result(resp: pb.PrefillResponse, num_computed_tokens: int) -> RemoteResult:
+    """The engine's view of a prefill's answer: the first token of every sample (n /
+    best_of) with its logprobs, and the prompt's logprobs when they were asked for."""
+    firsts = list(resp.first_tokens) or [resp.first_token]
+    lps: list[dict[int, float] | None] = list(logprobs_from_proto(list(resp.first_logprobs)))
+    lps += [None] * (len(firsts) - len(lps))
+    return RemoteResult(
+        first_token=int(resp.first_token), num_computed_tokens=num_computed_tokens,
+        samples=tuple(zip(firsts, lps, strict=False)),
+        prompt_logprobs=logprobs_from_proto(list(resp.prompt_logprobs))
+        if len(resp.prompt_logprobs) else None)
 
 
 class RemotePrefiller:
@@ -124,10 +138,9 @@ class RemotePrefiller:
             alloc = await self.pull(alloc, kv_peer, deadline, whole_prompt=remote_prefill)
         if remote_prefill:
             assert prefill_peer is not None
-            first = await self.fetch(alloc, request, prefill_peer, deadline)
-            if first is not None:
-                return RemoteResult(first_token=first,
-                                    num_computed_tokens=alloc.num_computed_tokens)
+            resp = await self.fetch(alloc, request, prefill_peer, deadline)
+            if resp is not None:
+                return remote_result(resp, alloc.num_computed_tokens)
         # Computed here from what landed; one token always stays to compute (its logits).
         bs = alloc.block_size
         return RemoteResult(num_computed_tokens=min(
@@ -175,7 +188,8 @@ class RemotePrefiller:
         return replace(alloc, num_computed_tokens=end * bs)
 
     async def fetch(self, alloc: RemoteAlloc, request: pb.WorkerGenerateRequest,
-                    peer: pb.PrefillPeer, deadline: float | None = None) -> int | None:
+                    peer: pb.PrefillPeer, deadline: float | None = None,
+                    ) -> pb.PrefillResponse | None:
         """Prefills `request` on `peer` into `alloc`'s blocks; see the module doc.
         `deadline` (time.monotonic) is the caller's: the Prefill call and the transfer's
         lease get what is left of it, capped by the configured timeouts."""
@@ -187,7 +201,8 @@ class RemotePrefiller:
             request_id=rid, token_ids=request.prompt_token_ids, sampling=request.sampling,
             dest=pb.KVDestination(transport_address=self._address, block_ids=alloc.block_ids,
                                   generation=gen, worker_id=self.worker_id,
-                                  num_computed_tokens=alloc.num_computed_tokens))
+                                  num_computed_tokens=alloc.num_computed_tokens),
+            tenant=request.tenant, labels=request.labels, priority=request.priority)
         if request.HasField("cache_salt"):
             call.cache_salt = request.cache_salt
         try:
@@ -195,7 +210,7 @@ class RemotePrefiller:
                 call, timeout=rpc_timeout, metadata=(("x-request-id", rid),))
             await asyncio.wait_for(asyncio.shield(landed), lease)
             self._outcomes.labels("ok").inc()
-            return int(resp.first_token)
+            return resp
         except asyncio.CancelledError:
             await self._fence(rid, landed, "request cancelled")
             raise

@@ -32,7 +32,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from protos.convert import sampling_from_proto
+from protos.convert import logprobs_to_proto, sampling_from_proto
 
 if TYPE_CHECKING:
     from decode.kv_source import KVSource
@@ -105,7 +105,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                                       n_out)
                         log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
                                  "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
-                    yield self._response(rid, out, n_prompt)
+                    yield self._response(rid, out, n_prompt, params)
         except RequestError as e:
             ended = True
             log.info("event=rejected request_id=%s message=%r", rid, str(e))
@@ -159,15 +159,32 @@ class WorkerService(pb_grpc.WorkerServicer):
         return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
             request.request_id, list(request.prompt_token_ids), params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            priority=request.priority, remote=remote, resume_token_ids=resume))
+            priority=request.priority, remote=remote, resume_token_ids=resume,
+            tenant=request.tenant, labels=dict(request.labels)))
 
     @staticmethod
-    def _response(rid: str, out: RequestOutput, n_prompt: int) -> pb.WorkerGenerateResponse:
-        return pb.WorkerGenerateResponse(
-            request_id=rid, token_ids=out.new_token_ids, text=out.new_text,
-            finish_reason=out.finish_reason or "" if out.finished else "",
+    def _response(rid: str, out: RequestOutput, n_prompt: int,
+                  params: SamplingParams) -> pb.WorkerGenerateResponse:
+        """One delta of sample `out.index`: its new tokens with their logprobs; the
+        prompt's logprobs with a sample's first tokens; its end (finish_reason,
+        cumulative_logprob) on its last."""
+        new = out.new_token_ids
+        resp = pb.WorkerGenerateResponse(
+            request_id=rid, token_ids=new, text=out.new_text,
+            finish_reason=out.finish_reason or "", index=out.index,
             num_prompt_tokens=n_prompt, num_output_tokens=len(out.token_ids),
-            num_cached_tokens=out.num_cached_tokens, error=out.error or "")
+            num_cached_tokens=out.num_cached_tokens, error=out.error or "",
+            cumulative_logprob=out.cumulative_logprob)
+        if out.logprobs is not None and params.logprobs is not None and new:
+            resp.logprobs.extend(logprobs_to_proto(out.logprobs[-len(new):], new,
+                                                   params.logprobs))
+        if out.prompt_logprobs is not None and params.prompt_logprobs is not None \
+                and len(new) == len(out.token_ids) and new:
+            # prompt tokens 1..N-1: the chosen token is the prompt's own
+            resp.prompt_logprobs.extend(logprobs_to_proto(
+                out.prompt_logprobs, [next(iter(lp)) for lp in out.prompt_logprobs],
+                params.prompt_logprobs))
+        return resp
 
     # -- FetchKV (peer fetch, holder side) ---------------------------------------------
     async def FetchKV(self, request: pb.FetchKVRequest,

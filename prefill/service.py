@@ -30,7 +30,7 @@ from kvtransfer.pusher import KVPusher
 from kvtransfer.sender import Peer
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from protos.convert import sampling_from_proto
+from protos.convert import logprobs_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,13 @@ class PrefillService(pb_grpc.PrefillServicer):
                        context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         dest, bs = request.dest, llm.engine.block_size
         gen = int(dest.generation)
-        # The first token is sampled here; stop conditions are the decode's business.
-        params = replace(sampling_from_proto(request.sampling), max_tokens=1, stop=[],
-                         stop_token_ids=[], logprobs=None)
+        # Every sample's first token is drawn here, from this one prefill (n / best_of;
+        # best_of ranks on logprobs, so they come back); the rest is the decode's.
+        asked = sampling_from_proto(request.sampling)
+        k = 0 if asked.logprobs is None and asked.num_samples > asked.n else asked.logprobs
+        params = replace(asked, max_tokens=1, stop=[], min_tokens=min(asked.min_tokens, 1),
+                         n=asked.num_samples, best_of=None, logprobs=k)
+        firsts: dict[int, RequestOutput] = {}  # sample index -> its (only) output
         queue: asyncio.Queue[_Batch | None] = asyncio.Queue()
         writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue))
         pid = f"prefill-{rid}"
@@ -108,17 +112,22 @@ class PrefillService(pb_grpc.PrefillServicer):
             async with contextlib.aclosing(llm.generate(
                     pid, list(request.token_ids), params, hold_kv=True,
                     cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                    priority=request.priority, tenant=request.tenant,
+                    labels=dict(request.labels),
             )) as outs:
                 async for out in outs:
-                    assert out.block_ids is not None  # producers report their blocks
+                    if out.finish_reason is not None:
+                        firsts[out.index] = out
+                    if out.block_ids is None:
+                        continue  # a forked sample: only sample 0 (the producer) holds KV
                     # Full blocks are final once computed; the last one only at the end.
-                    done = cdiv(out.num_computed_tokens, bs) if out.finished \
+                    done = cdiv(out.num_computed_tokens, bs) if out.finish_reason \
                         else out.num_computed_tokens // bs
                     if done > sent:
                         t_first_write = t_first_write or time.monotonic()
                         queue.put_nowait((out.block_ids[sent:done], list(dest.block_ids[sent:done])))
                         sent = done
-                    final = out if out.finished else None
+            final = firsts.get(0)
             t_compute = time.monotonic()
             if final is None or final.finish_reason == "error" or not final.token_ids:
                 raise RequestError(f"prefill did not produce a token: "
@@ -138,8 +147,15 @@ class PrefillService(pb_grpc.PrefillServicer):
             llm.release(pid)  # no-op when the request was aborted (its blocks are freed)
         t_end = time.monotonic()
         n_written = sent - dest.num_computed_tokens // bs
+        samples = [firsts[i] for i in sorted(firsts)]
         return pb.PrefillResponse(
             request_id=rid, first_token=final.token_ids[0],
+            first_tokens=[o.token_ids[0] for o in samples if o.token_ids],
+            first_logprobs=[lp for o in samples if o.token_ids and o.logprobs and k is not None
+                            for lp in logprobs_to_proto(o.logprobs[:1], o.token_ids[:1], k)],
+            prompt_logprobs=logprobs_to_proto(
+                final.prompt_logprobs, request.token_ids[1:], asked.prompt_logprobs or 0)
+            if final.prompt_logprobs else [],
             num_cached_tokens=final.num_cached_tokens, num_blocks_written=n_written,
             timings=pb.PrefillTimings(
                 queue_s=0.0, compute_s=t_compute - t0,
