@@ -16,6 +16,7 @@ from protos.auth import add_tls_arguments
 
 if TYPE_CHECKING:
     from kvtransfer.config import TransferConfig
+    from kvtransfer.faults import FaultSpec
     from protos.auth import RpcSecurity
 
 
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a signed worker RPC stays valid (clock skew + replay "
                         "window; protos/auth.py)")
     add_tls_arguments(p, "this worker")
+    p.add_argument("--faults", default=os.environ.get("SPLITSERVE_FAULTS", ""),
+                   help="TESTING ONLY: seeded faults on the KV wire and this worker's RPCs, "
+                        "e.g. 'seed=1,wire.corrupt=0.2,rpc.delay=0.5' (kvtransfer/faults.py; "
+                        "default $SPLITSERVE_FAULTS; empty: off)")
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="decode: what a failed remote prefill does")
     p.add_argument("--prefill-timeout", type=float, default=30.0,
@@ -96,6 +101,15 @@ def rpc_security(args: argparse.Namespace) -> RpcSecurity:
         raise SystemExit(f"invalid RPC security settings: {e}") from None
 
 
+def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
+    from kvtransfer.faults import FaultSpec
+
+    try:
+        return FaultSpec.parse(args.faults)
+    except ValueError as e:
+        raise SystemExit(f"invalid --faults: {e}") from None
+
+
 def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
     """The KV-transfer settings of a prefill or decode worker; None when colocated."""
     from kvtransfer.config import TransferConfig
@@ -113,7 +127,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
             raise SystemExit(f"--ucx-option takes NAME=VALUE, got {item!r}")
         options.append((name.removeprefix("UCX_"), value))
     try:
-        return TransferConfig(transport=args.transport, token=token,
+        return TransferConfig(transport=args.transport, token=token, faults=fault_spec(args),
                               host=args.transfer_host or args.host, port=args.transfer_port,
                               lease_s=args.kv_lease, checksum=args.kv_checksum,
                               ucx_lanes=args.ucx_lanes,
@@ -140,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis, registration_ttl_s=args.registration_ttl,
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
         drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy,
-        prefill_timeout_s=args.prefill_timeout, security=rpc_security(args))
+        prefill_timeout_s=args.prefill_timeout, security=rpc_security(args),
+        faults=fault_spec(args))
     from kvtransfer.tiers.config import tier_config_from_args
 
     return asyncio.run(serve(config, ecfg, transfer_config(args),

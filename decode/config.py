@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtransfer.faults import FaultSpec
 from protos.auth import RpcSecurity
 
 ROLES = ("prefill", "decode", "colocated")
@@ -33,6 +34,7 @@ class WorkerConfig:
     prefill_timeout_s: float = 30.0  # decode: deadline of one Prefill call
     # The cluster credential on its RPCs, served and made (protos/auth.py); mTLS.
     security: RpcSecurity = field(default_factory=RpcSecurity)
+    faults: FaultSpec | None = None  # testing: seeded faults on its RPCs (decode/faults.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -166,9 +166,15 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
     kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
-    # Every RPC but health needs the cluster credential (protos/auth.py).
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                             interceptors=config.security.interceptors(metrics.registry))
+    # Every RPC but health needs the cluster credential (protos/auth.py); then, when
+    # testing, injected faults (decode/faults.py).
+    interceptors = config.security.interceptors(metrics.registry)
+    if config.faults is not None:
+        from decode.faults import RpcFaults
+
+        log.warning("fault injection on: %s", config.faults)
+        interceptors.append(RpcFaults(config.faults, metrics.registry))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     kv_side.add_to(server)

@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-failovers", type=int, default=2,
+                   help="times a request whose decode worker fails mid-stream is resumed on "
+                        "another (0: fail it)")
+    p.add_argument("--failover-wait", type=float, default=10.0,
+                   help="seconds a resume waits for a routable worker (within the deadline)")
     p.add_argument("--cluster-token-file", default=None,
                    help="file holding the cluster token that signs calls to workers "
                         "(default $SPLITSERVE_CLUSTER_TOKEN; protos/auth.py)")
@@ -82,5 +87,6 @@ def run(args: argparse.Namespace) -> int:
         client_max_size=args.max_body_bytes, request_timeout_s=args.request_timeout,
         routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile(),
         admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms,
-        security=_security(args))
+        security=_security(args), max_failovers=args.max_failovers,
+        failover_wait_s=args.failover_wait)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

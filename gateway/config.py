@@ -31,6 +31,8 @@ class GatewayConfig:
     redis_missing_grace_s: float = 10.0  # a live worker missing from Redis stays this long
     retry_backoff_max_s: float = 2.0
     max_route_attempts: int = 2  # tries when a worker fails before its first token
+    max_failovers: int = 2  # resumes on another worker after a failure mid-stream
+    failover_wait_s: float = 10.0  # how long a resume waits for a routable worker
     routing: RoutingProfile = field(default_factory=RoutingProfile)
     admin_key: str | None = None  # Bearer key of /admin/v1/*; None: the admin API is off
     index_timeout_ms: int = 50  # deadline of one block index lookup
@@ -66,6 +68,8 @@ class GatewayConfig:
             raise ValueError("timeouts and intervals must be positive")
         if self.max_route_attempts < 1:
             raise ValueError("max_route_attempts must be >= 1")
+        if self.max_failovers < 0 or self.failover_wait_s < 0:
+            raise ValueError("max_failovers and failover_wait_s must be >= 0")
         if self.admin_key is not None and len(self.admin_key) < 8:
             raise ValueError("the admin key must be at least 8 characters")
         if self.index_timeout_ms <= 0 or self.index_breaker_failures < 1 \

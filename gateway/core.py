@@ -1,23 +1,34 @@
 """The request path shared by the HTTP and gRPC fronts: admit, route, stream.
 
-`Gateway.stream(inp, request_id, deadline)` yields the chosen worker's responses.
+`Gateway.stream(inp, request_id, deadline)` waits for admission (gateway/admission.py:
+room on a worker, fair order across tenants, a bounded queue) and yields the chosen
+worker's responses.
 It owns the worker call: when the caller stops iterating (client gone, deadline) the
 gRPC stream to the worker is cancelled, which makes the worker abort the request and
 free its blocks. A worker that fails before its first token is marked failed and the
-request is retried on another (up to `max_route_attempts`).
+request is retried on another (up to `max_route_attempts`). One that fails mid-stream
+(dies, is cut at the end of its drain, or ends without a finish reason) is marked
+failed and the request resumes on another worker with the tokens already streamed
+(`resume_token_ids`; up to `max_failovers`, within the deadline): greedy output is
+token-identical to an uninterrupted run and text deltas join seamlessly. Requests with
+n > 1 or best_of end with a clean error instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 
 import grpc
 
 from engine.block_hash import hash_blocks, make_extra_key
+from engine.strategies import StrategySet
+from gateway.admission import AdmissionQueue, WorkerSlots
 from gateway.config import GatewayConfig
 from gateway.errors import (
     APIError,
@@ -26,12 +37,14 @@ from gateway.errors import (
     Overloaded,
     UpstreamTimeout,
 )
+from gateway.identity import IdentityResolver
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import GenerateInput, ModelContext
 from gateway.registry import WorkerRegistry
 from gateway.routing.base import RouteDecision, RouteRequest
 from gateway.routing.profile import NoCandidates, Router, RoutingProfile
+from gateway.scheduling import StrategyStore
 from kvtransfer.index import IndexConfig, IndexLookup, RedisBlockIndex
 from protos import splitserve_pb2 as pb
 from protos.convert import sampling_to_proto
@@ -55,6 +68,22 @@ class Gateway:
             breaker_cooldown_s=config.index_breaker_cooldown_s)) if config.redis_url else None
         self.locality = Locality(index, metrics, config.locality_alpha,
                                  config.locality_min_trust)
+        self.identity = IdentityResolver(config.api_keys, config.tenant_keys,
+                                         config.default_tenant, config.trust_client_identity)
+        self.slots = WorkerSlots(registry, config.max_waiting_per_worker, config.kv_headroom)
+        self.admission = AdmissionQueue(self.slots, config.admission_queue_size,
+                                        metrics=metrics)
+        self.strategies = StrategyStore(config.redis_url, config.served_model_name,
+                                        config.redis_timeout_s, config.strategies_poll_s,
+                                        self._apply_strategies)
+
+    async def start(self) -> None:
+        """Reads the stored scheduling strategies and starts following them."""
+        await self.strategies.start()
+
+    def _apply_strategies(self, strategies: StrategySet) -> None:
+        self.admission.set_strategies(strategies)
+        self.metrics.strategies_version.set(strategies.version)
 
     def set_profile(self, profile: RoutingProfile) -> None:
         """Swaps the routing profile atomically: requests routed after this call use the
@@ -63,6 +92,8 @@ class Gateway:
         log.info("event=routing_profile_set profile=%s", profile.to_dict())
 
     async def close(self) -> None:
+        await self.strategies.close()
+        await self.admission.close()
         await self.locality.close()
 
     def observe_info(self, info: pb.InfoResponse) -> None:
@@ -91,7 +122,7 @@ class Gateway:
     def _route(self, req: RouteRequest, lookup: IndexLookup | None,
                model: str) -> RouteDecision:
         try:
-            decision = self.router.route(req, self.registry.candidates())
+            decision = self.router.route(req, self.slots.eligible(self.registry.candidates()))
         except NoCandidates as e:
             raise NoWorkerAvailable(f"no ready worker for model {model!r}: {e}") from e
         self.metrics.routed.labels(decision.decode.worker_id,
@@ -107,17 +138,21 @@ class Gateway:
         self.metrics.decision_reasons.labels(reason).inc()
         return decision
 
-    def _worker_request(self, inp: GenerateInput, request_id: str,
-                        decision: RouteDecision) -> pb.WorkerGenerateRequest:
+    def _worker_request(self, inp: GenerateInput, request_id: str, decision: RouteDecision,
+                        resume: list[int]) -> pb.WorkerGenerateRequest:
         # The client's id may repeat (x-request-id reused across requests); the engine
         # needs a unique one, which still starts with the client's id for log searches.
         req = pb.WorkerGenerateRequest(
             request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
             prompt_token_ids=inp.prompt_token_ids,
-            sampling=sampling_to_proto(inp.params), priority=inp.priority)
+            sampling=sampling_to_proto(inp.params), priority=inp.priority,
+            tenant=inp.tenant, labels=inp.labels)
         if inp.cache_salt is not None:
             req.cache_salt = inp.cache_salt
-        if decision.prefill is not None:
+        # Fail-over: the worker continues after the tokens the client already has. A
+        # prefill peer would sample a first token, which the request already has.
+        req.resume_token_ids.extend(resume)
+        if decision.prefill is not None and not resume:
             req.prefill_peer.address = decision.prefill.address
             req.prefill_peer.worker_id = decision.prefill.worker_id
         if decision.kv_peer is not None:
@@ -128,44 +163,121 @@ class Gateway:
 
     async def stream(self, inp: GenerateInput, request_id: str, deadline: float,
                      ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
-        """Raises an APIError before the first response on overload, no worker, bad
-        request (as the worker judged it) or timeout."""
+        """Admission first (gateway/admission.py: waits for room on a worker, in fair
+        order across tenants), then the routed worker stream; accounts the request's
+        service to its tenant. Raises an APIError before the first response on overload
+        (429, with retry_after), no worker, bad request (as the worker judged it) or
+        timeout."""
+        t0, model, tenant = time.monotonic(), inp.model, inp.tenant
+        try:
+            ticket = await self.admission.admit(tenant, inp.labels, request_id, inp.priority,
+                                                len(inp.prompt_token_ids), deadline)
+        except Overloaded:
+            self.metrics.rejected.labels("admission_queue_full", tenant).inc()
+            raise
+        self.metrics.queue_time.labels(model, tenant).observe(ticket.queue_s)
+        self.metrics.prompt_tokens.labels(model, tenant).inc(len(inp.prompt_token_ids))
+        first = True
+        try:
+            async with contextlib.aclosing(self._stream(inp, request_id, deadline)) as out:
+                async for resp in out:
+                    if first and resp.token_ids:
+                        first = False
+                        self.metrics.ttft.labels(model, tenant).observe(time.monotonic() - t0)
+                    ticket.charge(resp.num_output_tokens)
+                    yield resp
+        finally:
+            ticket.release()
+            self.metrics.generation_tokens.labels(model, tenant).inc(ticket.output_tokens)
+
+    async def _stream(self, inp: GenerateInput, request_id: str, deadline: float,
+                      ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
+        """The routed worker stream, retried on another worker when one fails before
+        its first token, and resumed on another (fail-over) when one fails after it:
+        the new worker continues after the tokens already streamed, so the caller sees
+        one uninterrupted stream (see _after_failure)."""
         if self.in_flight >= self.config.max_in_flight:
-            self.metrics.rejected.labels("overload").inc()
+            self.metrics.rejected.labels("overload", inp.tenant).inc()
             raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
                              "requests in flight; retry later")
         self.in_flight += 1
         try:
             req, lookup = await self._route_request(inp, request_id)
-            for attempt in range(1, self.config.max_route_attempts + 1):
-                decision = self._route(req, lookup, inp.model)
-                sent = False
+            run = _Run(samples=_many_samples(inp))
+            while True:
+                decision = await self._route_run(req, lookup, inp.model, run, deadline)
                 try:
                     # aclosing: when our caller stops early, the worker call is cancelled
                     # now, not whenever the garbage collector finalizes the generator.
-                    async with contextlib.aclosing(
-                            self._call(inp, request_id, decision, deadline)) as responses:
+                    async with contextlib.aclosing(self._call(
+                            inp, request_id, decision, deadline, run.streamed)) as responses:
                         async for resp in responses:
-                            if not sent and lookup is not None:
+                            if not run.started and lookup is not None:
                                 wid = decision.decode.worker_id
                                 self.locality.observe(wid, decision.predicted_cached(req),
                                                       resp.num_cached_tokens)
-                            sent = True
+                            run.observe(resp)
                             yield resp
-                    return
+                            if resp.finish_reason:
+                                return
+                    failure: grpc.aio.AioRpcError | None = None  # ended with no finish
                 except grpc.aio.AioRpcError as e:
-                    if sent or e.code() != grpc.StatusCode.UNAVAILABLE \
-                            or attempt == self.config.max_route_attempts:
-                        raise _api_error(e) from e
-                    log.warning("event=retry request_id=%s worker=%s "
-                                "reason=unavailable_before_first_token",
-                                request_id, decision.decode.address)
-                    self.registry.mark_failed(decision.decode.address)
+                    failure = e
+                self._after_failure(run, failure, request_id, decision)
         finally:
             self.in_flight -= 1
 
+    async def _route_run(self, req: RouteRequest, lookup: IndexLookup | None, model: str,
+                         run: _Run, deadline: float) -> RouteDecision:
+        """A worker for the next attempt. Resuming a started stream, it waits (until the
+        deadline, at most `failover_wait_s`) for one to become routable."""
+        limit = min(deadline, time.monotonic() + self.config.failover_wait_s)
+        while True:
+            try:
+                return self._route(req, lookup, model)
+            except NoWorkerAvailable:
+                left = limit - time.monotonic()
+                if not run.started or left <= 0:
+                    raise
+                await asyncio.sleep(min(left, 0.1))
+
+    def _after_failure(self, run: _Run, error: grpc.aio.AioRpcError | None, request_id: str,
+                       decision: RouteDecision) -> None:
+        """A worker call broke (`error`; None: its stream ended without a finish
+        reason). Returns when the request goes on on another worker (retried before its
+        first token, resumed after it), else raises the client's clean error."""
+        code = error.code() if error is not None else None
+        address = decision.decode.address
+        if not run.started:  # nothing streamed: only an unavailable worker is retried
+            run.route_failures += 1
+            if (code is not None and code != grpc.StatusCode.UNAVAILABLE) \
+                    or run.route_failures >= self.config.max_route_attempts:
+                raise _api_error(error) if error is not None else \
+                    APIError("the worker ended the stream without a result")
+            log.warning("event=retry request_id=%s worker=%s "
+                        "reason=unavailable_before_first_token", request_id, address)
+            self.registry.mark_failed(address)
+            return
+        if code is not None and code not in RESUMABLE:
+            raise _api_error(error)  # type: ignore[arg-type]
+        reason = code.name if code is not None else "no_finish_reason"
+        if run.samples:
+            self.metrics.failovers.labels("refused_n").inc()
+            raise APIError(f"the worker serving this request failed mid-stream ({reason}); "
+                           "requests with n > 1 or best_of cannot be resumed elsewhere")
+        if run.failovers >= self.config.max_failovers:
+            self.metrics.failovers.labels("exhausted").inc()
+            raise NoWorkerAvailable(f"the request's workers failed {run.failovers + 1} times "
+                                    f"mid-stream (last: {reason})")
+        run.failovers += 1
+        self.metrics.failovers.labels("resumed").inc()
+        log.warning("event=failover request_id=%s worker=%s reason=%s resume_tokens=%d",
+                    request_id, address, reason, len(run.streamed))
+        self.registry.mark_failed(address)
+
     async def _call(self, inp: GenerateInput, request_id: str, decision: RouteDecision,
-                    deadline: float) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
+                    deadline: float, resume: list[int],
+                    ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
         entry = self.registry.entry(decision.decode.address)
         if entry is None:
             raise NoWorkerAvailable("the chosen worker left the registry")
@@ -173,11 +285,11 @@ class Gateway:
         if remaining <= 0:
             raise UpstreamTimeout("the request's deadline passed before it was routed")
         log.info("event=route request_id=%s worker=%s address=%s prefill=%s kv_peer=%s "
-                 "prompt_tokens=%d", request_id, decision.decode.worker_id,
+                 "prompt_tokens=%d resume_tokens=%d", request_id, decision.decode.worker_id,
                  decision.decode.address, decision.prefill.worker_id if decision.prefill else "-",
                  decision.kv_peer.worker_id if decision.kv_peer else "-",
-                 len(inp.prompt_token_ids))
-        call = entry.stub.Generate(self._worker_request(inp, request_id, decision),
+                 len(inp.prompt_token_ids), len(resume))
+        call = entry.stub.Generate(self._worker_request(inp, request_id, decision, resume),
                                    timeout=remaining,
                                    metadata=(("x-request-id", request_id),))
         entry.inflight += 1
@@ -191,6 +303,35 @@ class Gateway:
             if not done:
                 log.info("event=caller_left request_id=%s action=cancel_worker_call", request_id)
             call.cancel()  # no-op when finished; frees the worker's blocks otherwise
+
+
+# A worker call that broke with one of these after streaming began is resumed elsewhere
+# (the worker died, was cut at the end of its drain, or failed inside).
+RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL)
+
+
+@dataclass(slots=True)
+class _Run:
+    """One request's progress across the workers that serve it (fail-over)."""
+
+    samples: bool = False  # n > 1 / best_of: several samples, one resume list cannot say
+    started: bool = False  # the client has seen a response
+    streamed: list[int] = field(default_factory=list)  # output tokens the client has
+    cached_tokens: int = 0  # the first worker's prefix hit, kept in later responses
+    route_failures: int = 0  # before the first response
+    failovers: int = 0
+
+    def observe(self, resp: pb.WorkerGenerateResponse) -> None:
+        if self.started:
+            resp.num_cached_tokens = self.cached_tokens
+        else:
+            self.started, self.cached_tokens = True, resp.num_cached_tokens
+        self.streamed += resp.token_ids
+
+
+def _many_samples(inp: GenerateInput) -> bool:
+    s = sampling_to_proto(inp.params)
+    return s.n > 1 or (s.HasField("best_of") and s.best_of > 1)
 
 
 def _api_error(e: grpc.aio.AioRpcError) -> APIError:

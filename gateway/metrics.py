@@ -12,9 +12,13 @@ class GatewayMetrics:
         self.requests = Counter("splitserve:gateway_requests", "Requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("splitserve:gateway_rejected", "Requests refused before routing",
-                                ["reason"], registry=r)
+                                ["reason", "tenant"], registry=r)
         self.routed = Counter("splitserve:routing_decisions", "Routing decisions",
                               ["worker", "prefill"], registry=r)
+        self.failovers = Counter(
+            "splitserve:gateway_failovers", "Streams whose worker failed mid-request, by "
+            "outcome (resumed on another worker, exhausted, refused_n)", ["outcome"],
+            registry=r)
         self.in_flight = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight",
                                registry=r)
         self.decision_reasons = Counter(
@@ -44,3 +48,21 @@ class GatewayMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency",
                              ["model_name"], registry=r,
                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        # Per tenant (gateway/identity.py): what the admission queue shares out.
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting in the gateway's admission queue",
+            ["model_name", "tenant"], registry=r,
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Arrival at the gateway to the first token", ["model_name", "tenant"],
+                              registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                                                   10, 30, 60))
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens dispatched",
+                                     ["model_name", "tenant"], registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated",
+                                         ["model_name", "tenant"], registry=r)
+        self.admission_waiting = Gauge("splitserve:gateway_requests_waiting",
+                                       "Requests in the gateway's admission queue", registry=r)
+        self.strategies_version = Gauge("splitserve:scheduling_strategies_version",
+                                        "Version of the scheduling strategies in force",
+                                        registry=r)

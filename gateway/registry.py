@@ -117,7 +117,8 @@ class WorkerRegistry:
     def snapshot(self) -> list[dict[str, object]]:
         now = time.monotonic()
         return [{"address": w.address, "worker_id": w.worker_id, "role": w.role,
-                 "source": w.source, "routable": w.routable(now, self.config.load_stale_s)}
+                 "source": w.source, "routable": w.routable(now, self.config.load_stale_s),
+                 "inflight": w.inflight}
                 for w in self._workers.values()]
 
     # -- discovery ---------------------------------------------------------------------

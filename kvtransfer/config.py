@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtransfer.faults import FaultSpec
+
 TRANSPORTS = ("tcp", "shm", "ucx")
 
 # Host KV caches: what worked between two processes on a CPU host: cross-memory
@@ -54,6 +56,8 @@ class TransferConfig:
     # more is split across them, so that many cross-memory-attach reads run at once
     # (one process_vm_readv stream tops out at ~4.3 GB/s here, two reach ~7.5).
     ucx_lanes: int = 2
+    # Testing: seeded faults the tcp sender injects on its WRITE frames (None: off).
+    faults: FaultSpec | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+
 from kvtransfer import wire
+from kvtransfer.config import TransferConfig
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
+from kvtransfer.faults import Faults, on_wire
 from kvtransfer.layout import Region
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.memory import host_bytes
@@ -82,10 +86,19 @@ class TcpReceiver(ReceiverBase):
 class TcpSender(SenderBase):
     name = "tcp"
 
+    def __init__(self, config: TransferConfig, registry: CollectorRegistry | None = None,
+                 ) -> None:
+        super().__init__(config, registry)
+        # Testing only (kvtransfer/faults.py); None unless faults are configured.
+        self._faults = Faults(config.faults, "wire", registry) \
+            if config.faults is not None and on_wire(config.faults) else None
+
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
                             xfer_id: str, generation: int, checksum: bool) -> None:
         assert self.kv is not None
         loop = asyncio.get_running_loop()
+        if self._faults is not None:
+            pairs = self._faults.reorder(pairs)
         for src, dst in pairs:
             data = self.kv.view(src) if not self.kv.is_cuda else \
                 host_bytes(self.kv.device_slice(src).cpu())  # staged through host
@@ -96,8 +109,11 @@ class TcpSender(SenderBase):
             # The lock is per region, so concurrent transfers interleave region by region.
             async with peer.send_lock:
                 peer.check()
-                await wire.send_all(loop, peer.sock,
-                                    wire.pack_frame(Frame.WRITE, meta, len(data)))
+                head = wire.pack_frame(Frame.WRITE, meta, len(data))
+                if self._faults is not None:
+                    await self._faults.send_write(loop, peer.sock, head, data)
+                    continue
+                await wire.send_all(loop, peer.sock, head)
                 await wire.send_all(loop, peer.sock, data)
 
 
