@@ -35,6 +35,7 @@ from decode.metrics import WorkerMetrics
 from decode.registration import RedisRegistrar
 from decode.remote import RemotePrefillConfig, RemotePrefiller
 from decode.service import WorkerService
+from decode.strategies import StrategyWatcher
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import num_kv_blocks
@@ -206,6 +207,11 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
                                   config.redis_timeout_s, metrics.registry)
+    strategies = None  # scheduling strategies, polled and applied live
+    if config.redis_url:
+        strategies = StrategyWatcher(config.redis_url, model, llm, config.redis_timeout_s)
+        await strategies.poll()  # the current version before the first request
+        strategies.start()
     sparing = None  # tier eviction spares blocks no other node holds (index view)
     if kv_index is not None and tiers is not None:
         sparing = attach_index(tiers, kv_index)  # host/disk stores and evictions, resyncs
@@ -221,6 +227,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
         await registrar.remove()
     if sparing is not None:
         await sparing.close()
+    if strategies is not None:
+        await strategies.close()
     if kv_index is not None:
         await kv_index.close()
     service.stopping = True

@@ -96,13 +96,14 @@ class WorkerService(pb_grpc.WorkerServicer):
                 async for out in outs:
                     now = time.monotonic()
                     if out.new_token_ids:
-                        self._observe_tokens(start, last, now, n_out, len(out.new_token_ids))
+                        self._observe_tokens(request.tenant, start, last, now, n_out,
+                                             len(out.new_token_ids), out.scheduled_time)
                         last = now
                     n_out = len(out.token_ids)
                     if out.finished:
                         ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
-                                                      n_out)
+                                                      n_out, request.tenant)
                         log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
                                  "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
                     yield self._response(rid, out, n_prompt, params)
@@ -119,17 +120,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             # closed above (request aborted, blocks freed).
             if not ended:
                 log.info("event=cancelled request_id=%s output_tokens=%d", rid, n_out)
-                self.metrics.observe_finished("abort", n_prompt, n_out)
+                self.metrics.observe_finished("abort", n_prompt, n_out, request.tenant)
             self.changed.set()
 
-    def _observe_tokens(self, start: float, last: float, now: float, n_before: int,
-                        n_new: int) -> None:
-        model = self.metrics.model
+    def _observe_tokens(self, tenant: str, start: float, last: float, now: float,
+                        n_before: int, n_new: int, scheduled: float | None) -> None:
+        m, model = self.metrics, self.metrics.model
         if n_before == 0:
-            self.metrics.ttft.labels(model).observe(now - start)
+            m.ttft.labels(model, tenant).observe(now - start)
+            if scheduled is not None:  # None: the first token came from a remote prefill
+                m.queue_time.labels(model, tenant).observe(max(scheduled - start, 0.0))
             n_new -= 1
         for _ in range(n_new):  # tokens that arrived together share the interval
-            self.metrics.itl.labels(model).observe((now - last) / n_new)
+            m.itl.labels(model, tenant).observe((now - last) / n_new)
 
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
              prefill_peer: pb.PrefillPeer | None, deadline: float | None = None,

@@ -7,7 +7,13 @@ import os
 import sys
 import time
 
-from engine.config import LOAD_FORMATS, CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, ensure_default_model
 from engine.model_shapes import MODEL_SHAPES, SHAPE_NOTICE, model_shape_dir
 
@@ -70,6 +76,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="order of waiting requests: fcfs (arrival), priority (the request's "
+                        "priority, lower first), vtc (fair share between tenants); "
+                        "scheduling strategies apply under each")
     # Offload tiers (kvtransfer.tiers.config.tier_config_from_args reads these).
     p.add_argument("--host-cache-blocks", type=int, default=0,
                    help="KV blocks kept in host DRAM after the device (0: no host tier)")
@@ -127,7 +137,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
                           gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens))
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  policy=getattr(args, "scheduling_policy", "fcfs")))
 
 
 def run(args: argparse.Namespace) -> int:

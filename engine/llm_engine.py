@@ -422,7 +422,7 @@ class LLMEngine:
             new_token_ids=new_ids, new_text=track.detok.take_delta(final),
             finished=final, finish_reason=req.status.value if final else None,
             num_cached_tokens=req.num_cached_tokens or 0,
-            first_token_time=req.first_token_time,
+            first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             index=req.index, cumulative_logprob=req.cumulative_logprob,
             prompt_logprobs=req.prompt_logprobs

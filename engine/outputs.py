@@ -26,6 +26,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds
+    scheduled_time: float | None = None  # monotonic seconds: first scheduled (queue time)
     logprobs: list[dict[int, float]] | None = None  # per output token, when asked for
     # Parallel sampling (engine/parallel.py): the sample this output belongs to. Then
     # `finish_reason` marks the end of this sample and `finished` the last output of

@@ -69,6 +69,7 @@ class Request:
     queued_time: float = 0.0
     slice_start: float = 0.0
     num_prompt_charged: int = 0
+    scheduled_time: float | None = None  # first admission (the end of its queue time)
     # Parallel sampling (n / best_of): which sample this is, and on the sample that
     # prefills, the other samples waiting for its prompt KV (engine/parallel.py).
     index: int = 0

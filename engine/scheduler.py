@@ -184,6 +184,8 @@ class Scheduler:
                 break  # head-of-line: keep order, wait for room
             req.status = RequestStatus.RUNNING
             req.slice_start = now
+            if req.scheduled_time is None:
+                req.scheduled_time = now
             self.running.append(req)
             admitted.append(req)
             running[req.tenant] += 1
