@@ -196,3 +196,42 @@ def test_a_priority_strategy_set_mid_run_preempts_lower_requests_under_block_pre
     assert all(r.num_output_tokens == 64 for r in low)
     assert sim.s.stats().tenants["free"].preemptions >= 1
     assert sim.s.kv.pool.num_free_blocks == sim.s.kv.pool.num_blocks
+
+
+def test_priority_preemption_on_a_real_engine_resumes_token_identical() -> None:
+    from engine.llm import LLM
+    from tests.factories import tiny_model_dir
+
+    def run(strategy_at: int | None, num_blocks: int = 24,
+            ) -> tuple[dict[str, list[int]], list[str], int]:
+        eng = LLM(tiny_model_dir("llama"), dtype="float32", block_size=4,
+                  num_blocks=num_blocks, policy="vtc").engine
+        greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        for i in range(3):  # 3 x (20 + 24 tokens) need 33 blocks: the pool is short
+            eng.add_request(f"free-{i}", [(31 * i + 7 * j) % 400 + 5 for j in range(20)],
+                            greedy, tenant="free")
+        done: dict[str, list[int]] = {}
+        order: list[str] = []
+        steps = 0
+        while eng.has_work() or steps < 4:
+            if steps == 3:
+                eng.add_request("gold-0", [(11 * j) % 300 + 9 for j in range(20)],
+                                SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                                tenant="gold", labels={"tier": "paid"})
+            if steps == strategy_at:
+                eng.set_strategies(st.parse({"scheduling": [
+                    {"priority": True, "selectors": [{"key": "tier", "value": "paid"}]}]}))
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+                    order.append(out.request_id)
+            steps += 1
+        eng.check_integrity()
+        return done, order, eng.stats().tenants["free"].preemptions
+
+    undisturbed, _, none = run(None, num_blocks=256)
+    _, fair_order, _ = run(None)
+    prio, prio_order, preempted = run(strategy_at=4)
+    assert fair_order[0] != "gold-0"  # without the strategy it waits for blocks
+    assert prio_order[0] == "gold-0" and preempted > 0 and none == 0
+    assert prio == undisturbed  # preempted requests resumed token-identical
