@@ -32,6 +32,15 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+# `splitserve sim NAME`: the discrete-event simulator (sim/).
+SIMS: dict[str, tuple[str, str]] = {
+    "run": ("sim.run_cli", "one workload on a simulated cluster (bench run's report)"),
+    "calibrate": ("sim.calibrate", "fit the CPU hardware profile from engine + serving runs"),
+    "bench": ("sim.speed", "the simulator's own speed (simulated requests/s)"),
+    "experiment": ("sim.experiments", "routing, pd-ratio, tiers at cluster scale"),
+}
+
+
 def _add_lazy(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]],
               argv: Sequence[str]) -> None:
     for name, (module, help_text) in table.items():
@@ -49,6 +58,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (our figure next to its reference)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     _add_lazy(bench_sub, BENCHES, argv)
+    sim = sub.add_parser("sim", help="the discrete-event simulator (real router and scheduler)")
+    sim_sub = sim.add_subparsers(dest="sim", required=True)
+    _add_lazy(sim_sub, SIMS, argv)
     return parser
 
 

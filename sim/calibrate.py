@@ -1,0 +1,211 @@
+"""`splitserve sim calibrate`: fits a hardware profile from measurements, writes JSON.
+
+1. Engine steps: the real engine runs `bench engine`'s step recorder
+   (bench/engine_shape_bench.run_ours_workload) over workloads that span batch sizes
+   and prompt lengths; the machine's limits come from the same run
+   (bench/engine_roofline.measure_limits). Fitted, non-negative least squares:
+
+       step seconds = a + b * seqs + c * FLOPs + d * bytes
+
+   so `step_overhead_s = a`, `seq_overhead_s = b`, `compute_efficiency = 1 / (c * peak)`,
+   `memory_efficiency = 1 / (d * bandwidth)`, combine "sum" (the CPU engine does not
+   overlap its matmuls with its memory traffic).
+2. Serving (unless --no-serving): a real `splitserve up` cluster (one colocated worker)
+   answers sequential requests; the gateway + RPC time on the way to the first token
+   (`request_overhead_s`) and the streaming cost per token (`token_overhead_s`) are the
+   medians of measured minus modelled TTFT and TPOT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from sim.profile import PROFILE_DIR, HardwareProfile, LinkSpec, save_profile
+
+# (requests, prompt tokens, output tokens) per workload: batches 1..32, prompts 16..1536
+WORKLOADS = ((1, 64, 48), (4, 128, 48), (16, 64, 32), (32, 32, 24), (2, 1024, 8),
+             (1, 1536, 4), (8, 512, 16))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: embedded model, "
+                   "the one `splitserve up` serves)")
+    p.add_argument("--out", default=os.path.join(PROFILE_DIR, "cpu.json"))
+    p.add_argument("--name", default="cpu")
+    p.add_argument("--no-serving", action="store_true",
+                   help="skip the cluster run (serving overheads stay 0)")
+    p.add_argument("--serving-requests", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def fit_steps(rows: list[tuple[float, int, float, float]]) -> tuple[list[float], float]:
+    """Non-negative least squares of seconds ~ [1, seqs, flops, bytes] by trying every
+    subset of columns (four columns: fifteen tiny solves). Rows are (seconds, seqs,
+    flops, bytes). Returns (coefficients, the RMS of the relative errors)."""
+    # Relative residuals (each row divided by its time): a 4 ms decode step weighs as
+    # much as a 150 ms prefill.
+    t = np.array([r[0] for r in rows])
+    x = np.array([[1.0, r[1], r[2], r[3]] for r in rows]) / t[:, None]
+    y = np.ones(len(rows))
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    best: tuple[float, np.ndarray] | None = None
+    for k in range(1, 5):
+        for cols in itertools.combinations(range(4), k):
+            coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(4)
+            full[list(cols)] = coef
+            err = float(np.sqrt(np.mean((xs @ full - y) ** 2)))
+            if best is None or err < best[0]:
+                best = (err, full)
+    assert best is not None  # the constant column alone is non-negative
+    coef = best[1] / scale
+    return [float(c) for c in coef], best[0]
+
+
+def measure_engine(model_dir: str, seed: int) -> tuple[dict[str, Any], Any, list[Any], dict]:
+    """Runs the workloads on the real engine; returns (model config dict, limits, steps,
+    engine settings)."""
+    import torch
+
+    from bench.engine_roofline import measure_limits
+    from bench.engine_shape_bench import Workload, run_ours_workload
+    from engine.llm import LLM
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    limits = measure_limits(torch.device("cpu"), torch.float32)
+    rng = random.Random(seed)
+    vocab = int(cfg["vocab_size"])
+    llm = LLM(model_dir, dtype="float32", enable_prefix_caching=False)
+    steps = []
+    for i, (n, p, o) in enumerate(WORKLOADS):
+        prompts = [[rng.randrange(10, vocab) for _ in range(p)] for _ in range(n)]
+        w = Workload(f"cal{i}", prompts, [o] * n, 0.0)
+        run_ours_workload(llm, Workload("warm", prompts[:1], [2], 0.0), torch.device("cpu"))
+        steps += run_ours_workload(llm, w, torch.device("cpu"))[1]
+    eng = llm.engine
+    settings = {"num_blocks": eng.runner.num_blocks, "block_size": eng.block_size,
+                "max_num_seqs": eng.config.scheduler.max_num_seqs,
+                "max_num_batched_tokens": eng.config.scheduler.max_num_batched_tokens,
+                "torch_threads": torch.get_num_threads()}
+    return cfg, limits, steps, settings
+
+
+def engine_profile(name: str, cfg: dict[str, Any], limits: Any, steps: list[Any],
+                   settings: dict[str, Any]) -> HardwareProfile:
+    from bench.engine_roofline import ModelCost
+    from engine.config import ModelConfig
+
+    cost = ModelCost.from_config(ModelConfig.from_dict(cfg), 4)
+    # One row per step shape, its median time: a loaded machine's stray slow steps
+    # (another process, a GC pause) must not pull the fit. Every prompt of WORKLOADS
+    # fits one step's budget, so each scheduled row samples: seqs = sampled.
+    shapes: dict[tuple[bool, int, int], list[Any]] = {}
+    for s in steps:
+        shapes.setdefault((s.decode_only, s.tokens, s.sampled), []).append(s)
+    rows = []
+    for group in shapes.values():
+        s = group[len(group) // 2]
+        rows.append((statistics.median(g.seconds for g in group), max(1, s.sampled),
+                     float(cost.step_flops(s.tokens, s.sampled, s.attn_pairs)),
+                     float(cost.step_bytes(s.kv_tokens_read))))
+    (a, b, c, d), rel = fit_steps(rows)
+    peak, bw = limits.matmul_flop_s, limits.bandwidth_bytes_s
+    return HardwareProfile(
+        name=name, peak_flop_s=peak, bandwidth_bytes_s=bw,
+        compute_efficiency=1.0 / (c * peak) if c > 0 else 1e6,
+        memory_efficiency=1.0 / (d * bw) if d > 0 else 1e6,
+        step_overhead_s=a, seq_overhead_s=b, combine="sum", dtype="float32", model=cfg,
+        links={"kv": LinkSpec(1.0e9, 2e-4), "host": LinkSpec(bw / 2, 2e-5),
+               "disk": LinkSpec(1.0e9, 1e-4)},
+        num_blocks=settings["num_blocks"], block_size=settings["block_size"],
+        max_num_seqs=settings["max_num_seqs"],
+        max_num_batched_tokens=settings["max_num_batched_tokens"],
+        source="splitserve sim calibrate on this machine's CPU engine",
+        fit={"steps": len(steps), "relative_rms_error": round(rel, 4),
+             "limits": limits.to_json(), "engine": settings,
+             "calibrated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+
+
+def measure_serving(profile: HardwareProfile, model_dir: str, n: int, seed: int,
+                    out_dir: str) -> dict[str, float]:
+    """Sequential requests through a one-worker `splitserve up` cluster; the medians of
+    measured minus modelled TTFT and TPOT."""
+    from bench.datasets import LengthDist, TokenPool, synthetic
+    from bench.experiments.common import ExperimentConfig, measure, start_cluster
+    from bench.load import LoadSpec
+    from bench.runner import run_phase
+    from sim.latency import LatencyModel
+
+    cfg = ExperimentConfig(model_dir, out_dir, seed=seed, progress=False)
+    pool = TokenPool.from_tokenizer_dir(model_dir, seed)
+    reqs = synthetic(pool, n, LengthDist("uniform", 256, 224), LengthDist(mean=16),
+                     seed=seed)
+
+    async def body(client: Any) -> list[Any]:
+        return [await run_phase(client, reqs, LoadSpec("concurrency", concurrency=1),
+                                name="serving", progress=False)]
+
+    with start_cluster(cfg, colocated=1) as cluster:
+        phases, _ = measure(cfg, cluster, body)
+    lat = LatencyModel(profile)
+    ttft, tpot = [], []
+    for r in phases[0].results:
+        if not r.ok or r.ttft_s is None:
+            continue
+        p = r.prompt_len
+        ttft.append(r.ttft_s - lat.seconds(p, 1, p * (p + 1) // 2, p, 1))
+        if r.tpot_s is not None:
+            tpot.append(r.tpot_s - lat.seconds(1, 1, p + 8, p + 8, 1))
+    if not ttft:
+        raise RuntimeError("no request of the serving calibration succeeded")
+    return {"request_overhead_s": max(0.0, statistics.median(ttft)),
+            "token_overhead_s": max(0.0, statistics.median(tpot)) if tpot else 0.0,
+            "serving_requests": float(len(ttft))}
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from engine.cli import resolve_model
+
+    model_dir = resolve_model(args.model)
+    print("measuring the engine's steps...", file=sys.stderr)
+    cfg, limits, steps, settings = measure_engine(model_dir, args.seed)
+    prof = engine_profile(args.name, cfg, limits, steps, settings)
+    notes = [f"Fitted by `splitserve sim calibrate` from {len(steps)} steps of the real "
+             f"CPU engine on {os.path.basename(model_dir)} ({cfg['num_hidden_layers']} "
+             f"layers, hidden {cfg['hidden_size']}), float32.",
+             "links are not measured by the calibration: kv is the tcp transport on "
+             "loopback (~1 GB/s + 0.2 ms per transfer, bench transfer's order), host a "
+             "memcpy at half the measured bandwidth, disk 1 GB/s."]
+    if not args.no_serving:
+        print("measuring serving overheads on a one-worker cluster...", file=sys.stderr)
+        serving = measure_serving(prof, model_dir, args.serving_requests, args.seed,
+                                  os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                                               ".calibrate"))
+        prof = replace(prof, request_overhead_s=serving["request_overhead_s"],
+                       token_overhead_s=serving["token_overhead_s"],
+                       fit={**prof.fit, "serving": serving})
+    save_profile(prof, args.out, notes)
+    f = prof.fit
+    print(f"wrote {args.out}: step {prof.step_overhead_s * 1e3:.3f} ms + "
+          f"{prof.seq_overhead_s * 1e3:.3f} ms/seq, compute eff {prof.compute_efficiency:.3g}, "
+          f"memory eff {prof.memory_efficiency:.3g} (fit error {f['relative_rms_error']:.1%} "
+          f"over {f['steps']} steps); request overhead {prof.request_overhead_s * 1e3:.2f} ms, "
+          f"token overhead {prof.token_overhead_s * 1e3:.2f} ms")
+    return 0

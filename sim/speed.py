@@ -1,0 +1,82 @@
+"""`splitserve sim bench`: how fast the simulator itself runs. Replays the Mooncake trace
+(repeated past its end when more requests are asked for) on W simulated workers at a
+given load per worker and prints simulated requests per wall second, and what that
+projects for the issue's target: one million requests over 512 workers in under ten
+minutes. `--profile` prints the hot path (cProfile, top functions by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from dataclasses import replace
+
+from sim.cluster import ClusterConfig, Simulator
+from sim.profile import load_profile
+from sim.run_cli import MOONCAKE_TRACE, routing_profile
+from sim.workload import mooncake
+
+TRACE_RATE = 112031 / 3537.0  # the conversation trace's requests per second
+TARGET_REQUESTS, TARGET_WORKERS, TARGET_S = 1_000_000, 512, 600.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--workers", type=int, default=64)
+    p.add_argument("--prefill-share", type=float, default=0.0,
+                   help="fraction of workers in the prefill pool (0: all colocated)")
+    p.add_argument("--rate-per-worker", type=float, default=0.5, help="req/s per worker")
+    p.add_argument("--hardware", default="h100")
+    p.add_argument("--block-size", type=int, default=0, help="override the profile's")
+    p.add_argument("--routing", default="cache_aware")
+    p.add_argument("--trace", default=MOONCAKE_TRACE)
+    p.add_argument("--profile", action="store_true", help="cProfile the run")
+    p.add_argument("--json", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    prof = load_profile(args.hardware)
+    if args.block_size:
+        prof = replace(prof, block_size=args.block_size)
+    n_p = round(args.workers * args.prefill_share)
+    cfg = ClusterConfig(prefill=n_p, decode=args.workers - n_p if n_p else 0,
+                        colocated=0 if n_p else args.workers,
+                        routing=routing_profile(args.routing, 0), itl_every=100)
+    scale = TRACE_RATE / (args.rate_per_worker * args.workers)
+    specs = mooncake(args.trace, limit=args.requests, time_scale=scale,
+                     repeat=max(1, -(-args.requests // 100000)))
+    sim = Simulator(cfg, prof)
+    prof_run = cProfile.Profile() if args.profile else None
+    t0 = time.perf_counter()
+    if prof_run is not None:
+        prof_run.enable()
+    results = sim.run(specs)
+    if prof_run is not None:
+        prof_run.disable()
+    wall = time.perf_counter() - t0
+    rate = len(results) / wall
+    projected = TARGET_REQUESTS / rate
+    ok = sum(r.ok for r in results)
+    out = {"requests": len(results), "completed": ok, "workers": args.workers,
+           "prefill_workers": n_p, "block_size": prof.block_size, "hardware": prof.name,
+           "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
+           "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
+           "projected_1M_s": round(projected, 1),
+           "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
+    print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
+          f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
+          f"{out['events_per_s']} events/s")
+    print(f"projected for {TARGET_REQUESTS:,} requests at this rate: {projected:.0f} s "
+          f"(target {TARGET_S:.0f} s on {TARGET_WORKERS} workers)")
+    if prof_run is not None:
+        buf = io.StringIO()
+        pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)
+        print(buf.getvalue())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
