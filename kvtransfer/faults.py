@@ -5,11 +5,12 @@ A worker started with `SPLITSERVE_FAULTS` (or `--faults`) set injects faults. Th
 is comma-separated `name=value` items:
 
     seed=7                 the RNG seed (every decision is drawn from it, in order)
-    wire.<kind>=P          each WRITE frame suffers <kind> with probability P:
+    wire.<kind>=P          each WRITE frame suffers <kind> with probability P (kinds
+                           are drawn in the order given, at most one per frame):
         drop               frame and payload never sent (the transfer cannot complete)
         delay              sent `delay` seconds late
         duplicate          sent twice
-        reorder            swapped with the next frame of the same batch
+        reorder            a multi-block frame sent as one frame per block, last first
         corrupt            one payload byte flipped after the checksum was taken
         truncate           half the payload sent, then the connection closed
     rpc.<kind>=P           each worker call (Generate/Prefill/FetchKV) suffers <kind>:
@@ -35,16 +36,17 @@ import random
 import signal
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
+
+from kvtransfer.layout import Region
 
 log = logging.getLogger(__name__)
 
 WIRE_KINDS = ("drop", "delay", "duplicate", "reorder", "corrupt", "truncate")
 RPC_KINDS = ("drop", "delay", "duplicate")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +131,17 @@ class Faults:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # -- the wire (the tcp sender calls these) ------------------------------------------
-    def reorder(self, pairs: Sequence[T]) -> list[T]:
-        """The frames of one batch in sending order (adjacent swaps where drawn)."""
-        out, i = list(pairs), 0
-        while i + 1 < len(out):
-            if self.hit("reorder"):
-                out[i], out[i + 1] = out[i + 1], out[i]
-                i += 1
-            i += 1
+    def reorder(self, pairs: Sequence[tuple[Region, Region]]) -> list[tuple[Region, Region]]:
+        """The (src, dst) regions of one batch in sending order: a multi-block region
+        drawn for `reorder` goes as one frame per block, last block first."""
+        out = []
+        for src, dst in pairs:
+            if src.num_blocks > 1 and self.hit("reorder"):
+                out += [(replace(src, block_id=src.block_id + i, num_blocks=1),
+                         replace(dst, block_id=dst.block_id + i, num_blocks=1))
+                        for i in reversed(range(src.num_blocks))]
+            else:
+                out.append((src, dst))
         return out
 
     async def send_write(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
@@ -147,7 +152,7 @@ class Faults:
         self.writes += 1
         if self.spec.kill_write is not None and self.writes >= self.spec.kill_write:
             self.kill(f"WRITE frame {self.writes}")
-        kind = self.draw(("drop", "delay", "duplicate", "corrupt", "truncate"))
+        kind = self.draw([k for k in self._kinds if k != "reorder"])  # in spec order
         if kind == "drop":
             return
         if kind == "delay":
