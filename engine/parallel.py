@@ -32,7 +32,7 @@ def make_forks(parent: Request) -> list[Request]:
         forks.append(Request(f"{parent.request_id}#{i}", list(parent.prompt_token_ids), params,
                              extra_key=parent.extra_key, eos_token_ids=parent.eos_token_ids,
                              priority=parent.priority, arrival_time=parent.arrival_time,
-                             index=i))
+                             index=i, tenant=parent.tenant, labels=parent.labels))
     parent.forks = forks
     return forks
 

@@ -331,6 +331,9 @@ class Scheduler:
         Returns the block copy (source, destination) the runner must make, if any."""
         self.requests[child.request_id] = child
         self.waiting.append(child)
+        # the parent's place in line and policy; its prompt was charged once (VTC)
+        child.policy, child.queued_time = parent.policy, parent.queued_time
+        child.num_prompt_charged = parent.num_prompt_charged
         if not self.kv.can_fork():
             child.status = RequestStatus.PREEMPTED
             return None
