@@ -10,8 +10,9 @@
    so `step_overhead_s = a`, `seq_overhead_s = b`, `compute_efficiency = 1 / (c * peak)`,
    `memory_efficiency = 1 / (d * bandwidth)`, combine "sum" (the CPU engine does not
    overlap its matmuls with its memory traffic).
-2. Serving (unless --no-serving): a real `splitserve up` cluster (one colocated worker)
-   answers sequential requests; the gateway + RPC time on the way to the first token
+   The profile is one worker on one core with one thread (bench/pin.py's convention).
+2. Serving (unless --no-serving): a real `splitserve up` cluster (one colocated worker,
+   pinned to core 0) answers sequential requests; the gateway + RPC time on the way to the first token
    (`request_overhead_s`) and the streaming cost per token (`token_overhead_s`) are the
    medians of measured minus modelled TTFT and TPOT.
 """
@@ -81,12 +82,27 @@ def measure_engine(model_dir: str, seed: int) -> tuple[dict[str, Any], Any, list
     engine settings)."""
     import torch
 
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    # One worker = one core, one thread: as the experiments pin workers (bench/pin.py).
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    try:
+        return _measure_engine(model_dir, cfg, seed)
+    finally:  # the serving run's client must not share the worker's core
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
+
+
+def _measure_engine(model_dir: str, cfg: dict[str, Any], seed: int,
+                    ) -> tuple[dict[str, Any], Any, list[Any], dict]:
+    import torch
+
     from bench.engine_roofline import measure_limits
     from bench.engine_shape_bench import Workload, run_ours_workload
     from engine.llm import LLM
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
     limits = measure_limits(torch.device("cpu"), torch.float32)
     rng = random.Random(seed)
     vocab = int(cfg["vocab_size"])
@@ -145,26 +161,39 @@ def measure_serving(profile: HardwareProfile, model_dir: str, n: int, seed: int,
                     out_dir: str) -> dict[str, float]:
     """Sequential requests through a one-worker `splitserve up` cluster; the medians of
     measured minus modelled TTFT and TPOT."""
-    from bench.datasets import LengthDist, TokenPool, synthetic
     from bench.experiments.common import ExperimentConfig, measure, start_cluster
     from bench.load import LoadSpec
     from bench.runner import run_phase
-    from sim.latency import LatencyModel
 
     cfg = ExperimentConfig(model_dir, out_dir, seed=seed, progress=False)
-    pool = TokenPool.from_tokenizer_dir(model_dir, seed)
-    reqs = synthetic(pool, n, LengthDist("uniform", 256, 224), LengthDist(mean=16),
-                     seed=seed)
+    reqs = serving_requests(model_dir, n, seed)
 
     async def body(client: Any) -> list[Any]:
         return [await run_phase(client, reqs, LoadSpec("concurrency", concurrency=1),
                                 name="serving", progress=False)]
 
-    with start_cluster(cfg, colocated=1) as cluster:
+    with start_cluster(cfg, colocated=1, pins={"colocated-0": "0"}) as cluster:
         phases, _ = measure(cfg, cluster, body)
+    return serving_overheads(profile, phases[0].results)
+
+
+def serving_requests(model_dir: str, n: int, seed: int) -> list[Any]:
+    """Sequential requests for `serving_overheads`: prompts of 32-480 tokens, 16 out."""
+    from bench.datasets import LengthDist, TokenPool, synthetic
+
+    pool = TokenPool.from_tokenizer_dir(model_dir, seed)
+    return synthetic(pool, n, LengthDist("uniform", 256, 224), LengthDist(mean=16),
+                     seed=seed)
+
+
+def serving_overheads(profile: HardwareProfile, results: list[Any]) -> dict[str, float]:
+    """From requests run one at a time on an idle cluster: the medians of measured minus
+    modelled TTFT (`request_overhead_s`) and TPOT (`token_overhead_s`)."""
+    from sim.latency import LatencyModel
+
     lat = LatencyModel(profile)
     ttft, tpot = [], []
-    for r in phases[0].results:
+    for r in results:
         if not r.ok or r.ttft_s is None:
             continue
         p = r.prompt_len

@@ -65,6 +65,7 @@ class ClusterConfig:
     max_model_len: int = 1 << 20
     salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
+    seed: int = 0  # the pickers' randomness when the routing profile sets none
 
     def __post_init__(self) -> None:
         if self.prefill and not self.decode:
@@ -119,7 +120,9 @@ class Simulator:
         self.latency = latency or LatencyModel(profile)
         self.index = InProcessBlockIndex()
         self.locality = Locality(self.index, GatewayMetrics())  # type: ignore[arg-type]
-        self.router = Router(config.routing)
+        routing = config.routing
+        self.router = Router(routing if routing.seed is not None
+                             else replace(routing, seed=config.seed))
         self.hasher = BlockHasher(profile.block_size)
         nb = config.num_blocks or profile.num_blocks
         specs = [WorkerSpec(f"prefill-{i}", "prefill", nb, config.host_blocks,
@@ -166,6 +169,9 @@ class Simulator:
             n += 1
         self.stats.events += n
         self._fail_stalled()
+        for w in self.workers.values():
+            for tier, n in w.restored_bytes.items():
+                self.stats.add_bytes(tier, n)
         return [r for r in self.results if r is not None]
 
     def _fail_stalled(self) -> None:

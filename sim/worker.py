@@ -105,6 +105,7 @@ class SimWorker:
         self.steps = 0
         self.tokens_computed = 0
         self.requests_done = 0
+        self.restored_bytes: dict[str, int] = {}  # tier -> bytes restored into the device
 
     # -- the index --------------------------------------------------------------------
     def _publish(self, stored: list[tuple[Any, str]], removed: list[tuple[Any, str]]) -> None:
@@ -146,8 +147,11 @@ class SimWorker:
             return 0.0
         self.offload.run_loads(None)
         block = self.latency.kv_block_bytes
-        return sum(self.profile.links[tier].seconds(n * block)
-                   for tier, n in self.tiers.take_pending())
+        seconds = 0.0
+        for tier, n in self.tiers.take_pending():
+            seconds += self.profile.links[tier].seconds(n * block)
+            self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + n * block
+        return seconds
 
     def finish_step(self, out: SchedulerOutput) -> list[Request]:
         """Applies the step (one sampled token per request that reached its end);

@@ -1,0 +1,90 @@
+"""The simulator against reality: one real `splitserve up`-style cluster (two colocated
+workers, one core each, the embedded model `splitserve up` serves, the gateway's default
+routing) replays a Mooncake trace sample; the simulator replays the same requests at the
+same arrival times with the checked-in CPU profile (sim/profiles/cpu.json). TTFT and
+TPOT p50 agree within 15 % and the prefix-cache hit rate within 2 points.
+
+The engine's step model comes from the profile; the serving overheads (gateway + RPC per
+request, streaming per token) are re-measured on this cluster first, from requests sent
+one at a time (the calibration's own method, sim/calibrate.py), because on this shared
+2-core machine they follow the load of the moment. The trace replay is not used for it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.datasets import TokenPool, mooncake
+from bench.experiments.common import ExperimentConfig, measure, start_cluster
+from bench.load import LoadSpec
+from bench.routing_bench import sample_trace
+from bench.runner import run_phase
+from sim.calibrate import serving_overheads, serving_requests
+from sim.cluster import ClusterConfig
+from sim.profile import load_profile
+from sim.run_cli import MOONCAKE_TRACE, simulate
+from sim.workload import from_bench
+
+pytestmark = pytest.mark.skipif(not os.path.isfile(MOONCAKE_TRACE),
+                                reason=f"no Mooncake trace at {MOONCAKE_TRACE}")
+
+PINS = {"colocated-0": "0", "colocated-1": "1"}
+TOLERANCE = {"ttft_p50": 0.15, "tpot_p50": 0.15}
+HIT_POINTS = 0.02
+
+
+@pytest.mark.timeout(180)
+def test_simulator_matches_a_real_cluster(tmp_path: Path) -> None:
+    from engine.default_model import ensure_default_model
+
+    model_dir = ensure_default_model()
+    trace = sample_trace(MOONCAKE_TRACE, 40, 40, str(tmp_path / "trace.jsonl"))
+    pool = TokenPool.from_tokenizer_dir(model_dir, 0)
+    reqs = mooncake(trace, pool, block_tokens=16, time_scale=0.02, max_input_len=512,
+                    max_output_len=16)
+    sequential = serving_requests(model_dir, 16, seed=1)
+    cfg = ExperimentConfig(model_dir, str(tmp_path), progress=False)
+
+    async def body(client):  # type: ignore[no-untyped-def]
+        one = await run_phase(client, sequential, LoadSpec("concurrency", concurrency=1),
+                              name="overheads", progress=False)
+        return [one, await run_phase(client, reqs, LoadSpec("trace"), name="trace",
+                                     progress=False)]
+
+    with start_cluster(cfg, colocated=2, pins=PINS) as cluster:
+        (overheads, replay), _ = measure(cfg, cluster, body)
+    real = replay.summary
+    assert real["failed"] == 0, real["errors"]
+
+    cpu = load_profile("cpu")
+    fitted = serving_overheads(cpu, overheads.results)
+    prof = replace(cpu, request_overhead_s=fitted["request_overhead_s"],
+                   token_overhead_s=fitted["token_overhead_s"])
+    run = simulate(ClusterConfig(colocated=2, max_in_flight=256), prof,
+                   from_bench(reqs, LoadSpec("trace")), "sim")
+    sim = run.phase.summary
+    assert sim["failed"] == 0
+
+    figures = {"ttft_p50": (real["ttft_s"]["p50"], sim["ttft_s"]["p50"]),
+               "tpot_p50": (real["tpot_s"]["p50"], sim["tpot_s"]["p50"])}
+    lines = [f"serving overheads: request {fitted['request_overhead_s'] * 1e3:.2f} ms, "
+             f"token {fitted['token_overhead_s'] * 1e3:.2f} ms"]
+    off = []
+    for name, (r, s) in figures.items():
+        rel = (s - r) / r
+        lines.append(f"{name}: real {r * 1e3:.2f} ms, simulated {s * 1e3:.2f} ms "
+                     f"({rel:+.1%}, tolerance {TOLERANCE[name]:.0%})")
+        if abs(rel) > TOLERANCE[name]:
+            off.append(name)
+    hit_real, hit_sim = real["cached_ratio"], sim["cached_ratio"]
+    lines.append(f"hit rate: real {hit_real:.3f}, simulated {hit_sim:.3f} "
+                 f"({(hit_sim - hit_real) * 100:+.2f} points, tolerance "
+                 f"{HIT_POINTS * 100:.0f})")
+    if abs(hit_sim - hit_real) > HIT_POINTS:
+        off.append("hit rate")
+    print("\n".join(lines))
+    assert not off, f"simulator off on {off}:\n" + "\n".join(lines)
