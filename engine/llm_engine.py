@@ -170,8 +170,6 @@ class LLMEngine:
         for m in group.members:
             self._groups[m.request_id] = group
             if m is not req:
-                if m.sampling_params.structured is not None:
-                    m.grammar = self.structured.new_state(m.sampling_params.structured)
                 self._track(m)
 
     def _fork(self, parent: Request, firsts: Sequence[tuple[int, Logprobs | None]],

@@ -32,7 +32,9 @@ def make_forks(parent: Request) -> list[Request]:
         forks.append(Request(f"{parent.request_id}#{i}", list(parent.prompt_token_ids), params,
                              extra_key=parent.extra_key, eos_token_ids=parent.eos_token_ids,
                              priority=parent.priority, arrival_time=parent.arrival_time,
-                             index=i, tenant=parent.tenant, labels=parent.labels))
+                             index=i, tenant=parent.tenant, labels=parent.labels,
+                             # structured outputs: each sample walks its own grammar
+                             grammar=parent.grammar.fork() if parent.grammar else None))
     parent.forks = forks
     return forks
 

@@ -21,6 +21,14 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter (jinja's escapes HTML characters; templates that
+    render tools and tool calls with it must give the same text as transformers)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def _token_text(tok: Any) -> str | None:
     if tok is None:
         return None
@@ -59,12 +67,20 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'
+        convert_ids_to_tokens."""
+        return self._tok.id_to_token(token_id)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Renders a conversation to the prompt text the model was trained on.
+        `tools`: OpenAI function tools, for templates that describe them to the model
+        (as transformers' `apply_chat_template(tools=...)`).
 
         Raises ValueError when the model has no chat template or the template rejects
         the conversation.
@@ -75,16 +91,18 @@ class Tokenizer:
             # Same environment settings as transformers' apply_chat_template.
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         try:
             return str(self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template already places BOS; encoding it again would double it.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
                            add_special_tokens=False)

@@ -204,6 +204,7 @@ class Gateway:
         try:
             req, lookup = await self._route_request(inp, request_id)
             run = _Run(samples=_many_samples(inp))
+            ended = 0  # samples finished (n > 1: finish_reason ends one sample each)
             while True:
                 decision = await self._route_run(req, lookup, inp.model, run, deadline)
                 try:
@@ -218,7 +219,8 @@ class Gateway:
                                                       resp.num_cached_tokens)
                             run.observe(resp)
                             yield resp
-                            if resp.finish_reason:
+                            ended += bool(resp.finish_reason)
+                            if ended == inp.params.n:
                                 return
                     failure: grpc.aio.AioRpcError | None = None  # ended with no finish
                 except grpc.aio.AioRpcError as e:

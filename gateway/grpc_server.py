@@ -12,12 +12,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest
-from gateway.protocol import GenerateInput, finish_input
+from gateway.identity import check_labels
+from gateway.protocol import GenerateInput, _message_text, chat_tools, finish_input
+from gateway.tools import ChatOutput, forced_structure, tools_from_json
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import sampling_from_proto
@@ -33,14 +36,18 @@ class GenerateService(pb_grpc.GenerateServicer):
         ctx = self.gw.ctx
         model = ctx.check_model(req.model)
         which = req.WhichOneof("input")
+        tools = None
+        if which != "chat" and (req.tools_json or req.tool_choice_json):
+            raise InvalidRequest("tools_json and tool_choice_json need chat input", "tools_json")
         if which == "prompt":
             ids = ctx.tokenizer.encode(req.prompt)
         elif which == "chat":
-            msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+            msgs = [_message_text(_chat_message(m), i) for i, m in enumerate(req.chat.messages)]
             if not msgs:
                 raise InvalidRequest("chat.messages must be non-empty", "chat")
+            tools = chat_tools(ctx, tools_from_json(req.tools_json, req.tool_choice_json))
             try:
-                ids = ctx.tokenizer.encode_chat(msgs)
+                ids = ctx.tokenizer.encode_chat(msgs, tools=list(tools.tools) if tools else None)
             except ValueError as e:
                 raise InvalidRequest(str(e), "chat") from e
         elif which == "token_ids":
@@ -48,12 +55,39 @@ class GenerateService(pb_grpc.GenerateServicer):
         else:
             raise InvalidRequest("give one of prompt, chat or token_ids", "input")
         params = sampling_from_proto(req.sampling)
+        forced = forced_structure(tools)
+        if forced is not None:  # tool_choice required / named
+            if params.structured is not None:
+                raise InvalidRequest("You can only use one kind of structured outputs "
+                                     "constraint but multiple are specified: "
+                                     "sampling.structured, tool_choice", "tool_choice_json")
+            params.structured = forced[1]
         given = req.sampling.HasField("max_tokens")
         if given and params.max_tokens <= 0:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if req.echo and params.prompt_logprobs is None:
+            params.prompt_logprobs = params.logprobs  # as HTTP: echo + logprobs
         salt = req.cache_salt if req.HasField("cache_salt") else None
+        text = (req.prompt if which == "prompt" else ctx.tokenizer.decode(ids, False)) \
+            if req.echo else ""
         return finish_input(ctx, model, ids, params, given, cache_salt=salt,
-                            priority=req.priority)
+                            priority=req.priority, echo=req.echo, prompt_text=text,
+                            tools=tools)
+
+    def _identify(self, inp: GenerateInput, req: pb.GenerateRequest,
+                  md: dict[str, str | bytes]) -> GenerateInput:
+        """Tenant and labels (gateway/identity.py): the `authorization: Bearer <key>`
+        metadata; the request's `tenant` when trusted; its `labels` as HTTP's body
+        `metadata`."""
+        auth = str(md.get("authorization") or "")
+        try:
+            labels = check_labels(dict(req.labels), "labels") if req.labels else {}
+        except ValueError as e:
+            raise InvalidRequest(str(e), "labels") from e
+        ident = self.gw.identity.resolve(auth[7:] if auth.startswith("Bearer ") else None,
+                                         req.tenant or None, metadata=labels)
+        inp.tenant, inp.labels = ident.tenant, dict(ident.labels)
+        return inp
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -63,11 +97,24 @@ class GenerateService(pb_grpc.GenerateServicer):
         budget = self.gw.config.request_timeout_s
         deadline = time.monotonic() + (min(remaining, budget) if remaining else budget)
         try:
-            inp = self._input(request)
+            inp = self._identify(self._input(request), request, md)
             async with contextlib.aclosing(self.gw.stream(inp, rid, deadline)) as stream:
+                echoed: set[int] = set()
+                texts: dict[int, list[str]] = {}  # per sample, with tools: read at the end
                 async for r in stream:
-                    out = pb.GenerateResponse(request_id=rid, token_ids=r.token_ids,
-                                              text=r.text, finish_reason=r.finish_reason)
+                    # `echo`: the prompt's text leads each sample's first delta.
+                    text = r.text if not inp.echo or r.index in echoed \
+                        else inp.prompt_text + r.text
+                    echoed.add(r.index)
+                    out = pb.GenerateResponse(
+                        request_id=rid, token_ids=r.token_ids, text=text,
+                        finish_reason=r.finish_reason, index=r.index, logprobs=r.logprobs,
+                        prompt_logprobs=r.prompt_logprobs,
+                        cumulative_logprob=r.cumulative_logprob)
+                    if inp.tools is not None:
+                        texts.setdefault(r.index, []).append(r.text)
+                        if r.finish_reason:
+                            _tool_calls(out, ChatOutput(inp.tools), "".join(texts[r.index]))
                     if r.finish_reason:
                         out.usage.prompt_tokens = len(inp.prompt_token_ids)
                         out.usage.completion_tokens = r.num_output_tokens
@@ -76,4 +123,26 @@ class GenerateService(pb_grpc.GenerateServicer):
         except APIError as e:
             log.info("event=grpc_error request_id=%s code=%s message=%r", rid, e.grpc_code.name,
                      e.message)
-            await context.abort(e.grpc_code, e.message)
+            await context.abort(e.grpc_code, e.message, trailing_metadata=e.trailing_metadata())
+
+
+def _chat_message(m: pb.ChatMessage) -> dict[str, Any]:
+    """A wire chat message in the OpenAI request's shape (validated by protocol.py)."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": c.type or "function", "function": {
+            "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+    return out
+
+
+def _tool_calls(out: pb.GenerateResponse, chat: ChatOutput, text: str) -> None:
+    """A sample's last response: the calls read from its whole text, and the finish
+    reason "tool_calls" when the model called (as the HTTP response has them)."""
+    _, calls, finish = chat.message(text, out.finish_reason)
+    out.finish_reason = finish or out.finish_reason
+    out.tool_calls.extend(pb.ToolCall(id=c["id"], type=c["type"], name=c["function"]["name"],
+                                      arguments=c["function"]["arguments"]) for c in calls)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics.
+/v1/models, /health, /metrics; with the admin key, /admin/v1/routing and
+/api/v1/scheduling/strategies.
 
 Every response carries `x-request-id` (the client's, or a new one); the id goes to the
 worker in gRPC metadata and into every log line. Errors use vLLM's JSON shape. A
@@ -22,10 +23,18 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.choices import Choices, merged_streams
 from gateway.core import Gateway
 from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
+from gateway.identity import header_labels, metadata_labels
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
-from gateway.protocol import GenerateInput, parse_chat, parse_completion
+from gateway.protocol import (
+    GenerateInput,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 from gateway.routing.profile import RoutingProfile
 
 log = logging.getLogger(__name__)
@@ -37,7 +46,13 @@ REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
 
 
 def _json_error(e: APIError, rid: str) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers={"x-request-id": rid})
+    return web.json_response(e.body(), status=e.status,
+                             headers={"x-request-id": rid, **e.headers()})
+
+
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") else ""
 
 
 @web.middleware
@@ -47,11 +62,8 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request[REQUEST_ID] = rid
     endpoint = request.path
     try:
-        keys = gw.config.api_keys
-        if keys and request.path.startswith("/v1/"):
-            auth = request.headers.get("Authorization", "")
-            token = auth[7:] if auth.startswith("Bearer ") else ""
-            if not any(hmac.compare_digest(token, k) for k in keys):
+        if gw.identity.keys_required and request.path.startswith("/v1/"):
+            if not gw.identity.accepts(_bearer(request)):
                 raise Unauthorized("invalid or missing API key")
         resp = await handler(request)
     except APIError as e:
@@ -83,43 +95,56 @@ async def _body(request: web.Request) -> Any:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    inp = parse_completion(await _body(request), gw.ctx)
-    return await _generate(request, inp, ResponseBuilder(inp.model, chat=False))
+    body = await _body(request)
+    inps = [_identify(request, inp, body) for inp in parse_completion(body, gw.ctx)]
+    return await _generate(request, inps, ResponseBuilder(inps[0].model, chat=False))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
-    inp = parse_chat(await _body(request), gw.ctx)
-    return await _generate(request, inp, ResponseBuilder(inp.model, chat=True))
+    body = await _body(request)
+    inp = _identify(request, parse_chat(body, gw.ctx), body)
+    return await _generate(request, [inp], ResponseBuilder(inp.model, chat=True))
 
 
-async def _generate(request: web.Request, inp: GenerateInput,
+def _identify(request: web.Request, inp: GenerateInput, body: dict[str, Any]) -> GenerateInput:
+    """The request's tenant and labels: API key, trusted X-Tenant / X-Labels headers,
+    the body's `metadata` (gateway/identity.py)."""
+    ident = request.app[GATEWAY_KEY].identity.resolve(
+        _bearer(request), request.headers.get("X-Tenant"),
+        header_labels(request.headers.get("X-Labels")), metadata_labels(body))
+    inp.tenant, inp.labels = ident.tenant, dict(ident.labels)
+    return inp
+
+
+async def _generate(request: web.Request, inps: list[GenerateInput],
                     b: ResponseBuilder) -> web.StreamResponse:
+    """One prompt's worker stream, or several (a prompt list) merged; choices numbered
+    and shaped by gateway/choices.py."""
     gw = request.app[GATEWAY_KEY]
     rid = request[REQUEST_ID]
     t0 = time.monotonic()
     deadline = t0 + gw.config.request_timeout_s
-    texts: list[str] = []
-    finish: str | None = None
-    n_out = cached = 0
+    inp = inps[0]
+    choices = Choices(inps, b, lambda ids: gw.ctx.tokenizer.decode(ids, False))
     resp: web.StreamResponse | None = None
     gw.metrics.in_flight.inc()
     try:
-        async with contextlib.aclosing(gw.stream(inp, rid, deadline)) as stream:
-            async for r in stream:
-                n_out, cached = r.num_output_tokens, r.num_cached_tokens
-                finish = r.finish_reason or None
-                if finish == "error":
+        async with contextlib.aclosing(merged_streams(gw, inps, rid, deadline)) as stream:
+            async for prompt, r in stream:
+                if r.finish_reason == "error":
                     raise APIError(f"the worker failed the request: {r.error}")
+                delta = choices.add(prompt, r)
                 if not inp.stream:
-                    texts.append(r.text)
                     continue
                 if resp is None:
                     resp = await _open_sse(request, rid)
-                    if b.chat:
-                        await resp.write(sse(b.chunk("", None, first=True)))
-                if r.text or finish:
-                    await resp.write(sse(b.chunk(r.text, finish)))
+                    if b.chat:  # every choice opens with the assistant role
+                        for i in range(len(choices.choices)):
+                            await resp.write(sse(b.chunk("", None, first=True, index=i)))
+                chunk = choices.chunk(delta)
+                if chunk is not None:
+                    await resp.write(sse(chunk))
     except APIError as e:
         if resp is None:
             raise
@@ -130,13 +155,12 @@ async def _generate(request: web.Request, inp: GenerateInput,
     finally:
         gw.metrics.in_flight.dec()
     gw.metrics.e2e.labels(inp.model).observe(time.monotonic() - t0)
-    n_prompt = len(inp.prompt_token_ids)
     if not inp.stream:
-        return web.json_response(b.full("".join(texts), finish, n_prompt, n_out, cached))
+        return web.json_response(choices.full())
     if resp is None:  # finished without a single response (cannot happen normally)
         resp = await _open_sse(request, rid)
     if inp.include_usage:
-        await resp.write(sse(b.usage_chunk(n_prompt, n_out, cached)))
+        await resp.write(sse(b.usage_chunk(*choices.usage())))
     await resp.write(DONE)
     await resp.write_eof()
     return resp
@@ -147,6 +171,24 @@ async def _open_sse(request: web.Request, rid: str) -> web.StreamResponse:
                                        "Cache-Control": "no-cache", "x-request-id": rid})
     await resp.prepare(request)
     return resp
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
+    gw = request.app[GATEWAY_KEY]
+    body = await _body(request)
+    ids = parse_tokenize(body, gw.ctx)
+    strs = [gw.ctx.tokenizer.id_to_token(t) for t in ids] \
+        if isinstance(body, dict) and body.get("return_token_strs") else None
+    return web.json_response({"count": len(ids), "max_model_len": gw.ctx.max_model_len,
+                              "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {prompt}."""
+    gw = request.app[GATEWAY_KEY]
+    ids = parse_detokenize(await _body(request), gw.ctx)
+    return web.json_response({"prompt": gw.ctx.tokenizer.decode(ids, False)})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -210,6 +252,21 @@ async def post_routing(request: web.Request) -> web.Response:
     return web.json_response(profile.to_dict())
 
 
+async def get_strategies(request: web.Request) -> web.Response:
+    """The scheduling strategies in force: `{"version": N, "scheduling": [...]}`."""
+    _check_admin(request)
+    return web.json_response(request.app[GATEWAY_KEY].strategies.current.to_dict())
+
+
+async def post_strategies(request: web.Request) -> web.Response:
+    """Replaces the scheduling strategies (engine/strategies.py has the shape): 400 with
+    the reason when invalid; stored with the next version (Redis), which the gateway's
+    admission queue applies now and the workers within their poll interval."""
+    _check_admin(request)
+    stored = await request.app[GATEWAY_KEY].strategies.replace(await _body(request))
+    return web.json_response(stored.to_dict())
+
+
 def build_app(gw: Gateway) -> web.Application:
     app = web.Application(client_max_size=gw.config.client_max_size,
                           middlewares=[_middleware])
@@ -218,9 +275,13 @@ def build_app(gw: Gateway) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/workers", workers)
     app.router.add_get("/admin/v1/routing", get_routing)
     app.router.add_post("/admin/v1/routing", post_routing)
+    app.router.add_get("/api/v1/scheduling/strategies", get_strategies)
+    app.router.add_post("/api/v1/scheduling/strategies", post_strategies)
     return app

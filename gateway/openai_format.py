@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,15 +46,19 @@ class ResponseBuilder:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False,
-              ) -> dict[str, Any]:
+              index: int = 0, logprobs: dict[str, Any] | None = None,
+              delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`delta`: a chat delta other than plain content (tool calls, gateway/tools.py)."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first \
-                else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None,
+            if delta is None:
+                delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = None
             return self._head("chat.completion.chunk") | {"choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": None}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": None}
         return self._head("text_completion") | {"choices": [choice]}
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -62,18 +67,74 @@ class ResponseBuilder:
 
     def full(self, text: str, finish_reason: str | None, prompt: int, completion: int,
              cached: int) -> dict[str, Any]:
+        return self.full_choices([self.choice(text, finish_reason)], prompt, completion,
+                                 cached)
+
+    def choice(self, text: str | None, finish_reason: str | None, index: int = 0,
+               logprobs: dict[str, Any] | None = None,
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """One choice of a non-streamed response (chat: `text` is the content, None
+        beside tool calls)."""
         if self.chat:
-            choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text,
-                                        "tool_calls": []},
-                "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": None,
-                      "prompt_logprobs": None}
-            head = self._head("text_completion")
-        return head | {"choices": [choice], "usage": usage(prompt, completion, cached)}
+            return {"index": index, "message": {"role": "assistant", "content": text,
+                                                "tool_calls": tool_calls or []},
+                    "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": None, "prompt_logprobs": None}
+
+    def full_choices(self, choices: list[dict[str, Any]], prompt: int, completion: int,
+                     cached: int) -> dict[str, Any]:
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return head | {"choices": choices, "usage": usage(prompt, completion, cached)}
+
+
+# -- logprobs, as vLLM renders them ----------------------------------------------------
+# Per position the engine's dict holds the chosen token first, then the top k (a chosen
+# token among them keeps the first place); None is a position without logprobs (the
+# prompt's first token).
+
+Logprobs = dict[int, float]
+
+
+def _lp(v: float) -> float:
+    return max(v, -9999.0)  # -inf is not JSON; OpenAI's floor
+
+
+def completion_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
+                        lps: Sequence[Logprobs | None], k: int, offset: int = 0,
+                        ) -> dict[str, Any]:
+    """/v1/completions `logprobs`: tokens, token_logprobs, top_logprobs (up to k + 1
+    entries: the chosen token and the top k) and text_offset from `offset` on."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for tok, lp in zip(token_ids, lps, strict=True):
+        text = decode(tok)
+        offsets.append(offset if not offsets else offsets[-1] + len(tokens[-1]))
+        tokens.append(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_lp(lp[tok]))
+        tops.append({decode(t): _lp(v) for i, (t, v) in enumerate(lp.items()) if i <= k})
+    return {"text_offset": offsets, "token_logprobs": token_lps, "tokens": tokens,
+            "top_logprobs": tops}
+
+
+def chat_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
+                  lps: Sequence[Logprobs], k: int) -> dict[str, Any]:
+    """/v1/chat/completions `logprobs`: {"content": [{token, logprob, bytes,
+    top_logprobs: the dict's first k entries}]}."""
+    def entry(t: int, v: float) -> dict[str, Any]:
+        text = decode(t)
+        return {"token": text, "logprob": _lp(v),
+                "bytes": list(text.encode("utf-8", errors="replace"))}
+
+    return {"content": [entry(tok, lp[tok]) | {"top_logprobs": [
+        entry(t, v) for i, (t, v) in enumerate(lp.items()) if i < k]}
+        for tok, lp in zip(token_ids, lps, strict=True)]}
 
 
 def model_list(name: str, max_model_len: int, created: int) -> dict[str, Any]:

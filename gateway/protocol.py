@@ -8,13 +8,17 @@ one. `ModelContext` owns the tokenizer and the model's limits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.params import check_fields
+from gateway.structured import structured_from_body
+from gateway.tool_parsers import PARSERS, default_parser
+from gateway.tools import ToolChoice, forced_structure, message_tool_fields, parse_tools
 
 
 @dataclass(slots=True)
@@ -28,16 +32,33 @@ class GenerateInput:
     include_usage: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    tenant: str = ""  # set by the front from the request's identity (gateway/identity.py)
+    labels: dict[str, str] = field(default_factory=dict)
+    # /v1/completions `echo`: the prompt (its text; with logprobs, its tokens' logprobs)
+    # comes first; `echo_only` (max_tokens 0): the prompt alone, nothing generated shown.
+    echo: bool = False
+    echo_only: bool = False
+    prompt_text: str = ""
+    tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
 
 
 class ModelContext:
     """The served model as the gateway knows it (torch-free)."""
 
     def __init__(self, model_dir: str, served_name: str, max_model_len: int | None = None,
-                 ) -> None:
+                 tool_call_parser: str = "auto") -> None:
+        """`tool_call_parser`: the format tool calls take in this model's output (a
+        name in gateway/tool_parsers.PARSERS), "auto" (from the chat template) or
+        "none" (tool_choice "auto" refused)."""
         cfg = ModelConfig.from_model_dir(model_dir)
         self.served_name = served_name
         self.tokenizer = Tokenizer(model_dir)
+        if tool_call_parser not in (*PARSERS, "auto", "none"):
+            raise ValueError(f"unknown tool call parser {tool_call_parser!r}; choose from "
+                             f"{', '.join(PARSERS)}, auto, none")
+        self.tool_parser = default_parser(self.tokenizer.chat_template) \
+            if tool_call_parser == "auto" else None if tool_call_parser == "none" \
+            else tool_call_parser
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
 
@@ -85,12 +106,73 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise InvalidRequest("`stop` must be null, a string or a list of strings", "stop")
 
 
-def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> tuple[
-        SamplingParams, bool]:
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = float(_get(body, key, (int, float), default))
+    if not lo <= v <= hi:  # also rejects NaN
+        raise InvalidRequest(f"`{key}` must be in [{lo:g}, {hi:g}], got {v}", key)
+    return v
+
+
+def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = _get(body, key, int, None)
+    if v is not None and not lo <= v <= hi:
+        raise InvalidRequest(f"`{key}` must be in [{lo}, {hi}], got {v}", key)
+    return v
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's {"token id": bias} (keys are strings in JSON), biases in [-100, 100]."""
+    out = {}
+    for k, v in (_get(body, "logit_bias", dict, None) or {}).items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise InvalidRequest(f"`logit_bias` keys must be token ids, got {k!r}",
+                                 "logit_bias") from None
+        if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+            raise InvalidRequest(f"`logit_bias` values must be numbers in [-100, 100], got "
+                                 f"{v!r}", "logit_bias")
+        out[tok] = float(v)
+    return out
+
+
+def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """n, best_of, logprobs, penalties, logit_bias, min_tokens as SamplingParams fields."""
+    n = _count(body, "n", 1, MAX_SAMPLES)
+    best_of = None if chat else _count(body, "best_of", 1, MAX_SAMPLES)
+    if best_of is not None and best_of < (n or 1):
+        raise InvalidRequest(f"`best_of` must be at least `n` ({n}), got {best_of}", "best_of")
+    if best_of is not None and best_of > (n or 1) and body.get("stream"):
+        raise InvalidRequest("`best_of` cannot be used with `stream`", "best_of")
+    if chat:
+        top = _count(body, "top_logprobs", 0, MAX_LOGPROBS)
+        if not _get(body, "logprobs", bool, False):
+            if top:
+                raise InvalidRequest("`top_logprobs` needs `logprobs` set to true",
+                                     "top_logprobs")
+            logprobs = None
+        else:
+            logprobs = top or 0
+    else:
+        logprobs = _count(body, "logprobs", 0, MAX_LOGPROBS)
+    min_tokens = _count(body, "min_tokens", 0, 2**31 - 1) or 0
+    return {"n": n or 1, "best_of": best_of, "logprobs": logprobs,
+            "prompt_logprobs": logprobs if not chat and _get(body, "echo", bool, False)
+            else None,
+            "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0),
+            "logit_bias": _logit_bias(body), "min_tokens": min_tokens}
+
+
+MAX_SAMPLES = 128  # n / best_of
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
+                       chat: bool = False) -> tuple[SamplingParams, bool]:
     """Returns (params, max_tokens_given). Checks types and ranges (not the context)."""
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise InvalidRequest("only n=1 is supported", "n")
     max_tokens = None
     for key in max_tokens_keys:
         max_tokens = _get(body, key, int, None)
@@ -112,7 +194,11 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -
         seed=_get(body, "seed", int, None),
         stop=_stop(body), stop_token_ids=stop_ids,
         ignore_eos=_get(body, "ignore_eos", bool, False),
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True))
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        **_classic(body, chat))
+    if params.min_tokens and max_tokens is not None and params.min_tokens > max_tokens:
+        raise InvalidRequest(f"`min_tokens` ({params.min_tokens}) must not exceed max_tokens "
+                             f"({max_tokens})", "min_tokens")
     if not 0.0 <= params.temperature <= 2.0:
         raise InvalidRequest(f"`temperature` must be in [0, 2], got {params.temperature}",
                              "temperature")
@@ -163,28 +249,56 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def parse_completion(body: Any, ctx: ModelContext) -> GenerateInput:
+def _token_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """`prompt`: a string, a list of token ids, or a list of either (one choice each)."""
+    prompt: Any = body.get("prompt")
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _token_ids(p)
+                                                    for p in prompt):
+        return list(prompt)
+    raise InvalidRequest("`prompt` must be a string, a list of token ids, or a non-empty "
+                         "list of strings or of token-id lists", "prompt")
+
+
+def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
+    """One input per prompt, in order (the choices of prompt i are i*n .. i*n+n-1)."""
     body = _object(body)
     model = ctx.check_model(body.get("model"))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = ctx.tokenizer.encode(prompt)
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in prompt):
-        ids = list(prompt)
-    else:
-        raise InvalidRequest("`prompt` must be a string or a list of token ids (batches of "
-                             "several prompts are not supported)", "prompt")
+    check_fields(body, "completions")
+    prompts = _prompts(body)
+    echo = _get(body, "echo", bool, False)
+    echo_only = echo and body.get("max_tokens") == 0
+    if echo_only:  # vLLM: the prompt alone (one token is generated and not shown)
+        body = body | {"max_tokens": 1}
     params, given = sampling_from_body(body, ("max_tokens",))
-    return finish_input(ctx, model, ids, params, given, **_stream_flags(body))
+    params.structured = structured_from_body(body)
+    special = _get(body, "add_special_tokens", bool, True)
+    flags = _stream_flags(body)
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids, text = ctx.tokenizer.encode(prompt, add_special_tokens=special), prompt
+        else:
+            ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
+                if echo else ""
+        out.append(finish_input(ctx, model, ids, replace(params), given, echo=echo,
+                                echo_only=echo_only, prompt_text=text, **flags))
+    return out
 
 
-def _message_text(m: Any, i: int) -> dict[str, str]:
+def _message_text(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise InvalidRequest(f"messages[{i}] must be an object with a string `role`",
                              "messages")
+    if m["role"] not in CHAT_ROLES:
+        raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got "
+                             f"{m['role']!r}", "messages")
     content = m.get("content")
     if content is None:
         content = ""
@@ -200,20 +314,70 @@ def _message_text(m: Any, i: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise InvalidRequest(f"messages[{i}].content must be a string or a list of text "
                              "parts", "messages")
-    return {"role": m["role"], "content": content}
+    return {"role": m["role"], "content": content} | message_tool_fields(m, i)
 
 
 def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     body = _object(body)
     model = ctx.check_model(body.get("model"))
+    check_fields(body, "chat")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise InvalidRequest("`messages` must be a non-empty list", "messages")
     messages = [_message_text(m, i) for i, m in enumerate(msgs)]
+    tools = chat_tools(ctx, parse_tools(body.get("tools"), body.get("tool_choice"),
+                                        body.get("parallel_tool_calls")))
     try:
         ids = ctx.tokenizer.encode_chat(
-            messages, add_generation_prompt=_get(body, "add_generation_prompt", bool, True))
+            messages, add_generation_prompt=_get(body, "add_generation_prompt", bool, True),
+            tools=list(tools.tools) if tools else None)
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from e
-    params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"))
-    return finish_input(ctx, model, ids, params, given, **_stream_flags(body))
+    params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
+                                       chat=True)
+    params.structured = structured_from_body(body, forced_structure(tools))
+    return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+
+
+def chat_tools(ctx: ModelContext, tools: ToolChoice | None) -> ToolChoice | None:
+    """`tool_choice: auto` needs this model's tool-call format (vLLM's rule and message)."""
+    if tools is None:
+        return None
+    if tools.mode == "auto" and ctx.tool_parser is None:
+        raise InvalidRequest('"auto" tool choice requires --enable-auto-tool-choice and '
+                             "--tool-call-parser to be set (this server: --tool-call-parser; "
+                             "none was found for this model's chat template)", "tool_choice")
+    return replace(tools, parser=ctx.tool_parser)
+
+
+def parse_tokenize(body: Any, ctx: ModelContext) -> list[int]:
+    """vLLM's /tokenize: `prompt` (add_special_tokens, default true) or `messages`
+    (through the chat template; add_generation_prompt, default true)."""
+    body = _object(body)
+    ctx.check_model(body.get("model"))
+    if "messages" in body:
+        msgs = body["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise InvalidRequest("`messages` must be a non-empty list", "messages")
+        try:
+            return ctx.tokenizer.encode_chat(
+                [_message_text(m, i) for i, m in enumerate(msgs)],
+                add_generation_prompt=_get(body, "add_generation_prompt", bool, True))
+        except ValueError as e:
+            raise InvalidRequest(str(e), "messages") from e
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidRequest("give `prompt` (a string) or `messages`", "prompt")
+    return ctx.tokenizer.encode(prompt, _get(body, "add_special_tokens", bool, True))
+
+
+def parse_detokenize(body: Any, ctx: ModelContext) -> list[int]:
+    body = _object(body)
+    ctx.check_model(body.get("model"))
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise InvalidRequest("`tokens` must be a list of token ids", "tokens")
+    if any(not 0 <= t < ctx.vocab_size for t in ids):
+        raise InvalidRequest(f"`tokens` holds ids outside [0, {ctx.vocab_size})", "tokens")
+    return ids

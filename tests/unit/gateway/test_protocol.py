@@ -19,7 +19,7 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
     inp = parse_completion({"model": "tiny", "prompt": "hello world", "max_tokens": 5,
                             "temperature": 0, "stop": "x", "seed": 3, "top_k": -1,
                             "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}, ctx)
+                            "stream_options": {"include_usage": True}}, ctx)[0]
     assert inp.prompt_token_ids == ctx.tokenizer.encode("hello world")
     p = inp.params
     assert (p.max_tokens, p.temperature, p.stop, p.seed, p.top_k, p.ignore_eos) == \
@@ -28,7 +28,7 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
 
 
 def test_missing_max_tokens_takes_the_rest_of_the_context(ctx: ModelContext) -> None:
-    inp = parse_completion({"prompt": [1, 2, 3]}, ctx)
+    inp = parse_completion({"prompt": [1, 2, 3]}, ctx)[0]
     assert inp.params.max_tokens == 256 - 3
 
 
@@ -51,14 +51,22 @@ def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None
     ({"prompt": "x", "temperature": 3.0}, "temperature"),
     ({"prompt": "x", "top_p": 0}, None),
     ({"prompt": "x", "top_k": -5}, "top_k"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": 101}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": ["a", 1]}, "stop"),
     ({"prompt": "x", "seed": -1}, None),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"),
     ({"prompt": 5}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [1, 99999]}, "prompt"),
     ({}, "prompt"),
     ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
@@ -95,6 +103,6 @@ def test_worker_limit_lowers_the_context_limit() -> None:
     ctx.observe_worker_limit(128)
     ctx.observe_worker_limit(512)  # never raised again
     assert ctx.max_model_len == 128
-    assert parse_completion({"prompt": [1, 2, 3]}, ctx).params.max_tokens == 125
+    assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 125
     with pytest.raises(InvalidRequest):
         parse_completion({"prompt": [1, 2, 3], "max_tokens": 126}, ctx)

@@ -1,0 +1,96 @@
+"""Which request fields the OpenAI front implements, refuses or has never heard of.
+
+No silent ignoring: a field of the OpenAI API reference (completions, chat completions)
+or one of vLLM's extra parameters that splitserve does not implement gets a 400 naming
+it, when its value asks for something (a default value is harmless and accepted).
+Fields nobody defines are ignored with a log line, as vLLM does.
+
+`REFUSED[field]` says when a value asks for what we do not do; `IMPLEMENTED` lists the
+fields some part of the gateway reads (gateway/protocol.py, structured outputs, tools,
+identity).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from gateway.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+
+def _given(v: Any) -> bool:
+    return v is not None
+
+
+def _truthy(v: Any) -> bool:
+    return bool(v)
+
+
+def _not(*defaults: Any) -> Callable[[Any], bool]:
+    return lambda v: v is not None and v not in defaults
+
+
+# Both endpoints: vLLM's sampling extras we do not implement.
+_SAMPLING: dict[str, Callable[[Any], bool]] = {
+    "use_beam_search": _truthy, "min_p": _not(0, 0.0), "length_penalty": _not(1, 1.0),
+    "include_stop_str_in_output": _truthy, "spaces_between_special_tokens": _not(True),
+    "truncate_prompt_tokens": _given, "allowed_token_ids": _given, "bad_words": _truthy,
+    "prompt_logprobs": _given,  # completions: echo + logprobs returns them
+    "logits_processors": _given, "return_tokens_as_token_ids": _truthy,
+    "return_token_ids": _truthy, "kv_transfer_params": _given, "vllm_xargs": _given,
+    "prompt_embeds": _given, "request_id": _given,  # ours: the x-request-id header
+}
+
+REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "completions": _SAMPLING | {"suffix": _given},
+    "chat": _SAMPLING | {
+        "audio": _given, "prediction": _given, "reasoning_effort": _given,
+        "verbosity": _given, "web_search_options": _given, "store": _truthy,
+        "modalities": lambda v: v is not None and list(v) != ["text"],
+        "service_tier": _not("auto", "default"),
+        # The deprecated forms of `tools` / `tool_choice`.
+        "functions": _given, "function_call": _given,
+        # vLLM's chat extras.
+        "echo": _truthy, "continue_final_message": _truthy, "documents": _given,
+        "chat_template": _given, "chat_template_kwargs": _given,
+        "mm_processor_kwargs": _given, "add_special_tokens": _truthy,
+    },
+}
+
+_COMMON = {
+    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "n",
+    "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs",
+    "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+    "user", "priority", "cache_salt", "metadata",
+    # structured outputs and tools (their own modules read them)
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_json_object", "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+}
+IMPLEMENTED: dict[str, set[str]] = {
+    "completions": _COMMON | {"prompt", "echo", "best_of", "add_special_tokens"},
+    "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens",
+                       "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
+                       "safety_identifier", "prompt_cache_key", "include_reasoning"},
+}
+
+
+def check_fields(body: dict[str, Any], endpoint: str) -> None:
+    """Raises InvalidRequest naming the first field we do not implement that asks for
+    something; logs the fields nobody defines (then ignored)."""
+    refused = REFUSED[endpoint]
+    for name, value in body.items():
+        if name in refused and refused[name](value):
+            raise InvalidRequest(f"`{name}` is not supported by this server", name)
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+        raise InvalidRequest("`stream_options.continuous_usage_stats` is not supported by "
+                             "this server", "stream_options.continuous_usage_stats")
+    unknown = sorted(set(body) - IMPLEMENTED[endpoint] - set(refused))
+    if unknown:
+        log.warning("The following fields were present in the request but ignored: %s",
+                    set(unknown))
