@@ -1,0 +1,242 @@
+"""`splitserve sim experiment NAME`: the questions a 2-core machine cannot answer by
+running the cluster, answered on simulated H100s (sim/profiles/h100.json: published
+specs, not measured) serving llama3-8b, the Mooncake conversation trace as load.
+
+- `routing`: round-robin vs least-loaded vs cache-aware (bench/profiles) as the load
+  rises to saturation: TTFT, goodput under the SLO, prefix hit rate.
+- `pd-ratio`: at a fixed GPU count, every prefill:decode split and all-colocated: the
+  goodput under a TTFT/TPOT SLO (DistServe's question), as the load rises.
+- `tiers`: by device cache size, the hit rate and TTFT with host and disk tiers behind
+  the device, and the value of peer fetch between decode workers.
+
+Each writes `sim-NAME.{json,md}` and plots (bench/report.py's format) into --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from bench.metrics import parse_slo
+from bench.report import Report, write_report
+from bench.runner import Phase
+from gateway.routing.profile import RoutingProfile
+from sim.cluster import ClusterConfig
+from sim.profile import HardwareProfile, load_profile
+from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
+from sim.speed import TRACE_RATE
+from sim.workload import mooncake
+
+EXPERIMENTS = ("routing", "pd-ratio", "tiers")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=EXPERIMENTS)
+    p.add_argument("--hardware", default="h100")
+    p.add_argument("--trace", default=MOONCAKE_TRACE)
+    p.add_argument("--requests", type=int, default=1200, help="trace records per phase")
+    p.add_argument("--workers", type=int, default=8, help="GPUs in the cluster")
+    p.add_argument("--rates", default="", help="req/s per GPU, comma-separated")
+    p.add_argument("--slo", default="ttft=2,tpot=0.08")
+    p.add_argument("--out-dir", default="docs/results")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    prof = load_profile(args.hardware)
+    slo = parse_slo(args.slo)
+    rates = [float(r) for r in args.rates.split(",") if r] or DEFAULT_RATES[args.name]
+    t0 = time.perf_counter()
+    runs = RUNNERS[args.name](args, prof, slo, rates)
+    wall = time.perf_counter() - t0
+    phases = [r.phase for r in runs]
+    summary = HEADLINES[args.name](runs)
+    n = sum(len(p.results) for p in phases)
+    report = Report(
+        f"sim-{args.name}", TITLES[args.name].format(w=args.workers, hw=prof.name), phases,
+        summary=summary,
+        config={"hardware": prof.name, "model": prof.model_shape if not prof.model else "",
+                "workers": args.workers, "requests_per_phase": args.requests,
+                "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
+                "block_size": prof.block_size,
+                "phases": {p.name: r.extras() | {"workers": None}
+                           for p, r in zip(phases, runs, strict=True)}},
+        notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "
+               f"{wall:.0f} s of wall time.", *NOTES[args.name]])
+    paths = write_report(report, args.out_dir)
+    extra = metric_plot(phases, os.path.join(args.out_dir, f"sim-{args.name}-goodput.png"),
+                        report.title)
+    _strip_requests(paths["json"][0])
+    if extra:
+        with open(paths["markdown"], "a") as f:
+            f.write(f"\n![goodput]({os.path.basename(extra)})\n")
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+    print(f"report: {paths['markdown']}")
+    return 0
+
+
+def _strip_requests(path: str) -> None:
+    """Keeps the JSON to summaries (a phase holds thousands of requests)."""
+    with open(path) as f:
+        data = json.load(f)
+    for p in data["phases"]:
+        p.pop("requests", None)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _trace(args: argparse.Namespace, rate_per_gpu: float) -> Any:
+    scale = TRACE_RATE / (rate_per_gpu * args.workers)
+    return mooncake(args.trace, limit=args.requests, time_scale=scale)
+
+
+def _run(args: argparse.Namespace, prof: HardwareProfile, cfg: ClusterConfig,
+         slo: dict[str, float], rate: float, config: str, **params: Any) -> SimRun:
+    name = f"{config} @ {rate:g}/GPU"
+    print(f"  {name}...", flush=True)
+    return simulate(replace(cfg, seed=args.seed, itl_every=10), prof, _trace(args, rate),
+                    name, slo, {"rate": rate * args.workers, **params}, config)
+
+
+# -- routing ---------------------------------------------------------------------------
+def routing(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
+            rates: list[float]) -> list[SimRun]:
+    out = []
+    for rate in rates:
+        for name in ("round_robin", "least_loaded", "cache_aware"):
+            cfg = ClusterConfig(colocated=args.workers, routing=routing_profile(name, args.seed))
+            out.append(_run(args, prof, cfg, slo, rate, name))
+    return out
+
+
+# -- pd-ratio ----------------------------------------------------------------------------
+def pd_ratio(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
+             rates: list[float]) -> list[SimRun]:
+    w = args.workers
+    out = []
+    routing = RoutingProfile(seed=args.seed)
+    for rate in rates:
+        out.append(_run(args, prof, ClusterConfig(colocated=w, routing=routing), slo, rate,
+                        f"colocated {w}"))
+        for p in range(1, w):
+            cfg = ClusterConfig(prefill=p, decode=w - p, colocated=0, routing=routing)
+            out.append(_run(args, prof, cfg, slo, rate, f"{p}P:{w - p}D", prefill=p))
+    return out
+
+
+# -- tiers -------------------------------------------------------------------------------
+def tiers(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
+          rates: list[float]) -> list[SimRun]:
+    """Device caches of 1/16, 1/8 and 1/4 of an H100's; behind each: nothing, a host
+    tier of 4x the device, host + disk (16x). Then peer fetch on and off in a 2P:6D
+    split with the smallest device cache."""
+    w, rate = args.workers, rates[0]
+    out = []
+    routing = routing_profile("cache_aware", args.seed)
+    for frac in (16, 8, 4):
+        nb = prof.num_blocks // frac
+        for label, host, disk in (("device", 0, 0), ("+host", 4 * nb, 0),
+                                  ("+host+disk", 4 * nb, 16 * nb)):
+            cfg = ClusterConfig(colocated=w, num_blocks=nb, host_blocks=host,
+                                disk_blocks=disk, routing=routing)
+            out.append(_run(args, prof, cfg, slo, rate, f"{label} 1/{frac}",
+                            device_blocks=nb))
+    nb = prof.num_blocks // 16
+    pd = RoutingProfile.from_dict({**RoutingProfile().to_dict(), "seed": args.seed})
+    for label, need in (("peer fetch", 2), ("no peer fetch", 0)):
+        cfg = ClusterConfig(prefill=w // 4, decode=w - w // 4, colocated=0, num_blocks=nb,
+                            routing=replace(pd, peer_fetch_min_blocks=need))
+        out.append(_run(args, prof, cfg, slo, rate, f"{label} 1/16", device_blocks=nb))
+    return out
+
+
+# -- summaries and plots -------------------------------------------------------------------
+def _fig(p: Phase) -> dict[str, Any]:
+    s = p.summary
+    return {"ttft_p50": _r(s["ttft_s"]["p50"]), "ttft_p90": _r(s["ttft_s"]["p90"]),
+            "tpot_p50": _r(s["tpot_s"]["p50"]), "goodput": _r(s.get("goodput_fraction")),
+            "hit_rate": _r(s["cached_ratio"])}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(float(v), 4)
+
+
+def _by_config(runs: list[SimRun]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in runs:
+        for k, v in _fig(r.phase).items():
+            out[f"{k} {r.phase.name}"] = v
+    return out
+
+
+def routing_headline(runs: list[SimRun]) -> dict[str, Any]:
+    return _by_config(runs)
+
+
+def pd_headline(runs: list[SimRun]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rate in sorted({r.phase.params["rate"] for r in runs}):
+        at = [r for r in runs if r.phase.params["rate"] == rate]
+        best = max(at, key=lambda r: r.phase.summary.get("goodput_fraction") or 0.0)
+        colo = next(r for r in at if r.phase.config.startswith("colocated"))
+        out[f"best @ {rate:g} req/s"] = best.phase.config
+        out[f"best goodput @ {rate:g} req/s"] = _r(best.phase.summary["goodput_fraction"])
+        out[f"colocated goodput @ {rate:g} req/s"] = _r(colo.phase.summary["goodput_fraction"])
+    return out | _by_config(runs)
+
+
+def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
+    """Goodput and hit rate per phase, grouped by config, against the request rate."""
+    from bench.plots import _plt
+
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    configs = list(dict.fromkeys(p.config for p in phases))
+    rates = sorted({p.params["rate"] for p in phases})
+    for ax, key, label in ((axes[0], "goodput_fraction", "goodput (fraction meeting SLO)"),
+                           (axes[1], "cached_ratio", "prefix hit rate")):
+        if len(rates) > 1:
+            for c in configs:
+                ps = sorted((p for p in phases if p.config == c), key=lambda p: p.params["rate"])
+                ax.plot([p.params["rate"] for p in ps], [p.summary.get(key) or 0 for p in ps],
+                        "-o", label=c)
+            ax.set_xlabel("request rate (req/s)")
+            ax.legend(fontsize=7)
+        else:
+            vals = [p.summary.get(key) or 0 for p in phases]
+            ax.bar(range(len(phases)), vals, color=[f"C{i % 10}" for i in range(len(phases))])
+            ax.set_xticks(range(len(phases)), [p.config for p in phases], rotation=30,
+                          ha="right", fontsize=7)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+DEFAULT_RATES = {"routing": [0.5, 1.0, 1.5, 2.0], "pd-ratio": [1.0, 2.0],
+                 "tiers": [1.0]}
+RUNNERS: dict[str, Callable[..., list[SimRun]]] = {
+    "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers}
+HEADLINES: dict[str, Callable[[list[SimRun]], dict[str, Any]]] = {
+    "routing": routing_headline, "pd-ratio": pd_headline, "tiers": routing_headline}
+TITLES = {"routing": "Simulated routing profiles on {w} {hw} GPUs, Mooncake trace",
+          "pd-ratio": "Simulated prefill:decode splits of {w} {hw} GPUs, Mooncake trace",
+          "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace"}
+NOTES = {
+    "routing": ["The rate axis is the whole cluster's; each phase replays the trace's first "
+                "records, time-scaled to that mean rate."],
+    "pd-ratio": ["Disaggregated configs use the gateway's default routing (prefix locality, "
+                 "queue, KV usage; threshold decider at 256 uncached tokens)."],
+    "tiers": ["Device cache sizes are fractions of the profile's KV blocks per GPU, so that "
+              "the trace's reuse outgrows the device."],
+}
