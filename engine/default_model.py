@@ -19,13 +19,48 @@ RANDOM_WEIGHTS_NOTICE = ("note: the default model has RANDOM weights (a tiny Lla
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>"]
 
-# Llama 3's chat template, trimmed of tool calling.
+# Llama 3.1's chat template, trimmed: JSON tool calling (the tools in the system turn,
+# calls as {"name": ..., "parameters": ...} separated by "; ", results in ipython turns;
+# the gateway's llama3_json parser reads them back). Without tools a conversation
+# renders exactly as Llama 3's plain template.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
-    "+ message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}"
+    "{%- else %}{%- set system_message = none %}{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{%- if system_message %}{{- system_message + '\n\n' }}{%- endif %}"
+    "{{- 'You have access to the following functions. To call a function, respond with "
+    "JSON for a function call: {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}. Separate several calls with \"; \".\n\n' }}"
+    "{%- for t in tools %}{{- t | tojson }}{{- '\n\n' }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif system_message is not none %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' + system_message + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set f = call.function if call.function is defined else call %}"
+    "{{- {'name': f.name, 'parameters': f.arguments} | tojson }}"
+    "{%- if not loop.last %}{{- '; ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{{- message.content | tojson }}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- else %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' "
+    "+ message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}")
 
 _CORPUS = """
 Large language models are served in two phases. The prefill phase reads the whole prompt
@@ -121,10 +156,27 @@ def write_random_weights(model_dir: str, cfg: dict[str, Any], seed: int = 0) -> 
               os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
+def refresh_chat_template(model_dir: str) -> None:
+    """A model directory built from this module by an older version keeps its weights
+    and tokenizer; its chat template is brought up to date (replaced atomically, so a
+    concurrent reader sees the old file or the new one)."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    if cfg.get("chat_template") == CHAT_TEMPLATE:
+        return
+    cfg["chat_template"] = CHAT_TEMPLATE
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(cfg, f, indent=1)
+    os.replace(tmp, path)
+
+
 def ensure_default_model(cache_root: str | None = None) -> str:
     """Returns the default model's directory, creating it on first use (atomically)."""
     final = default_model_dir(cache_root)
     if os.path.isfile(os.path.join(final, "model.safetensors")):
+        refresh_chat_template(final)
         return final
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".building-", dir=os.path.dirname(final))

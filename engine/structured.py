@@ -175,6 +175,12 @@ class GrammarState:
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def fork(self) -> GrammarState:
+        """An independent copy at the same position (a parallel sample of the prompt)."""
+        out = GrammarState(self.matcher.fork(), self.vocab_size)
+        out.accepted, out.rejected = self.accepted, self.rejected
+        return out
+
 
 def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """Masks, in place, the entries of `logits` ([B, V], row b for requests[b]) that a

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", "none", "hermes", "llama3_json"],
+                   help="format of tool calls in the model's output, for tool_choice auto "
+                        "(vLLM's --tool-call-parser); auto: from the chat template")
     p.add_argument("--max-failovers", type=int, default=2,
                    help="times a request whose decode worker fails mid-stream is resumed on "
                         "another (0: fail it)")
@@ -88,5 +92,5 @@ def run(args: argparse.Namespace) -> int:
         routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile(),
         admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms,
         security=_security(args), max_failovers=args.max_failovers,
-        failover_wait_s=args.failover_wait)
+        failover_wait_s=args.failover_wait, tool_call_parser=args.tool_call_parser)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

@@ -47,6 +47,9 @@ class GatewayConfig:
     kv_headroom: float = 0.0  # ...nor one with less free KV than this (0: not checked)
     admission_queue_size: int = 256  # requests waiting at the gateway; more get 429
     strategies_poll_s: float = 1.0  # how often the stored scheduling strategies are read
+    # Format of tool calls in the model's output (gateway/tool_parsers.py): a parser
+    # name, "auto" (from the chat template) or "none" (tool_choice "auto" refused).
+    tool_call_parser: str = "auto"
     # Signs every call to a worker with the cluster token; TLS for the gRPC front and
     # towards workers (protos/auth.py).
     security: RpcSecurity = field(default_factory=RpcSecurity)

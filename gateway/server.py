@@ -50,11 +50,13 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    ctx = ModelContext(config.model_dir, config.served_model_name, max_model_len)
+    ctx = ModelContext(config.model_dir, config.served_model_name, max_model_len,
+                       config.tool_call_parser)
     # Callbacks fire only after registry.start(), by which time `gw` exists.
     registry = WorkerRegistry(config, on_info=lambda info: gw.observe_info(info))
     gw = Gateway(config, ctx, registry, GatewayMetrics(), block_size)
     await registry.start()
+    await gw.start()  # the stored scheduling strategies
     runner = web.AppRunner(build_app(gw), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.http_port)

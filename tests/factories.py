@@ -22,6 +22,9 @@ def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = F
                                   sort_keys=True).encode()).hexdigest()[:10]
     out = os.path.join(_CACHE, f"{arch}-{key}")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
+        from engine.default_model import refresh_chat_template
+
+        refresh_chat_template(out)  # built before the template learned tools
         return out
     import torch
     import transformers as tf

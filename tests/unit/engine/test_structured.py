@@ -125,3 +125,15 @@ def test_decode_side_continues_the_grammar_from_a_remote_first_token(llm) -> Non
     (out,) = eng.finish_remote("remote-bad", bad)
     assert out.finished and out.finish_reason == "error" and "grammar" in (out.error or "")
     eng.check_integrity()
+
+
+def test_parallel_samples_each_walk_their_own_grammar(llm) -> None:
+    """n = 4: four samples of one prefill, each with its own matcher (a fork of the
+    parent's), each a different string of the language."""
+    pattern = r"[a-z]{3,6}-[0-9]{2}"
+    outs = llm.generate([[1, 2, 3]], SamplingParams(
+        max_tokens=40, temperature=1.0, seed=3, n=4,
+        structured=StructuredOutput("regex", pattern)))
+    assert sorted(o.index for o in outs) == [0, 1, 2, 3]
+    assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in outs)
+    assert len({o.text for o in outs}) == 4
