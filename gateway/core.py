@@ -169,6 +169,12 @@ class Gateway:
         (429, with retry_after), no worker, bad request (as the worker judged it) or
         timeout."""
         t0, model, tenant = time.monotonic(), inp.model, inp.tenant
+        if self.in_flight >= self.config.max_in_flight:
+            self.metrics.rejected.labels("overload", tenant).inc()
+            raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
+                             "requests in flight; retry later", retry_after=1)
+        if not self.ready():  # nothing to wait for: fail now, not at the deadline
+            raise NoWorkerAvailable(f"no ready worker for model {model!r}")
         try:
             ticket = await self.admission.admit(tenant, inp.labels, request_id, inp.priority,
                                                 len(inp.prompt_token_ids), deadline)
@@ -196,10 +202,6 @@ class Gateway:
         its first token, and resumed on another (fail-over) when one fails after it:
         the new worker continues after the tokens already streamed, so the caller sees
         one uninterrupted stream (see _after_failure)."""
-        if self.in_flight >= self.config.max_in_flight:
-            self.metrics.rejected.labels("overload", inp.tenant).inc()
-            raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
-                             "requests in flight; retry later")
         self.in_flight += 1
         try:
             req, lookup = await self._route_request(inp, request_id)

@@ -12,10 +12,23 @@ class APIError(Exception):
     err_type: str = "InternalServerError"
     grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds: HTTP Retry-After, gRPC trailing metadata
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC's form of Retry-After: `grpc-retry-pushback-ms` (honoured by gRPC's
+        retry policy) and `retry-after` in seconds."""
+        if self.retry_after is None:
+            return ()
+        return (("grpc-retry-pushback-ms", str(self.retry_after * 1000)),
+                ("retry-after", str(self.retry_after)))
 
     def body(self) -> dict[str, Any]:
         """vLLM's error shape."""
@@ -53,10 +66,14 @@ class Overloaded(APIError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-class NoWorkerAvailable(APIError):
+class ServiceUnavailable(APIError):
     status = 503
     err_type = "ServiceUnavailableError"
     grpc_code = grpc.StatusCode.UNAVAILABLE
+
+
+class NoWorkerAvailable(ServiceUnavailable):
+    """No routable worker for the request."""
 
 
 class UpstreamTimeout(APIError):
