@@ -29,8 +29,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted Bearer key on /v1/* (repeatable; default $SPLITSERVE_API_KEY)")
     p.add_argument("--routing", default=None, help="routing profile YAML")
     p.add_argument("--admin-key", default=os.environ.get("SPLITSERVE_ADMIN_KEY"),
-                   help="Bearer key of the admin API (/admin/v1/routing); default "
+                   help="Bearer key of the admin API (/admin/v1/routing, "
+                        "/api/v1/scheduling/strategies); default "
                         "$SPLITSERVE_ADMIN_KEY; unset: the admin API is off")
+    p.add_argument("--tenants", default=None,
+                   help="YAML/JSON mapping API keys to tenants and labels: {keys: {<key>: "
+                        "{tenant: gold, labels: {tier: paid}}}} (those keys are accepted too)")
+    p.add_argument("--default-tenant", default="default",
+                   help="tenant of requests that no key or trusted claim identifies")
+    p.add_argument("--trust-client-identity", action="store_true",
+                   help="honour X-Tenant / X-Labels headers, metadata.tenant and gRPC "
+                        "GenerateRequest.tenant (behind a proxy that sets them)")
+    p.add_argument("--max-waiting-per-worker", type=int, default=16,
+                   help="a worker with this many requests waiting gets no more; requests "
+                        "wait in the gateway's admission queue instead")
+    p.add_argument("--kv-headroom", type=float, default=0.0,
+                   help="a worker with less free KV cache than this fraction gets no new "
+                        "requests (0: not checked)")
+    p.add_argument("--admission-queue", type=int, default=256,
+                   help="requests that may wait at the gateway for a worker; more get 429")
+    p.add_argument("--strategies-poll", type=float, default=1.0,
+                   help="seconds between reads of the stored scheduling strategies")
     p.add_argument("--index-timeout-ms", type=int, default=50,
                    help="deadline of one Redis block index lookup")
     p.add_argument("--max-in-flight", type=int, default=256)
@@ -70,6 +89,7 @@ def _security(args: argparse.Namespace) -> RpcSecurity:
 def run(args: argparse.Namespace) -> int:
     from engine.cli import resolve_model
     from gateway.config import GatewayConfig
+    from gateway.identity import load_tenant_keys
     from gateway.routing.profile import RoutingProfile
     from gateway.server import serve
 
@@ -92,5 +112,9 @@ def run(args: argparse.Namespace) -> int:
         routing=RoutingProfile.from_yaml(args.routing) if args.routing else RoutingProfile(),
         admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms,
         security=_security(args), max_failovers=args.max_failovers,
-        failover_wait_s=args.failover_wait, tool_call_parser=args.tool_call_parser)
+        failover_wait_s=args.failover_wait, tool_call_parser=args.tool_call_parser,
+        tenant_keys=load_tenant_keys(args.tenants) if args.tenants else (),
+        default_tenant=args.default_tenant, trust_client_identity=args.trust_client_identity,
+        max_waiting_per_worker=args.max_waiting_per_worker, kv_headroom=args.kv_headroom,
+        admission_queue_size=args.admission_queue, strategies_poll_s=args.strategies_poll)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))
