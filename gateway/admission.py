@@ -123,9 +123,10 @@ class AdmissionQueue:
     """Owns the waiting requests, the tenants' counters and their running counts."""
 
     def __init__(self, slots: Slots, max_waiting: int, strategies: StrategySet = EMPTY,
-                 metrics: GatewayMetrics | None = None, poll_s: float = 0.02,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 fair: bool = True, metrics: GatewayMetrics | None = None,
+                 poll_s: float = 0.02, clock: Callable[[], float] = time.monotonic) -> None:
         self.slots = slots
+        self.fair = fair  # False: arrival order (FCFS), the baseline VTC is measured against
         self.max_waiting = max_waiting
         self.strategies = strategies
         self.metrics = metrics
@@ -208,6 +209,8 @@ class AdmissionQueue:
         return len(self._waiting)
 
     def _key(self, w: _Waiter) -> tuple[bool, float, int, int]:
+        if not self.fair:
+            return (not w.policy.priority, 0.0, 0, w.seq)
         return (not w.policy.priority, self.counters.get(w.tenant, 0.0), w.priority, w.seq)
 
     def _next(self) -> _Waiter | None:

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "requests (0: not checked)")
     p.add_argument("--admission-queue", type=int, default=256,
                    help="requests that may wait at the gateway for a worker; more get 429")
+    p.add_argument("--admission-order", choices=["vtc", "fcfs"], default="vtc",
+                   help="order of the admission queue: vtc (fair shares across tenants, "
+                        "priority strategies first) or fcfs (arrival; the baseline)")
     p.add_argument("--strategies-poll", type=float, default=1.0,
                    help="seconds between reads of the stored scheduling strategies")
     p.add_argument("--index-timeout-ms", type=int, default=50,
@@ -116,5 +119,6 @@ def run(args: argparse.Namespace) -> int:
         tenant_keys=load_tenant_keys(args.tenants) if args.tenants else (),
         default_tenant=args.default_tenant, trust_client_identity=args.trust_client_identity,
         max_waiting_per_worker=args.max_waiting_per_worker, kv_headroom=args.kv_headroom,
-        admission_queue_size=args.admission_queue, strategies_poll_s=args.strategies_poll)
+        admission_queue_size=args.admission_queue, admission_order=args.admission_order,
+        strategies_poll_s=args.strategies_poll)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

@@ -46,6 +46,7 @@ class GatewayConfig:
     max_waiting_per_worker: int = 16  # a worker with this many waiting takes no more...
     kv_headroom: float = 0.0  # ...nor one with less free KV than this (0: not checked)
     admission_queue_size: int = 256  # requests waiting at the gateway; more get 429
+    admission_order: str = "vtc"  # "vtc": fair across tenants; "fcfs": arrival order
     strategies_poll_s: float = 1.0  # how often the stored scheduling strategies are read
     # Format of tool calls in the model's output (gateway/tool_parsers.py): a parser
     # name, "auto" (from the chat template) or "none" (tool_choice "auto" refused).
@@ -84,3 +85,5 @@ class GatewayConfig:
             raise ValueError("need max_waiting_per_worker >= 1 and admission_queue_size >= 0")
         if not 0 <= self.kv_headroom < 1 or self.strategies_poll_s <= 0:
             raise ValueError("need 0 <= kv_headroom < 1 and strategies_poll_s > 0")
+        if self.admission_order not in ("vtc", "fcfs"):
+            raise ValueError("admission_order must be 'vtc' or 'fcfs'")

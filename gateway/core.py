@@ -72,7 +72,7 @@ class Gateway:
                                          config.default_tenant, config.trust_client_identity)
         self.slots = WorkerSlots(registry, config.max_waiting_per_worker, config.kv_headroom)
         self.admission = AdmissionQueue(self.slots, config.admission_queue_size,
-                                        metrics=metrics)
+                                        fair=config.admission_order == "vtc", metrics=metrics)
         self.strategies = StrategyStore(config.redis_url, config.served_model_name,
                                         config.redis_timeout_s, config.strategies_poll_s,
                                         self._apply_strategies)

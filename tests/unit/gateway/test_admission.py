@@ -70,12 +70,9 @@ async def _serve_in_order(q: AdmissionQueue, pending: dict[str, list[asyncio.Tas
     return order
 
 
-def test_light_tenant_is_released_before_a_heavy_backlog() -> None:
-    """10x the rate: the heavy tenant has 30 waiting when the light one sends; the light
-    request is the next dispatched (its counter is lifted to the heavy one's, which
-    grows past it as soon as the running heavy request is charged)."""
+def _light_after_heavy_backlog(fair: bool) -> list[str]:
     async def main() -> list[str]:
-        q = AdmissionQueue(FixedSlots(1), max_waiting=100)
+        q = AdmissionQueue(FixedSlots(1), max_waiting=100, fair=fair)
         heavy = await _submit(q, "heavy", 30)
         light = await _submit(q, "light", 3)
         order = await _serve_in_order(q, {"heavy": heavy, "light": light}, 8, output=20)
@@ -83,9 +80,18 @@ def test_light_tenant_is_released_before_a_heavy_backlog() -> None:
             t.cancel()
         return order
 
-    order = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_light_tenant_is_released_before_a_heavy_backlog() -> None:
+    """10x the rate: the heavy tenant has 30 waiting when the light one sends; the light
+    request is the next dispatched (its counter is lifted to the heavy one's, which
+    grows past it as soon as the running heavy request is charged). FCFS, the same
+    run: the light requests wait behind the whole backlog."""
+    order = _light_after_heavy_backlog(fair=True)
     # heavy's first request held the slot; then light and heavy alternate (equal cost).
     assert order[:7] == ["heavy", "light", "heavy", "light", "heavy", "light", "heavy"]
+    assert _light_after_heavy_backlog(fair=False)[:9] == ["heavy"] * 9
 
 
 def test_weights_two_to_one_give_a_two_to_one_token_share() -> None:
