@@ -24,7 +24,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from bench.base import RequestResult
 from engine.kv_cache_manager import cdiv
@@ -39,6 +39,16 @@ from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.worker import SimRequest, SimWorker, Tokens, WorkerSpec, make_request
 from sim.workload import BlockHasher, SimRequestSpec
+
+
+def _iterations(out: SchedulerOutput) -> int:
+    """Decode iterations a step stands for: its longest decoding row (decode stride)."""
+    n = 1
+    for s in out.scheduled:
+        if s.num_new_tokens > n and s.request.num_computed_tokens >= \
+                s.request.num_prompt_tokens:
+            n = s.num_new_tokens
+    return n
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -66,6 +76,11 @@ class ClusterConfig:
     salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
     seed: int = 0  # the pickers' randomness when the routing profile sets none
+    # > 1: an approximation for speed. A decoding request is handed this many tokens at
+    # once, so one engine step stands for up to that many decode iterations; new work
+    # cuts such a step at the running iteration, a step that prefills is one iteration.
+    # 1: exact.
+    decode_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.prefill and not self.decode:
@@ -73,8 +88,10 @@ class ClusterConfig:
         if self.decode + self.colocated < 1:
             raise ValueError("need at least one decode or colocated worker")
         if min(self.prefill, self.decode, self.colocated, self.num_blocks, self.host_blocks,
-               self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0:
-            raise ValueError("counts must be >= 0, itl_every >= 1, report interval >= 0")
+               self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0 \
+                or self.decode_stride < 1:
+            raise ValueError("counts must be >= 0, itl_every and decode_stride >= 1, report "
+                             "interval >= 0")
 
     @property
     def num_workers(self) -> int:
@@ -96,6 +113,7 @@ class Flight:
     kv_landed: float = 0.0  # remote prefill: when the last pushed block lands on D
     sent_blocks: int = 0
     computed: int = 0  # remote prefill: prompt tokens D held before the push (hit + pull)
+    delivered: int = 0  # output tokens the client has
 
 
 @dataclass(slots=True)
@@ -230,7 +248,7 @@ class Simulator:
         req = make_request(rid, spec.prompt_len, hashes, self.now)
         bs = self.profile.block_size
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
-                             hashes[:spec.prompt_len // bs], bs)
+                             cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
         flight = Flight(i, spec, req, route)
         if self.config.max_in_flight and len(self._flights) >= self.config.max_in_flight:
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
@@ -339,6 +357,8 @@ class Simulator:
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
         if w.busy:
+            if self.config.decode_stride > 1:
+                self._cut(w)
             return
         started = w.start_step()
         w.publish_events()
@@ -346,10 +366,35 @@ class Simulator:
             return
         out, dt = started
         w.busy = True
-        self.at(self.now + dt, self._step_done, (w, out))
+        w.current = (out, self.now, dt, _iterations(out))
+        w.version += 1
+        self.at(self.now + dt, self._step_done, (w, out, w.version))
 
-    def _step_done(self, arg: tuple[SimWorker, SchedulerOutput]) -> None:
-        w, out = arg
+    def _cut(self, w: SimWorker) -> None:
+        """New work for a worker in a multi-iteration (decode stride) step: the step ends
+        after the iteration running now, as an engine would pick the work up at its next
+        iteration. Its decoding rows keep only the tokens computed by then."""
+        assert w.current is not None
+        out, start, dt, iters = w.current
+        if iters <= 1:
+            return
+        per = dt / iters
+        done = min(iters, int((self.now - start) / per) + 1)
+        if done >= iters:
+            return
+        for s in out.scheduled:
+            if s.num_new_tokens > done and s.request.num_computed_tokens >= \
+                    s.request.num_prompt_tokens:
+                s.num_new_tokens = done
+        w.busy_s -= (iters - done) * per
+        w.current = (out, start, done * per, done)
+        w.version += 1
+        self.at(start + done * per, self._step_done, (w, out, w.version))
+
+    def _step_done(self, arg: tuple[SimWorker, SchedulerOutput, int]) -> None:
+        w, out, version = arg
+        if version != w.version:
+            return  # the step was cut short; its new end is another event
         w.busy = False
         got = w.finish_step(out)
         bs = self.profile.block_size
@@ -370,9 +415,15 @@ class Simulator:
         p.scheduler.finish(prod.request_id, RequestStatus.FINISHED_LENGTH)
         self._push(flight, p, cdiv(flight.spec.prompt_len, self.profile.block_size))
         landed = max(self.now, flight.kv_landed)
-        self.at(landed, lambda r: (p.scheduler.release(r), p.publish_events(), self._kick(p)),
-                prod.request_id)
+        self.at(landed, self._release, (p, prod.request_id))
         self.at(landed + self._rpc, self._remote_ready, (flight, 0, flight.computed))
+
+    def _release(self, arg: tuple[SimWorker, str]) -> None:
+        """The producer's KV has landed on the decode: it frees its held blocks."""
+        p, request_id = arg
+        p.scheduler.release(request_id)
+        p.publish_events()
+        self._kick(p)
 
     def _token(self, w: SimWorker, flight: Flight) -> None:
         """A token reached the client (time of the step's end, plus the way back)."""
@@ -386,13 +437,21 @@ class Simulator:
             self.locality.observe(d.decode.worker_id, d.predicted_cached(flight.route),
                                   flight.req.num_cached_tokens or 0)
         elif flight.itl is not None:
-            flight.itl.append(t - flight.last)
+            n = flight.req.num_output_tokens - flight.delivered  # > 1 with a decode stride
+            flight.itl.extend([(t - flight.last) / n] * n)
         flight.last = t
+        flight.delivered = flight.req.num_output_tokens
         req = flight.req
         if w.stop_reason(req, flight.spec.output_len) is not None:
             w.scheduler.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
             w.requests_done += 1
             self._complete(w, flight)
+        elif self.config.decode_stride > 1:
+            # | sampled now | handed out ahead (computed next step) | the last: sampled |
+            extra = min(self.config.decode_stride - 1,
+                        flight.spec.output_len - req.num_output_tokens - 1)
+            for _ in range(extra):
+                req.append_token(0)
 
     def _complete(self, w: SimWorker, flight: Flight) -> None:
         del self._flights[flight.req.request_id]

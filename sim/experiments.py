@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,13 +25,13 @@ from typing import Any
 
 from bench.metrics import parse_slo
 from bench.report import Report, write_report
+from bench.routing_bench import sample_trace
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
 from sim.cluster import ClusterConfig
 from sim.profile import HardwareProfile, load_profile
 from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
-from sim.speed import TRACE_RATE
-from sim.workload import mooncake
+from sim.workload import mooncake, trace_rate
 
 EXPERIMENTS = ("routing", "pd-ratio", "tiers")
 
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="", help="req/s per GPU, comma-separated")
     p.add_argument("--slo", default="ttft=2,tpot=0.08")
     p.add_argument("--out-dir", default="docs/results")
+    p.add_argument("--sample", type=int, default=20,
+                   help="keep every N-th conversation of the trace (all its turns), as "
+                        "bench routing does: a phase spans more of the trace's reuse")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -52,7 +56,10 @@ def run(args: argparse.Namespace) -> int:
     slo = parse_slo(args.slo)
     rates = [float(r) for r in args.rates.split(",") if r] or DEFAULT_RATES[args.name]
     t0 = time.perf_counter()
-    runs = RUNNERS[args.name](args, prof, slo, rates)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.sampled = sample_trace(args.trace, args.sample, args.requests,
+                                    os.path.join(tmp, "trace.jsonl"))
+        runs = RUNNERS[args.name](args, prof, slo, rates)
     wall = time.perf_counter() - t0
     phases = [r.phase for r in runs]
     summary = HEADLINES[args.name](runs)
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         summary=summary,
         config={"hardware": prof.name, "model": prof.model_shape if not prof.model else "",
                 "workers": args.workers, "requests_per_phase": args.requests,
+                "trace_sample": f"every {args.sample}th conversation",
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
                 "block_size": prof.block_size,
                 "phases": {p.name: r.extras() | {"workers": None}
@@ -92,8 +100,8 @@ def _strip_requests(path: str) -> None:
 
 
 def _trace(args: argparse.Namespace, rate_per_gpu: float) -> Any:
-    scale = TRACE_RATE / (rate_per_gpu * args.workers)
-    return mooncake(args.trace, limit=args.requests, time_scale=scale)
+    scale = trace_rate(args.sampled, args.requests) / (rate_per_gpu * args.workers)
+    return mooncake(args.sampled, limit=args.requests, time_scale=scale)
 
 
 def _run(args: argparse.Namespace, prof: HardwareProfile, cfg: ClusterConfig,
@@ -223,8 +231,8 @@ def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
     return path
 
 
-DEFAULT_RATES = {"routing": [0.5, 1.0, 1.5, 2.0], "pd-ratio": [1.0, 2.0],
-                 "tiers": [1.0]}
+DEFAULT_RATES = {"routing": [0.5, 1.0, 2.0, 3.0, 4.0], "pd-ratio": [1.0, 2.0],
+                 "tiers": [2.0]}
 RUNNERS: dict[str, Callable[..., list[SimRun]]] = {
     "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers}
 HEADLINES: dict[str, Callable[[list[SimRun]], dict[str, Any]]] = {

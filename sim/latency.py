@@ -35,26 +35,38 @@ class LatencyModel:
         return self._kv_token * self.profile.block_size
 
     def seconds(self, tokens: int, sampled: int, pairs: int, kv_read: int,
-                seqs: int) -> float:
+                seqs: int, iterations: int = 1) -> float:
         """One step computing `tokens` (of which `sampled` rows go through the lm_head),
-        `pairs` causal (query, key) pairs, reading `kv_read` cached tokens."""
+        `pairs` causal (query, key) pairs, reading `kv_read` cached tokens; a step of
+        `iterations` decode iterations (the decode stride) reads the weights and pays
+        the fixed costs that many times."""
         c = (tokens * self._flop_token + sampled * self._flop_sampled
              + pairs * self._flop_pair) * self._s_per_flop
-        m = (self._weights + kv_read * self._kv_token) * self._s_per_byte
+        m = (self._weights * iterations + kv_read * self._kv_token) * self._s_per_byte
         p = self.profile
-        return p.step_overhead_s + p.seq_overhead_s * seqs + (
+        return (p.step_overhead_s + p.seq_overhead_s * seqs) * iterations + (
             (c if c > m else m) if self._max else c + m)
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
-        """The step's time, read off the scheduler's output before it is applied."""
+        """The step's time, read off the scheduler's output before it is applied. A row
+        past its prompt with k > 1 new tokens is k decode iterations (decode stride):
+        it reads its KV k times, once per token."""
         tokens = sampled = pairs = kv = 0
+        iterations = 1
         for s in scheduled:
             r = s.request
+            n = s.num_new_tokens
             a = r.num_computed_tokens
-            b = a + s.num_new_tokens
-            tokens += s.num_new_tokens
+            b = a + n
+            tokens += n
             if b >= len(r.all_token_ids):
                 sampled += 1
-            pairs += (b * (b + 1) - a * (a + 1)) >> 1
-            kv += b
-        return self.seconds(tokens, sampled, pairs, kv, len(scheduled))
+            pr = (b * (b + 1) - a * (a + 1)) >> 1
+            pairs += pr
+            if n > 1 and a >= len(r.prompt_token_ids):
+                kv += pr
+                if n > iterations:
+                    iterations = n
+            else:
+                kv += b
+        return self.seconds(tokens, sampled, pairs, kv, len(scheduled), iterations)

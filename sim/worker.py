@@ -29,6 +29,7 @@ from sim.profile import HardwareProfile
 from sim.tiers import SimTiers
 
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never read
+NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
 
 
 class Tokens:
@@ -98,6 +99,10 @@ class SimWorker:
             max_num_batched_tokens=profile.max_num_batched_tokens), self.kv, offload,
             clock=clock)
         self.busy = False
+        # the step in progress: (scheduled, start, duration, decode iterations), and a
+        # version that tells its end event apart from a superseded one
+        self.current: tuple[SchedulerOutput, float, float, int] | None = None
+        self.version = 0
         self.link_free_at = 0.0  # this worker's egress link is busy until then
         self.pins: dict[int, int] = {}
         # per-worker load figures for the report
@@ -128,10 +133,19 @@ class SimWorker:
     def start_step(self) -> tuple[SchedulerOutput, float] | None:
         """Schedules one step; returns it and its duration, or None when idle."""
         if self.offload is not None:
-            self.offload.save_new(self.kv.pool, None)
+            self.offload.save_new(self.kv.pool, NO_KV)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
+        if any(s.num_new_tokens > 1 for s in out.scheduled) and any(
+                s.request.num_computed_tokens < s.request.num_prompt_tokens
+                for s in out.scheduled):
+            # Decode stride: a step that prefills is one iteration (its decoding rows
+            # take one of their tokens), so a new prompt's first token is not held
+            # back by a stride of decode iterations.
+            for s in out.scheduled:
+                if s.request.num_computed_tokens >= s.request.num_prompt_tokens:
+                    s.num_new_tokens = 1
         dt = self.latency.step(out.scheduled) + self.restore_seconds()
         dt += self.profile.token_overhead_s * sum(
             1 for s in out.scheduled
@@ -145,7 +159,7 @@ class SimWorker:
         """Runs the planned tier restores (the engine's _run_loads) and times them."""
         if self.offload is None or self.tiers is None:
             return 0.0
-        self.offload.run_loads(None)
+        self.offload.run_loads(NO_KV)
         block = self.latency.kv_block_bytes
         seconds = 0.0
         for tier, n in self.tiers.take_pending():
@@ -161,7 +175,7 @@ class SimWorker:
                    >= s.request.num_tokens}
         got = self.scheduler.update_from_output(out, sampled)
         if self.offload is not None:
-            self.offload.save_new(self.kv.pool, None)
+            self.offload.save_new(self.kv.pool, NO_KV)
             self.offload.reap(self.kv.pool)
         return got
 

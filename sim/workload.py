@@ -159,6 +159,26 @@ def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_B
         span += last
 
 
+def trace_rate(path: str, limit: int | None = None) -> float:
+    """Requests per second of trace time over the first `limit` records (the rate a
+    time scale of 1 replays them at)."""
+    first = last = None
+    n = 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            ts = float(json.loads(line)["timestamp"]) / 1000.0
+            first = ts if first is None else first
+            last = ts
+            n += 1
+            if limit is not None and n >= limit:
+                break
+    if first is None or last is None or last <= first:
+        raise BenchError(f"{path}: needs records spanning some time")
+    return (n - 1) / (last - first)
+
+
 def arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """`n` arrival times at mean `rate`/s: Poisson (burstiness 1), or gamma gaps whose
     coefficient of variation is `burstiness` (> 1: bursts and lulls)."""
