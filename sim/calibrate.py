@@ -26,6 +26,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -224,9 +225,8 @@ def run(args: argparse.Namespace) -> int:
              "memcpy at half the measured bandwidth, disk 1 GB/s."]
     if not args.no_serving:
         print("measuring serving overheads on a one-worker cluster...", file=sys.stderr)
-        serving = measure_serving(prof, model_dir, args.serving_requests, args.seed,
-                                  os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                               ".calibrate"))
+        with tempfile.TemporaryDirectory() as logs:  # the cluster's logs
+            serving = measure_serving(prof, model_dir, args.serving_requests, args.seed, logs)
         prof = replace(prof, request_overhead_s=serving["request_overhead_s"],
                        token_overhead_s=serving["token_overhead_s"],
                        fit={**prof.fit, "serving": serving})
