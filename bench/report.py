@@ -11,6 +11,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,9 @@ def machine() -> dict[str, Any]:
 
 @dataclass(slots=True)
 class Report:
-    """`summary` holds the headline figures (an experiment's named keys)."""
+    """`summary` holds the headline figures (an experiment's named keys); `plotters`
+    draw an experiment's own figures: each takes (out_dir, stem) and returns the PNG's
+    path (or None), after the standard plots."""
 
     name: str
     title: str
@@ -48,6 +51,7 @@ class Report:
     config: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    plotters: list[Callable[[str, str], str | None]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "created": self.created,
@@ -60,6 +64,7 @@ def write_report(report: Report, out_dir: str, json_path: str | None = None,
     """Writes JSON, Markdown and plots; returns {"json", "markdown", "plots"} paths."""
     os.makedirs(out_dir, exist_ok=True)
     plots = all_plots(report.phases, out_dir, report.name, report.title)
+    plots += [p for draw in report.plotters if (p := draw(out_dir, report.name))]
     data = report.to_json()
     data["plots"] = [os.path.basename(p) for p in plots]
     paths = [os.path.join(out_dir, f"{report.name}.json")]

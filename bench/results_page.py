@@ -17,7 +17,7 @@ from typing import Any
 from bench.report import Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ("disagg", "transports", "decider", "routing")
+ORDER = ("disagg", "transports", "decider", "routing", "fairness")
 
 
 def publish(report: Report, paths: dict[str, Any], docs_dir: str | None = None) -> str:

@@ -13,4 +13,6 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                 "sweep of the local-vs-remote prefill threshold"),
     "routing": ("bench.experiments.routing",
                 "routing profiles on shared-prefix and Mooncake-trace workloads"),
+    "fairness": ("bench.experiments.fairness",
+                 "tenants through the admission queue: FCFS vs VTC, a strategy changed live"),
 }
