@@ -9,6 +9,7 @@ outputs come back through `call_soon_threadsafe` into per-request asyncio queues
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -154,6 +155,11 @@ class AsyncLLM:
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._dead}")
+        if params.structured is not None:
+            # A grammar compiles off the event loop (milliseconds to seconds, first time
+            # per schema); validate below then finds it cached, or raises its error.
+            with contextlib.suppress(ValueError):
+                await asyncio.to_thread(self.engine.structured.compile, params.structured)
         self.engine.validate(prompt_token_ids, params, resume_token_ids)
         q: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
