@@ -59,7 +59,7 @@ class ResponseBuilder:
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": finish_reason, "stop_reason": None}
-        return self._head("text_completion") | {"choices": [choice]}
+        return self._head("text_completion") | {"choices": [choice], "usage": None}
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
