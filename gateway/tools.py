@@ -182,6 +182,10 @@ class ChatOutput:
             out = self._named(delta)
         else:
             out = self._diff(self._parse(self.text, final=finish is not None))
+            if finish is not None and not self._calls and len(self.text) > self._content_sent:
+                # No call after all: the rest is content, as the whole response has it.
+                out.append({"content": self.text[self._content_sent:]})
+                self._content_sent = len(self.text)
         merged: dict[str, Any] = {}
         for d in out:
             if "content" in d:

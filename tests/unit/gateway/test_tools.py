@@ -75,6 +75,17 @@ def test_text_without_a_valid_call_is_content(parser, text) -> None:
     assert ChatOutput(auto(parser)).message(text, "length") == (text, [], "length")
 
 
+@pytest.mark.parametrize("parser,text", [
+    ("llama3_json", '{abc "not a call'), ("hermes", "Hi <tool_call>{oops"),
+    ("llama3_json", "plain words"), ("hermes", "plain <tool_ words"),
+])
+def test_a_stream_without_a_call_sends_all_its_text_as_content(parser, text) -> None:
+    deltas = _stream(ChatOutput(auto(parser)), [text[i:i + 2] for i in range(0, len(text), 2)])
+    assert "".join(d.get("content", "") for d, _ in deltas if d) == text
+    assert not any("tool_calls" in d for d, _ in deltas if d)
+    assert deltas[-1][1] == "stop"
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
     text = '{"name": "get_time", "parameters": {}}; {"name": "get_weather", "parameters": {}}'
     _, calls, _ = ChatOutput(auto("llama3_json", parallel=False)).message(text, "stop")
