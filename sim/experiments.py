@@ -45,9 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default="", help="req/s per GPU, comma-separated")
     p.add_argument("--slo", default="ttft=2,tpot=0.08")
     p.add_argument("--out-dir", default="docs/results")
-    p.add_argument("--sample", type=int, default=20,
+    p.add_argument("--sample", type=int, default=10,
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
+    p.add_argument("--decode-stride", type=int, default=1, help="see sim run")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -71,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 "workers": args.workers, "requests_per_phase": args.requests,
                 "trace_sample": f"every {args.sample}th conversation",
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
-                "block_size": prof.block_size,
-                "phases": {p.name: r.extras() | {"workers": None}
+                "block_size": prof.block_size, "decode_stride": args.decode_stride,
+                "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
                            for p, r in zip(phases, runs, strict=True)}},
         notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "
                f"{wall:.0f} s of wall time.", *NOTES[args.name]])
@@ -108,7 +109,8 @@ def _run(args: argparse.Namespace, prof: HardwareProfile, cfg: ClusterConfig,
          slo: dict[str, float], rate: float, config: str, **params: Any) -> SimRun:
     name = f"{config} @ {rate:g}/GPU"
     print(f"  {name}...", flush=True)
-    return simulate(replace(cfg, seed=args.seed, itl_every=10), prof, _trace(args, rate),
+    return simulate(replace(cfg, seed=args.seed, itl_every=10,
+                            decode_stride=args.decode_stride), prof, _trace(args, rate),
                     name, slo, {"rate": rate * args.workers, **params}, config)
 
 
@@ -165,39 +167,80 @@ def tiers(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float]
 
 
 # -- summaries and plots -------------------------------------------------------------------
-def _fig(p: Phase) -> dict[str, Any]:
-    s = p.summary
-    return {"ttft_p50": _r(s["ttft_s"]["p50"]), "ttft_p90": _r(s["ttft_s"]["p90"]),
-            "tpot_p50": _r(s["tpot_s"]["p50"]), "goodput": _r(s.get("goodput_fraction")),
-            "hit_rate": _r(s["cached_ratio"])}
-
-
 def _r(v: float | None) -> float | None:
     return None if v is None else round(float(v), 4)
 
 
-def _by_config(runs: list[SimRun]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for r in runs:
-        for k, v in _fig(r.phase).items():
-            out[f"{k} {r.phase.name}"] = v
-    return out
+def _row(runs: list[SimRun], metric: str, q: str | None = None) -> str:
+    """One figure of several phases, ' / '-separated (in the phases' order)."""
+    def one(r: SimRun) -> str:
+        s = r.phase.summary
+        v = s[metric][q] if q else s.get(metric)
+        return "-" if v is None else f"{v:.3g}"
+    return " / ".join(one(r) for r in runs)
+
+
+def _rates(runs: list[SimRun]) -> list[float]:
+    return sorted({r.phase.params["rate"] for r in runs})
 
 
 def routing_headline(runs: list[SimRun]) -> dict[str, Any]:
-    return _by_config(runs)
+    """Per cluster rate: TTFT p50, goodput and hit rate of round_robin / least_loaded /
+    cache_aware."""
+    out: dict[str, Any] = {"order": "round_robin / least_loaded / cache_aware"}
+    for rate in _rates(runs):
+        at = [r for r in runs if r.phase.params["rate"] == rate]
+        out[f"ttft_p50 @ {rate:g} req/s"] = _row(at, "ttft_s", "p50")
+        out[f"goodput @ {rate:g} req/s"] = _row(at, "goodput_fraction")
+        out[f"hit_rate @ {rate:g} req/s"] = _row(at, "cached_ratio")
+    return out
 
 
 def pd_headline(runs: list[SimRun]) -> dict[str, Any]:
+    """Per rate, the split with the best goodput next to all-colocated; per config, its
+    goodput at each rate."""
     out: dict[str, Any] = {}
-    for rate in sorted({r.phase.params["rate"] for r in runs}):
+    rates = _rates(runs)
+    for rate in rates:
         at = [r for r in runs if r.phase.params["rate"] == rate]
         best = max(at, key=lambda r: r.phase.summary.get("goodput_fraction") or 0.0)
         colo = next(r for r in at if r.phase.config.startswith("colocated"))
-        out[f"best @ {rate:g} req/s"] = best.phase.config
-        out[f"best goodput @ {rate:g} req/s"] = _r(best.phase.summary["goodput_fraction"])
-        out[f"colocated goodput @ {rate:g} req/s"] = _r(colo.phase.summary["goodput_fraction"])
-    return out | _by_config(runs)
+        out[f"best @ {rate:g} req/s"] = (
+            f"{best.phase.config}: goodput {best.phase.summary['goodput_fraction']:.3g} "
+            f"(colocated {colo.phase.summary['goodput_fraction']:.3g})")
+    out["rates"] = " / ".join(f"{r:g}" for r in rates)
+    for config in dict.fromkeys(r.phase.config for r in runs):
+        mine = sorted((r for r in runs if r.phase.config == config),
+                      key=lambda r: r.phase.params["rate"])
+        out[f"goodput {config}"] = _row(mine, "goodput_fraction")
+        out[f"ttft_p50 / tpot_p50 {config}"] = " ; ".join(
+            f"{r.phase.summary['ttft_s']['p50']:.3g} / {r.phase.summary['tpot_s']['p50']:.3g}"
+            for r in mine)
+    return out
+
+
+def tiers_headline(runs: list[SimRun]) -> dict[str, Any]:
+    """Per device cache size: hit rate and TTFT p50 with device only / +host /
+    +host+disk; peer fetch on / off."""
+    out: dict[str, Any] = {"order": "device / +host / +host+disk"}
+    fracs = dict.fromkeys(r.phase.config.rsplit(" ", 1)[1] for r in runs
+                          if not r.phase.config.endswith("fetch 1/16")
+                          and "peer" not in r.phase.config)
+    for frac in fracs:
+        at = [r for r in runs if r.phase.config.endswith(" " + frac)
+              and "peer" not in r.phase.config]
+        blocks = at[0].phase.params["device_blocks"]
+        out[f"hit_rate device {frac} ({blocks} blocks)"] = _row(at, "cached_ratio")
+        out[f"ttft_p50 device {frac}"] = _row(at, "ttft_s", "p50")
+        out[f"goodput device {frac}"] = _row(at, "goodput_fraction")
+    peer = [r for r in runs if "peer" in r.phase.config]
+    if peer:
+        out["order (2P:6D, device 1/16)"] = " / ".join(r.phase.config for r in peer)
+        out["hit_rate peer fetch"] = _row(peer, "cached_ratio")
+        out["ttft_p50 peer fetch"] = _row(peer, "ttft_s", "p50")
+        out["peer bytes"] = " / ".join(str(r.extras["transfer_bytes"].get("peer", 0))
+                                       for r in peer)
+    return out
 
 
 def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
@@ -236,7 +279,7 @@ DEFAULT_RATES = {"routing": [0.5, 1.0, 2.0, 3.0, 4.0], "pd-ratio": [1.0, 2.0],
 RUNNERS: dict[str, Callable[..., list[SimRun]]] = {
     "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers}
 HEADLINES: dict[str, Callable[[list[SimRun]], dict[str, Any]]] = {
-    "routing": routing_headline, "pd-ratio": pd_headline, "tiers": routing_headline}
+    "routing": routing_headline, "pd-ratio": pd_headline, "tiers": tiers_headline}
 TITLES = {"routing": "Simulated routing profiles on {w} {hw} GPUs, Mooncake trace",
           "pd-ratio": "Simulated prefill:decode splits of {w} {hw} GPUs, Mooncake trace",
           "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace"}

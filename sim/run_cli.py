@@ -41,6 +41,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache_aware | least_loaded | round_robin (bench/profiles) or YAML")
     p.add_argument("--max-in-flight", type=int, default=0, help="gateway limit (0: none)")
     p.add_argument("--block-size", type=int, default=0, help="override the profile's")
+    p.add_argument("--decode-stride", type=int, default=1,
+                   help="> 1: up to this many decode iterations per simulated step (faster, "
+                        "approximate; see sim/cluster.py)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -90,7 +93,8 @@ def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
     kw: dict[str, Any] = dict(
         prefill=args.prefill, decode=args.decode, colocated=colocated,
         num_blocks=args.num_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
-        routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight)
+        routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight,
+        decode_stride=args.decode_stride, seed=args.seed)
     kw.update(over)
     return ClusterConfig(**kw)
 
@@ -100,7 +104,7 @@ def workload(args: argparse.Namespace) -> Iterable[SimRequestSpec]:
     if args.workload == "mooncake":
         return mooncake(args.trace, limit=n, block_tokens=args.block_tokens,
                         time_scale=args.time_scale, max_input_len=args.max_input_len,
-                        max_output_len=args.max_output_len, repeat=max(1, -(-n // 100000)))
+                        max_output_len=args.max_output_len, repeat=0)
     if args.workload == "shared-prefix":
         per = max(1, n // args.groups)
         return shared_prefix(args.groups, per, args.prefix_len, args.input_len,
@@ -113,37 +117,40 @@ def workload(args: argparse.Namespace) -> Iterable[SimRequestSpec]:
 
 @dataclass(slots=True)
 class SimRun:
+    """A simulated phase and what only a simulator sees (JSON-able `extras`: transfer
+    volume, routing outcomes, per-worker load, the simulator's own speed)."""
+
     phase: Phase
-    sim: Simulator
+    extras: dict[str, Any]
     wall_s: float
 
-    def extras(self) -> dict[str, Any]:
-        """Transfer volume, routing outcomes and per-worker load (JSON-able)."""
-        st = self.sim.stats
-        makespan = self.phase.summary["duration_s"]
-        workers = {w.worker_id: {"role": w.role, "requests": w.requests_done,
-                                 "steps": w.steps, "tokens_computed": w.tokens_computed,
-                                 "busy_frac": round(w.busy_s / makespan, 4),
-                                 "prefix_hit_rate": round(
-                                     w.kv.prefix_hits / w.kv.prefix_queries, 4)
-                                 if w.kv.prefix_queries else 0.0}
-                   for w in self.sim.workers.values()}
-        return {"transfer_bytes": dict(st.transfer_bytes), "remote_prefills": st.remote_prefills,
-                "peer_fetches": st.peer_fetches, "peer_misses": st.peer_misses,
-                "rejected": st.rejected, "stalled": st.stalled, "events": st.events,
-                "wall_s": round(self.wall_s, 3),
-                "sim_requests_per_s": round(len(self.phase.results) / self.wall_s, 1),
-                "workers": workers}
+
+def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
+    st = sim.stats
+    makespan = phase.summary["duration_s"]
+    workers = {w.worker_id: {"role": w.role, "requests": w.requests_done, "steps": w.steps,
+                             "tokens_computed": w.tokens_computed,
+                             "busy_frac": round(w.busy_s / makespan, 4),
+                             "prefix_hit_rate": round(w.kv.prefix_hits / w.kv.prefix_queries, 4)
+                             if w.kv.prefix_queries else 0.0}
+               for w in sim.workers.values()}
+    return {"transfer_bytes": dict(st.transfer_bytes), "remote_prefills": st.remote_prefills,
+            "peer_fetches": st.peer_fetches, "peer_misses": st.peer_misses,
+            "rejected": st.rejected, "stalled": st.stalled, "events": st.events,
+            "wall_s": round(wall_s, 3),
+            "sim_requests_per_s": round(len(phase.results) / wall_s, 1), "workers": workers}
 
 
 def simulate(config: ClusterConfig, profile: HardwareProfile, specs: Iterable[SimRequestSpec],
              name: str, slo: dict[str, float] | None = None,
              params: dict[str, Any] | None = None, label: str = "") -> SimRun:
+    """Runs one phase; the simulator (its pools, its index) is dropped afterwards."""
     sim = Simulator(config, profile)
     t0 = time.perf_counter()
     results = sim.run(specs)
     wall = time.perf_counter() - t0
-    return SimRun(phase_of(results, name, slo, params, label), sim, wall)
+    phase = phase_of(results, name, slo, params, label)
+    return SimRun(phase, sim_extras(sim, phase, wall), wall)
 
 
 def phase_of(results: list[RequestResult], name: str, slo: dict[str, float] | None,
@@ -167,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     except (BenchError, ValueError) as e:
         print(f"error: {e}")
         return 2
-    ex = res.extras()
+    ex = res.extras
     s = res.phase.summary
     report = Report("sim-run", f"Simulated: {args.workload} on {cfg.prefill}P/{cfg.decode}D/"
                     f"{cfg.colocated}C ({prof.name})", [res.phase],

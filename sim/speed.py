@@ -18,9 +18,8 @@ from dataclasses import replace
 from sim.cluster import ClusterConfig, Simulator
 from sim.profile import load_profile
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
-from sim.workload import mooncake
+from sim.workload import mooncake, trace_rate
 
-TRACE_RATE = 112031 / 3537.0  # the conversation trace's requests per second
 TARGET_REQUESTS, TARGET_WORKERS, TARGET_S = 1_000_000, 512, 600.0
 
 
@@ -33,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h100")
     p.add_argument("--block-size", type=int, default=0, help="override the profile's")
     p.add_argument("--routing", default="cache_aware")
+    p.add_argument("--decode-stride", type=int, default=1,
+                   help="> 1: the approximate mode (up to this many decode iterations a step)")
     p.add_argument("--trace", default=MOONCAKE_TRACE)
     p.add_argument("--profile", action="store_true", help="cProfile the run")
     p.add_argument("--json", default=None)
@@ -45,10 +46,10 @@ def run(args: argparse.Namespace) -> int:
     n_p = round(args.workers * args.prefill_share)
     cfg = ClusterConfig(prefill=n_p, decode=args.workers - n_p if n_p else 0,
                         colocated=0 if n_p else args.workers,
-                        routing=routing_profile(args.routing, 0), itl_every=100)
-    scale = TRACE_RATE / (args.rate_per_worker * args.workers)
-    specs = mooncake(args.trace, limit=args.requests, time_scale=scale,
-                     repeat=max(1, -(-args.requests // 100000)))
+                        routing=routing_profile(args.routing, 0), itl_every=100,
+                        decode_stride=args.decode_stride)
+    scale = trace_rate(args.trace) / (args.rate_per_worker * args.workers)
+    specs = mooncake(args.trace, limit=args.requests, time_scale=scale, repeat=0)
     sim = Simulator(cfg, prof)
     prof_run = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
@@ -63,12 +64,13 @@ def run(args: argparse.Namespace) -> int:
     ok = sum(r.ok for r in results)
     out = {"requests": len(results), "completed": ok, "workers": args.workers,
            "prefill_workers": n_p, "block_size": prof.block_size, "hardware": prof.name,
+           "decode_stride": args.decode_stride,
            "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
            "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
            "projected_1M_s": round(projected, 1),
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
-          f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
+          f"(block size {prof.block_size}, decode stride {args.decode_stride}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
           f"{out['events_per_s']} events/s")
     print(f"projected for {TARGET_REQUESTS:,} requests at this rate: {projected:.0f} s "
           f"(target {TARGET_S:.0f} s on {TARGET_WORKERS} workers)")

@@ -18,6 +18,7 @@ arithmetic), `synthetic` (Poisson or bursty arrivals), `shared_prefix`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -122,13 +123,16 @@ def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_B
     """The Mooncake JSONL as bench.datasets.mooncake reads it (same lengths, arrivals
     `timestamp / 1000 * time_scale`), streamed. `repeat` > 1 replays the trace again
     after its end with fresh hash ids (new conversations, same shape), for runs longer
-    than the trace; `limit` caps the total."""
-    if block_tokens < 1 or time_scale < 0 or output_scale <= 0 or repeat < 1:
+    than the trace; 0: as often as `limit` needs. `limit` caps the total."""
+    if block_tokens < 1 or time_scale < 0 or output_scale <= 0 or repeat < 0 \
+            or (repeat == 0 and limit is None):
         raise BenchError("need block_tokens >= 1, time_scale >= 0, output_scale > 0, "
-                         "repeat >= 1")
+                         "repeat >= 0 (0 only with a limit)")
     n = 0
     span = 0.0
-    for k in range(repeat):
+    for k in itertools.count() if repeat == 0 else range(repeat):
+        if k and n == 0:
+            raise BenchError(f"{path}: no usable records")
         t0: float | None = None
         last = 0.0
         with open(path) as f:

@@ -1,0 +1,80 @@
+"""Simulated workloads read the trace as bench does, and their block hashes share
+exactly what the token ids bench would send share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.datasets import TokenPool
+from bench.datasets import mooncake as bench_mooncake
+from bench.load import LoadSpec
+from sim.index import InProcessBlockIndex
+from sim.workload import BlockHasher, from_bench, mooncake, trace_rate
+
+RECORDS = [
+    {"timestamp": 0, "input_length": 700, "output_length": 5, "hash_ids": [7, 8]},
+    {"timestamp": 250, "input_length": 1100, "output_length": 9, "hash_ids": [7, 8, 9]},
+    {"timestamp": 400, "input_length": 300, "output_length": 2, "hash_ids": [7]},
+    {"timestamp": 900, "input_length": 1536, "output_length": 4, "hash_ids": [7, 10, 11]},
+    {"timestamp": 1000, "input_length": 1025, "output_length": 3, "hash_ids": [7, 8, 9]},
+]
+
+
+def write(tmp_path: Path) -> str:
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    return str(path)
+
+
+def shared_blocks(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_mooncake_matches_the_bench_loader(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    pool = TokenPool(list(range(10, 500)), seed=3)
+    bench = bench_mooncake(path, pool, block_tokens=32, time_scale=0.5, max_input_len=80)
+    sim = list(mooncake(path, block_tokens=32, time_scale=0.5, max_input_len=80))
+    assert [(s.prompt_len, s.output_len, s.arrival_s) for s in sim] == \
+        [(b.prompt_len, b.output_len, b.arrival_s) for b in bench]
+    # Block hashes from the trace's segments share exactly the blocks bench's token ids
+    # share, pair by pair (the prefix-cache and index behaviour follows).
+    exact = from_bench(bench, LoadSpec("trace"))
+    h_seg, h_tok = BlockHasher(16), BlockHasher(16)
+    seg = [h_seg.hashes(s, s.prompt_len) for s in sim]
+    tok = [h_tok.hashes(s, s.prompt_len) for s in exact]
+    assert [len(h) for h in seg] == [len(h) for h in tok]
+    for i in range(len(sim)):
+        for j in range(len(sim)):
+            assert shared_blocks(seg[i], seg[j]) == shared_blocks(tok[i], tok[j]), (i, j)
+    assert trace_rate(path) == 4 / 1.0
+
+
+def test_repeat_replays_with_fresh_conversations(tmp_path: Path) -> None:
+    path = write(tmp_path)
+    specs = list(mooncake(path, block_tokens=16, limit=12, repeat=0))
+    assert len(specs) == 12 and specs[5].arrival_s == specs[4].arrival_s
+    h = BlockHasher(16)
+    first, again = h.hashes(specs[0], 32), h.hashes(specs[5], 32)
+    assert first and not set(first) & set(again)  # the second pass shares nothing
+
+
+def test_index_lookup_runs_and_tiers() -> None:
+    """Leading runs per node with the best tier per block, stopping where nobody holds
+    the next block (RedisBlockIndex.lookup's answer)."""
+    idx = InProcessBlockIndex()
+    idx.apply("a", stored=[(1, "device"), (2, "host"), (2, "device"), (3, "disk")])
+    idx.apply("b", stored=[(1, "host"), (2, "host"), (4, "device")])
+    got = idx.lookup_now([1, 2, 3, 4])
+    assert got.num_blocks == 4
+    assert got.nodes == {"a": ("device", "device", "disk"), "b": ("host", "host")}
+    idx.apply("a", removed=[(2, "device")])
+    assert idx.lookup_now([1, 2, 3]).nodes["a"] == ("device", "host", "disk")
+    assert idx.lookup_now([1, 2], nodes={"b"}).nodes == {"b": ("host", "host")}
+    assert idx.lookup_now([5, 1]).num_blocks == 0
