@@ -185,3 +185,46 @@ def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> Non
     assert not t.is_alive()
     assert result == [ref.token_ids], logs(cluster)
     assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="recompute") == 1
+
+
+def test_samples_logprobs_and_echo_through_remote_prefill(tmp_path, offline) -> None:
+    """n seeded samples, echo + logprobs and a prompt list through the prefill worker:
+    the prefill draws every sample's first token from its one prefill and computes the
+    prompt's logprobs; the decode forks the samples. Same numbers as the offline engine
+    (itself transformers', tests/unit/engine/test_parallel_sampling.py)."""
+    from tests.integration.serving_util import call_http
+
+    cluster = start_cluster(tmp_path, "tcp")
+    try:
+        port, model = cluster.http_port, os.path.basename(cluster.spec.model_dir)
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        prefill = child(cluster, "prefill-0").grpc_address
+        prompt = [(19 * j) % 470 + 7 for j in range(45)]
+        before = load_report(prefill).prefix_cache_queries
+        _, r, _ = call_http(port, "POST", "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "n": 3,
+            "seed": 77, "logprobs": 1})
+        ref = offline.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, n=3,
+                                                        seed=77, logprobs=1))
+        assert [c["text"] for c in r["choices"]] == [o.text for o in ref], logs(cluster)
+        for c, o in zip(r["choices"], ref):
+            assert all(abs(a - b[t]) < 1e-4 for a, b, t in zip(
+                c["logprobs"]["token_logprobs"], o.logprobs, o.token_ids))
+        assert load_report(prefill).prefix_cache_queries - before == len(prompt)  # 1 prefill
+        assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok") == 1
+        # echo + logprobs: the prompt's logprobs computed on the prefill worker.
+        _, r, _ = call_http(port, "POST", "/v1/completions", {
+            "model": model, "prompt": [prompt[:30], prompt[5:40]], "max_tokens": 3,
+            "temperature": 0, "echo": True, "logprobs": 2})
+        refs = offline.generate([prompt[:30], prompt[5:40]], SamplingParams(
+            max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2))
+        for c, o in zip(r["choices"], refs):
+            got = c["logprobs"]["token_logprobs"]
+            assert got[0] is None and len(got) == len(o.prompt_token_ids) + 3
+            want = [lp[t] for lp, t in zip(o.prompt_logprobs + o.logprobs,
+                                           o.prompt_token_ids[1:] + o.token_ids)]
+            assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:], want)), logs(cluster)
+        assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok") == 3
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()

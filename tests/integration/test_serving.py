@@ -224,6 +224,74 @@ def test_endpoints_health_models_metrics(cluster, model) -> None:
     assert total > 0
 
 
+def _prefix_queries(cluster) -> int:
+    return sum(load_report(w.grpc_address).prefix_cache_queries for w in workers(cluster))
+
+
+def test_echo_logprobs_prompt_lists_n_and_seeds_over_http(cluster, model, offline) -> None:
+    import torch
+
+    port = cluster.http_port
+    prompt = "The five boxing wizards jump quickly over the lazy dog."
+    ids = offline.tokenizer.encode(prompt)
+    ref_out = offline.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0]
+    _, r, _ = call_http(port, "POST", "/v1/completions", {
+        "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
+        "logprobs": 2})
+    choice = r["choices"][0]
+    assert choice["text"] == prompt + ref_out.text
+    lp = choice["logprobs"]
+    every = ids + ref_out.token_ids
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(every) == len(lp["text_offset"])
+    with torch.no_grad():  # transformers, the reference
+        ref = hf_model(cluster.spec.model_dir)(torch.tensor([every])).logits[0].log_softmax(-1)
+    for j in range(1, len(every)):
+        assert abs(lp["token_logprobs"][j] - ref[j - 1, every[j]].item()) < 1e-4, j
+        top = sorted(lp["top_logprobs"][j].values(), reverse=True)[:2]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(top, ref[j - 1].topk(2).values.tolist()))
+    # A prompt list: one choice per prompt, in order.
+    prompts = ["Pack my box", [5, 17, 300, 41], "How vexingly quick daft zebras jump"]
+    _, r, _ = call_http(port, "POST", "/v1/completions", {
+        "model": model, "prompt": prompts, "max_tokens": 4, "temperature": 0})
+    refs = offline.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == [o.text for o in refs]
+    # n=4 from one prefill: the workers looked the prompt up once, not four times.
+    fresh = [(13 * j) % 470 + 9 for j in range(37)]
+    before = _prefix_queries(cluster)
+    body = {"model": model, "prompt": fresh, "max_tokens": 6, "temperature": 1.0, "n": 4,
+            "seed": 123}
+    _, r1, _ = call_http(port, "POST", "/v1/completions", body)
+    assert _prefix_queries(cluster) - before == len(fresh)
+    _, r2, _ = call_http(port, "POST", "/v1/completions", body)
+    texts = [c["text"] for c in r1["choices"]]
+    assert [c["index"] for c in r1["choices"]] == [0, 1, 2, 3] and len(set(texts)) > 1
+    assert [c["text"] for c in r2["choices"]] == texts  # seeded: reproducible
+    seeded = offline.generate([fresh], SamplingParams(max_tokens=6, temperature=1.0, n=4,
+                                                      seed=123))
+    assert [o.text for o in seeded] == texts  # and the same on any engine
+    assert r1["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in seeded)
+
+
+def test_grpc_generate_carries_samples_and_logprobs(cluster, model) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[3, 14, 159, 26, 53]),
+                                 sampling=pb.SamplingParams(max_tokens=4, temperature=0.7,
+                                                            seed=5, n=2, logprobs=1),
+                                 echo=True)
+        resps = list(pb_grpc.GenerateStub(ch).Generate(req, timeout=30))
+    for i in (0, 1):
+        mine = [r for r in resps if r.index == i]
+        toks = [t for r in mine for t in r.token_ids]
+        lps = [lp for r in mine for lp in r.logprobs]
+        assert len(toks) == 4 and [lp.token_id for lp in lps] == toks
+        assert all(len(lp.top) == 1 for lp in lps)
+        assert len(mine[0].prompt_logprobs) == 4  # prompt tokens 1..4
+        assert mine[-1].finish_reason == "length"
+        assert abs(mine[-1].cumulative_logprob - sum(lp.logprob for lp in lps)) < 1e-4
+
+
 def test_client_disconnect_frees_every_block(cluster, model) -> None:
     ports = [int(w.extra["metrics_port"]) for w in workers(cluster)]
     aborted = sum(metric(p, "vllm:request_success_total", finished_reason="abort")
