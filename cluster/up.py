@@ -101,9 +101,15 @@ def build_spec(args: argparse.Namespace) -> Any:
 DEMO_PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
 
 
+# Seeded sampling, not greedy: a random-weight model's greedy output collapses onto one
+# repeated token, often a lone byte of a multi-byte character, which decodes to no text
+# at all. `logprobs: 0` returns each generated token, so none is hidden.
+DEMO_BODY = {"prompt": DEMO_PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": 0,
+             "logprobs": 0}
+
+
 def demo_request(http_port: int, model: str, host: str = "127.0.0.1") -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": DEMO_PROMPT, "max_tokens": 24,
-                       "temperature": 0}).encode()
+    body = json.dumps({"model": model, **DEMO_BODY}).encode()
     req = urllib.request.Request(f"http://{host}:{http_port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -173,8 +179,11 @@ def run(args: argparse.Namespace) -> int:
         if args.demo_request:
             out = demo_request(cluster.http_port, model)
             print("\ndemo request: POST /v1/completions {\"prompt\": \"The quick brown fox "
-                  "jumps over the lazy dog. \" * 40, \"max_tokens\": 24}")
-            print(json.dumps(out, indent=2), flush=True)
+                  "jumps over the lazy dog. \" * 40, " + json.dumps(
+                      {k: v for k, v in DEMO_BODY.items() if k != "prompt"})[1:])
+            tokens = [c.pop("logprobs")["tokens"] for c in out.get("choices", [])]
+            print(json.dumps(out, indent=2, ensure_ascii=False))
+            print(f"generated tokens: {tokens[0] if tokens else []}", flush=True)
             print(kv_summary(cluster), flush=True)
         while not stop.wait(0.2):
             cluster.supervise()

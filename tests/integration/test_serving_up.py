@@ -40,6 +40,8 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
             out += line
         assert f"http://127.0.0.1:{http}/v1" in out and f"127.0.0.1:{grpc_port}" in out
         assert '"completion_tokens": 24' in out
+        # What the model produced is visible: its text and every generated token.
+        assert '"text": ""' not in out and "generated tokens: [" in out
         assert "prefilled on a prefill worker" in out and "over shm" in out, out
         logs = re.search(r"logs: (\S+)\)", out)
         assert logs, out
