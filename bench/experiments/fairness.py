@@ -220,7 +220,9 @@ def _notes(w: FairnessWorkload, s: dict[str, Any], change: dict[str, Any]) -> li
         f"{w.duration_s:g} s.",
         f"`fcfs`/`vtc`: light {w.light_rate:g} req/s + heavy {w.light_rate * w.heavy_x:g} "
         f"req/s. The light tenant's TTFT p50 is {s['light_ttft_x_solo_fcfs']}x its solo value "
-        f"under FCFS and {s['light_ttft_x_solo_vtc']}x under VTC.",
+        f"under FCFS and {s['light_ttft_x_solo_vtc']}x under VTC: under VTC it is next "
+        "in the gateway's queue, but still waits for one of the worker's sequences to "
+        "finish and for the one request already waiting there (solo: an idle worker).",
         f"`live`: tenants a and b at {w.live_rate:g} req/s each (together past capacity) "
         f"and light; at {change.get('at_s', 0):.1f} s the strategies became version "
         f"{change.get('version')} (a: weight {w.live_weight:g}). a's share of a+b's service: "
