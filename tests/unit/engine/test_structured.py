@@ -53,8 +53,8 @@ def test_fifty_samples_parse_and_validate_against_the_schema(llm) -> None:
 
 
 def test_json_object_regex_and_choice_hold(llm) -> None:
-    outs = llm.generate([[5, 6, 7]] * 8, [constrained(StructuredOutput("json_object"), i)
-                                          for i in range(8)])
+    outs = llm.generate([[5, 6, 7]] * 8, [
+        constrained(StructuredOutput("json_object"), i, max_tokens=120) for i in range(8)])
     for o in outs:
         if o.finish_reason == "stop":  # an open-ended object may run out of tokens
             assert isinstance(json.loads(o.text), dict)
