@@ -1,8 +1,8 @@
 """OpenAI request bodies -> validated `GenerateInput` (token ids + SamplingParams).
 
-Everything here runs before any routing: a bad request never reaches a worker. Unknown
-fields are ignored, as vLLM does. Errors
-are InvalidRequest (400) or ModelNotFound (404) with vLLM's messages where vLLM has
+Everything here runs before any routing: a bad request never reaches a worker. Parameters
+we do not implement are refused and unknown fields logged and ignored (gateway/params.py).
+Errors are InvalidRequest (400) or ModelNotFound (404) with vLLM's messages where vLLM has
 one. `ModelContext` owns the tokenizer and the model's limits.
 """
 
