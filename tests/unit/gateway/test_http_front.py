@@ -80,9 +80,9 @@ def test_remote_prefill_decision_fills_the_prefill_peer() -> None:
                         cache_salt="tenant-a", priority=2)
     d = Candidate("d0", "127.0.0.1:1", "decode")
     p = Candidate("p0", "127.0.0.1:2", "prefill")
-    req = gw._worker_request(inp, "rid", RouteDecision(d, p, {}))
+    req = gw._worker_request(inp, "rid", RouteDecision(d, p, {}), [])
     assert (req.prefill_peer.address, req.prefill_peer.worker_id) == ("127.0.0.1:2", "p0")
     assert req.cache_salt == "tenant-a" and req.priority == 2 and req.request_id.startswith("rid-")
     assert list(req.prompt_token_ids) == [1, 2, 3] and req.sampling.max_tokens == 4
-    local = gw._worker_request(inp, "rid", RouteDecision(d, None, {}))
+    local = gw._worker_request(inp, "rid", RouteDecision(d, None, {}), [])
     assert not local.HasField("prefill_peer")
