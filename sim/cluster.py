@@ -72,7 +72,7 @@ class ClusterConfig:
     routing: RoutingProfile = field(default_factory=RoutingProfile)
     report_interval_s: float = 0.1  # decode/config.py load_interval_ms
     max_in_flight: int = 0  # the gateway's limit (429 beyond); 0: none
-    max_model_len: int = 1 << 20
+    max_model_len: int = 131072  # llama 3.1's context: the Mooncake trace's prompts fit
     salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
     seed: int = 0  # the pickers' randomness when the routing profile sets none
@@ -124,6 +124,7 @@ class SimStats:
     peer_misses: int = 0
     rejected: int = 0
     stalled: int = 0
+    invalid: int = 0  # refused by the worker (too long for its context or KV pool)
     events: int = 0
 
     def add_bytes(self, kind: str, n: int) -> None:
@@ -266,7 +267,7 @@ class Simulator:
         self.at(self.now + self._rpc, self._on_decode, flight)
 
     def _reject(self, flight: Flight, error: str) -> None:
-        if not error.startswith("stalled"):
+        if not error.startswith(("stalled", "invalid")):
             self.stats.rejected += 1
         s = flight.spec
         self.results[flight.index] = RequestResult(
@@ -278,6 +279,13 @@ class Simulator:
         assert d is not None
         w = self.workers[d.decode.worker_id]
         req = flight.req
+        error = w.validate(flight.spec.prompt_len, flight.spec.output_len)
+        if error is not None:  # the worker's INVALID_ARGUMENT: the client gets a 400
+            del self._flights[req.request_id]
+            self._set_inflight(w.worker_id, -1)
+            self.stats.invalid += 1
+            self._reject(flight, f"invalid: {error}")
+            return
         if w.role == "decode" and (d.prefill is not None or d.kv_peer is not None) \
                 and w.scheduler.allocate_remote(req):
             t = self.now + w.restore_seconds()

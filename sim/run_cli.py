@@ -136,7 +136,8 @@ def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
                for w in sim.workers.values()}
     return {"transfer_bytes": dict(st.transfer_bytes), "remote_prefills": st.remote_prefills,
             "peer_fetches": st.peer_fetches, "peer_misses": st.peer_misses,
-            "rejected": st.rejected, "stalled": st.stalled, "events": st.events,
+            "rejected": st.rejected, "stalled": st.stalled, "invalid": st.invalid,
+            "events": st.events,
             "wall_s": round(wall_s, 3),
             "sim_requests_per_s": round(len(phase.results) / wall_s, 1), "workers": workers}
 

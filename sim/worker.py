@@ -179,6 +179,17 @@ class SimWorker:
             self.offload.reap(self.kv.pool)
         return got
 
+    def validate(self, prompt_len: int, max_tokens: int) -> str | None:
+        """LLMEngine.validate's length checks: why this engine would answer 400, or None."""
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the request asks for {total}")
+        need = -(-total // self.profile.block_size)
+        if need > self.kv.pool.num_blocks:
+            return f"the request needs {need} KV blocks; this engine has {self.kv.pool.num_blocks}"
+        return None
+
     def stop_reason(self, req: Request, max_tokens: int) -> RequestStatus | None:
         """LLMEngine._check_stop for ignore_eos requests."""
         if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:

@@ -70,7 +70,8 @@ def test_conservation(tmp_path: Path, name: str) -> None:
     cfg = replace(CONFIGS[name], max_in_flight=12)
     sim, res = run(cfg, specs)
     assert len(res) == len(specs)
-    assert sum(r.ok for r in res) + sim.stats.rejected + sim.stats.stalled == len(specs)
+    assert sum(r.ok for r in res) + sim.stats.rejected + sim.stats.stalled \
+        + sim.stats.invalid == len(specs)
     assert sim.stats.rejected > 0  # the gateway limit was hit at this load
     assert all(r.output_len == s.output_len for r, s in zip(res, specs) if r.ok)
     sim.check_integrity()
@@ -79,6 +80,18 @@ def test_conservation(tmp_path: Path, name: str) -> None:
         assert w.kv.pool.num_free_blocks == w.kv.pool.num_blocks, w.worker_id
     if name == "disaggregated":
         assert sim.stats.remote_prefills > 0 and sim.stats.transfer_bytes["prefill"] > 0
+
+
+def test_a_request_the_engine_refuses_fails_alone() -> None:
+    """A prompt longer than the worker's KV pool gets the engine's 400 and does not hold
+    up the queue behind it (head-of-line forever)."""
+    specs = [SimRequestSpec(0.01 * i, n, 4, ((i, n),)) for i, n in
+             enumerate([64, 64, 600, 64, 64])]
+    sim, res = run(ClusterConfig(colocated=1, num_blocks=20), specs)
+    assert [r.ok for r in res] == [True, True, False, True, True]
+    assert res[2].error.startswith("invalid: the request needs 38 KV blocks")
+    assert sim.stats.invalid == 1 and sim.stats.stalled == 0
+    sim.check_integrity()
 
 
 def test_tiers_restore_evicted_prefixes() -> None:
