@@ -202,7 +202,8 @@ class RemotePrefiller:
             dest=pb.KVDestination(transport_address=self._address, block_ids=alloc.block_ids,
                                   generation=gen, worker_id=self.worker_id,
                                   num_computed_tokens=alloc.num_computed_tokens),
-            tenant=request.tenant, labels=request.labels, priority=request.priority)
+            tenant=request.tenant, labels=request.labels, priority=request.priority,
+            client_request_id=request.client_request_id)
         if request.HasField("cache_salt"):
             call.cache_salt = request.cache_salt
         try:

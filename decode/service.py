@@ -163,7 +163,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             request.request_id, list(request.prompt_token_ids), params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
             priority=request.priority, remote=remote, resume_token_ids=resume,
-            tenant=request.tenant, labels=dict(request.labels)))
+            tenant=request.tenant, labels=dict(request.labels),
+            client_id=request.client_request_id))
 
     @staticmethod
     def _response(rid: str, out: RequestOutput, n_prompt: int,

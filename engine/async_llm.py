@@ -67,6 +67,7 @@ class _Add:
     resume: list[int] = field(default_factory=list)
     tenant: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    client_id: str = ""
 
 
 @dataclass(slots=True)
@@ -139,7 +140,7 @@ class AsyncLLM:
                        priority: int = 0, remote: RemotePrefill | None = None,
                        hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
                        tenant: str = "", labels: Mapping[str, str] | None = None,
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       client_id: str = "") -> AsyncGenerator[RequestOutput, None]:
         """Yields outputs until one is finished. Raises RequestError (bad request,
         before any work) or EngineDeadError. Leaving the iteration early (client gone,
         task cancelled) aborts the request, cancels its remote prefill and frees its
@@ -152,6 +153,8 @@ class AsyncLLM:
         stay held after the request finishes, until `release(request_id)`.
         `resume_token_ids`: fail-over; output tokens another worker already streamed
         (see LLMEngine.add_request). Outputs count them but never repeat them.
+        `tenant`, `labels`, `client_id` (the client's request id): who sent it, which
+        selects the scheduling strategies that apply (engine/strategies.py).
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop stopped: {self._dead}")
@@ -169,7 +172,7 @@ class AsyncLLM:
         self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
                             priority, remote=remote is not None, hold_kv=hold_kv,
                             resume=list(resume_token_ids), tenant=tenant,
-                            labels=dict(labels or {})))
+                            labels=dict(labels or {}), client_id=client_id))
         finished = False
         task: asyncio.Task[None] | None = None
         try:
@@ -273,13 +276,13 @@ class AsyncLLM:
         try:
             alloc = self.engine.add_remote_request(
                 *args, resume_token_ids=cmd.resume, tenant=cmd.tenant, labels=cmd.labels,
-            ) if cmd.remote else None
+                client_id=cmd.client_id) if cmd.remote else None
             if alloc is not None:
                 self._deliver(cmd.request_id, alloc, last=False)
             else:
                 self.engine.add_request(*args, hold_kv=cmd.hold_kv,
                                         resume_token_ids=cmd.resume, tenant=cmd.tenant,
-                                        labels=cmd.labels)
+                                        labels=cmd.labels, client_id=cmd.client_id)
         except RequestError as e:
             self._deliver(cmd.request_id, e, last=True)
 

@@ -120,7 +120,8 @@ class LLMEngine:
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, cache_salt: str | None, priority: int,
                      hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
-                     tenant: str = "", labels: Mapping[str, str] | None = None) -> Request:
+                     tenant: str = "", labels: Mapping[str, str] | None = None,
+                     client_id: str = "") -> Request:
         if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise RequestError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params, resume_token_ids)
@@ -128,7 +129,7 @@ class LLMEngine:
                       extra_key=make_extra_key(self.model_id, cache_salt),
                       eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
-                      labels=dict(labels or {}))
+                      labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:
             req.grammar = self.structured.new_state(params.structured)
         for tok in resume_token_ids:  # outputs with no KV yet: computed like a preemption's
@@ -146,7 +147,7 @@ class LLMEngine:
                     params: SamplingParams, cache_salt: str | None = None,
                     priority: int = 0, hold_kv: bool = False,
                     resume_token_ids: Sequence[int] = (), tenant: str = "",
-                    labels: Mapping[str, str] | None = None) -> Request:
+                    labels: Mapping[str, str] | None = None, client_id: str = "") -> Request:
         """Queues a request. With `hold_kv` (a prefill producer) its blocks outlive it
         until `release`, and every step reports its KV progress.
 
@@ -156,7 +157,7 @@ class LLMEngine:
         penalties continue, stop strings see their text, and outputs neither repeat
         them nor their text. Their KV is computed here (prefix hits apply)."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
-                                hold_kv, resume_token_ids, tenant, labels)
+                                hold_kv, resume_token_ids, tenant, labels, client_id)
         self._track(req)
         self._new_group(req)
         self.scheduler.add_request(req)
@@ -212,7 +213,7 @@ class LLMEngine:
                            params: SamplingParams, cache_salt: str | None = None,
                            priority: int = 0, resume_token_ids: Sequence[int] = (),
                            tenant: str = "", labels: Mapping[str, str] | None = None,
-                           ) -> RemoteAlloc | None:
+                           client_id: str = "") -> RemoteAlloc | None:
         """Allocates blocks for the whole prompt and parks the request until its KV
         arrives from a prefill node (then call `finish_remote`). Returns where the KV
         must land, or None when the blocks are not free now (nothing was queued).
@@ -220,7 +221,7 @@ class LLMEngine:
         prompt plus those tokens: only a peer's cached blocks (FetchKV) can fill it."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
                                 resume_token_ids=resume_token_ids, tenant=tenant,
-                                labels=labels)
+                                labels=labels, client_id=client_id)
         if not self.scheduler.allocate_remote(req):
             return None
         self._run_loads(None)

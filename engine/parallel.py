@@ -33,6 +33,7 @@ def make_forks(parent: Request) -> list[Request]:
                              extra_key=parent.extra_key, eos_token_ids=parent.eos_token_ids,
                              priority=parent.priority, arrival_time=parent.arrival_time,
                              index=i, tenant=parent.tenant, labels=parent.labels,
+                             client_id=parent.client_id,
                              # structured outputs: each sample walks its own grammar
                              grammar=parent.grammar.fork() if parent.grammar else None))
     parent.forks = forks

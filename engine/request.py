@@ -63,6 +63,9 @@ class Request:
     # Who sent it: the tenant and its labels select scheduling strategies.
     tenant: str = ""
     labels: dict[str, str] = field(default_factory=dict)
+    # The client's request id (x-request-id), which request-id strategies target; the
+    # engine's own id adds a unique suffix (gateway) or prefix (prefill). "": request_id.
+    client_id: str = ""
     # Scheduler-owned: the strategies' policy for it, when it last joined the waiting line
     # (FCFS order among equals), when its running slice began, prompt tokens charged (VTC).
     policy: Policy = DEFAULT_POLICY

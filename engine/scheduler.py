@@ -90,7 +90,7 @@ class Scheduler:
             self._apply_policy(r)
 
     def _apply_policy(self, r: Request) -> None:
-        r.policy = self.strategies.for_request(r.tenant, r.labels, r.request_id)
+        r.policy = self.strategies.for_request(r.tenant, r.labels, r.client_id or r.request_id)
 
     def _enqueue(self, request: Request) -> None:
         """A new request joins the waiting line (VTC lifts its tenant's counter)."""

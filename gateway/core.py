@@ -146,7 +146,7 @@ class Gateway:
             request_id=f"{request_id}-{uuid.uuid4().hex[:8]}",
             prompt_token_ids=inp.prompt_token_ids,
             sampling=sampling_to_proto(inp.params), priority=inp.priority,
-            tenant=inp.tenant, labels=inp.labels)
+            tenant=inp.tenant, labels=inp.labels, client_request_id=request_id)
         if inp.cache_salt is not None:
             req.cache_salt = inp.cache_salt
         # Fail-over: the worker continues after the tokens the client already has. A

@@ -113,7 +113,7 @@ class PrefillService(pb_grpc.PrefillServicer):
                     pid, list(request.token_ids), params, hold_kv=True,
                     cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                     priority=request.priority, tenant=request.tenant,
-                    labels=dict(request.labels),
+                    labels=dict(request.labels), client_id=request.client_request_id,
             )) as outs:
                 async for out in outs:
                     if out.finish_reason is not None:

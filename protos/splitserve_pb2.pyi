@@ -223,7 +223,7 @@ class KVPeer(_message.Message):
     def __init__(self, address: _Optional[str] = ..., worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "prefill_peer", "kv_peer", "tenant", "labels", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "priority", "prefill_peer", "kv_peer", "tenant", "labels", "resume_token_ids", "client_request_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +241,7 @@ class WorkerGenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -251,7 +252,8 @@ class WorkerGenerateRequest(_message.Message):
     tenant: str
     labels: _containers.ScalarMap[str, str]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeer, _Mapping]] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., prefill_peer: _Optional[_Union[PrefillPeer, _Mapping]] = ..., kv_peer: _Optional[_Union[KVPeer, _Mapping]] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "error", "index", "logprobs", "prompt_logprobs", "cumulative_logprob")
@@ -368,7 +370,7 @@ class KVDestination(_message.Message):
     def __init__(self, transport_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., generation: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "dest", "tenant", "labels", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "dest", "tenant", "labels", "priority", "client_request_id")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +386,7 @@ class PrefillRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -392,7 +395,8 @@ class PrefillRequest(_message.Message):
     tenant: str
     labels: _containers.ScalarMap[str, str]
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+    client_request_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ..., tenant: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., client_request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillTimings(_message.Message):
     __slots__ = ("queue_s", "compute_s", "transfer_s", "bytes_sent")

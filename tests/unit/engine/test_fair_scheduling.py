@@ -198,6 +198,17 @@ def test_a_priority_strategy_set_mid_run_preempts_lower_requests_under_block_pre
     assert sim.s.kv.pool.num_free_blocks == sim.s.kv.pool.num_blocks
 
 
+def test_a_request_id_strategy_targets_the_clients_id_not_the_engines() -> None:
+    # The gateway sends "<client id>-<8 hex>" as the engine's id and the client's id beside
+    # it; a prefill worker runs "prefill-<that>": the strategy names the client's id.
+    sim = Sim("vtc", strategies={"scheduling": [{"priority": True, "request_id": "vip"}]})
+    r = Request("vip-0badc0de", [1, 2, 3], SamplingParams(max_tokens=2), client_id="vip")
+    other = Request("vip", [1, 2, 3], SamplingParams(max_tokens=2), client_id="someone")
+    sim.s.add_request(r)
+    sim.s.add_request(other)
+    assert r.policy.priority and not other.policy.priority
+
+
 def test_priority_preemption_on_a_real_engine_resumes_token_identical() -> None:
     from engine.llm import LLM
     from tests.factories import tiny_model_dir
