@@ -193,7 +193,9 @@ def lab(tmp_path_factory):
         lab.start("gateway", "gw", [*cli, "gateway", "--model", model, "--host", "0.0.0.0",
                                     "--http-port", str(HTTP), "--grpc-port", str(GRPC),
                                     "--redis", f"redis://{lab.ip['redis']}:6379",
-                                    "--routing", os.path.join(tmp, "routing.yaml")])
+                                    "--routing", os.path.join(tmp, "routing.yaml"),
+                                    # signs its worker calls with the workers' token
+                                    "--cluster-token-file", os.path.join(tmp, "token")])
         lab.model = model
         yield lab
     finally:
