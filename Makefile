@@ -38,7 +38,7 @@ test: deps sysdeps
 	$(BIN)/python -m pytest -q tests
 
 lint: deps
-	$(BIN)/ruff check engine kvtransfer cluster bench protos decode prefill gateway tests
+	$(BIN)/ruff check engine kvtransfer cluster bench protos decode prefill gateway sim tests
 	$(BIN)/mypy
 
 bench-engine: deps
