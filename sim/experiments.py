@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
     p.add_argument("--decode-stride", type=int, default=1, help="see sim run")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="the gateway's limit (its default; 429 beyond; 0: none)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "trace_sample": f"every {args.sample}th conversation",
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
                 "block_size": prof.block_size, "decode_stride": args.decode_stride,
+                "max_in_flight": args.max_in_flight,
                 "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
                            for p, r in zip(phases, runs, strict=True)}},
         notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "
@@ -109,7 +112,7 @@ def _run(args: argparse.Namespace, prof: HardwareProfile, cfg: ClusterConfig,
          slo: dict[str, float], rate: float, config: str, **params: Any) -> SimRun:
     name = f"{config} @ {rate:g}/GPU"
     print(f"  {name}...", flush=True)
-    return simulate(replace(cfg, seed=args.seed, itl_every=10,
+    return simulate(replace(cfg, seed=args.seed, itl_every=10, max_in_flight=args.max_in_flight,
                             decode_stride=args.decode_stride), prof, _trace(args, rate),
                     name, slo, {"rate": rate * args.workers, **params}, config)
 
@@ -216,6 +219,8 @@ def pd_headline(runs: list[SimRun]) -> dict[str, Any]:
         out[f"ttft_p50 / tpot_p50 {config}"] = " ; ".join(
             f"{r.phase.summary['ttft_s']['p50']:.3g} / {r.phase.summary['tpot_s']['p50']:.3g}"
             for r in mine)
+        out[f"429 / stalled {config}"] = " ; ".join(
+            f"{r.extras['rejected']} / {r.extras['stalled']}" for r in mine)
     return out
 
 
@@ -286,7 +291,13 @@ NOTES = {
     "routing": ["The rate axis is the whole cluster's; each phase replays the trace's first "
                 "records, time-scaled to that mean rate."],
     "pd-ratio": ["Disaggregated configs use the gateway's default routing (prefix locality, "
-                 "queue, KV usage; threshold decider at 256 uncached tokens)."],
+                 "queue, KV usage; threshold decider at 256 uncached tokens).",
+                 "stalled: requests a decode worker's scheduler never ran. A preempted long "
+                 "prompt at the head of the waiting line needs more blocks than are free, "
+                 "while requests whose remote KV has landed hold the rest and wait behind "
+                 "it (engine/scheduler.py admits in order and stops at the first that does "
+                 "not fit), and nothing runs to free blocks: the real decode worker would "
+                 "hang the same way."],
     "tiers": ["Device cache sizes are fractions of the profile's KV blocks per GPU, so that "
               "the trace's reuse outgrows the device; a prompt that needs more blocks than "
               "the device has is refused (400), as the engine refuses it."],
