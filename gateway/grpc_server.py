@@ -19,7 +19,13 @@ import grpc
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest
 from gateway.identity import check_labels
-from gateway.protocol import GenerateInput, _message_text, chat_tools, finish_input
+from gateway.protocol import (
+    GenerateInput,
+    _message_text,
+    chat_tools,
+    check_request_id,
+    finish_input,
+)
 from gateway.tools import ChatOutput, forced_structure, tools_from_json
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -97,6 +103,7 @@ class GenerateService(pb_grpc.GenerateServicer):
         budget = self.gw.config.request_timeout_s
         deadline = time.monotonic() + (min(remaining, budget) if remaining else budget)
         try:
+            check_request_id(rid)
             inp = self._identify(self._input(request), request, md)
             async with contextlib.aclosing(self.gw.stream(inp, rid, deadline)) as stream:
                 echoed: set[int] = set()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -30,9 +29,11 @@ from gateway.identity import header_labels, metadata_labels
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
 from gateway.protocol import (
     GenerateInput,
+    check_request_id,
     parse_chat,
     parse_completion,
     parse_detokenize,
+    parse_json,
     parse_tokenize,
 )
 from gateway.routing.profile import RoutingProfile
@@ -51,8 +52,15 @@ def _json_error(e: APIError, rid: str) -> web.Response:
 
 
 def _bearer(request: web.Request) -> str:
+    """The Bearer token, or "" (none, or not UTF-8: aiohttp hands such header bytes on as
+    lone surrogates, which no key can equal and `str.encode` refuses)."""
     auth = request.headers.get("Authorization", "")
-    return auth[7:] if auth.startswith("Bearer ") else ""
+    token = auth[7:] if auth.startswith("Bearer ") else ""
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        return ""
+    return token
 
 
 @web.middleware
@@ -62,6 +70,11 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request[REQUEST_ID] = rid
     endpoint = request.path
     try:
+        try:
+            check_request_id(rid)
+        except InvalidRequest:
+            request[REQUEST_ID] = rid = uuid.uuid4().hex  # the client's cannot be echoed
+            raise
         if gw.identity.keys_required and request.path.startswith("/v1/"):
             if not gw.identity.accepts(_bearer(request)):
                 raise Unauthorized("invalid or missing API key")
@@ -87,10 +100,7 @@ async def _body(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         raise InvalidRequest(f"the request body is too large (limit "
                              f"{request.app[GATEWAY_KEY].config.client_max_size} bytes)") from e
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"the request body is not valid JSON: {e}") from e
+    return parse_json(raw)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -216,12 +226,12 @@ async def workers(request: web.Request) -> web.Response:
 def _check_admin(request: web.Request) -> None:
     """401 without a Bearer key, 403 with a wrong one or when no admin key is set."""
     key = request.app[GATEWAY_KEY].config.admin_key
-    auth = request.headers.get("Authorization", "")
-    if not auth.startswith("Bearer ") or not auth[7:]:
+    token = _bearer(request)
+    if not token:
         raise Unauthorized("the admin API needs `Authorization: Bearer <admin key>`")
     if key is None:
         raise Forbidden("the admin API is disabled (start the gateway with --admin-key)")
-    if not hmac.compare_digest(auth[7:].encode(), key.encode()):
+    if not hmac.compare_digest(token.encode(), key.encode()):
         raise Forbidden("wrong admin key")
 
 
@@ -246,6 +256,8 @@ async def post_routing(request: web.Request) -> web.Response:
         if not isinstance(data, dict):
             raise ValueError("a routing profile is a mapping")
         profile = RoutingProfile.from_dict(data)
+    except RecursionError:
+        raise InvalidRequest("invalid routing profile: nested too deeply") from None
     except (ValueError, TypeError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise InvalidRequest(f"invalid routing profile: {e}") from e
     gw.set_profile(profile)

@@ -162,6 +162,10 @@ def header_labels(value: str | None) -> dict[str, str]:
     if not value:
         return {}
     try:
+        value.encode()  # aiohttp passes non-UTF-8 header bytes on as lone surrogates
+    except UnicodeEncodeError:
+        raise InvalidRequest("X-Labels must be UTF-8", "X-Labels") from None
+    try:
         return parse_label_header(value)
     except ValueError as e:
         raise InvalidRequest(str(e), "X-Labels") from e

@@ -8,6 +8,9 @@ one. `ModelContext` owns the tokenizer and the model's limits.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -241,6 +244,79 @@ def _stream_flags(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("`cache_salt` must be a non-empty string", "cache_salt")
     return {"stream": stream, "include_usage": include_usage, "cache_salt": salt,
             "priority": _get(body, "priority", int, 0)}
+
+
+MAX_JSON_DEPTH = 64  # arrays / objects inside each other (JSON schemas stay far below)
+MAX_JSON_INT = 2**64  # no field holds more; larger ones cannot even become a float
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if math.isinf(v):
+        raise ValueError(f"number {text} is out of range")
+    return v
+
+
+def _bounded_int(text: str) -> int:
+    v = int(text)
+    if not -MAX_JSON_INT < v < MAX_JSON_INT:
+        raise ValueError(f"integer {text[:32]}{'...' if len(text) > 32 else ''} is out of "
+                         "range (at most 64 bits)")
+    return v
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as strict JSON: UTF-8, finite numbers (no NaN / Infinity, none
+    beyond 64-bit integers or doubles), strings of Unicode scalar values (no lone
+    surrogates, which cannot be encoded again: tokenizer, protobuf, logs), nested at most
+    MAX_JSON_DEPTH deep. Anything else is InvalidRequest (400) here, before any field
+    is read."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float,
+                          parse_int=_bounded_int)
+        _check_json(body)
+    except RecursionError:
+        raise InvalidRequest(f"the request body is not valid JSON: nested deeper than "
+                             f"{MAX_JSON_DEPTH} levels") from None
+    except (ValueError, UnicodeError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    return body
+
+
+def _check_json(body: Any) -> None:
+    """Raises ValueError for a lone surrogate or nesting past MAX_JSON_DEPTH (iterative:
+    no recursion on the client's structure)."""
+    stack = [(body, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            v.encode("utf-8")  # UnicodeEncodeError (a ValueError) on a lone surrogate
+            continue
+        if not isinstance(v, list | dict):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        items = list(v.items()) if isinstance(v, dict) else [(None, x) for x in v]
+        for k, x in items:
+            if k is not None:
+                k.encode("utf-8")
+            stack.append((x, depth + 1))
+
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+def check_request_id(rid: str) -> str:
+    """A client's request id (x-request-id, gRPC's request_id): 1-256 printable ASCII
+    characters, as gRPC metadata, logs and response headers carry it unchanged."""
+    if not _REQUEST_ID.fullmatch(rid):
+        raise InvalidRequest("the request id (x-request-id) must be 1-256 printable ASCII "
+                             "characters without spaces", "x-request-id")
+    return rid
 
 
 def _object(body: Any) -> dict[str, Any]:

@@ -1,0 +1,103 @@
+"""What the HTTP fuzz (tests/integration/test_serving.py) found, pinned: each request
+once got a 500 (an exception escaping the handler, here or at the worker call), or its
+bad x-request-id was passed on to gRPC metadata and logs; now it gets a 400/401 in
+vLLM's error JSON before any routing. Raw bytes on a socket (bench/hostile.py), against the
+HTTP front without workers (aiohttp's test server on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from bench.hostile import HostileRequest, check_answer, nested, send
+from gateway.config import GatewayConfig
+from gateway.core import Gateway
+from gateway.errors import InvalidRequest
+from gateway.http_server import build_app
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ModelContext, parse_json
+from gateway.registry import WorkerRegistry
+from tests.factories import tiny_model_dir
+
+ADMIN = "hostile-admin-key"
+JSON = ("Content-Type", b"application/json")
+
+
+def _post(path: str, body: bytes | str, *headers: tuple[str, bytes]) -> HostileRequest:
+    raw = body.encode() if isinstance(body, str) else body
+    return HostileRequest("regression", "POST", path, [JSON, *headers], raw)
+
+
+def _completion(field: str, value: str) -> HostileRequest:
+    return _post("/v1/completions", f'{{"prompt": "hi", "max_tokens": 2, "{field}": {value}}}')
+
+
+CASES: list[tuple[str, HostileRequest, int]] = [
+    # json.loads raised RecursionError (not a ValueError); yaml.safe_load the same.
+    ("deep body", _post("/v1/completions", nested(200_000)), 400),
+    ("deep field", _post("/detokenize", '{"tokens": ' + nested(5_000) + "}"), 400),
+    ("deep strategies", _post("/api/v1/scheduling/strategies", nested(200_000),
+                              ("Authorization", f"Bearer {ADMIN}".encode())), 400),
+    ("deep routing", _post("/admin/v1/routing", "[" * 100_000,
+                           ("Authorization", f"Bearer {ADMIN}".encode())), 400),
+    # float(10**400) raised OverflowError.
+    ("10**400 top_p", _completion("top_p", "1" + "0" * 400), 400),
+    ("10**400 penalty", _completion("repetition_penalty", "1" + "0" * 400), 400),
+    # Python's json takes NaN / Infinity / 1e999 (not JSON).
+    ("NaN", _completion("top_p", "NaN"), 400),
+    ("1e999", _completion("temperature", "1e999"), 400),
+    # A lone surrogate (a JSON \ud800 escape) cannot be encoded: protobuf, the tokenizer
+    # and the block hash's cache salt raised UnicodeEncodeError.
+    ("surrogate stop", _completion("stop", '"\\ud800"'), 400),
+    ("surrogate salt", _completion("cache_salt", '"\\udfff x"'), 400),
+    ("surrogate regex", _completion("guided_regex", '"\\ud83e"'), 400),
+    ("surrogate tokenize", _post("/tokenize", '{"prompt": "\\ud800"}'), 400),
+    # Header bytes that are not UTF-8 reach the app as lone surrogates.
+    ("admin key bytes", HostileRequest("regression", "GET", "/admin/v1/routing",
+                                       [("Authorization", b"Bearer \xff\xfe")], b""), 401),
+    ("labels bytes", _post("/v1/completions", '{"prompt": "hi", "max_tokens": 2}',
+                           ("X-Labels", b"a=\xff")), 400),
+    ("request id bytes", _post("/tokenize", '{"prompt": "hi"}', ("x-request-id", b"\xc3\xa9")),
+     400),
+    ("request id spaces", _post("/tokenize", '{"prompt": "hi"}',
+                                ("x-request-id", b"id with spaces")), 400),
+    ("request id ok", _post("/tokenize", '{"prompt": "hi"}', ("x-request-id", b"trace-1:a/b")),
+     200),
+]
+
+
+async def _answers(requests: list[HostileRequest]) -> list[Any]:
+    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
+                        static_workers=("127.0.0.1:1",), admin_key=ADMIN)
+    gw = Gateway(cfg, ModelContext(cfg.model_dir, cfg.served_model_name),
+                 WorkerRegistry(cfg), GatewayMetrics())
+    async with TestServer(build_app(gw)) as server:
+        return [await asyncio.to_thread(send, server.port, r) for r in requests]
+
+
+def test_what_the_fuzz_found_gets_a_clean_4xx() -> None:
+    answers = asyncio.run(_answers([r for _, r, _ in CASES]))
+    for (name, req, status), ans in zip(CASES, answers):
+        assert ans.status == status, (name, ans.status, ans.body[:300])
+        assert check_answer(req, ans) is None, name
+    rids = [a.headers["x-request-id"] for a in answers[-3:]]
+    assert rids[0] != "\xc3\xa9" and rids[1] != "id with spaces" and rids[2] == "trace-1:a/b"
+    assert json.loads(answers[-3].body)["error"]["param"] == "x-request-id"
+
+
+@pytest.mark.parametrize("raw", [b'{"a": NaN}', b'{"a": -Infinity}', b"[1e400]",
+                                 b'{"a": 18446744073709551616}', b'{"\\ud800": 1}',
+                                 b"[" * 65 + b"]" * 65])
+def test_parse_json_is_strict(raw: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        parse_json(raw)
+
+
+def test_parse_json_takes_ordinary_bodies() -> None:
+    doc = {"a": [1, -2**63, 2**64 - 1, 1e308, "\u00e9\U0001f98a", None], "b": {"c": True}}
+    assert parse_json(json.dumps(doc).encode()) == doc
+    assert parse_json(b"[" * 64 + b"]" * 64) is not None
