@@ -48,9 +48,10 @@ def worker_blocks(address: str, token: str, timeout_s: float = 3.0) -> Blocks:
 
 
 def workers(cluster: LocalCluster) -> dict[str, str]:
-    """Worker name -> gRPC address (the gateway and redis are not workers)."""
+    """Running worker name -> gRPC address (the gateway and redis are not workers; an
+    exited child has no blocks to count: `sample_all` reports it as gone)."""
     return {c.name: c.grpc_address for c in cluster.children
-            if c.grpc_address and c.name != "gateway" and not c.name.startswith("gateway")}
+            if c.grpc_address and not c.name.startswith("gateway") and c.proc.poll() is None}
 
 
 def idle_blocks(cluster: LocalCluster, timeout_s: float = 15.0) -> dict[str, Blocks]:

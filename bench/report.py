@@ -52,11 +52,13 @@ class Report:
     notes: list[str] = field(default_factory=list)
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S %Z"))
     plotters: list[Callable[[str, str], str | None]] = field(default_factory=list)
+    tables: list[list[str]] = field(default_factory=list)  # an experiment's own, Markdown
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "title": self.title, "created": self.created,
                 "machine": machine(), "config": self.config, "summary": self.summary,
-                "notes": self.notes, "phases": [p.to_json() for p in self.phases]}
+                "notes": self.notes, "tables": self.tables,
+                "phases": [p.to_json() for p in self.phases]}
 
 
 def write_report(report: Report, out_dir: str, json_path: str | None = None,
@@ -117,7 +119,10 @@ def markdown(report: Report, mach: dict[str, Any], plots: list[str]) -> str:
                   "|---|---|"]
         lines += [f"| `{k}` | {_fmt(v)} |" for k, v in report.summary.items()]
         lines.append("")
-    lines += phase_table(report.phases) + [""]
+    for table in report.tables:
+        lines += [*table, ""]
+    if report.phases:
+        lines += phase_table(report.phases) + [""]
     tagged = [p for p in report.phases if p.tags]
     for p in tagged:
         lines += [f"Per workload class in `{p.name}`:", "",

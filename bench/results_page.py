@@ -17,7 +17,7 @@ from typing import Any
 from bench.report import Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ORDER = ("disagg", "transports", "decider", "routing", "fairness")
+ORDER = ("disagg", "transports", "decider", "routing", "fairness", "faults")
 
 
 def publish(report: Report, paths: dict[str, Any], docs_dir: str | None = None) -> str:
@@ -64,6 +64,8 @@ def _section(data: dict[str, Any], rel: str) -> list[str]:
     for k, v in data.get("summary", {}).items():
         lines.append(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |")
     lines.append("")
+    for table in data.get("tables", []):
+        lines += [*table, ""]
     lines += [f"- {n}" for n in data.get("notes", [])]
     lines.append("")
     lines += [f"![{p}]({rel}/{p})" for p in data.get("plots", [])]

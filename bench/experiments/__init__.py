@@ -15,4 +15,6 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
                 "routing profiles on shared-prefix and Mooncake-trace workloads"),
     "fairness": ("bench.experiments.fairness",
                  "tenants through the admission queue: FCFS vs VTC, a strategy changed live"),
+    "faults": ("bench.experiments.faults",
+               "per injected fault kind: success, clean errors, latency, leaked blocks"),
 }
