@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(report, args.out_dir)
     extra = metric_plot(phases, os.path.join(args.out_dir, f"sim-{args.name}-goodput.png"),
                         report.title)
-    _strip_requests(paths["json"][0])
+    _finish_json(paths["json"][0], extra)
     if extra:
         with open(paths["markdown"], "a") as f:
             f.write(f"\n![goodput]({os.path.basename(extra)})\n")
@@ -93,12 +93,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _strip_requests(path: str) -> None:
-    """Keeps the JSON to summaries (a phase holds thousands of requests)."""
+def _finish_json(path: str, extra_plot: str | None) -> None:
+    """Keeps the JSON to summaries (a phase holds thousands of requests) and lists the
+    goodput plot with the others (the results page shows them)."""
     with open(path) as f:
         data = json.load(f)
     for p in data["phases"]:
         p.pop("requests", None)
+    if extra_plot:
+        data["plots"].insert(0, os.path.basename(extra_plot))
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 
@@ -288,8 +291,10 @@ TITLES = {"routing": "Simulated routing profiles on {w} {hw} GPUs, Mooncake trac
           "pd-ratio": "Simulated prefill:decode splits of {w} {hw} GPUs, Mooncake trace",
           "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace"}
 NOTES = {
-    "routing": ["The rate axis is the whole cluster's; each phase replays the trace's first "
-                "records, time-scaled to that mean rate."],
+    "routing": ["Rates are the whole cluster's; each phase replays the same trace sample "
+                "(every 10th conversation, all its turns), time-scaled to that mean rate.",
+                "goodput: fraction of requests meeting TTFT <= 2 s and TPOT <= 80 ms "
+                "(429s count as misses); hit_rate: cached prompt tokens / prompt tokens."],
     "pd-ratio": ["Disaggregated configs use the gateway's default routing (prefix locality, "
                  "queue, KV usage; threshold decider at 256 uncached tokens).",
                  "stalled: requests a decode worker's scheduler never ran. A preempted long "
