@@ -151,7 +151,8 @@ class Simulator:
         specs += [WorkerSpec(f"colocated-{i}", "colocated", nb, config.host_blocks,
                              config.disk_blocks) for i in range(config.colocated)]
         self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
-                                               config.max_model_len, self.clock)
+                                               config.max_model_len, self.clock,
+                                               config.decode_stride)
                         for s in specs}
         self.nodes = frozenset(self.workers)
         self.now = 0.0

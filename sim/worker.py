@@ -76,7 +76,7 @@ class WorkerSpec:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, profile: HardwareProfile, latency: LatencyModel,
                  index: InProcessBlockIndex, max_model_len: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], stride: int = 1) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
@@ -98,6 +98,7 @@ class SimWorker:
             max_num_seqs=profile.max_num_seqs,
             max_num_batched_tokens=profile.max_num_batched_tokens), self.kv, offload,
             clock=clock)
+        self.stride = stride  # the cluster's decode stride (sim/cluster.py)
         self.busy = False
         # the step in progress: (scheduled, start, duration, decode iterations), and a
         # version that tells its end event apart from a superseded one
@@ -137,7 +138,7 @@ class SimWorker:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
-        if any(s.num_new_tokens > 1 for s in out.scheduled) and any(
+        if self.stride > 1 and any(s.num_new_tokens > 1 for s in out.scheduled) and any(
                 s.request.num_computed_tokens < s.request.num_prompt_tokens
                 for s in out.scheduled):
             # Decode stride: a step that prefills is one iteration (its decoding rows
@@ -147,9 +148,10 @@ class SimWorker:
                 if s.request.num_computed_tokens >= s.request.num_prompt_tokens:
                     s.num_new_tokens = 1
         dt = self.latency.step(out.scheduled) + self.restore_seconds()
-        dt += self.profile.token_overhead_s * sum(
-            1 for s in out.scheduled
-            if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens)
+        if self.profile.token_overhead_s:
+            dt += self.profile.token_overhead_s * sum(
+                1 for s in out.scheduled
+                if s.request.num_computed_tokens + s.num_new_tokens >= s.request.num_tokens)
         self.steps += 1
         self.busy_s += dt
         self.tokens_computed += out.num_tokens
