@@ -210,7 +210,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     strategies = None  # scheduling strategies, polled and applied live
     if config.redis_url:
         strategies = StrategyWatcher(config.redis_url, model, llm, config.redis_timeout_s)
-        await strategies.poll()  # the current version before the first request
+        await strategies.first_read()  # the current version before the first request
         strategies.start()
     sparing = None  # tier eviction spares blocks no other node holds (index view)
     if kv_index is not None and tiers is not None:

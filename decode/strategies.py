@@ -56,6 +56,17 @@ class StrategyWatcher:
             await self._apply(got)
         return True
 
+    async def first_read(self, budget_s: float = 5.0) -> bool:
+        """At start-up, before the worker turns ready: polls until the stored set is read
+        or `budget_s` has passed (a busy Redis or machine can miss one short timeout; a
+        Redis that is down leaves the defaults, and the periodic poll catches up)."""
+        end = asyncio.get_running_loop().time() + budget_s
+        while not await self.poll():
+            if asyncio.get_running_loop().time() + self._period_s >= end:
+                return False
+            await asyncio.sleep(self._period_s)
+        return True
+
     async def _apply(self, strategies: StrategySet) -> None:
         def apply(engine: LLMEngine) -> None:
             engine.set_strategies(strategies)

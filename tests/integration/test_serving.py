@@ -181,7 +181,8 @@ def test_bad_inputs_get_their_status_and_workers_keep_serving(cluster, model) ->
         ({"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400),  # the workers' limit
         ({"prompt": "x", "temperature": -0.5}, 400),
         ({"prompt": "x", "top_p": 1.5}, 400),
-        ({"prompt": "x", "n": 3}, 400),
+        ({"prompt": "x", "n": 0}, 400),
+        ({"prompt": "x", "suffix": "y"}, 400),  # refused, named
         ({"prompt": "x", "stop": {"a": 1}}, 400),
         ({"prompt": [1, 10_000_000]}, 400),
         (b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}', 400),
