@@ -173,7 +173,7 @@ class Gateway:
             self.metrics.rejected.labels("overload", tenant).inc()
             raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
                              "requests in flight; retry later", retry_after=1)
-        if not self.ready():  # nothing to wait for: fail now, not at the deadline
+        if not await self._wait_ready(deadline):
             raise NoWorkerAvailable(f"no ready worker for model {model!r}")
         try:
             ticket = await self.admission.admit(tenant, inp.labels, request_id, inp.priority,
@@ -195,6 +195,18 @@ class Gateway:
         finally:
             ticket.release()
             self.metrics.generation_tokens.labels(model, tenant).inc(ticket.output_tokens)
+
+    async def _wait_ready(self, deadline: float) -> bool:
+        """True once a serving worker is routable. A worker taken out of routing by one
+        broken call (mark_failed) reconnects within moments: waits for it, at most
+        `failover_wait_s` and never past the deadline; with no such worker, fails now."""
+        limit = min(deadline, time.monotonic() + self.config.failover_wait_s)
+        while not self.ready():
+            if time.monotonic() >= limit \
+                    or not self.registry.recently_routable(self.config.failover_wait_s):
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     async def _stream(self, inp: GenerateInput, request_id: str, deadline: float,
                       ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
@@ -233,15 +245,16 @@ class Gateway:
 
     async def _route_run(self, req: RouteRequest, lookup: IndexLookup | None, model: str,
                          run: _Run, deadline: float) -> RouteDecision:
-        """A worker for the next attempt. Resuming a started stream, it waits (until the
-        deadline, at most `failover_wait_s`) for one to become routable."""
+        """A worker for the next attempt. Retrying or resuming, it waits (until the
+        deadline, at most `failover_wait_s`) for one to become routable: the worker that
+        just failed may be the only one, back as soon as its load stream reconnects."""
         limit = min(deadline, time.monotonic() + self.config.failover_wait_s)
         while True:
             try:
                 return self._route(req, lookup, model)
             except NoWorkerAvailable:
                 left = limit - time.monotonic()
-                if not run.started or left <= 0:
+                if not (run.started or run.route_failures) or left <= 0:
                     raise
                 await asyncio.sleep(min(left, 0.1))
 

@@ -98,6 +98,14 @@ class WorkerRegistry:
                 num_blocks=rep.num_blocks, inflight=w.inflight))
         return out
 
+    def recently_routable(self, within_s: float) -> bool:
+        """Whether a serving worker that is not routable now reported load within the
+        last `within_s` (marked failed after one broken call, reconnecting): worth a
+        short wait, where a registry of long-gone workers is not."""
+        since = time.monotonic() - within_s
+        return any(w.role in ("decode", "colocated") and w.last_report >= since
+                   for w in self._workers.values())
+
     def entry(self, address: str) -> WorkerEntry | None:
         return self._workers.get(address)
 
