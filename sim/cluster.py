@@ -312,8 +312,10 @@ class Simulator:
         bs = self.profile.block_size
         n_prompt = flight.spec.prompt_len
         first = computed // bs
-        limit = cdiv(n_prompt, bs) if d.prefill is not None else (n_prompt - 1) // bs
-        end = min(d.kv_peer_blocks, limit, n_prompt // bs)
+        # The prompt's full blocks when a prefill peer sends the rest, else all but the
+        # block of the last prompt token (its logits are computed here).
+        limit = n_prompt // bs if d.prefill is not None else (n_prompt - 1) // bs
+        end = min(d.kv_peer_blocks, limit)
         if end <= first:
             return t, computed
         peer = self.workers[d.kv_peer.worker_id]

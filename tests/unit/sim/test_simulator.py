@@ -164,3 +164,33 @@ def test_decode_stride_approximates_the_exact_run(tmp_path: Path) -> None:
         a = sorted(getattr(r, metric) for r in exact)[len(exact) // 2]
         b = sorted(getattr(r, metric) for r in coarse)[len(coarse) // 2]
         assert abs(b - a) / a < 0.25, (metric, a, b)
+
+
+DIGEST = """
+import hashlib, json, sys
+sys.path.insert(0, "tests/unit/sim")
+from pathlib import Path
+from test_simulator import CONFIGS, key, run, trace_specs
+from dataclasses import replace
+specs = trace_specs(Path(sys.argv[1]), repeat=4, scale=0.2)
+out = [key(run(replace(CONFIGS[n], max_in_flight=10), specs)[1]) for n in sorted(CONFIGS)]
+print(hashlib.sha256(json.dumps(out).encode()).hexdigest())
+"""
+
+
+def test_same_seed_same_output_across_processes(tmp_path: Path) -> None:
+    """String hashing is salted per process (PYTHONHASHSEED): no set or dict order of
+    worker ids may leak into the results."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[3]
+    digests = set()
+    for seed in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-c", DIGEST, str(tmp_path)], cwd=root,
+                              env={**os.environ, "PYTHONHASHSEED": seed},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        digests.add(proc.stdout.strip())
+    assert len(digests) == 1
