@@ -8,11 +8,12 @@ bound by reading the weights and the KV cache, prefill steps by the matmuls.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
+
+if TYPE_CHECKING:  # torch loads where limits are measured: ModelCost runs without it
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,8 @@ class MachineLimits:
 def measure_limits(device: torch.device, dtype: torch.dtype) -> MachineLimits:
     """HBM bandwidth and matmul throughput on CUDA (device-to-device copy, a GEMM in
     `dtype`); on CPU a memcpy and a float32 GEMM, labelled so (a smoke-test stand-in)."""
+    import torch
+
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         copy_bytes, n = 2 << 30, 8192
@@ -54,12 +57,16 @@ def _short(dtype: torch.dtype) -> str:
 
 
 def _copy(device: torch.device, nbytes: int) -> tuple[Any, Any]:
+    import torch
+
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return (lambda: dst.copy_(src)), (src, dst)
 
 
 def _gemm(device: torch.device, n: int, dtype: torch.dtype) -> tuple[Any, Any]:
+    import torch
+
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
@@ -69,6 +76,8 @@ def _gemm(device: torch.device, n: int, dtype: torch.dtype) -> tuple[Any, Any]:
 def _best_seconds(device: torch.device, setup: Any, reps: int) -> float:
     """Best time of `reps` runs of the op `setup()` returns, after one warm-up run
     (the best, not the mean: a limit is what the machine can do, not what it did)."""
+    import torch
+
     op, keep = setup()
     op()
     times = []
