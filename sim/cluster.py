@@ -255,7 +255,7 @@ class Simulator:
         if self.config.max_in_flight and len(self._flights) >= self.config.max_in_flight:
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
-        lookup = run_sync(self.locality.lookup(route.block_hashes, set(self.nodes)))
+        lookup = run_sync(self.locality.lookup(route.block_hashes, self.nodes))  # type: ignore[arg-type]
         flight.route = self.locality.fill(route, lookup)
         try:
             decision = self.router.route(flight.route, self.candidates())
