@@ -94,7 +94,8 @@ def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
         prefill=args.prefill, decode=args.decode, colocated=colocated,
         num_blocks=args.num_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
         routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight,
-        decode_stride=args.decode_stride, seed=args.seed)
+        decode_stride=args.decode_stride, seed=args.seed,
+        itl_every=max(1, args.requests // 20000))  # bounded memory on long runs
     kw.update(over)
     return ClusterConfig(**kw)
 
