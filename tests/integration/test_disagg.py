@@ -169,6 +169,9 @@ def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> Non
     prompt = [(5 * j) % 300 + 2 for j in range(120)]
     ref = offline.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
     victim = child(cluster, "prefill-0")
+    # earlier requests of this cluster may have recomputed too (a prefill timeout on a busy
+    # machine): this request's own recompute is the difference
+    before = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="recompute")
     os.kill(victim.proc.pid, signal.SIGSTOP)
     result: list[list[int]] = []
     t = threading.Thread(target=lambda: result.extend(
@@ -184,7 +187,8 @@ def _kill_prefill_while_decode_waits(cluster: LocalCluster, offline: LLM) -> Non
     t.join(60)
     assert not t.is_alive()
     assert result == [ref.token_ids], logs(cluster)
-    assert metric(decode_metrics, "splitserve:remote_prefill_total", outcome="recompute") == 1
+    assert metric(decode_metrics, "splitserve:remote_prefill_total",
+                  outcome="recompute") == before + 1
 
 
 def test_samples_logprobs_and_echo_through_remote_prefill(tmp_path, offline) -> None:
