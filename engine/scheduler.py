@@ -171,8 +171,11 @@ class Scheduler:
                        skip: Collection[Request], now: float) -> None:
         running = Counter(r.tenant for r in self.running)
         admitted: list[Request] = []
+        blocked = False  # a request did not fit: order is kept, but see below
         for req in self._admission_order(skip):
             if self._capped(req, running):
+                continue
+            if blocked and not self.kv.holds(req.request_id):
                 continue
             n = self._try_admit(req, budget)
             while n is None and (got := self._preempt_lower(req, out)) is not None:
@@ -181,7 +184,13 @@ class Scheduler:
                 budget += refund
                 n = self._try_admit(req, budget)
             if n is None:
-                break  # head-of-line: keep order, wait for room
+                # Head-of-line: later requests wait for room in order, except those that
+                # already hold their KV (it arrived from a prefill or peer, or a fork's
+                # shared prompt): they need at most a block, and running them is what
+                # frees blocks. Held back, they could hold the very blocks the head
+                # waits for, with nothing running to free any (a stalled worker).
+                blocked = True
+                continue
             req.status = RequestStatus.RUNNING
             req.slice_start = now
             if req.scheduled_time is None:

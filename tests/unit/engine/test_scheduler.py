@@ -104,3 +104,23 @@ def test_finish_frees_blocks_wherever_the_request_is():
     s.finish("r1", RequestStatus.FINISHED_ABORTED)
     s.kv.check_integrity()
     assert s.kv.pool.num_free_blocks == 64 and not s.has_work()
+
+
+def test_requests_holding_their_kv_run_past_a_head_that_does_not_fit():
+    # 10 blocks of 4 tokens. Two requests whose KV arrived remotely hold 3 blocks each
+    # (10-token prompts); a 20-token prompt (5 blocks) waits ahead of them with 4 free.
+    # Kept behind it, the holders would keep the blocks it waits for with nothing running.
+    s = make_scheduler(num_blocks=10, block_size=4)
+    head = make_requests(1, prompt_len=20)[0]
+    s.add_request(head)
+    holders = make_requests(2, start=1)
+    for r in holders:
+        assert s.allocate_remote(r)
+        s.remote_kv_ready(r, first_token=7)
+    out = s.schedule()
+    assert set(scheduled(out)) == {"r1", "r2"}  # each computes its first token's KV
+    assert head.status == RequestStatus.WAITING
+    finish_step(s, out)
+    for r in holders:  # they finish (the engine's stop check) and give their blocks back
+        s.finish(r.request_id, RequestStatus.FINISHED_STOPPED)
+    assert scheduled(s.schedule()) == {"r0": 20}
