@@ -13,9 +13,8 @@ from kvtransfer.faults import FaultSpec
 TRANSPORTS = ("tcp", "shm", "ucx")
 
 # Host KV caches: what worked between two processes on a CPU host: cross-memory
-# attach for bulk data (one copy, the kernel does it), TCP for the wire-up, `self` for
-# loopback. UCX_RNDV_THRESH low so every region we send takes the zero-copy
-# rendezvous path.
+# attach for the RMA puts (one copy, the kernel does it), TCP for the wire-up, `self`
+# for loopback. (UCX_RNDV_THRESH only matters to tag messages, which KV no longer uses.)
 HOST_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
     ("TLS", "tcp,cma,self"),
     ("RNDV_THRESH", "8192"),
@@ -50,11 +49,13 @@ class TransferConfig:
     # None: HOST_UCX_OPTIONS or CUDA_UCX_OPTIONS, by where the KV cache lives.
     ucx_options: tuple[tuple[str, str], ...] | None = None
     # Off keeps UCX's cross-memory-attach fast path; on survives a receiver dying
-    # mid-send (UCX may abort the process otherwise) at TCP-fallback speed.
+    # between GRANT and the puts (UCX may abort the sender otherwise) at the speed of
+    # RMA emulated over TCP.
     ucx_error_handling: bool = False
-    # Receiver UCX workers, each with its own progress thread: a region of 1 MiB or
-    # more is split across them, so that many cross-memory-attach reads run at once
-    # (one process_vm_readv stream tops out at ~4.3 GB/s here, two reach ~7.5).
+    # Sender UCX workers (lanes), each with its own progress thread, endpoint and
+    # issuing thread: a chunk's puts are dealt across them and a region of 1 MiB or
+    # more is split, so that several cross-memory-attach copies run at once (one
+    # process_vm_writev stream tops out at ~4.3 GB/s here, two reach ~7).
     ucx_lanes: int = 2
     # Testing: seeded faults the tcp sender injects on its WRITE frames (None: off).
     faults: FaultSpec | None = None

@@ -55,6 +55,11 @@ class RegisteredKV:
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes
 
+    @property
+    def address(self) -> int:
+        """Base address of the cache (host or device): what RMA registers."""
+        return int(self.tensor.data_ptr())
+
     def locate(self, region: Region) -> tuple[int, int]:
         """(offset, nbytes) of `region`; ValueError if it lies outside this cache."""
         return region.resolve(self.layout, self.num_blocks)
@@ -73,6 +78,18 @@ class RegisteredKV:
     def checksum(self, region: Region) -> int:
         return checksum(self.view(region)) if self._host is not None else \
             checksum(host_bytes(self.device_slice(region).cpu()))
+
+
+async def device_ready(device: torch.device) -> None:
+    """Wait, without blocking the event loop, until the work queued so far on
+    `device`'s current stream (the forward that wrote the blocks) is done. An event,
+    not a device-wide sync: later work on other streams is not waited for."""
+    import asyncio
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    if not event.query():
+        await asyncio.to_thread(event.synchronize)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

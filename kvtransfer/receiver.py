@@ -137,7 +137,9 @@ class ReceiverBase:
     def _address_extra(self) -> dict[str, Any]:
         return {}
 
-    def _welcome_extra(self, conn: Conn) -> dict[str, Any]:
+    async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
+        """Set up transport state for an authenticated sender (its HELLO: what it
+        registered); returns extra WELCOME fields. A KVTransferError refuses it."""
         return {}
 
     async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
@@ -204,17 +206,24 @@ class ReceiverBase:
                 self.table.layout.check_same(KVLayout(**hello["layout"]))
             except (LayoutMismatch, TypeError, ValueError) as e:
                 reason, message = "layout", str(e)
+        conn = Conn(self._next_conn, sock, peer)
+        extra: dict[str, Any] = {}
+        if not reason:
+            self._next_conn += 1
+            try:
+                extra = await self._welcome(conn, hello)
+            except (KVTransferError, KeyError, TypeError, ValueError) as e:
+                self._on_conn_closed(conn)
+                reason, message = "transport", f"cannot set up {self.name}: {e}"
         if reason:
             self.metrics.refused(reason)
             log.warning("refused sender %s: %s (%s)", peer, reason, message)
             await wire.send_all(loop, sock, wire.pack_json(
                 Frame.REFUSE, {"kind": reason, "message": message}))
             return None
-        conn = Conn(self._next_conn, sock, peer)
-        self._next_conn += 1
         await wire.send_all(loop, sock, wire.pack_json(Frame.WELCOME, {
             "proof": wire.proof(self.config.token, b"s", client_nonce, challenge),
-            "conn_id": conn.id, **self._welcome_extra(conn)}))
+            "conn_id": conn.id, **extra}))
         self._conns[conn.id] = conn
         log.info("accepted sender %s as connection %d", peer, conn.id)
         return conn

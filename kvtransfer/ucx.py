@@ -1,40 +1,34 @@
-"""`ucx`: control frames on the TCP channel, KV bytes over UCX tag messages.
+"""`ucx`: one-sided RMA puts in NIXL's model; TCP carries only control frames.
 
-Connection setup keeps UCX's fast path: the receiver's worker addresses travel in
-the (authenticated) WELCOME frame and the sender creates its endpoints from them
-with endpoint error handling off. With error handling on (ucxx's listener path)
-UCX drops cross-memory attach and falls back to TCP over loopback (0.3-0.6 GB/s vs
-4-7 GB/s with `cma` here). Peer failures are detected by the control channel
-instead (deadlines, heartbeats).
+Registration happens once. The receiver maps its whole KV cache with its UCP context
+(`ucp_mem_map`) and sends its worker address, the packed remote key and the cache's
+base address in WELCOME (after the token proof: only an authenticated sender gets a
+key to the cache). The sender maps its own cache once per lane, and per lane opens
+one endpoint to the receiver's worker and unpacks the remote key on it.
 
-Per WRITE frame both sides count a sequence number (frames are ordered on the
-control stream), so the payload's tag `tag_base | seq` needs no extra bytes. The
-receiver posts a tag receive straight into the destination blocks (host memory,
-or device memory when the cache is on CUDA: UCX then uses cuda_ipc / RDMA).
+Per `write()` (one chunk of a prefill) the sender runs the in-place writers' protocol
+(`kvtransfer/inplace.py`): one RESERVE/GRANT round trip (the fence check: a put lands
+before the receiver could look at it), then the chunk's regions as one batch of
+`ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then one control send
+with the WRITE notices. No UCX tag message carries KV; tags are not used at all.
 
-Lanes: the receiver runs `config.ucx_lanes` UCX workers, each a `_Lane` with its
-own progress thread, and lists their addresses in WELCOME; the sender opens one
-endpoint per lane. A region of `_SPLIT_MIN` bytes or more is cut into one
-page-aligned part per lane (`_parts`, the same rule on both sides), each sent and
-received under the region's tag on its own lane. UCX moves host bytes with
-rendezvous reads (process_vm_readv) done by the receiver's progress thread; one
-such stream tops out at ~4.3 GB/s on this host, two lanes reach ~7 GB/s. A region
-lands only once every part has completed.
+ucxx has no Python RMA API (see `kvtransfer/ucp_rma.py`), so puts and flushes go to
+libucp through ctypes on ucxx's handles; ucxx still owns contexts, workers, progress
+threads and endpoints.
 
-Every lane is wired up before the first WRITE: seqs 0..lanes-1 are one
-rendezvous-sized message per lane, which the sender awaits in `connect()`. A peer
-that dies while UCX is still wiring an endpoint up (error handling off) corrupts
-the sender's heap; after this round trip a dead peer is only a silent one.
+Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `_Lane` with its own
+progress thread, endpoint and remote key, and issues each lane's puts from its own
+thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
+(process_vm_writev), so two lanes copy on two cores. A region of `_SPLIT_MIN` bytes
+or more is cut into page-aligned parts across lanes; smaller ones are dealt to the
+lane with the fewest bytes.
 
-Faults: a receiver killed or stopped mid-transfer gives the sender PeerUnavailable
-or TransferTimeout from the control channel. A sender that goes away leaves receives
-posted into destination blocks, which ucxx cannot cancel; the receiver completes them
-with an empty message from the lane to itself (`_Lane.unblock`), so the fenced
-transfer resolves and its blocks are free; the sender's message, if it still comes,
-matches nothing. A stale write drains into a scratch buffer owned by its receive task
-(ucxx keeps only a raw pointer to a buffer).
-Left: after a SIGSTOPped receiver, UCX keeps its TCP connection to it until the
-worker can be torn down (a send is still in flight).
+Faults: peer failures are detected on the control channel (deadlines, heartbeats),
+with UCX endpoint error handling off by default: with it on, UCX drops `cma` and
+emulates RMA over TCP (0.4-0.9 GB/s here). The price: a receiver that dies between
+GRANT and the puts can make UCX abort the sender (`ucx_error_handling=True` trades
+speed for surviving that). A sender that dies mid-copy cannot hurt the receiver: its
+grant expires and the blocks are reused.
 
 UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options_for(cuda)`, passed
 to the UCX context at creation; nothing here reads the environment.
@@ -43,32 +37,30 @@ to the UCX context at creation; nothing here reads the environment.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import queue
-import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer import wire
-from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
+from kvtransfer.errors import ProtocolError, TransferTimeout
+from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import checksum as compute_checksum
-from kvtransfer.receiver import Conn, ReceiverBase
-from kvtransfer.sender import Peer, SenderBase
-from kvtransfer.wire import Frame
+from kvtransfer.memory import device_ready
+from kvtransfer.receiver import Conn
+from kvtransfer.sender import Peer
+from kvtransfer.ucp_rma import Batch, Flushes, Ucp
 
 log = logging.getLogger(__name__)
-_SEQ_BITS = 24
-_SEQ_MASK = (1 << _SEQ_BITS) - 1
-_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on lane 0
+_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
 _ALIGN = 4096
-# Above the rendezvous threshold (config.HOST_UCX_OPTIONS): the wire-up send
-# completes only once the receiver has fetched it, i.e. both directions are up.
-_WIREUP_BYTES = 64 << 10
 _MAX_LANES = 8
 _EPOLL_MS = 50
+_WIREUP_BYTES = 64
 
 
 def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
@@ -79,25 +71,18 @@ def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
     return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
 
-def _buffers(kv: Any, region: Region, lanes: int) -> list[Any]:
-    """One ucxx Array per lane part of `region` (views into the registered cache)."""
-    from ucxx._lib.arr import Array
-
-    whole = kv.device_slice(region) if kv.is_cuda else kv.view(region)
-    return [Array(whole[off:off + n]) for off, n in _parts(len(whole), lanes)]
-
-
-def _scratch(nbytes: int, lanes: int) -> list[Any]:
-    from ucxx._lib.arr import Array
-
-    whole = memoryview(bytearray(nbytes))
-    return [Array(whole[off:off + n]) for off, n in _parts(nbytes, lanes)]
-
-
-def _tag(value: int) -> Any:
-    from ucxx._lib.libucxx import UCXXTag
-
-    return UCXXTag(value)
+def plan_lanes(items: list[tuple[int, int, int]], lanes: int) -> list[list[tuple[int, int, int]]]:
+    """Deal (local address, nbytes, remote address) items to `lanes` lists of gets:
+    large items split across every lane, the rest to the lane with the fewest bytes."""
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
+    load = [0] * lanes
+    for local, nbytes, remote in items:
+        parts = _parts(nbytes, lanes)
+        for i, (off, n) in enumerate(parts):
+            lane = i if len(parts) > 1 else load.index(min(load))
+            plan[lane].append((local + off, n, remote + off))
+            load[lane] += n
+    return plan
 
 
 class _Lane:
@@ -105,11 +90,9 @@ class _Lane:
 
     Not ucxx's ApplicationContext: that keeps one progress thread per event loop in
     a module-global table, so a second context on the same loop (a decode worker's
-    receiver and sender, or a receiver's lanes) is never progressed, and collecting
-    any context clears the whole table. Requests are submitted by the progress
-    thread (delayed submission: a UCX worker is not thread-safe) and completed on
-    `loop` through Python futures, which the notifier thread resolves; without them
-    every awaited request busy-yields and starves the progress threads.
+    receiver and sender, or a receiver's lanes) is never progressed. The progress
+    thread waits on the worker's event fd (UCX events and `ucp_worker_signal` wake
+    it); ucxx's 1 ms wake-ups would cost the copying lanes ~8% on two cores.
     """
 
     def __init__(self, options: tuple[tuple[str, str], ...],
@@ -123,17 +106,12 @@ class _Lane:
                                         enable_python_future=True)
         # The progress thread needs a CUDA context for device buffers (cuda_ipc).
         self.worker.set_progress_thread_start_callback(_create_context)
-        # Woken by UCX events and by every submission (ucxx signals the worker); the
-        # timeout is only a safety net. ucxx's 1 ms wakes three idle progress threads
-        # 1000 times a second, which costs the copying lanes ~8% on two cores.
         self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_MS)
         self._stop: queue.Queue[str] = queue.Queue()
         self._notifier = threading.Thread(target=_notifierThread,
                                           args=(loop, self.worker, self._stop),
                                           name="kvtransfer-ucx-notifier", daemon=True)
         self._notifier.start()
-        self._self_ep: Any = None
-        self._unblocks: list[tuple[Any, Any]] = []  # empty sends in flight, with buffers
 
     @property
     def address(self) -> str:
@@ -146,36 +124,14 @@ class _Lane:
         return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, peer,
                                                               error_handling)
 
-    def unblock(self, tag: int) -> None:
-        """Complete this worker's receive posted for `tag` with an empty message."""
-        from ucxx._lib.arr import Array
-
-        if self._self_ep is None:
-            self._self_ep = self.connect(self.address, False)
-        buf = Array(bytearray(0))
-        self._unblocks.append((self._self_ep.tag_send(buf, _tag(tag)), buf))
-        self._unblocks = [(r, b) for r, b in self._unblocks if not r.completed]
-
-    def cancel_inflight(self) -> None:
-        try:
-            self.worker.cancel_inflight_requests(10**9, 1)
-        except Exception as e:  # noqa: BLE001 - best effort at teardown
-            log.debug("ucx cancel_inflight_requests: %r", e)
-
     def close(self) -> None:
         """Cancel what is in flight, stop both threads; the worker goes with the
         last reference (its sockets with it)."""
-        if self._self_ep is not None:
-            try:
-                self._self_ep.close_blocking(period=10**9, max_attempts=1)
-            except Exception as e:  # noqa: BLE001
-                log.debug("ucx self endpoint close: %r", e)
-            self._self_ep = None
-        self.cancel_inflight()
         try:
+            self.worker.cancel_inflight_requests(10**9, 1)
             self.worker.stop_progress_thread()
-        except Exception as e:  # noqa: BLE001
-            log.debug("ucx stop_progress_thread: %r", e)
+        except Exception as e:  # noqa: BLE001 - best effort at teardown
+            log.debug("ucx lane close: %r", e)
         self._stop.put("shutdown")
         self.worker.stop_request_notifier_thread()
         deadline = time.monotonic() + 5.0
@@ -193,220 +149,189 @@ def _close_lanes(lanes: list[_Lane]) -> None:
     gc.collect()  # UCX's workers (and their sockets) go with the last reference
 
 
-class _Posted:
-    """Receives posted for one message: one request and buffer per lane part."""
-
-    __slots__ = ("tag", "lanes", "requests", "bufs", "unblocked")
-
-    def __init__(self, tag: int, lanes: list[_Lane], bufs: list[Any]) -> None:
-        self.tag = tag
-        self.lanes = lanes[:len(bufs)]
-        self.requests = [lane.worker.tag_recv(buf, _tag(tag))
-                         for lane, buf in zip(self.lanes, bufs, strict=True)]
-        self.bufs = bufs  # held until UCX is done: ucxx keeps only a raw pointer
-        self.unblocked = False
+def _close_endpoint(ep: Any) -> None:
+    try:
+        ep.close_blocking(period=10**9, max_attempts=1)
+        ep.remove_close_callback()
+    except Exception as e:  # noqa: BLE001 - the peer may be gone
+        log.debug("ucx endpoint close: %r", e)
 
 
-class UcxReceiver(ReceiverBase):
+class UcxReceiver(InPlaceReceiver):
+    """Passive: registers the cache, hands out its remote key, grants and lands."""
+
     name = "ucx"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lanes: list[_Lane] = []
-        self._seq: dict[int, int] = {}
-        self._tag_base: dict[int, int] = {}
-        self._posted: dict[int, dict[asyncio.Task[None], _Posted]] = {}
+        self._ucp: Ucp | None = None
+        self._memh = 0
+        self._welcome_info: dict[str, Any] = {}
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self.kv is not None, "register() the KV cache first"
-        options = self.config.ucx_options_for(self.kv.is_cuda)
-        self._lanes = [_Lane(options, loop)
-                       for _ in range(self.config.ucx_lanes)]
+        kv = self.kv
+        self._ucp = Ucp()
+        # One worker: its progress thread serves what the target side must (TCP-emulated
+        # RMA between hosts without RDMA); cma, RDMA and cuda_ipc need nothing here.
+        lane = _Lane(self.config.ucx_options_for(kv.is_cuda), asyncio.get_running_loop())
+        self._lanes = [lane]
+        self._memh = self._ucp.mem_map(lane.context.handle, kv.address, kv.nbytes, kv.is_cuda)
+        self._welcome_info = {
+            "ucx_worker": lane.address, "base": kv.address, "nbytes": kv.nbytes,
+            "rkey": self._ucp.rkey_pack(lane.context.handle, self._memh).hex()}
         await super().start()
 
-    async def close(self) -> None:
-        tasks = [t for posted in self._posted.values() for t in posted]
-        for conn_id in list(self._posted):
-            self._unblock(conn_id)
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.config.io_timeout_s)
-        await super().close()
-
-    def _welcome_extra(self, conn: Conn) -> dict[str, Any]:
-        # Random high bits: a tag cannot be guessed by a peer that skipped the handshake.
-        base = secrets.randbits(64 - _SEQ_BITS) << _SEQ_BITS
-        self._tag_base[conn.id] = base
-        for seq, lane in enumerate(self._lanes):  # the wire-up message of each lane
-            self._post(conn, base | seq, _scratch(_WIREUP_BYTES, 1), [lane], None)
-        self._seq[conn.id] = len(self._lanes)
-        return {"ucx_lanes": [lane.address for lane in self._lanes], "tag_base": base}
-
-    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
-        assert self.kv is not None
-        if payload_len:
-            raise ProtocolError("ucx WRITE frames carry no inline payload")
-        seq = self._seq[conn.id]
-        self._seq[conn.id] = seq + 1
-        tag = self._tag_base[conn.id] | (seq & _SEQ_MASK)
-        lanes = len(self._lanes)
-        if self.table.admit(header.xfer_id, header.generation, header.region, conn.id):
-            self._post(conn, tag, _buffers(self.kv, header.region, lanes), self._lanes, header)
-        else:  # drain the stale message into scratch so it never matches a real receive
-            self._post(conn, tag, _scratch(header.region.nbytes(self.kv.layout), lanes),
-                       self._lanes, None)
-
-    def _post(self, conn: Conn, tag: int, bufs: list[Any], lanes: list[_Lane],
-              header: wire.WriteHeader | None) -> None:
-        """Post one receive per part; `header` is None for a drain (nothing lands)."""
-        posted = _Posted(tag, lanes, bufs)
-        task = asyncio.get_running_loop().create_task(self._complete(conn, header, posted))
-        table = self._posted.setdefault(conn.id, {})
-        table[task] = posted
-
-        def done(t: asyncio.Task[None]) -> None:
-            table.pop(t, None)
-            if not table and conn.id not in self._conns:  # the connection's last one
-                self._posted.pop(conn.id, None)
-
-        task.add_done_callback(done)
-
-    async def _complete(self, conn: Conn, header: wire.WriteHeader | None,
-                        posted: _Posted) -> None:
-        results = await asyncio.gather(*(r.wait() for r in posted.requests),
-                                       return_exceptions=True)
-        if header is None:
-            return
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is None and posted.unblocked:
-            error = PeerUnavailable(f"sender {conn.peer} left with the region in flight")
-        if error is not None:
-            self.table.released(header.xfer_id, error if isinstance(error, KVTransferError)
-                                else PeerUnavailable(f"ucx receive failed: {error!r}"))
-            if not isinstance(error, Exception):
-                raise error
-            return
-        conn.last_rx = asyncio.get_running_loop().time()
-        ok = True
-        if header.flags & wire.FLAG_CHECKSUM and self.table.is_live(header.xfer_id,
-                                                                   header.generation):
-            assert self.kv is not None
-            ok = self.kv.checksum(header.region) == header.checksum
-        self.table.landed(header.xfer_id, header.region, ok)
-
-    def _unblock(self, conn_id: int) -> None:
-        """Complete every receive still posted for a connection with an empty message
-        from the lane to itself (ucxx cannot cancel a worker's tag receive; its
-        cancel_inflight_requests covers endpoint requests only). The sender's real
-        message, if it comes later, matches nothing and lands nowhere."""
-        for posted in self._posted.get(conn_id, {}).values():
-            if posted.unblocked:
-                continue
-            posted.unblocked = True
-            for lane, request in zip(posted.lanes, posted.requests, strict=True):
-                if not request.completed:
-                    lane.unblock(posted.tag)
-
-    def _on_conn_closed(self, conn: Conn) -> None:
-        if self._posted.get(conn.id):
-            log.warning("sender %s left %d receives in flight; unblocking them", conn.peer,
-                        len(self._posted[conn.id]))
-            self._unblock(conn.id)
-        else:
-            self._posted.pop(conn.id, None)
-        self._seq.pop(conn.id, None)
-        self._tag_base.pop(conn.id, None)
+    async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
+        return self._welcome_info
 
     def _close_memory(self) -> None:
-        self._posted.clear()
+        super()._close_memory()
+        if self._ucp is not None and self._lanes:
+            self._ucp.mem_unmap(self._lanes[0].context.handle, self._memh)
         _close_lanes(self._lanes)
 
 
-class UcxSender(SenderBase):
+@dataclass(slots=True)
+class _Remote:
+    """A receiver as this sender sees it: its cache's base and size, and per lane an
+    endpoint to its worker and its remote key unpacked on that endpoint."""
+
+    base: int
+    nbytes: int
+    eps: list[Any] = field(default_factory=list)
+    rkeys: list[int] = field(default_factory=list)
+    busy: int = 0  # batches a lane thread may still be issuing on these endpoints
+
+
+class UcxSender(InPlaceSender):
     name = "ucx"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._lanes: list[_Lane] = []  # one worker: the receiver's lanes do the copies
+        self._lanes: list[_Lane] = []
+        self._memhs: list[int] = []
+        self._batches: list[Batch] = []
+        self._ucp: Ucp | None = None
+        self._flushes: Flushes | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._scratch: Any = None
+
+    def _open_lanes(self) -> None:
+        """Lanes, registrations and threads, once, at the first connection."""
+        assert self.kv is not None
+        kv, loop = self.kv, asyncio.get_running_loop()
+        self._ucp = ucp = Ucp()
+        self._flushes = Flushes(ucp, loop)
+        options = self.config.ucx_options_for(kv.is_cuda)
+        for _ in range(self.config.ucx_lanes):
+            lane = _Lane(options, loop)
+            self._lanes.append(lane)
+            self._memhs.append(ucp.mem_map(lane.context.handle, kv.address, kv.nbytes,
+                                           kv.is_cuda))
+            self._batches.append(Batch(ucp, lane.worker.handle, self._flushes))
+        self._pool = ThreadPoolExecutor(len(self._lanes), "kvtransfer-ucx-put")
+        import torch
+
+        self._scratch = torch.empty(_WIREUP_BYTES * len(self._lanes), dtype=torch.uint8,
+                                    device=kv.tensor.device)
 
     async def _on_connected(self, peer: Peer) -> None:
-        from ucxx._lib.arr import Array
-
-        addresses = peer.welcome.get("ucx_lanes")
-        if not isinstance(addresses, list) or not 1 <= len(addresses) <= _MAX_LANES:
-            raise ProtocolError("ucx WELCOME without a valid lane list")
+        welcome = peer.welcome
+        if not {"ucx_worker", "rkey", "base", "nbytes"} <= welcome.keys():
+            raise ProtocolError("ucx WELCOME without the receiver's registration")
         if not self._lanes:
-            assert self.kv is not None
-            self._lanes.append(_Lane(self.config.ucx_options_for(self.kv.is_cuda),
-                                     asyncio.get_running_loop()))
-        lane = self._lanes[0]
-        base = int(peer.welcome["tag_base"])
-        eps: list[Any] = []
-        state = peer.state = {"eps": eps, "seq": len(addresses), "tag_base": base,
-                              "inflight": set()}
-        for address in addresses:
-            eps.append(lane.connect(str(address), self.config.ucx_error_handling))
-        # Wire every lane up now (see the module docstring); connect() bounds this.
-        # The buffers live as long as the endpoints: a send cut short by connect()'s
-        # deadline may still be read by the peer.
-        state["wireup"] = [Array(bytearray(_WIREUP_BYTES)) for _ in eps]
-        await asyncio.gather(*(ep.tag_send(buf, _tag(base | seq)).wait()
-                               for seq, (ep, buf) in enumerate(zip(eps, state["wireup"],
-                                                                   strict=True))))
+            self._open_lanes()
+        assert self._ucp is not None
+        remote = peer.state = _Remote(int(welcome["base"]), int(welcome["nbytes"]))
+        packed = bytes.fromhex(str(welcome["rkey"]))
+        for lane in self._lanes:
+            ep = lane.connect(str(welcome["ucx_worker"]), self.config.ucx_error_handling)
+            remote.eps.append(ep)
+            remote.rkeys.append(self._ucp.rkey_unpack(ep.handle, packed))
+        # Wire every lane up now, with a small get into scratch (connect() bounds it):
+        # a peer that dies while UCX is still wiring an endpoint up (error handling
+        # off) can corrupt the heap; after this round trip a dead peer is a silent one.
+        n, base = min(_WIREUP_BYTES, remote.nbytes), self._scratch.data_ptr()
+        await self._run(remote, "get", [[(base + i * _WIREUP_BYTES, n, remote.base)]
+                                        for i in range(len(self._lanes))], scratch=True)
 
-    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                            xfer_id: str, generation: int, checksum: bool) -> None:
+    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                    deadline: float) -> None:
         assert self.kv is not None
-        state = peer.state
-        requests: list[Any] = []
-        bufs: list[Any] = []  # held until UCX is done with them
+        kv, remote = self.kv, peer.state
+        if kv.is_cuda:  # the forward that wrote these blocks must be done on the device
+            await device_ready(kv.tensor.device)
+        total = remote.nbytes // kv.layout.block_bytes
+        items = []
+        for src, dst in pairs:
+            off, n = dst.resolve(kv.layout, total)
+            items.append((kv.address + kv.locate(src)[0], n, remote.base + off))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeout("ucx grant expired before the puts")
         try:
-            for src, dst in pairs:
-                flags = wire.FLAG_CHECKSUM if checksum else 0
-                csum = 0 if not checksum else (self.kv.checksum(src) if self.kv.is_cuda
-                                               else compute_checksum(self.kv.view(src)))
-                meta = wire.WriteHeader(xfer_id, generation, dst, flags, csum).pack()
-                async with peer.send_lock:
-                    peer.check()
-                    seq = state["seq"]
-                    state["seq"] = seq + 1
-                    await wire.send_all(asyncio.get_running_loop(), peer.sock,
-                                        wire.pack_frame(Frame.WRITE, meta))
-                tag = _tag(state["tag_base"] | (seq & _SEQ_MASK))
-                for ep, buf in zip(state["eps"], _buffers(self.kv, src, len(state["eps"])),
-                                   strict=False):
-                    bufs.append(buf)
-                    requests.append(ep.tag_send(buf, tag))
-        finally:
-            # Handed to UCX: write() returns now and finish() waits for the receiver's
-            # verdict; this task keeps the buffers until the sends complete.
-            if requests:
-                task = asyncio.get_running_loop().create_task(
-                    self._sent(peer, requests, bufs))
-                state["inflight"].add(task)
-                task.add_done_callback(state["inflight"].discard)
+            await asyncio.wait_for(self._run(remote, "put", plan_lanes(items, len(self._lanes))),
+                                   left)
+        except asyncio.TimeoutError:
+            # Puts may still be in flight: the connection goes (its endpoints with it).
+            error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
+            self._fail_peer(peer, error)
+            raise error from None
 
-    async def _sent(self, peer: Peer, requests: list[Any], bufs: list[Any]) -> None:
-        results = await asyncio.gather(*(r.wait() for r in requests), return_exceptions=True)
-        del bufs
-        error = next((r for r in results if isinstance(r, BaseException)), None)
-        if error is not None and peer.alive:
-            self._fail_peer(peer, PeerUnavailable(f"ucx send failed: {error!r}"))
+    async def _run(self, remote: _Remote, op: str, plan: list[list[tuple[int, int, int]]],
+                   scratch: bool = False) -> None:
+        """Each lane issues its list (from its own thread), then flushes; returns once
+        every lane's flush completed. PeerUnavailable on a UCX error."""
+        assert self._flushes is not None and self._pool is not None and self._ucp is not None
+        loop = asyncio.get_running_loop()
+        cuda = self.kv is not None and self.kv.is_cuda
+        waits = []
+        remote.busy += 1
+        try:
+            for lane, parts in enumerate(plan):
+                if not parts:
+                    continue
+                fid, done = self._flushes.new()
+                waits.append(done)
+                issued = loop.run_in_executor(
+                    self._pool, self._batches[lane].run, op, remote.eps[lane].handle,
+                    remote.rkeys[lane], parts, fid, 0 if scratch else self._memhs[lane], cuda)
+                issued.add_done_callback(functools.partial(self._issued, fid))
+            for status in await asyncio.gather(*waits):
+                if status != 0:
+                    raise self._ucp.error(status, f"{op}/flush")
+        finally:
+            remote.busy -= 1
+
+    def _issued(self, fid: int, issued: asyncio.Future[None]) -> None:
+        if issued.exception() is not None and self._flushes is not None:
+            self._flushes.resolve(fid, -1)  # UCS_ERR_NO_MESSAGE: the batch was refused
 
     async def _on_disconnected(self, peer: Peer) -> None:
-        if peer.state is None:
+        remote, peer.state = peer.state, None
+        if remote is None:
             return
-        state, peer.state = peer.state, None
-        for ep in state["eps"]:
-            try:
-                ep.close_blocking(period=10**9, max_attempts=1)
-                ep.remove_close_callback()
-            except Exception as e:  # noqa: BLE001 - the peer may be gone
-                log.debug("ucx endpoint close: %r", e)
-        # Sends to a dead peer never complete (error handling off): stop waiting.
-        for task in state["inflight"]:
-            task.cancel()
-        await asyncio.gather(*state["inflight"], return_exceptions=True)
+        deadline = time.monotonic() + self.config.io_timeout_s
+        while remote.busy and time.monotonic() < deadline:  # a lane thread may be issuing
+            await asyncio.sleep(0.01)
+        assert self._ucp is not None
+        for rkey in remote.rkeys:
+            self._ucp.rkey_destroy(rkey)
+        for ep in remote.eps:
+            _close_endpoint(ep)
 
     def _close_memory(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._ucp is not None:
+            for lane, memh in zip(self._lanes, self._memhs, strict=True):
+                self._ucp.mem_unmap(lane.context.handle, memh)
+        self._memhs.clear()
+        self._batches.clear()
         _close_lanes(self._lanes)
+
+
+__all__ = ["UcxReceiver", "UcxSender", "plan_lanes"]
