@@ -17,6 +17,7 @@ TRANSPORTS: dict[str, tuple[str, str, str]] = {
     "tcp": ("kvtransfer.tcp", "TcpReceiver", "TcpSender"),
     "shm": ("kvtransfer.shm", "ShmReceiver", "ShmSender"),
     "ucx": ("kvtransfer.ucx", "UcxReceiver", "UcxSender"),
+    "cuda_ipc": ("kvtransfer.cuda_ipc", "CudaIpcReceiver", "CudaIpcSender"),
 }
 
 

@@ -27,6 +27,7 @@ from tests.integration.kvtransfer_util import (
 TRANSPORTS = [
     "tcp",
     "shm",
+    "cuda_ipc",  # host caches here: the same protocol with the host mover
     pytest.param("ucx", marks=pytest.mark.skipif(
         importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")),
 ]

@@ -24,3 +24,17 @@ def test_parts_tile_the_region_page_aligned(lanes: int, nbytes: int) -> None:
         assert len(parts) == lanes  # every lane gets work at these sizes
         sizes = [n for _, n in parts]
         assert max(sizes) - min(sizes) <= lanes * _ALIGN
+
+
+def test_plan_lanes_splits_large_and_balances_small() -> None:
+    from kvtransfer.ucx import plan_lanes
+
+    big = 4 * _SPLIT_MIN
+    items = [(0, big, 10 * big)] + [(big + i * 4096, 4096, i * 8192) for i in range(6)]
+    plan = plan_lanes(items, 2)
+    assert [sum(n for _, n, _ in lane) for lane in plan] == [big // 2 + 3 * 4096] * 2
+    # Every byte once, each part at the same offset on both sides.
+    moved = sorted((loc, n, rem) for lane in plan for loc, n, rem in lane)
+    assert sum(n for _, n, _ in moved) == sum(n for _, n, _ in items)
+    assert moved[0] == (0, big // 2, 10 * big) and moved[1] == (big // 2, big // 2,
+                                                                10 * big + big // 2)

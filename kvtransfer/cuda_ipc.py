@@ -1,0 +1,230 @@
+"""`cuda_ipc`: the device twin of `shm`. Two processes on one node; the prefill writes
+straight into the decode's KV cache on the GPU, one batched copy per chunk.
+
+After the authenticated handshake the receiver's WELCOME carries its cache exported
+once (`Mover.export`); the sender opens it once per connection (`Mover.open`). Each
+`write()` is the in-place writers' protocol (`kvtransfer/inplace.py`: RESERVE/GRANT
+for the fence, the copy, then the WRITE notices), so fencing, generations, leases,
+late-write dropping, checksums and metrics are exactly those of `shm` and `ucx`.
+
+The data mover is the only part that differs by device, and is small:
+
+- `CudaMover`: the cache exported as a CUDA IPC handle (torch's `_share_cuda_`, the
+  mechanism behind `torch.multiprocessing`); the sender maps it (same GPU, or a P2P /
+  NVLink peer) and copies a chunk's regions with ONE `scatter_copy` launch on its own
+  stream. That stream first waits on an event recorded on the compute stream (the
+  forward that wrote the blocks: ordered by events, no device-wide sync), and the
+  WRITE notices go out only once an event after the copy has completed, so the decode
+  never sees a block as ready before its bytes are on the device.
+- `HostMover` (KV caches in host memory, which is how the CPU tests run this same
+  protocol): the cache exported as (pid, address); the sender writes a chunk's
+  regions with one `process_vm_writev` call per 1024 regions (the kernel's batched
+  cross-process copy, what UCX's `cma` uses).
+
+Both need the two processes on one node: WELCOME carries the receiver's boot id and
+a sender elsewhere refuses at connect with an error naming `ucx`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import time
+from typing import Any, Protocol
+
+from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
+from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
+from kvtransfer.layout import Region
+from kvtransfer.memory import RegisteredKV
+from kvtransfer.receiver import Conn
+from kvtransfer.sender import Peer
+
+_IOV_MAX = 1024
+
+
+def boot_id() -> str:
+    """This node's identity: two processes share it only on one running kernel."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+class Mover(Protocol):
+    """Moves a chunk's bytes into an exported cache; one implementation per device."""
+
+    kind: str
+
+    def export(self, kv: RegisteredKV) -> dict[str, Any]:
+        """Receiver: describe the registered cache for senders (JSON-able, once)."""
+
+    def open(self, exported: dict[str, Any]) -> Any:
+        """Sender: map a receiver's exported cache; returns the destination handle."""
+
+    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+                   deadline: float) -> None:
+        """Copy (src offset, dst offset, nbytes) regions from `kv` into `dst`; return
+        once the bytes are in place. Start nothing after `deadline`."""
+
+    def close(self, dst: Any) -> None:
+        """Sender: unmap a destination."""
+
+
+class CudaMover:
+    kind = "cuda"
+
+    def __init__(self) -> None:
+        self._stream: Any = None
+
+    def export(self, kv: RegisteredKV) -> dict[str, Any]:
+        t = kv.tensor
+        (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+         event_sync) = t.untyped_storage()._share_cuda_()
+        return {"device": int(device), "handle": bytes(handle).hex(), "size": int(size),
+                "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
+                "ref_offset": int(ref_offset),
+                "event_handle": bytes(event_handle or b"").hex(),
+                "event_sync": bool(event_sync),
+                "tensor_offset": t.storage_offset() * t.element_size(), "nbytes": kv.nbytes}
+
+    def open(self, exported: dict[str, Any]) -> Any:
+        import torch
+
+        e = exported
+        storage = torch.UntypedStorage._new_shared_cuda(
+            e["device"], bytes.fromhex(e["handle"]), e["size"], e["offset"],
+            bytes.fromhex(e["ref_handle"]), e["ref_offset"],
+            bytes.fromhex(e["event_handle"]) or None, e["event_sync"])
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{e['device']}")
+        flat.set_(storage, e["tensor_offset"], (e["nbytes"],), (1,))
+        return flat
+
+    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+                   deadline: float) -> None:
+        import torch
+
+        from kvtransfer.scatter_copy import scatter_copy
+
+        device = kv.tensor.device
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(device))  # after the forward's writes
+        if time.monotonic() >= deadline:
+            raise TransferTimeout("cuda_ipc grant expired before the copy")
+        self._stream.wait_event(produced)
+        with torch.cuda.stream(self._stream):
+            scatter_copy(kv.bytes, dst, regions)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        if not copied.query():
+            await asyncio.to_thread(copied.synchronize)
+
+    def close(self, dst: Any) -> None:
+        del dst  # the IPC mapping goes with the last reference to its storage
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class HostMover:
+    kind = "host"
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._writev = libc.process_vm_writev
+        self._writev.restype = ctypes.c_ssize_t
+        self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                                 ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+
+    def export(self, kv: RegisteredKV) -> dict[str, Any]:
+        return {"pid": os.getpid(), "address": kv.address, "nbytes": kv.nbytes}
+
+    def open(self, exported: dict[str, Any]) -> Any:
+        return (int(exported["pid"]), int(exported["address"]))
+
+    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+                   deadline: float) -> None:
+        if time.monotonic() >= deadline:
+            raise TransferTimeout("cuda_ipc grant expired before the copy")
+        await asyncio.to_thread(self._copy, kv.address, dst, regions)
+
+    def _copy(self, src: int, dst: tuple[int, int], regions: list[tuple[int, int, int]]) -> None:
+        pid, base = dst
+        for i in range(0, len(regions), _IOV_MAX):
+            batch = regions[i:i + _IOV_MAX]
+            local = (_IoVec * len(batch))(*[_IoVec(src + s, n) for s, _, n in batch])
+            remote = (_IoVec * len(batch))(*[_IoVec(base + d, n) for _, d, n in batch])
+            want = sum(n for *_, n in batch)
+            done = self._writev(pid, local, len(batch), remote, len(batch), 0)
+            if done != want:  # a short write only happens on a fault (pages gone)
+                err = ctypes.get_errno()
+                raise PeerUnavailable(f"process_vm_writev to {pid}: {done}/{want} bytes "
+                                      f"({os.strerror(err) if done < 0 else 'short'})")
+
+    def close(self, dst: Any) -> None:
+        pass
+
+
+def mover_for(kv: RegisteredKV) -> Mover:
+    return CudaMover() if kv.is_cuda else HostMover()
+
+
+class CudaIpcReceiver(InPlaceReceiver):
+    name = "cuda_ipc"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._exported: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        assert self.kv is not None, "register() the KV cache first"
+        mover = mover_for(self.kv)
+        self._exported = {"cuda_ipc": {"kind": mover.kind, **mover.export(self.kv)},
+                          "boot_id": boot_id()}
+        await super().start()
+
+    async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
+        return self._exported  # after the token proof: only members may map the cache
+
+
+class CudaIpcSender(InPlaceSender):
+    name = "cuda_ipc"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mover: Mover | None = None
+
+    async def _on_connected(self, peer: Peer) -> None:
+        assert self.kv is not None
+        exported = peer.welcome.get("cuda_ipc")
+        if not isinstance(exported, dict):
+            raise ProtocolError("cuda_ipc WELCOME without an exported cache")
+        if peer.welcome.get("boot_id") != boot_id():
+            raise ProtocolError("cuda_ipc needs both workers on one node; between nodes "
+                                "use --transport ucx")
+        if self._mover is None:
+            self._mover = mover_for(self.kv)
+        if exported.get("kind") != self._mover.kind:
+            raise ProtocolError(f"cuda_ipc: the receiver's KV cache is in {exported.get('kind')}"
+                                f" memory, this sender's in {self._mover.kind} memory")
+        peer.state = self._mover.open(exported)
+
+    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                    deadline: float) -> None:
+        assert self.kv is not None and self._mover is not None
+        kv = self.kv
+        total = peer.welcome["cuda_ipc"]["nbytes"] // kv.layout.block_bytes
+        regions = []
+        for src, dst in pairs:
+            off, n = dst.resolve(kv.layout, total)
+            regions.append((kv.locate(src)[0], off, n))
+        await self._mover.copy(kv, peer.state, regions, deadline)
+
+    async def _on_disconnected(self, peer: Peer) -> None:
+        if peer.state is not None and self._mover is not None:
+            self._mover.close(peer.state)
+        peer.state = None
+
+
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaMover", "HostMover", "boot_id"]

@@ -1,0 +1,50 @@
+"""cuda_ipc's pieces that need no second process: the batched gather-scatter kernel
+(Triton's interpreter on the CPU; the same kernel runs on the GPU), and the node
+check that refuses a sender on another node with an error naming `ucx`."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from kvtransfer import ProtocolError, Region
+from kvtransfer.scatter_copy import scatter_copy
+from tests.integration.kvtransfer_util import LAYOUT_BF16, fast_config, start_receiver, start_sender
+
+
+@pytest.mark.parametrize("word", [1, 2, 8])
+def test_scatter_copy_moves_every_region_and_nothing_else(word: int) -> None:
+    rng = random.Random(word)
+    src = torch.randint(0, 255, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 17, dtype=torch.uint8)
+    # Scattered destinations of mixed sizes (partial layers and whole blocks), one launch.
+    slots = rng.sample(range((1 << 17) // 2048), 12)
+    regions = [(rng.randrange(0, (1 << 16) - 2048) // word * word, slot * 2048,
+                rng.choice([word, 256, 2048 - word]) // word * word) for slot in slots]
+    scatter_copy(src, dst, regions)
+    untouched = torch.ones_like(dst, dtype=torch.bool)
+    for s, d, n in regions:
+        assert torch.equal(dst[d:d + n], src[s:s + n])
+        untouched[d:d + n] = False
+    assert not dst[untouched].any()
+
+
+def test_a_sender_on_another_node_is_refused_naming_ucx() -> None:
+    async def main() -> None:
+        config = fast_config("cuda_ipc")
+        receiver = await start_receiver(config, LAYOUT_BF16, 8)
+        receiver._exported["boot_id"] = "another-node"  # as a receiver elsewhere reports
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=1)
+        future = receiver.expect("x", [Region(1)], 1)
+        try:
+            with pytest.raises(ProtocolError, match="--transport ucx"):
+                await sender.connect(receiver.address())
+            assert not future.done() and not receiver.kv.tensor.any()
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
