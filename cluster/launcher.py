@@ -31,7 +31,7 @@ from cluster.errors import ClusterError, CrashLoopError
 from cluster.supervisor import Child, RestartPolicy, Supervisor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRANSPORTS = ("ucx", "tcp", "shm")
+TRANSPORTS = ("ucx", "tcp", "shm", "cuda_ipc", "auto")
 # Re-exported: callers import these from the launcher.
 __all__ = ["Child", "ClusterError", "ClusterSpec", "CrashLoopError", "LocalCluster",
            "RestartPolicy", "free_port"]

@@ -26,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill workers")
     p.add_argument("--decode", type=int, default=None, help="decode workers")
     p.add_argument("--colocated", type=int, default=None, help="colocated workers")
-    p.add_argument("--transport", choices=["ucx", "tcp", "shm"], default=None)
+    p.add_argument("--transport", choices=["ucx", "tcp", "shm", "cuda_ipc", "auto"],
+                   default=None, help="KV transfer (splitserve worker --help); cuda_ipc and "
+                   "auto want --device cuda in worker_args")
     p.add_argument("--http-port", type=int, default=None, help="default 8000")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
     p.add_argument("--config", default=None, help="YAML with the same keys as the flags, "

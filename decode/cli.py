@@ -38,8 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0)
     p.add_argument("--load-interval-ms", type=int, default=100)
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--transport", choices=["tcp", "shm", "ucx"], default="tcp",
-                   help="KV transfer transport between prefill and decode workers")
+    p.add_argument("--transport", choices=["tcp", "shm", "ucx", "cuda_ipc", "auto"],
+                   default="tcp",
+                   help="KV transfer between prefill and decode workers. GPU caches: "
+                        "cuda_ipc (one node), ucx (RMA, between nodes), auto (per peer: "
+                        "cuda_ipc on this node, ucx elsewhere). Host caches: tcp, shm "
+                        "(one node), ucx; auto means tcp there")
     p.add_argument("--transfer-host", default=None,
                    help="address the decode's KV receiver binds (default --host)")
     p.add_argument("--transfer-port", type=int, default=0, help="KV receiver port (0: any)")
@@ -110,6 +114,16 @@ def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
         raise SystemExit(f"invalid --faults: {e}") from None
 
 
+def resolve_transport(transport: str, device: str) -> str:
+    """`auto` on a GPU is the `auto` transport (cuda_ipc to peers on this node, ucx to
+    the others, chosen per peer at connect); on a host cache it is `tcp`, which works
+    between any two hosts (shm wants the decode's cache in a shared segment: ask for
+    it by name)."""
+    if transport != "auto":
+        return transport
+    return "auto" if device.startswith("cuda") else "tcp"
+
+
 def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
     """The KV-transfer settings of a prefill or decode worker; None when colocated."""
     from kvtransfer.config import TransferConfig
@@ -127,7 +141,8 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
             raise SystemExit(f"--ucx-option takes NAME=VALUE, got {item!r}")
         options.append((name.removeprefix("UCX_"), value))
     try:
-        return TransferConfig(transport=args.transport, token=token, faults=fault_spec(args),
+        return TransferConfig(transport=resolve_transport(args.transport, args.device),
+                              token=token, faults=fault_spec(args),
                               host=args.transfer_host or args.host, port=args.transfer_port,
                               lease_s=args.kv_lease, checksum=args.kv_checksum,
                               ucx_lanes=args.ucx_lanes,

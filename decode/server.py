@@ -130,12 +130,19 @@ class KVSide:
 
 
 def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
-    """tcp and shm move bytes through host memory; a KV cache on a GPU needs ucx (CUDA
-    IPC / NVLink / RDMA), so say so at start-up, not at the first transfer."""
-    if transfer is not None and engine_config.device.startswith("cuda") \
-            and transfer.transport != "ucx":
-        raise ValueError(f"--transport {transfer.transport} needs the KV cache in host "
-                         "memory; with --device cuda use --transport ucx")
+    """Refuse, at start-up, a transport that cannot serve this KV cache: tcp and shm move
+    bytes through host memory; cuda_ipc maps a cache on a GPU. The message names the
+    option that works. (cuda_ipc across nodes is refused at connect, naming ucx.)"""
+    if transfer is None:
+        return
+    cuda, transport = engine_config.device.startswith("cuda"), transfer.transport
+    if cuda and transport in ("tcp", "shm"):
+        raise ValueError(f"--transport {transport} needs the KV cache in host memory; with "
+                         "--device cuda use --transport cuda_ipc (workers on one node), "
+                         "ucx (between nodes) or auto (each peer the fastest that works)")
+    if not cuda and transport == "cuda_ipc":
+        raise ValueError("--transport cuda_ipc needs the KV cache on a GPU; with --device "
+                         "cpu use --transport shm (workers on one node) or tcp")
 
 
 def advertised(address: str, host: str) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvtransfer.faults import FaultSpec
 
-TRANSPORTS = ("tcp", "shm", "ucx", "cuda_ipc")
+TRANSPORTS = ("tcp", "shm", "ucx", "cuda_ipc", "auto")
 
 # Host KV caches: what worked between two processes on a CPU host: cross-memory
 # attach for the RMA puts (one copy, the kernel does it), TCP for the wire-up, `self`

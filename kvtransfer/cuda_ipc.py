@@ -185,7 +185,8 @@ class CudaIpcReceiver(InPlaceReceiver):
         await super().start()
 
     async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        return self._exported  # after the token proof: only members may map the cache
+        # After the token proof: only members of the cluster may map the cache.
+        return {**await super()._welcome(conn, hello), **self._exported}
 
 
 class CudaIpcSender(InPlaceSender):

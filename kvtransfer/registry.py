@@ -18,6 +18,7 @@ TRANSPORTS: dict[str, tuple[str, str, str]] = {
     "shm": ("kvtransfer.shm", "ShmReceiver", "ShmSender"),
     "ucx": ("kvtransfer.ucx", "UcxReceiver", "UcxSender"),
     "cuda_ipc": ("kvtransfer.cuda_ipc", "CudaIpcReceiver", "CudaIpcSender"),
+    "auto": ("kvtransfer.auto", "AutoReceiver", "AutoSender"),
 }
 
 

@@ -184,7 +184,7 @@ class UcxReceiver(InPlaceReceiver):
         await super().start()
 
     async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        return self._welcome_info
+        return {**await super()._welcome(conn, hello), **self._welcome_info}
 
     def _close_memory(self) -> None:
         super()._close_memory()

@@ -15,13 +15,29 @@ from tests.factories import tiny_model_dir
 from tests.integration.kvtransfer_util import fast_config
 
 
-def test_tcp_and_shm_refuse_a_cuda_kv_cache_at_start() -> None:
-    cfg = make_engine_config(tiny_model_dir("llama"), device="cuda")
+def test_a_transport_that_cannot_serve_the_cache_is_refused_at_start() -> None:
+    cuda = make_engine_config(tiny_model_dir("llama"), device="cuda")
+    cpu = make_engine_config(tiny_model_dir("llama"))
     for transport in ("tcp", "shm"):
-        with pytest.raises(ValueError, match="use --transport ucx"):
-            check_device_transport(cfg, fast_config(transport))
-    check_device_transport(cfg, fast_config("ucx"))
-    check_device_transport(make_engine_config(tiny_model_dir("llama")), fast_config("tcp"))
+        with pytest.raises(ValueError, match="use --transport cuda_ipc .* ucx"):
+            check_device_transport(cuda, fast_config(transport))
+    with pytest.raises(ValueError, match="use --transport shm .* or tcp"):
+        check_device_transport(cpu, fast_config("cuda_ipc"))
+    for transport in ("ucx", "cuda_ipc", "auto"):
+        check_device_transport(cuda, fast_config(transport))
+    for transport in ("tcp", "shm", "ucx"):
+        check_device_transport(cpu, fast_config(transport))
+
+
+def test_auto_is_cuda_ipc_or_ucx_on_a_gpu_and_tcp_on_the_host(monkeypatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_TOKEN", "t")
+    for device, want in (("cuda", "auto"), ("cuda:1", "auto"), ("cpu", "tcp")):
+        cfg = cli.transfer_config(_args("--role", "decode", "--transport", "auto",
+                                        "--device", device))
+        assert cfg is not None and cfg.transport == want
+    cfg = cli.transfer_config(_args("--role", "prefill", "--transport", "cuda_ipc",
+                                    "--device", "cuda"))
+    assert cfg is not None and cfg.transport == "cuda_ipc"
 
 
 def _args(*argv: str) -> argparse.Namespace:

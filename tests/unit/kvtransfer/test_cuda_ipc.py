@@ -5,6 +5,7 @@ check that refuses a sender on another node with an error naming `ucx`."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 
 import pytest
@@ -45,6 +46,43 @@ def test_a_sender_on_another_node_is_refused_naming_ucx() -> None:
             assert not future.done() and not receiver.kv.tensor.any()
         finally:
             await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+def test_auto_maps_the_cache_on_one_node_and_puts_over_ucx_from_another() -> None:
+    """One `auto` receiver, two senders: the local one takes the cuda_ipc path (here
+    its host mover), the one that sees another boot id the ucx path; both land
+    bit-exact under the receiver's one fence table."""
+    from kvtransfer.auto import AutoSender
+
+    async def main() -> None:
+        config = fast_config("auto")
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        local, remote = (start_sender(config, LAYOUT_BF16, 8, seed=s) for s in (1, 2))
+        assert isinstance(local, AutoSender) and isinstance(remote, AutoSender)
+        try:
+            near = await local.connect(receiver.address())
+            receiver._exported["boot_id"] = "another-node"  # as seen from elsewhere
+            far = await remote.connect(receiver.address())
+            assert local.paths[id(near)] == "cuda_ipc" and remote.paths[id(far)] == "ucx"
+            futures = [receiver.expect(x, [Region(d) for d in dst], 1)
+                       for x, dst in (("a", [3, 11]), ("b", [7, 0]))]
+            await local.write(near, [Region(1), Region(2)], [Region(3), Region(11)], "a", 1)
+            await remote.write(far, [Region(4), Region(5)], [Region(7), Region(0)], "b", 1)
+            await local.finish(near, "a")
+            await remote.finish(far, "b")
+            await asyncio.wait_for(asyncio.gather(*futures), 5)
+            kv = receiver.kv.tensor
+            for dst, sender, src in ((3, local, 1), (11, local, 2), (7, remote, 4),
+                                     (0, remote, 5)):
+                assert torch.equal(kv[dst].view(torch.int16), sender.kv.tensor[src].view(torch.int16))
+            receiver.table.check_integrity()
+        finally:
+            await local.close()
+            await remote.close()
             await receiver.close()
 
     asyncio.run(main())

@@ -1,0 +1,57 @@
+"""`auto`: per sender, the fastest path the two caches allow, over one receiver.
+
+`cuda_ipc` and `ucx` speak the same in-place protocol (RESERVE/GRANT, a batched copy,
+WRITE notices) and differ only in how the bytes move, so one receiver can offer
+both: its WELCOME carries the exported cache (CUDA IPC handle, or pid/address for a
+host cache) and the UCX remote key. Each sender picks at connect: on the receiver's
+node (same boot id) it maps the cache and copies with one batched launch per chunk
+(`cuda_ipc`); from another node it puts over UCX (RDMA where the fabric has it).
+Fencing, leases and metrics are the receiver's, whichever path a sender takes.
+
+Workers use it for `--transport auto` with CUDA caches (decode/cli.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtransfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, boot_id
+from kvtransfer.layout import Region
+from kvtransfer.sender import Peer
+from kvtransfer.ucx import UcxReceiver, UcxSender
+
+
+class AutoReceiver(CudaIpcReceiver, UcxReceiver):
+    name = "auto"
+
+
+class AutoSender(CudaIpcSender, UcxSender):
+    name = "auto"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paths: dict[int, str] = {}  # id(peer) -> "cuda_ipc" | "ucx"
+
+    async def _on_connected(self, peer: Peer) -> None:
+        local = peer.welcome.get("boot_id") == boot_id()
+        self.paths[id(peer)] = "cuda_ipc" if local else "ucx"
+        if local:
+            await CudaIpcSender._on_connected(self, peer)
+        else:
+            await UcxSender._on_connected(self, peer)
+
+    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                    deadline: float) -> None:
+        if self.paths.get(id(peer)) == "cuda_ipc":
+            await CudaIpcSender._copy(self, peer, pairs, deadline)
+        else:
+            await UcxSender._copy(self, peer, pairs, deadline)
+
+    async def _on_disconnected(self, peer: Peer) -> None:
+        if self.paths.pop(id(peer), None) == "cuda_ipc":
+            await CudaIpcSender._on_disconnected(self, peer)
+        else:
+            await UcxSender._on_disconnected(self, peer)
+
+
+__all__ = ["AutoReceiver", "AutoSender"]
