@@ -297,12 +297,12 @@ NOTES = {
                 "(429s count as misses); hit_rate: cached prompt tokens / prompt tokens."],
     "pd-ratio": ["Disaggregated configs use the gateway's default routing (prefix locality, "
                  "queue, KV usage; threshold decider at 256 uncached tokens).",
-                 "stalled: requests a decode worker's scheduler never ran. A preempted long "
-                 "prompt at the head of the waiting line needs more blocks than are free, "
-                 "while requests whose remote KV has landed hold the rest and wait behind "
-                 "it (engine/scheduler.py admits in order and stops at the first that does "
-                 "not fit), and nothing runs to free blocks: the real decode worker would "
-                 "hang the same way."],
+                 "stalled: requests a decode worker's scheduler never ran (a deadlock: a "
+                 "preempted long prompt heading the waiting line with too few free blocks, "
+                 "while requests whose remote KV had landed held the rest behind it; the "
+                 "first run of this experiment stalled up to 256 requests per config, and "
+                 "engine/scheduler.py now admits requests that hold their KV past such a "
+                 "head). 0 everywhere since."],
     "tiers": ["Device cache sizes are fractions of the profile's KV blocks per GPU, so that "
               "the trace's reuse outgrows the device; a prompt that needs more blocks than "
               "the device has is refused (400), as the engine refuses it."],
