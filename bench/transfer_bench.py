@@ -9,6 +9,9 @@ for tcp, and for ucx, which has no RDMA here and moves bytes by cma or TCP).
 
 Each transport's summary figure is its best region size. Targets (from issue 3):
 shm >= 0.7x memcpy, ucx >= 0.5x memcpy, tcp >= 0.8x raw TCP.
+
+`--device cuda` (and `--device cpu --handoffs`) run whole-prompt hand-offs instead,
+contiguous and scattered, against an in-process gather-scatter: bench/transfer_handoff.py.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-lanes", type=int, default=None,
                    help="receiver UCX workers a large region is split across (default: config)")
     p.add_argument("--quick", action="store_true", help="a few MB per transport (smoke test)")
+    p.add_argument("--device", default="cpu",
+                   help="cuda: prompt hand-offs between two processes on one GPU "
+                        "(bench/transfer_handoff.py); cpu: this benchmark")
+    from bench.transfer_handoff import add_arguments as add_handoff_arguments
+
+    add_handoff_arguments(p)
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +75,10 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device.startswith("cuda") or args.handoffs:
+        from bench.transfer_handoff import run as run_handoffs
+
+        return run_handoffs(args)
     if args.quick:
         args.sizes, args.gib, args.pool_mib = "16K,1M,4M", 8 / 1024, 32
         args.min_transfers, args.max_transfers = 4, 64

@@ -148,6 +148,9 @@ class ReceiverBase:
     async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
         raise ProtocolError(f"{self.name} does not take RESERVE frames")
 
+    async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
+        raise ProtocolError(f"{self.name} does not take WRITTEN frames")
+
     def _on_abort(self, writers: set[int]) -> None:
         """Writers hold in-flight writes into a failed transfer (default: liveness)."""
 
@@ -246,6 +249,8 @@ class ReceiverBase:
                         f"{msg['xfer']}: cancelled by sender ({msg.get('reason', '')})"))
             elif kind is Frame.RESERVE:
                 await self._on_reserve(conn, json.loads(meta))
+            elif kind is Frame.WRITTEN:
+                await self._on_written(conn, json.loads(meta))
             else:
                 raise ProtocolError(f"unexpected {kind.name} frame from a sender")
 

@@ -34,7 +34,6 @@ WRITE_META = struct.Struct("!QBIIIIQ")
 MAX_META = 1 << 20
 
 FLAG_CHECKSUM = 1
-FLAG_IN_PLACE = 2  # shm: bytes already written into the shared segment
 
 
 class Frame(IntEnum):
@@ -50,6 +49,7 @@ class Frame(IntEnum):
     PONG = 10
     RESERVE = 11
     GRANT = 12
+    WRITTEN = 13  # in-place writers: every region of a grant is in place (one notice)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,264 @@
+"""`splitserve bench transfer --device cuda` (or `--device cpu --handoffs`): whole
+prompt hand-offs between two processes, against the same gather-scatter done by one
+process inside its own memory.
+
+A Llama-3-8B-shaped cache (32 layers, 8 KV heads, head dim 128, 16-token blocks,
+bfloat16: 2 MiB a block; `--layout small` for host runs on small machines). A hand-off
+of T tokens moves T/16 blocks from a run of the prefill's blocks into the decode's,
+either one contiguous run (`contiguous`) or blocks scattered over the decode's pool
+(`scattered`, as a decode's allocations usually are: one region per block). One
+`write()` per hand-off (a whole prompt's chunk) then `finish()`, timed at the sender,
+one hand-off at a time. The reference is `scatter_copy` (one Triton launch; on the CPU
+one torch copy per region) from one part of a cache into another in one process.
+
+Summary (`--json`): `copy_gbps`, `<transport>_gbps` (bandwidth of the largest
+scattered hand-off), `<transport>_fixed_us` (latency of the smallest hand-off beyond
+its bytes at that bandwidth), per transport `<transport>_vs_copy`. Issue 13's targets
+on an H100: cuda_ipc >= 0.5x the copy and <= 100 µs fixed, ucx >= 0.3x the copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+                      dtype="bfloat16"),  # 2 MiB blocks
+    "small": dict(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
+                  dtype="bfloat16"),  # 32 KiB blocks
+}
+TARGETS = {"cuda_ipc": 0.5, "ucx": 0.3}
+MODES = ("contiguous", "scattered")
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    transport: str
+    mode: str
+    tokens: int
+    bytes: int
+    handoffs: int
+    p50_ms: float
+    gbps: float
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--handoff-tokens", default="128,512,2048,8192",
+                   help="prompt lengths handed off (16 MiB .. 1 GiB with llama3-8b)")
+    p.add_argument("--handoff-transports", default=None,
+                   help="default: cuda_ipc,ucx on cuda; ucx,cuda_ipc,shm,tcp on cpu")
+    p.add_argument("--handoffs", action="store_true",
+                   help="with --device cpu: run this hand-off benchmark on host caches")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default=None,
+                   help="KV shape (default llama3-8b on cuda, small on cpu)")
+    p.add_argument("--repeats", type=int, default=8, help="hand-offs per size and mode")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtransfer import KVLayout
+
+    cuda = args.device.startswith("cuda")
+    layout = KVLayout(**LAYOUTS[args.layout or ("llama3-8b" if cuda else "small")])
+    tokens = [int(t) for t in args.handoff_tokens.split(",")]
+    blocks = [-(-t // layout.block_size) for t in tokens]
+    pool = 2 * max(blocks) + 8
+    transports = (args.handoff_transports or ("cuda_ipc,ucx" if cuda
+                                               else "ucx,cuda_ipc,shm,tcp")).split(",")
+    copy = measure_copy(args.device, layout, pool, blocks, args.repeats)
+    rows = [r for t in transports for r in asyncio.run(
+        bench(t.strip(), args.device, layout, pool, tokens, args.repeats))]
+    summary = summarize(rows, copy, tokens)
+    report(rows, copy, summary, layout)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "copy": copy,
+                       "rows": [asdict(r) for r in rows], "layout": asdict(layout),
+                       "device": describe(args.device), "targets": TARGETS}, f, indent=2)
+    return 0
+
+
+def describe(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+
+
+def plan(mode: str, nblocks: int, pool: int, rng: random.Random) -> list[int]:
+    """Destination blocks: a run, or `nblocks` scattered so that no two are adjacent
+    (each its own region, as after a decode's free list has been churned)."""
+    if mode == "contiguous":
+        start = rng.randrange(0, pool - nblocks)
+        return list(range(start, start + nblocks))
+    evens = rng.sample(range(0, pool, 2), nblocks)
+    return evens
+
+
+def measure_copy(device: str, layout: Any, pool: int, blocks: list[int],
+                 repeats: int) -> dict[str, float]:
+    """GB/s of the in-process gather-scatter at the largest hand-off, scattered."""
+    import torch
+
+    from kvtransfer.scatter_copy import scatter_copy
+
+    bb = layout.block_bytes
+    kv = torch.empty(pool * bb, dtype=torch.uint8, device=device).fill_(3)
+    rng = random.Random(1)
+    n = max(blocks)
+    out: dict[str, float] = {}
+    for mode in MODES:
+        secs = []
+        for _ in range(repeats + 1):
+            dst = plan(mode, n, pool, rng)
+            regions = [(((i + 1) % pool) * bb, d * bb, bb) for i, d in enumerate(dst)]
+            t0 = time.perf_counter()
+            if device.startswith("cuda"):
+                scatter_copy(kv, kv, regions)
+                torch.cuda.synchronize(device)
+            else:
+                for s, d, k in regions:
+                    kv[d:d + k].copy_(kv[s:s + k])
+            secs.append(time.perf_counter() - t0)
+        out[f"{mode}_gbps"] = n * bb / sorted(secs[1:])[len(secs[1:]) // 2] / 1e9
+    out["gbps"] = out["scattered_gbps"]
+    return out
+
+
+def _config(transport: str) -> Any:
+    from kvtransfer import TransferConfig
+
+    return TransferConfig(transport=transport, token="bench-token", io_timeout_s=60.0,
+                          lease_s=120.0, heartbeat_s=1.0, liveness_timeout_s=30.0)
+
+
+async def bench(transport: str, device: str, layout: Any, pool: int, tokens: list[int],
+                repeats: int) -> list[Row]:
+    import torch
+
+    from kvtransfer import Region, make_receiver
+
+    config = _config(transport)
+    receiver = make_receiver(config)
+    if transport == "shm":
+        receiver.allocate(layout, pool)  # type: ignore[attr-defined]
+    else:
+        receiver.register(torch.zeros(layout.tensor_shape(pool), dtype=torch.bfloat16,
+                                      device=device), layout)
+    await receiver.start()
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=sender_main, daemon=True,
+                       args=(child, transport, device, asdict(layout), pool,
+                             receiver.address()))
+    proc.start()
+    rows, rng = [], random.Random(7)
+    loop = asyncio.get_running_loop()
+    try:
+        await _recv(loop, conn)
+        for t in [tokens[0]] + tokens:  # the first size twice: warm-up, not reported
+            nblocks = -(-t // layout.block_size)
+            for mode in MODES:
+                times = []
+                for i in range(repeats):
+                    dst = plan(mode, nblocks, pool, rng)
+                    src = list(range(i % 2 * (pool - nblocks), i % 2 * (pool - nblocks)
+                                     + nblocks))
+                    xfer = f"{transport}-{t}-{mode}-{i}-{len(rows)}"
+                    landed = receiver.expect(xfer, [Region(b) for b in dst], 1)
+                    conn.send(("handoff", xfer, src, dst))
+                    reply = await _recv(loop, conn)
+                    if reply[0] != "done":
+                        raise RuntimeError(f"{transport} sender: {reply[1]}")
+                    await asyncio.wait_for(landed, 60)
+                    times.append(reply[1])
+                p50 = sorted(times)[len(times) // 2]
+                rows.append(Row(transport, mode, t, nblocks * layout.block_bytes, repeats,
+                                p50 * 1e3, nblocks * layout.block_bytes / p50 / 1e9))
+                print(f"  {_fmt(rows[-1])}", flush=True)
+        conn.send(("stop",))
+        proc.join(30)
+        return rows[2:]  # minus the warm-up rows
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        await receiver.close()
+
+
+async def _recv(loop: asyncio.AbstractEventLoop, conn: Connection) -> Any:
+    def wait() -> Any:
+        if not conn.poll(300):
+            raise TimeoutError("benchmark sender did not answer")
+        return conn.recv()
+
+    return await loop.run_in_executor(None, wait)
+
+
+def sender_main(conn: Connection, transport: str, device: str, layout_kw: dict[str, Any],
+                pool: int, address: str) -> None:
+    asyncio.run(_sender(conn, transport, device, layout_kw, pool, address))
+
+
+async def _sender(conn: Connection, transport: str, device: str, layout_kw: dict[str, Any],
+                  pool: int, address: str) -> None:
+    import torch
+
+    from kvtransfer import KVLayout, make_sender
+    from kvtransfer.layout import whole_blocks
+
+    layout = KVLayout(**layout_kw)
+    sender = make_sender(_config(transport))
+    kv = torch.empty(layout.tensor_shape(pool), dtype=torch.bfloat16, device=device)
+    kv.view(-1).view(torch.uint8).fill_(7)
+    sender.register(kv, layout)
+    loop = asyncio.get_running_loop()
+    peer = await sender.connect(address)
+    conn.send(("ready",))
+    try:
+        while (msg := await loop.run_in_executor(None, conn.recv))[0] != "stop":
+            _, xfer, src, dst = msg
+            t0 = time.perf_counter()
+            await sender.write(peer, whole_blocks(src), whole_blocks(dst), xfer, 1)
+            await sender.finish(peer, xfer, timeout_s=60.0)
+            conn.send(("done", time.perf_counter() - t0))
+    except Exception as e:  # report, then exit: the parent raises it
+        conn.send(("error", repr(e)))
+    finally:
+        await sender.close()
+
+
+def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"copy_gbps": copy["gbps"]}
+    for transport in sorted({r.transport for r in rows}):
+        mine = {(r.mode, r.tokens): r for r in rows if r.transport == transport}
+        big = mine[("scattered", max(tokens))]
+        small = mine[("scattered", min(tokens))]
+        summary[f"{transport}_gbps"] = big.gbps
+        summary[f"{transport}_vs_copy"] = big.gbps / copy["gbps"]
+        summary[f"{transport}_fixed_us"] = max(
+            0.0, small.p50_ms * 1e3 - small.bytes / (big.gbps * 1e9) * 1e6)
+        if transport in TARGETS:
+            summary[f"{transport}_target_met"] = big.gbps / copy["gbps"] >= TARGETS[transport]
+    return summary
+
+
+def _fmt(r: Row) -> str:
+    return (f"{r.transport:<8} {r.mode:<10} {r.tokens:>6} tok {r.bytes / 2**20:>8.1f} MiB "
+            f"{r.p50_ms:>9.3f} ms {r.gbps:>8.2f} GB/s")
+
+
+def report(rows: list[Row], copy: dict[str, float], summary: dict[str, Any],
+           layout: Any) -> None:
+    print(f"\nblock {layout.block_bytes / 2**20:.3f} MiB; one hand-off at a time, p50")
+    for r in rows:
+        print(_fmt(r))
+    print(f"\nin-process gather-scatter: contiguous {copy['contiguous_gbps']:.1f} GB/s, "
+          f"scattered {copy['scattered_gbps']:.1f} GB/s")
+    for key, value in summary.items():
+        print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
