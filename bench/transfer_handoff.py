@@ -158,7 +158,8 @@ async def bench(transport: str, device: str, layout: Any, pool: int, tokens: lis
                        args=(child, transport, device, asdict(layout), pool,
                              receiver.address()))
     proc.start()
-    rows, rng = [], random.Random(7)
+    rows: list[Row] = []
+    rng = random.Random(7)
     loop = asyncio.get_running_loop()
     try:
         await _recv(loop, conn)
