@@ -38,7 +38,8 @@ async def run_sender(spec: dict[str, Any]) -> None:
     layout = KVLayout(**spec["layout"])
     config = TransferConfig(**spec["config"])
     sender = make_sender(config)
-    sender.register(make_kv(layout, spec["num_blocks"], spec["seed"]), layout)
+    sender.register(make_kv(layout, spec["num_blocks"], spec["seed"]).to(
+        spec.get("device", "cpu")), layout)
     if spec.get("corrupt"):
         import kvtransfer.memory as memory
         real = memory.checksum
@@ -78,7 +79,8 @@ async def run_receiver(spec: dict[str, Any]) -> None:
         receiver.allocate(layout, spec["num_blocks"])  # type: ignore[attr-defined]
     else:
         receiver.register(torch.zeros(layout.tensor_shape(spec["num_blocks"]),
-                                      dtype=getattr(torch, layout.dtype)), layout)
+                                      dtype=getattr(torch, layout.dtype),
+                                      device=spec.get("device", "cpu")), layout)
     await receiver.start()
     futures = {t["xfer"]: receiver.expect(t["xfer"], regions(t["dst"]), t["gen"])
                for t in spec["transfers"]}

@@ -90,13 +90,15 @@ def spec(role: str, config: TransferConfig, layout: KVLayout, num_blocks: int,
             "transfers": transfers, **extra}
 
 
-async def start_receiver(config: TransferConfig, layout: KVLayout, num_blocks: int) -> Any:
+async def start_receiver(config: TransferConfig, layout: KVLayout, num_blocks: int,
+                         device: str = "cpu") -> Any:
     receiver = make_receiver(config)
     if config.transport == "shm":
         receiver.allocate(layout, num_blocks)
     else:
         receiver.register(torch.zeros(layout.tensor_shape(num_blocks),
-                                      dtype=getattr(torch, layout.dtype)), layout)
+                                      dtype=getattr(torch, layout.dtype), device=device),
+                          layout)
     await receiver.start()
     return receiver
 
