@@ -60,8 +60,10 @@ class Locality:
         if lookup is None:
             return req
         cap = (len(req.prompt_token_ids) - 1) // req.block_size
-        cached = {n: min(len(tiers), cap) * req.block_size for n, tiers in lookup.nodes.items()}
-        trust = {n: self.trust(n) for n in lookup.nodes}
+        bs = req.block_size
+        cached = {n: min(len(tiers), cap) * bs for n, tiers in lookup.nodes.items()}
+        accuracy, floor = self._accuracy, self.min_trust  # self.trust, inlined: per holder
+        trust = {n: max(floor, accuracy.get(n, 1.0)) for n in lookup.nodes}
         return replace(req, cached_tokens=cached, locality=dict(lookup.nodes),
                        indexed_blocks=lookup.num_blocks, locality_trust=trust)
 

@@ -3,6 +3,11 @@
 given load per worker and prints simulated requests per wall second, and what that
 projects for the issue's target: one million requests over 512 workers in under ten
 minutes. `--profile` prints the hot path (cProfile, top functions by own time).
+
+It also times the gateway's routing of one request on the cluster the run left behind
+(the production Locality and Router; the in-process index standing in for Redis): the
+next `--route-sample` requests of the trace, each looked up, filled and routed (nothing
+is sent), in microseconds per request.
 """
 
 from __future__ import annotations
@@ -10,15 +15,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import time
 from dataclasses import replace
+from typing import cast
 
-from sim.cluster import ClusterConfig, Simulator
+from sim.cluster import ClusterConfig, Simulator, run_sync
 from sim.profile import load_profile
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
-from sim.workload import mooncake, trace_rate
+from sim.worker import Tokens
+from sim.workload import SimRequestSpec, mooncake, trace_rate
 
 TARGET_REQUESTS, TARGET_WORKERS, TARGET_S = 1_000_000, 512, 600.0
 
@@ -36,7 +44,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="> 1: the approximate mode (up to this many decode iterations a step)")
     p.add_argument("--trace", default=MOONCAKE_TRACE)
     p.add_argument("--profile", action="store_true", help="cProfile the run")
+    p.add_argument("--route-sample", type=int, default=500,
+                   help="requests routed again after the run to time routing (0: skip)")
     p.add_argument("--json", default=None)
+
+
+def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
+    """Microseconds per request of the gateway's routing steps on `sim`'s final state:
+    the index lookup, Locality.fill, and Router.route with the registry's candidates."""
+    from gateway.routing.base import RouteRequest
+
+    bs = sim.profile.block_size
+    reqs = [RouteRequest(f"t{i}", Tokens(s.prompt_len),  # type: ignore[arg-type]
+                         cast(list[bytes], sim.hasher.hashes(s, s.prompt_len, sim.config.salt)
+                              [:s.prompt_len // bs]), bs) for i, s in enumerate(specs)]
+    spent = {"lookup": 0.0, "fill": 0.0, "route": 0.0}
+    for req in reqs:
+        t0 = time.perf_counter()
+        lookup = run_sync(sim.locality.lookup(req.block_hashes, sim.nodes))  # type: ignore[arg-type]
+        t1 = time.perf_counter()
+        filled = sim.locality.fill(req, lookup)
+        t2 = time.perf_counter()
+        sim.router.route(filled, sim.candidates())
+        t3 = time.perf_counter()
+        spent["lookup"] += t1 - t0
+        spent["fill"] += t2 - t1
+        spent["route"] += t3 - t2
+    out = {k: round(v / max(1, len(reqs)) * 1e6, 1) for k, v in spent.items()}
+    out["total"] = round(sum(out.values()), 1)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
                         routing=routing_profile(args.routing, 0), itl_every=100,
                         decode_stride=args.decode_stride)
     scale = trace_rate(args.trace) / (args.rate_per_worker * args.workers)
-    specs = mooncake(args.trace, limit=args.requests, time_scale=scale, repeat=0)
+    trace = mooncake(args.trace, limit=args.requests + args.route_sample, time_scale=scale,
+                     repeat=0)
+    specs = itertools.islice(trace, args.requests)  # streamed: a million specs are not kept
     sim = Simulator(cfg, prof)
     prof_run = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
@@ -74,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
           f"{out['events_per_s']} events/s")
     print(f"projected for {TARGET_REQUESTS:,} requests at this rate: {projected:.0f} s "
           f"(target {TARGET_S:.0f} s on {TARGET_WORKERS} workers)")
+    sample = list(trace)
+    if sample:
+        out["route_us"] = route_cost(sim, sample)
+        print(f"gateway routing per request on the final state ({len(sample)} requests): "
+              + ", ".join(f"{k} {v:.0f} us" for k, v in out["route_us"].items()))
     if prof_run is not None:
         buf = io.StringIO()
         pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)

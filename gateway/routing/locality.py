@@ -54,13 +54,25 @@ class PrefixLocalityScorer:
             log.debug("prefix_locality: no indexed prefix for %s; scoring 0", req.request_id)
             return [0.0] * len(candidates)
         peer = self.weights["peer"]
-        out = []
-        for c in candidates:
-            tiers = req.locality.get(c.worker_id, ())
-            total = sum(self._weight(t) for t in tiers)
-            total += max(0, req.indexed_blocks - len(tiers)) * peer
-            trust = req.locality_trust.get(c.worker_id, 1.0)
-            out.append(min(1.0, max(0.0, trust * total / (n * self._norm))))
+        scale = n * self._norm
+        locality, trusts = req.locality, req.locality_trust
+        # At scale most candidates hold nothing (they score what peers could give them,
+        # all alike) and the holders' runs repeat (a shared prefix): one sum per run.
+        none = req.indexed_blocks * peer
+        out = [min(1.0, max(0.0, none / scale))] * len(candidates)
+        totals: dict[tuple[str, ...], float] = {}
+        for i, c in enumerate(candidates):
+            tiers = locality.get(c.worker_id)
+            if tiers is None:
+                if c.worker_id in trusts:
+                    out[i] = min(1.0, max(0.0, trusts[c.worker_id] * none / scale))
+                continue
+            total = totals.get(tiers)
+            if total is None:
+                total = sum(self._weight(t) for t in tiers)
+                total += max(0, req.indexed_blocks - len(tiers)) * peer
+                totals[tiers] = total
+            out[i] = min(1.0, max(0.0, trusts.get(c.worker_id, 1.0) * total / scale))
         return out
 
 

@@ -44,7 +44,8 @@ class QueueDepthScorer:
     def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
         if not candidates:
             return []
-        return _min_max_inverse([float(c.num_waiting + max(c.inflight, c.num_running))
+        return _min_max_inverse([float(c.num_waiting + (c.inflight if c.inflight > c.num_running
+                                                         else c.num_running))
                                  for c in candidates])
 
 
@@ -58,7 +59,8 @@ class KVUsageScorer:
                 log.debug("kv_usage scorer: no report from %s yet; scoring 0", c.worker_id)
                 out.append(0.0)
             else:
-                out.append(min(1.0, max(0.0, 1.0 - c.kv_usage)))
+                free = 1.0 - c.kv_usage
+                out.append(free if 0.0 <= free <= 1.0 else min(1.0, max(0.0, free)))
         return out
 
 

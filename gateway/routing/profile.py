@@ -167,8 +167,9 @@ class Router:
         total = [0.0] * len(cands)
         wsum = sum(w for _, w in self._scorers)
         for scorer, weight in self._scorers:
-            for i, s in enumerate(scorer.score(req, cands)):
-                total[i] += weight * min(1.0, max(0.0, s))
+            # s clamped to [0, 1] (NaN -> 0); the comparison spares two calls per worker
+            total = [t + weight * (s if 0.0 <= s <= 1.0 else min(1.0, max(0.0, s)))
+                     for t, s in zip(total, scorer.score(req, cands), strict=True)]
         return [t / wsum for t in total]
 
     def route(self, req: RouteRequest, workers: list[Candidate]) -> RouteDecision:
@@ -201,14 +202,15 @@ class Router:
         need = self.profile.peer_fetch_min_blocks
         if decode.role != "decode" or need <= 0 or not req.locality:
             return None, 0
-        own = len(req.locality.get(decode.worker_id, ()))
+        locality = req.locality
+        own = len(locality.get(decode.worker_id, ()))
         best: Candidate | None = None
         best_n = own
         for c in workers:
-            n = len(req.locality.get(c.worker_id, ()))
-            if c.ready and c.role in ("decode", "prefill") and c.worker_id != decode.worker_id \
-                    and n > best_n:
-                best, best_n = c, n
+            tiers = locality.get(c.worker_id)  # most workers hold nothing: one lookup
+            if tiers is not None and len(tiers) > best_n and c.ready \
+                    and c.role in ("decode", "prefill") and c.worker_id != decode.worker_id:
+                best, best_n = c, len(tiers)
         if best is None or best_n - own < need:
             return None, 0
         return best, best_n
