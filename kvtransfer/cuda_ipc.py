@@ -1,8 +1,9 @@
 """`cuda_ipc`: the device twin of `shm`. Two processes on one node; the prefill writes
 straight into the decode's KV cache on the GPU, one batched copy per chunk.
 
-After the authenticated handshake the receiver's WELCOME carries its cache exported
-once (`Mover.export`); the sender opens it once per connection (`Mover.open`). Each
+After the authenticated handshake the receiver's WELCOME carries its cache, registered
+once and exported for that connection (`Mover.export`); the sender maps it once per
+connection (`Mover.open`). Each
 `write()` is the in-place writers' protocol (`kvtransfer/inplace.py`: RESERVE/GRANT
 for the fence, the copy, then the WRITE notices), so fencing, generations, leases,
 late-write dropping, checksums and metrics are exactly those of `shm` and `ucx`.
@@ -176,17 +177,21 @@ class CudaIpcReceiver(InPlaceReceiver):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._exported: dict[str, Any] = {}
+        self._mover: Mover = HostMover()
 
     async def start(self) -> None:
         assert self.kv is not None, "register() the KV cache first"
-        mover = mover_for(self.kv)
-        self._exported = {"cuda_ipc": {"kind": mover.kind, **mover.export(self.kv)},
-                          "boot_id": boot_id()}
+        self._mover = mover_for(self.kv)
+        self._exported = {"boot_id": boot_id()}
         await super().start()
 
     async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        # After the token proof: only members of the cluster may map the cache.
-        return {**await super()._welcome(conn, hello), **self._exported}
+        # After the token proof: only members of the cluster may map the cache. One
+        # export per connection: torch counts each CUDA IPC share's consumer once.
+        assert self.kv is not None
+        exported = {"kind": self._mover.kind, **self._mover.export(self.kv)}
+        return {**await super()._welcome(conn, hello), **self._exported,
+                "cuda_ipc": exported}
 
 
 class CudaIpcSender(InPlaceSender):

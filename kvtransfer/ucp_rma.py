@@ -7,11 +7,12 @@ anywhere in the bindings). It does expose the raw UCP handles (`UCXContext.handl
 `UCXWorker.handle`, `UCXEndpoint.handle`), and its workers run in
 `UCS_THREAD_MODE_MULTI`. So this module calls libucp (the copy ucxx itself loaded, from
 the `libucx` wheel) through ctypes on those handles: `ucp_mem_map` once per cache,
-`ucp_rkey_pack` / `ucp_ep_rkey_unpack`, `ucp_get_nbx` per region and one
-`ucp_ep_flush_nbx` per batch, whose completion callback resolves an asyncio future.
+`ucp_rkey_pack` / `ucp_ep_rkey_unpack`, `ucp_put_nbx` per region (a get for wire-up)
+and one `ucp_ep_flush_nbx` per batch, whose completion callback resolves an asyncio
+future.
 
 ctypes releases the GIL around every call, so a batch issued from a worker thread runs
-alongside the event loop (with `cma`, UCX copies inside `ucp_get_nbx` itself). The
+alongside the event loop (with `cma`, UCX copies inside `ucp_put_nbx` itself). The
 struct layouts below are UCX 1.19-1.21's (checked against `ucp.h` with offsetof).
 """
 

@@ -231,8 +231,13 @@ class UcxSender(InPlaceSender):
             self._memhs.append(ucp.mem_map(lane.context.handle, kv.address, kv.nbytes,
                                            kv.is_cuda))
             self._batches.append(Batch(ucp, lane.worker.handle, self._flushes))
-        self._pool = ThreadPoolExecutor(len(self._lanes), "kvtransfer-ucx-put")
         import torch
+
+        # The issuing threads need the device's CUDA context current (cuda_ipc copies).
+        init = functools.partial(torch.cuda.set_device, kv.tensor.device) if kv.is_cuda \
+            else None
+        self._pool = ThreadPoolExecutor(len(self._lanes), "kvtransfer-ucx-put",
+                                        initializer=init)
 
         self._scratch = torch.empty(_WIREUP_BYTES * len(self._lanes), dtype=torch.uint8,
                                     device=kv.tensor.device)
