@@ -29,7 +29,6 @@ from typing import Any, cast
 from bench.base import RequestResult
 from engine.kv_cache_manager import cdiv
 from engine.request import RequestStatus
-from engine.scheduler import SchedulerOutput
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
 from gateway.routing.base import Candidate, RouteDecision, RouteRequest
@@ -37,18 +36,8 @@ from gateway.routing.profile import NoCandidates, Router, RoutingProfile
 from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
-from sim.worker import SimRequest, SimWorker, Tokens, WorkerSpec, make_request
+from sim.worker import SimRequest, SimWorker, Step, Tokens, WorkerSpec, make_request
 from sim.workload import BlockHasher, SimRequestSpec
-
-
-def _iterations(out: SchedulerOutput) -> int:
-    """Decode iterations a step stands for: its longest decoding row (decode stride)."""
-    n = 1
-    for s in out.scheduled:
-        if s.num_new_tokens > n and s.request.num_computed_tokens >= \
-                s.request.num_prompt_tokens:
-            n = s.num_new_tokens
-    return n
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -81,6 +70,11 @@ class ClusterConfig:
     # cuts such a step at the running iteration, a step that prefills is one iteration.
     # 1: exact.
     decode_stride: int = 1
+    # Exact either way: a worker whose requests all decode runs the iterations until
+    # one of them needs a block, fills one or ends as one scheduler step (sim/worker.py
+    # decode_window), cut short by new work. False: one scheduler step per iteration
+    # (the reference the tests hold the windows against).
+    decode_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill and not self.decode:
@@ -152,7 +146,7 @@ class Simulator:
                              config.disk_blocks) for i in range(config.colocated)]
         self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
                                                config.max_model_len, self.clock,
-                                               config.decode_stride)
+                                               config.decode_stride, config.decode_windows)
                         for s in specs}
         self.nodes = frozenset(self.workers)
         self.now = 0.0
@@ -247,7 +241,7 @@ class Simulator:
         rid = f"r{i}"
         n_total = spec.prompt_len + spec.output_len
         hashes = self.hasher.hashes(spec, n_total, self.config.salt)
-        req = make_request(rid, spec.prompt_len, hashes, self.now)
+        req = make_request(rid, spec.prompt_len, hashes, self.now, max_output=spec.output_len)
         bs = self.profile.block_size
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
                              cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
@@ -368,25 +362,41 @@ class Simulator:
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
         if w.busy:
-            if self.config.decode_stride > 1:
+            assert w.current is not None
+            if w.current.ends is not None:
+                self._cut_window(w, w.current)
+            elif self.config.decode_stride > 1:
                 self._cut(w)
             return
-        started = w.start_step()
+        step = w.start_step()
         w.publish_events()
-        if started is None:
+        if step is None:
             return
-        out, dt = started
         w.busy = True
-        w.current = (out, self.now, dt, _iterations(out))
+        w.current = step
         w.version += 1
-        self.at(self.now + dt, self._step_done, (w, out, w.version))
+        self.at(step.end, self._step_done, (w, step, w.version))
+
+    def _cut_window(self, w: SimWorker, step: Step) -> None:
+        """New work for a worker in a decode window: the window ends with the iteration
+        running now, whose end the new work would wait for."""
+        assert step.ends is not None
+        now = self.now
+        done = next((i + 1 for i, e in enumerate(step.ends) if e >= now), len(step.ends))
+        if done >= step.done:
+            return
+        step.done = done
+        step.end = step.ends[done - 1]
+        w.version += 1
+        self.at(step.end, self._step_done, (w, step, w.version))
 
     def _cut(self, w: SimWorker) -> None:
         """New work for a worker in a multi-iteration (decode stride) step: the step ends
         after the iteration running now, as an engine would pick the work up at its next
         iteration. Its decoding rows keep only the tokens computed by then."""
         assert w.current is not None
-        out, start, dt, iters = w.current
+        cur = w.current
+        out, start, dt, iters = cur.out, cur.start, cur.end - cur.start, cur.iterations
         if iters <= 1:
             return
         per = dt / iters
@@ -398,22 +408,24 @@ class Simulator:
                     s.request.num_prompt_tokens:
                 s.num_new_tokens = done
         w.busy_s -= (iters - done) * per
-        w.current = (out, start, done * per, done)
+        w.current = Step(out, start, start + done * per, done)
         w.version += 1
-        self.at(start + done * per, self._step_done, (w, out, w.version))
+        self.at(start + done * per, self._step_done, (w, w.current, w.version))
 
-    def _step_done(self, arg: tuple[SimWorker, SchedulerOutput, int]) -> None:
-        w, out, version = arg
+    def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:
+        w, step, version = arg
         if version != w.version:
             return  # the step was cut short; its new end is another event
         w.busy = False
-        got = w.finish_step(out)
+        got = w.finish_step(step)
+        out = step.out
+        ends = step.ends[:step.done] if step.ends is not None else None
         bs = self.profile.block_size
         for req in got:
             if req.hold_kv:
                 self._producer_done(w, req)
             else:
-                self._token(w, self._flights[req.request_id])
+                self._token(w, self._flights[req.request_id], ends)
         for s in out.scheduled:  # producers' finished chunks go out while the next computes
             r = s.request
             if r.hold_kv and r.status == RequestStatus.RUNNING:
@@ -436,8 +448,9 @@ class Simulator:
         p.publish_events()
         self._kick(p)
 
-    def _token(self, w: SimWorker, flight: Flight) -> None:
-        """A token reached the client (time of the step's end, plus the way back)."""
+    def _token(self, w: SimWorker, flight: Flight, ends: list[float] | None = None) -> None:
+        """A token reached the client (time of the step's end, plus the way back); a
+        decode window's tokens, one at each of its iterations' `ends`."""
         t = self.now
         if flight.first is None:
             flight.first = t
@@ -449,7 +462,13 @@ class Simulator:
                                   flight.req.num_cached_tokens or 0)
         elif flight.itl is not None:
             n = flight.req.num_output_tokens - flight.delivered  # > 1 with a decode stride
-            flight.itl.extend([(t - flight.last) / n] * n)
+            if ends is not None and len(ends) == n:
+                last = flight.last
+                for e in ends:
+                    flight.itl.append(e - last)
+                    last = e
+            else:
+                flight.itl.extend([(t - flight.last) / n] * n)
         flight.last = t
         flight.delivered = flight.req.num_output_tokens
         req = flight.req

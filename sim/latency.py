@@ -47,6 +47,14 @@ class LatencyModel:
         return (p.step_overhead_s + p.seq_overhead_s * seqs) * iterations + (
             (c if c > m else m) if self._max else c + m)
 
+    def decode_iterations(self, computed: Sequence[int], k: int) -> list[float]:
+        """The times of k successive one-token decode steps of rows that have computed
+        `computed` tokens: what `step` gives each of them (the same integer counts, so
+        the same floats)."""
+        rows, base = len(computed), sum(computed)
+        return [self.seconds(rows, rows, base + rows * j, base + rows * j, rows)
+                for j in range(1, k + 1)]
+
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied. A row
         past its prompt with k > 1 new tokens is k decode iterations (decode stride):

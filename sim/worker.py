@@ -50,6 +50,8 @@ class Tokens:
 class SimRequest(Request):
     """engine.request.Request with counting token lists and precomputed hashes."""
 
+    max_output = 0  # the client's max_tokens: the trace's output length
+
     def __post_init__(self) -> None:
         self.all_token_ids = cast(list[int], Tokens(len(self.prompt_token_ids)))
         self.output_token_ids = cast(list[int], Tokens())
@@ -57,11 +59,47 @@ class SimRequest(Request):
     def update_block_hashes(self, block_size: int) -> list[Any]:
         return self.block_hashes  # every full block's hash is known from the start
 
+    def hand_ahead(self, n: int) -> None:
+        """Counts `n` tokens more (negative: fewer) as sampled, so that the scheduler
+        gives a decoding request the next n + 1 tokens in one step."""
+        cast(Tokens, self.all_token_ids).n += n
+        cast(Tokens, self.output_token_ids).n += n
+
+
+def _iterations(out: SchedulerOutput) -> int:
+    """Decode iterations a step stands for: its longest decoding row (decode stride)."""
+    n = 1
+    for s in out.scheduled:
+        if s.num_new_tokens > n and s.request.num_computed_tokens >= \
+                s.request.num_prompt_tokens:
+            n = s.num_new_tokens
+    return n
+
 
 def make_request(request_id: str, prompt_len: int, hashes: list[Any], arrival: float,
-                 hold_kv: bool = False) -> SimRequest:
-    return SimRequest(request_id, cast(list[int], Tokens(prompt_len)), PARAMS,
-                      arrival_time=arrival, hold_kv=hold_kv, block_hashes=hashes)
+                 hold_kv: bool = False, max_output: int = 0) -> SimRequest:
+    req = SimRequest(request_id, cast(list[int], Tokens(prompt_len)), PARAMS,
+                     arrival_time=arrival, hold_kv=hold_kv, block_hashes=hashes)
+    req.max_output = max_output
+    return req
+
+
+@dataclass(slots=True)
+class Step:
+    """A step in progress: what the scheduler scheduled, from `start` to `end`.
+
+    A stride step (sim/cluster.py, decode_stride > 1) stands for `iterations` decode
+    iterations of equal length. A decode window (`ends` set) stands for several decode
+    iterations exactly: `ends[i]` is when iteration i + 1 ends, as the one-iteration
+    steps would have timed it, and `done` of them stand (fewer once new work cut it)."""
+
+    out: SchedulerOutput
+    start: float
+    end: float
+    iterations: int = 1
+    ends: list[float] | None = None
+    dts: list[float] | None = None
+    done: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +114,7 @@ class WorkerSpec:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, profile: HardwareProfile, latency: LatencyModel,
                  index: InProcessBlockIndex, max_model_len: int,
-                 clock: Callable[[], float], stride: int = 1) -> None:
+                 clock: Callable[[], float], stride: int = 1, windows: bool = True) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
@@ -99,10 +137,12 @@ class SimWorker:
             max_num_batched_tokens=profile.max_num_batched_tokens), self.kv, offload,
             clock=clock)
         self.stride = stride  # the cluster's decode stride (sim/cluster.py)
+        self.windows = windows  # exact decode windows (decode_window)
+        self.clock = clock
         self.busy = False
-        # the step in progress: (scheduled, start, duration, decode iterations), and a
-        # version that tells its end event apart from a superseded one
-        self.current: tuple[SchedulerOutput, float, float, int] | None = None
+        # the step in progress, and a version that tells its end event apart from a
+        # superseded one
+        self.current: Step | None = None
         self.version = 0
         self.link_free_at = 0.0  # this worker's egress link is busy until then
         self.pins: dict[int, int] = {}
@@ -131,10 +171,62 @@ class SimWorker:
             self.index.apply(self.worker_id, stored, removed)
 
     # -- a step -------------------------------------------------------------------------
-    def start_step(self) -> tuple[SchedulerOutput, float] | None:
-        """Schedules one step; returns it and its duration, or None when idle."""
+    def decode_window(self) -> int:
+        """How many decode iterations the next step can stand for exactly (1: just the
+        next). Every running request decodes and none waits to be admitted; for the next
+        k iterations none of them needs a block, fills one or ends. Then the k steps
+        change nothing another worker or the gateway can see before the k-th ends (load
+        reports, the index, in-flight counts), and new work cuts the window at the
+        iteration it arrives in, as it would wait for that iteration's end. A block the
+        first iteration needs is taken at the window's start, as that step would."""
+        s = self.scheduler
+        if not self.windows or self.stride > 1 or self.offload is not None or not s.running \
+                or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV for r in s.waiting):
+            return 1
+        bs = self.profile.block_size
+        blocks = self.kv.req_blocks
+        k = s.config.max_num_batched_tokens // len(s.running)
+        new_blocks = 0
+        for r in s.running:
+            c = r.num_computed_tokens
+            if r.num_tokens - c != 1 or r.hold_kv:
+                return 1
+            # | computed | this block's free slots: the window (the first may open it) |
+            k = min(k, (c // bs + 1) * bs - c, cast(SimRequest, r).max_output
+                    - r.num_output_tokens, self.max_model_len - r.num_tokens)
+            new_blocks += c // bs + 1 > len(blocks[r.request_id])
+        if new_blocks > self.kv.pool.num_free_blocks:
+            return 1  # the first iteration preempts: one step, as the scheduler runs it
+        return k
+
+    def _start_window(self, k: int) -> Step:
+        s = self.scheduler
+        rows = list(s.running)
+        computed = [r.num_computed_tokens for r in rows]
+        for r in rows:
+            cast(SimRequest, r).hand_ahead(k - 1)
+        out = s.schedule()
+        if out.preempted or len(out.scheduled) != len(rows) or any(
+                x.num_new_tokens != k for x in out.scheduled):
+            raise RuntimeError("decode window: the scheduler did not run every decoding "
+                               f"request {k} tokens")
+        dts = self.latency.decode_iterations(computed, k)
+        if self.profile.token_overhead_s:
+            dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
+        t = start = self.clock()
+        ends = []
+        for d in dts:  # the one-iteration steps' clock: each ends at the last end + dt
+            t += d
+            ends.append(t)
+        return Step(out, start, t, k, ends, dts, k)
+
+    def start_step(self) -> Step | None:
+        """Schedules one step (or an exact decode window); None when idle."""
         if self.offload is not None:
             self.offload.save_new(self.kv.pool, NO_KV)
+        k = self.decode_window()
+        if k > 1:
+            return self._start_window(k)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
@@ -155,7 +247,8 @@ class SimWorker:
         self.steps += 1
         self.busy_s += dt
         self.tokens_computed += out.num_tokens
-        return out, dt
+        now = self.clock()
+        return Step(out, now, now + dt, _iterations(out))
 
     def restore_seconds(self) -> float:
         """Runs the planned tier restores (the engine's _run_loads) and times them."""
@@ -169,13 +262,29 @@ class SimWorker:
             self.restored_bytes[tier] = self.restored_bytes.get(tier, 0) + n * block
         return seconds
 
-    def finish_step(self, out: SchedulerOutput) -> list[Request]:
-        """Applies the step (one sampled token per request that reached its end);
-        returns the requests that got a token."""
+    def finish_step(self, step: Step) -> list[Request]:
+        """Applies the step (one sampled token per request that reached its end; a
+        decode window: `done` tokens per request, as that many steps would); returns
+        the requests that got a token."""
+        out = step.out
+        if step.dts is not None:
+            k, j = len(step.dts), step.done
+            for x in out.scheduled:
+                if j < k:  # cut: the tokens handed ahead past iteration j are not sampled
+                    cast(SimRequest, x.request).hand_ahead(j - k)
+                    x.num_new_tokens = j
+            for d in step.dts[:j]:
+                self.busy_s += d
+            self.steps += j
+            self.tokens_computed += len(out.scheduled) * j
         sampled = {s.request.request_id: (0, None) for s in out.scheduled
                    if s.request.num_computed_tokens + s.num_new_tokens
                    >= s.request.num_tokens}
         got = self.scheduler.update_from_output(out, sampled)
+        if step.dts is not None:
+            for r in got:  # what the window's other iterations charged (fair sharing)
+                for _ in range(step.done - 1):
+                    self.scheduler.fair.charge_output(r)
         if self.offload is not None:
             self.offload.save_new(self.kv.pool, NO_KV)
             self.offload.reap(self.kv.pool)

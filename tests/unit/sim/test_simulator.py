@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.datasets import LengthDist
 from gateway.routing.locality import PrefixLocalityScorer
 from gateway.routing.profile import RoutingProfile
 from sim.cluster import ClusterConfig, Simulator
 from sim.profile import load_profile
-from sim.workload import SimRequestSpec, mooncake, shared_prefix
+from sim.workload import SimRequestSpec, mooncake, shared_prefix, synthetic
 
 # Three conversations of a Mooncake-shaped trace: turns extend their predecessor.
 TRACE = [{"timestamp": t, "input_length": 512 * len(h) - 100, "output_length": o,
@@ -194,3 +195,34 @@ def test_same_seed_same_output_across_processes(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         digests.add(proc.stdout.strip())
     assert len(digests) == 1
+
+
+def full_key(sim, results):
+    """Everything a run reports: per request, per worker, transfers, the index."""
+    workers = [(w.worker_id, w.steps, w.tokens_computed, w.requests_done, w.busy_s,
+                w.kv.prefix_hits, w.kv.pool.num_free_blocks) for w in sim.workers.values()]
+    st = sim.stats
+    return (key(results), [r.error for r in results], workers,
+            sorted(st.transfer_bytes.items()), st.remote_prefills, st.peer_fetches,
+            st.rejected, st.stalled, sim.index.num_entries(),
+            sorted(sim.locality._accuracy.items()))
+
+
+@pytest.mark.parametrize("name", ["colocated", "disaggregated", "preempting"])
+def test_decode_windows_are_exact(tmp_path: Path, name: str) -> None:
+    """A decode window (several decode iterations as one scheduler step) changes
+    nothing: the same requests, token times, ITL gaps, worker figures and index as one
+    scheduler step per iteration, here too when pools run dry and requests are
+    preempted, and when new work cuts windows short."""
+    if name == "preempting":
+        specs = list(synthetic(60, 50.0, LengthDist(mean=100), LengthDist(mean=60), seed=3))
+        cfg = ClusterConfig(colocated=2, num_blocks=40)
+    else:
+        specs, cfg = trace_specs(tmp_path, repeat=6, scale=0.1), CONFIGS[name]
+    sim, res = run(cfg, specs)
+    ref_sim, ref = run(replace(cfg, decode_windows=False), specs)
+    assert full_key(sim, res) == full_key(ref_sim, ref)
+    assert sim.stats.events < ref_sim.stats.events  # windows did run
+    if name == "preempting":
+        assert sum(w.scheduler.num_preemptions for w in sim.workers.values()) > 0
+    sim.check_integrity()
