@@ -77,17 +77,24 @@ class InProcessBlockIndex:
             else:
                 elsewhere.pop(h, None)
         for h, tier in stored:
-            holders = blocks.setdefault(h, {})
-            m = holders[node] = holders.get(node, 0) | _BIT[tier]
-            held[h] = held.get(h, 0) | bit
-            if m & _DEVICE:
-                e = elsewhere.get(h, 0) & ~bit
+            t = _BIT[tier]
+            holders = blocks.get(h)
+            if holders is None:  # most stores: a new prefix, or output blocks
+                blocks[h] = {node: t}
+                held[h] = bit
+                if t != _DEVICE:
+                    elsewhere[h] = bit
+                continue
+            m = holders[node] = holders.get(node, 0) | t
+            held[h] |= bit
+            if not m & _DEVICE:
+                elsewhere[h] = elsewhere.get(h, 0) | bit
+            elif h in elsewhere:
+                e = elsewhere[h] & ~bit
                 if e:
                     elsewhere[h] = e
                 else:
-                    elsewhere.pop(h, None)
-            else:
-                elsewhere[h] = elsewhere.get(h, 0) | bit
+                    del elsewhere[h]
 
     def _allowed_bits(self, nodes: set[str] | frozenset[str] | None) -> int:
         """The bitmap of `nodes` (-1: any); a frozenset's is kept for the next call."""

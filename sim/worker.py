@@ -281,10 +281,16 @@ class SimWorker:
                    if s.request.num_computed_tokens + s.num_new_tokens
                    >= s.request.num_tokens}
         got = self.scheduler.update_from_output(out, sampled)
-        if step.dts is not None:
-            for r in got:  # what the window's other iterations charged (fair sharing)
-                for _ in range(step.done - 1):
-                    self.scheduler.fair.charge_output(r)
+        if step.dts is not None and step.done > 1:
+            # What the window's other iterations charged (fair sharing). VTC orders by
+            # the float counters: charged one token at a time, as those steps would.
+            fair, extra = self.scheduler.fair, step.done - 1
+            for r in got:
+                if self.scheduler.config.policy == "vtc":
+                    for _ in range(extra):
+                        fair.charge_output(r)
+                else:
+                    fair.charge_output(r, extra)
         if self.offload is not None:
             self.offload.save_new(self.kv.pool, NO_KV)
             self.offload.reap(self.kv.pool)

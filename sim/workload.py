@@ -64,23 +64,29 @@ class BlockHasher:
         return -self._fresh
 
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
-        """One hash per full block of `total_len` tokens (prompt + output)."""
+        """One hash per full block of `total_len` tokens (prompt + output). A block of
+        prompt tokens is named by the chain of the segment holding its last token and
+        its end's offset in that segment: consecutive within a segment (one range)."""
         bs = self.block_size
+        n_full = total_len // bs
+        n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
+        last = n_shared * bs
         out: list[int] = []
-        chain, seg_end, i = -1 - salt, 0, 0
-        segs = spec.segments
-        n_prompt = spec.prompt_len
-        for j in range(total_len // bs):
-            end = (j + 1) * bs
-            if end > n_prompt:  # holds sampled tokens: unique
-                out.extend(self.unique() for _ in range(total_len // bs - j))
+        chain, start = -1 - salt, 0
+        for key, n in spec.segments:
+            if start >= last:
                 break
-            while seg_end < end:  # advance to the segment holding token end - 1
-                key, n = segs[i]
-                chain = self._chain(chain, key)
-                seg_end += n
-                i += 1
-            out.append((chain << _OFFSET_BITS) | (end - (seg_end - segs[i - 1][1])))
+            chain = self._chain(chain, key)
+            first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
+            base = chain << _OFFSET_BITS
+            if stop - start < 1 << _OFFSET_BITS:
+                out.extend(range(base + first - start, base + stop - start + 1, bs))
+            else:
+                out.extend(base | (e - start) for e in range(first, stop + 1, bs))
+            start += n
+        fresh = self._fresh  # unique(), n_full - n_shared times
+        out.extend(range(-fresh - 1, -fresh - 1 - (n_full - n_shared), -1))
+        self._fresh = fresh + n_full - n_shared
         return out
 
 
