@@ -38,14 +38,16 @@ def constrained(spec: StructuredOutput, seed: int, **kw) -> SamplingParams:
                           structured=spec, **kw)
 
 
-def test_fifty_samples_parse_and_validate_against_the_schema(llm) -> None:
+def test_samples_parse_and_validate_against_the_schema(llm) -> None:
+    # 16 here; the 50 the issue asks for run through a real disaggregated cluster
+    # (tests/integration/test_structured_serving.py)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    prompts = [[1 + i, 2 + i, 3 + i] for i in range(50)]
-    outs = llm.generate(prompts, [constrained(spec, seed=i) for i in range(50)])
+    prompts = [[1 + i, 2 + i, 3 + i] for i in range(16)]
+    outs = llm.generate(prompts, [constrained(spec, seed=i) for i in range(16)])
     for o in outs:
         assert o.finish_reason == "stop", (o.finish_reason, len(o.token_ids), o.text)
         jsonschema.validate(json.loads(o.text), SCHEMA)
-    assert len({o.text for o in outs}) > 40  # samples, not one forced string
+    assert len({o.text for o in outs}) > 12  # samples, not one forced string
     # The same samples unconstrained are not JSON: the mask did the work.
     free = llm.generate(prompts[:5], [SamplingParams(max_tokens=40, temperature=1.0, seed=i)
                                       for i in range(5)])
