@@ -61,9 +61,11 @@ class Locality:
             return req
         cap = (len(req.prompt_token_ids) - 1) // req.block_size
         bs = req.block_size
-        cached = {n: min(len(tiers), cap) * bs for n, tiers in lookup.nodes.items()}
-        accuracy, floor = self._accuracy, self.min_trust  # self.trust, inlined: per holder
-        trust = {n: max(floor, accuracy.get(n, 1.0)) for n in lookup.nodes}
+        # min() and self.trust inlined: at scale these run once per holder per request
+        cached = {n: (k if (k := len(tiers)) < cap else cap) * bs
+                  for n, tiers in lookup.nodes.items()}
+        accuracy, floor = self._accuracy, self.min_trust
+        trust = {n: a if (a := accuracy.get(n, 1.0)) > floor else floor for n in lookup.nodes}
         return replace(req, cached_tokens=cached, locality=dict(lookup.nodes),
                        indexed_blocks=lookup.num_blocks, locality_trust=trust)
 

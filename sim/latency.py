@@ -52,8 +52,18 @@ class LatencyModel:
         `computed` tokens: what `step` gives each of them (the same integer counts, so
         the same floats)."""
         rows, base = len(computed), sum(computed)
-        return [self.seconds(rows, rows, base + rows * j, base + rows * j, rows)
-                for j in range(1, k + 1)]
+        # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined (the same
+        # operations in the same order): a window times up to a block of iterations
+        p = self.profile
+        fixed = p.step_overhead_s + p.seq_overhead_s * rows
+        flops = rows * self._flop_token + rows * self._flop_sampled
+        out = []
+        for j in range(1, k + 1):
+            pairs = base + rows * j
+            c = (flops + pairs * self._flop_pair) * self._s_per_flop
+            m = (self._weights * 1 + pairs * self._kv_token) * self._s_per_byte
+            out.append(fixed * 1 + ((c if c > m else m) if self._max else c + m))
+        return out
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied. A row

@@ -61,18 +61,23 @@ class PrefixLocalityScorer:
         none = req.indexed_blocks * peer
         out = [min(1.0, max(0.0, none / scale))] * len(candidates)
         totals: dict[tuple[str, ...], float] = {}
+        by_id: dict[int, float] = {}  # the same run object again (the runs live till we return)
         for i, c in enumerate(candidates):
             tiers = locality.get(c.worker_id)
             if tiers is None:
                 if c.worker_id in trusts:
                     out[i] = min(1.0, max(0.0, trusts[c.worker_id] * none / scale))
                 continue
-            total = totals.get(tiers)
+            total = by_id.get(id(tiers))
             if total is None:
-                total = sum(self._weight(t) for t in tiers)
-                total += max(0, req.indexed_blocks - len(tiers)) * peer
-                totals[tiers] = total
-            out[i] = min(1.0, max(0.0, trusts.get(c.worker_id, 1.0) * total / scale))
+                total = totals.get(tiers)
+                if total is None:
+                    total = sum(self._weight(t) for t in tiers)
+                    total += max(0, req.indexed_blocks - len(tiers)) * peer
+                    totals[tiers] = total
+                by_id[id(tiers)] = total
+            x = trusts.get(c.worker_id, 1.0) * total / scale
+            out[i] = x if 0.0 <= x <= 1.0 else min(1.0, max(0.0, x))  # clamped, NaN -> 0
         return out
 
 

@@ -226,3 +226,17 @@ def test_decode_windows_are_exact(tmp_path: Path, name: str) -> None:
     if name == "preempting":
         assert sum(w.scheduler.num_preemptions for w in sim.workers.values()) > 0
     sim.check_integrity()
+
+
+@pytest.mark.parametrize("combine", ["max", "sum"])
+def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
+    """LatencyModel.decode_iterations gives each iteration of a decode window exactly
+    (to the bit) what `seconds` gives that iteration as a one-token step."""
+    from sim.latency import LatencyModel
+
+    lat = LatencyModel(replace(load_profile("h100"), combine=combine))
+    for computed in ([7], [130, 4000, 77], list(range(1, 400, 13))):
+        rows, base = len(computed), sum(computed)
+        want = [lat.seconds(rows, rows, base + rows * j, base + rows * j, rows)
+                for j in range(1, 65)]
+        assert lat.decode_iterations(computed, 64) == want
