@@ -22,32 +22,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from bench.base import RequestResult
 from engine.kv_cache_manager import cdiv
 from engine.request import RequestStatus
-from gateway.locality import Locality
-from gateway.metrics import GatewayMetrics
-from gateway.routing.base import Candidate, RouteDecision, RouteRequest
-from gateway.routing.profile import NoCandidates, Router, RoutingProfile
+from gateway.routing.base import RouteDecision, RouteRequest
+from gateway.routing.profile import NoCandidates, RoutingProfile
+from sim.gateway import SimGateway
 from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.worker import SimRequest, SimWorker, Step, Tokens, WorkerSpec, make_request
 from sim.workload import BlockHasher, SimRequestSpec
-
-
-def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Runs a coroutine that never suspends (the in-process index's lookup) to its end."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise RuntimeError("a simulated call suspended")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,10 +121,6 @@ class Simulator:
         self.profile = profile
         self.latency = latency or LatencyModel(profile)
         self.index = InProcessBlockIndex()
-        self.locality = Locality(self.index, GatewayMetrics())  # type: ignore[arg-type]
-        routing = config.routing
-        self.router = Router(routing if routing.seed is not None
-                             else replace(routing, seed=config.seed))
         self.hasher = BlockHasher(profile.block_size)
         nb = config.num_blocks or profile.num_blocks
         specs = [WorkerSpec(f"prefill-{i}", "prefill", nb, config.host_blocks,
@@ -148,14 +133,14 @@ class Simulator:
                                                config.max_model_len, self.clock,
                                                config.decode_stride, config.decode_windows)
                         for s in specs}
-        self.nodes = frozenset(self.workers)
+        routing = config.routing
+        self.gateway = SimGateway(
+            routing if routing.seed is not None else replace(routing, seed=config.seed),
+            self.index, self.workers, self.clock, config.report_interval_s)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
         self._flights: dict[str, Flight] = {}
-        self._inflight: dict[str, int] = dict.fromkeys(self.workers, 0)
-        self._cands: dict[str, Candidate] = {}
-        self._reported = -1e30
         self.results: list[RequestResult | None] = []
         self.stats = SimStats()
         self._arrivals: Iterator[SimRequestSpec] = iter(())
@@ -211,29 +196,7 @@ class Simulator:
         if spec is not None:
             self.at(spec.arrival_s, self._arrive, spec)
 
-    # -- the gateway --------------------------------------------------------------------
-    def candidates(self) -> list[Candidate]:
-        """The registry's snapshot: load reports at most `report_interval_s` old, this
-        gateway's in-flight counts now."""
-        if self.now - self._reported >= self.config.report_interval_s:
-            self._reported = self.now
-            for w in self.workers.values():
-                self._cands[w.worker_id] = self._report(w)
-        return list(self._cands.values())
-
-    def _report(self, w: SimWorker) -> Candidate:
-        s = w.scheduler
-        pool = w.kv.pool
-        return Candidate(w.worker_id, w.worker_id, w.role, True, len(s.waiting),
-                         len(s.running), pool.usage, pool.num_free_blocks, pool.num_blocks,
-                         self._inflight[w.worker_id])
-
-    def _set_inflight(self, worker_id: str, delta: int) -> None:
-        self._inflight[worker_id] += delta
-        c = self._cands.get(worker_id)
-        if c is not None:
-            self._cands[worker_id] = replace(c, inflight=self._inflight[worker_id])
-
+    # -- the gateway (sim/gateway.py) -------------------------------------------------
     def _arrive(self, spec: SimRequestSpec) -> None:
         self._next_arrival()
         i = len(self.results)
@@ -249,16 +212,14 @@ class Simulator:
         if self.config.max_in_flight and len(self._flights) >= self.config.max_in_flight:
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
-        lookup = run_sync(self.locality.lookup(route.block_hashes, self.nodes))  # type: ignore[arg-type]
-        flight.route = self.locality.fill(route, lookup)
         try:
-            decision = self.router.route(flight.route, self.candidates())
+            flight.route, decision = self.gateway.route(route)
         except NoCandidates as e:
             self._reject(flight, f"no worker available: {e}")
             return
         flight.decision = decision
         self._flights[rid] = flight
-        self._set_inflight(decision.decode.worker_id, 1)
+        self.gateway.add_inflight(decision.decode.worker_id, 1)
         self.at(self.now + self._rpc, self._on_decode, flight)
 
     def _reject(self, flight: Flight, error: str) -> None:
@@ -277,7 +238,7 @@ class Simulator:
         error = w.validate(flight.spec.prompt_len, flight.spec.output_len)
         if error is not None:  # the worker's INVALID_ARGUMENT: the client gets a 400
             del self._flights[req.request_id]
-            self._set_inflight(w.worker_id, -1)
+            self.gateway.add_inflight(w.worker_id, -1)
             self.stats.invalid += 1
             self._reject(flight, f"invalid: {error}")
             return
@@ -361,12 +322,11 @@ class Simulator:
 
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
-        if w.busy:
-            assert w.current is not None
-            if w.current.ends is not None:
-                self._cut_window(w, w.current)
-            elif self.config.decode_stride > 1:
-                self._cut(w)
+        if w.busy:  # the new work waits for the iteration running now
+            end = w.cut(self.now)
+            if end is not None:
+                w.version += 1
+                self.at(end, self._step_done, (w, w.current, w.version))
             return
         step = w.start_step()
         w.publish_events()
@@ -376,41 +336,6 @@ class Simulator:
         w.current = step
         w.version += 1
         self.at(step.end, self._step_done, (w, step, w.version))
-
-    def _cut_window(self, w: SimWorker, step: Step) -> None:
-        """New work for a worker in a decode window: the window ends with the iteration
-        running now, whose end the new work would wait for."""
-        assert step.ends is not None
-        now = self.now
-        done = next((i + 1 for i, e in enumerate(step.ends) if e >= now), len(step.ends))
-        if done >= step.done:
-            return
-        step.done = done
-        step.end = step.ends[done - 1]
-        w.version += 1
-        self.at(step.end, self._step_done, (w, step, w.version))
-
-    def _cut(self, w: SimWorker) -> None:
-        """New work for a worker in a multi-iteration (decode stride) step: the step ends
-        after the iteration running now, as an engine would pick the work up at its next
-        iteration. Its decoding rows keep only the tokens computed by then."""
-        assert w.current is not None
-        cur = w.current
-        out, start, dt, iters = cur.out, cur.start, cur.end - cur.start, cur.iterations
-        if iters <= 1:
-            return
-        per = dt / iters
-        done = min(iters, int((self.now - start) / per) + 1)
-        if done >= iters:
-            return
-        for s in out.scheduled:
-            if s.num_new_tokens > done and s.request.num_computed_tokens >= \
-                    s.request.num_prompt_tokens:
-                s.num_new_tokens = done
-        w.busy_s -= (iters - done) * per
-        w.current = Step(out, start, start + done * per, done)
-        w.version += 1
-        self.at(start + done * per, self._step_done, (w, w.current, w.version))
 
     def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:
         w, step, version = arg
@@ -456,10 +381,8 @@ class Simulator:
             flight.first = t
             if flight.spec.output_len > 1 and flight.index % self.config.itl_every == 0:
                 flight.itl = []
-            d = flight.decision
-            assert d is not None
-            self.locality.observe(d.decode.worker_id, d.predicted_cached(flight.route),
-                                  flight.req.num_cached_tokens or 0)
+            assert flight.decision is not None
+            self.gateway.observe(flight.decision, flight.route, flight.req.num_cached_tokens or 0)
         elif flight.itl is not None:
             n = flight.req.num_output_tokens - flight.delivered  # > 1 with a decode stride
             if ends is not None and len(ends) == n:
@@ -485,7 +408,7 @@ class Simulator:
 
     def _complete(self, w: SimWorker, flight: Flight) -> None:
         del self._flights[flight.req.request_id]
-        self._set_inflight(w.worker_id, -1)
+        self.gateway.add_inflight(w.worker_id, -1)
         s = flight.spec
         assert flight.first is not None
         lat = self.profile.request_overhead_s / 2  # the response's way back

@@ -22,7 +22,8 @@ import time
 from dataclasses import replace
 from typing import cast
 
-from sim.cluster import ClusterConfig, Simulator, run_sync
+from sim.cluster import ClusterConfig, Simulator
+from sim.gateway import run_sync
 from sim.profile import load_profile
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
 from sim.worker import Tokens
@@ -58,14 +59,15 @@ def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
     reqs = [RouteRequest(f"t{i}", Tokens(s.prompt_len),  # type: ignore[arg-type]
                          cast(list[bytes], sim.hasher.hashes(s, s.prompt_len, sim.config.salt)
                               [:s.prompt_len // bs]), bs) for i, s in enumerate(specs)]
+    gw = sim.gateway
     spent = {"lookup": 0.0, "fill": 0.0, "route": 0.0}
     for req in reqs:
         t0 = time.perf_counter()
-        lookup = run_sync(sim.locality.lookup(req.block_hashes, sim.nodes))  # type: ignore[arg-type]
+        lookup = run_sync(gw.locality.lookup(req.block_hashes, gw.nodes))  # type: ignore[arg-type]
         t1 = time.perf_counter()
-        filled = sim.locality.fill(req, lookup)
+        filled = gw.locality.fill(req, lookup)
         t2 = time.perf_counter()
-        sim.router.route(filled, sim.candidates())
+        gw.router.route(filled, gw.candidates())
         t3 = time.perf_counter()
         spent["lookup"] += t1 - t0
         spent["fill"] += t2 - t1

@@ -95,6 +95,7 @@ class Step:
 
     out: SchedulerOutput
     start: float
+    dt: float
     end: float
     iterations: int = 1
     ends: list[float] | None = None
@@ -218,7 +219,7 @@ class SimWorker:
         for d in dts:  # the one-iteration steps' clock: each ends at the last end + dt
             t += d
             ends.append(t)
-        return Step(out, start, t, k, ends, dts, k)
+        return Step(out, start, t - start, t, k, ends, dts, k)
 
     def start_step(self) -> Step | None:
         """Schedules one step (or an exact decode window); None when idle."""
@@ -248,7 +249,36 @@ class SimWorker:
         self.busy_s += dt
         self.tokens_computed += out.num_tokens
         now = self.clock()
-        return Step(out, now, now + dt, _iterations(out))
+        return Step(out, now, dt, now + dt, _iterations(out))
+
+    def cut(self, now: float) -> float | None:
+        """New work at `now` for this busy worker: the step in progress ends with the
+        iteration running now, as an engine picks new work up at its next iteration.
+        Returns the step's new end, or None when it ends then anyway."""
+        step = self.current
+        assert step is not None
+        if step.ends is not None:  # a decode window: exactly as the steps it stands for
+            done = next((i + 1 for i, e in enumerate(step.ends) if e >= now), step.done)
+            if done >= step.done:
+                return None
+            step.done = done
+            step.end = step.ends[done - 1]
+            return step.end
+        # A decode stride step: its decoding rows keep only the tokens computed by then.
+        iters = step.iterations
+        if iters <= 1:
+            return None
+        per = step.dt / iters
+        done = min(iters, int((now - step.start) / per) + 1)
+        if done >= iters:
+            return None
+        for s in step.out.scheduled:
+            if s.num_new_tokens > done and s.request.num_computed_tokens >= \
+                    s.request.num_prompt_tokens:
+                s.num_new_tokens = done
+        self.busy_s -= (iters - done) * per
+        self.current = Step(step.out, step.start, done * per, step.start + done * per, done)
+        return self.current.end
 
     def restore_seconds(self) -> float:
         """Runs the planned tier restores (the engine's _run_loads) and times them."""

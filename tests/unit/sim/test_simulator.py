@@ -205,7 +205,7 @@ def full_key(sim, results):
     return (key(results), [r.error for r in results], workers,
             sorted(st.transfer_bytes.items()), st.remote_prefills, st.peer_fetches,
             st.rejected, st.stalled, sim.index.num_entries(),
-            sorted(sim.locality._accuracy.items()))
+            sorted(sim.gateway.locality._accuracy.items()))
 
 
 @pytest.mark.parametrize("name", ["colocated", "disaggregated", "preempting"])

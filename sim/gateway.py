@@ -1,0 +1,84 @@
+"""The simulated gateway's routing half: the production Locality over the in-process
+block index and the production Router, with the registry's view of the simulated
+workers. What gateway/core.py does before it sends a request: look the prompt's blocks
+up, fill the RouteRequest, route over the registry's candidates; then count the request
+in flight on its worker until it completes.
+
+The registry's view: load reports at most `report_interval_s` old (decode/config.py
+load_interval_ms), this gateway's in-flight counts at once, as in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+from gateway.locality import Locality
+from gateway.metrics import GatewayMetrics
+from gateway.routing.base import Candidate, RouteDecision, RouteRequest
+from gateway.routing.profile import Router, RoutingProfile
+from sim.index import InProcessBlockIndex
+from sim.worker import SimWorker
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Runs a coroutine that never suspends (the in-process index's lookup) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("a simulated call suspended")
+
+
+class SimGateway:
+    """Owns the Locality (and through it the index's reader side) and the Router; the
+    workers are borrowed (their schedulers and pools are read for load reports)."""
+
+    def __init__(self, routing: RoutingProfile, index: InProcessBlockIndex,
+                 workers: dict[str, SimWorker], clock: Callable[[], float],
+                 report_interval_s: float) -> None:
+        self.index = index
+        self.locality = Locality(index, GatewayMetrics())  # type: ignore[arg-type]
+        self.router = Router(routing)
+        self.workers = workers
+        self.nodes = frozenset(workers)
+        self.clock = clock
+        self.report_interval_s = report_interval_s
+        self._inflight: dict[str, int] = dict.fromkeys(workers, 0)
+        self._cands: dict[str, Candidate] = {}
+        self._reported = -1e30
+
+    def route(self, req: RouteRequest) -> tuple[RouteRequest, RouteDecision]:
+        """The request with its locality filled, and where it goes. Raises NoCandidates."""
+        lookup = run_sync(self.locality.lookup(req.block_hashes, self.nodes))  # type: ignore[arg-type]
+        filled = self.locality.fill(req, lookup)
+        return filled, self.router.route(filled, self.candidates())
+
+    def candidates(self) -> list[Candidate]:
+        """The registry's snapshot: load reports at most `report_interval_s` old, this
+        gateway's in-flight counts now."""
+        now = self.clock()
+        if now - self._reported >= self.report_interval_s:
+            self._reported = now
+            for w in self.workers.values():
+                self._cands[w.worker_id] = self._report(w)
+        return list(self._cands.values())
+
+    def _report(self, w: SimWorker) -> Candidate:
+        s = w.scheduler
+        pool = w.kv.pool
+        return Candidate(w.worker_id, w.worker_id, w.role, True, len(s.waiting),
+                         len(s.running), pool.usage, pool.num_free_blocks, pool.num_blocks,
+                         self._inflight[w.worker_id])
+
+    def add_inflight(self, worker_id: str, delta: int) -> None:
+        self._inflight[worker_id] += delta
+        c = self._cands.get(worker_id)
+        if c is not None:
+            self._cands[worker_id] = replace(c, inflight=self._inflight[worker_id])
+
+    def observe(self, decision: RouteDecision, req: RouteRequest, actual: int) -> None:
+        """The decode's first response: what it had cached vs the prediction."""
+        self.locality.observe(decision.decode.worker_id, decision.predicted_cached(req), actual)
