@@ -12,10 +12,11 @@ decode/remote.py, prefill/service.py):
          token) and P releases its blocks. Otherwise D prefills locally.
       -> D's continuous batching streams the rest.
 
-Time: each worker steps when it has work; a step lasts what the latency model says.
-Transfers take a worker's egress link (sim/worker.py). Load reports reach the router
-every `report_interval_s` (the gateway's registry view), its own in-flight counts at
-once, as in the gateway.
+Time: each worker steps when it has work; a step lasts what the latency model says. A
+worker whose requests all decode runs the iterations up to the next one that anything
+outside it could notice as one scheduler step, each timed as its own (an exact decode
+window, sim/worker.py). Transfers take a worker's egress link (sim/worker.py). The
+gateway's part (routing, the registry's view, in-flight counts) is sim/gateway.py.
 """
 
 from __future__ import annotations
