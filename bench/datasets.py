@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bench.base import BenchError, BenchRequest
@@ -108,6 +109,38 @@ def shared_prefix(pool: TokenPool, num_groups: int, per_group: int, prefix_len: 
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class MooncakeRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+def mooncake_records(path: str) -> Iterator[MooncakeRecord]:
+    """The usable records of a Mooncake JSONL, in order (blank lines and records with no
+    prompt skipped); a malformed line raises BenchError naming it. The bench and the
+    simulator (sim/workload.py) read traces through this one parser."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                r = MooncakeRecord(float(rec["timestamp"]), int(rec["input_length"]),
+                                   int(rec["output_length"]),
+                                   [int(h) for h in rec["hash_ids"]])
+            except (ValueError, KeyError, TypeError) as e:
+                raise BenchError(f"{path}:{lineno}: not a Mooncake record ({e})") from e
+            if r.hash_ids and r.input_length >= 1:
+                yield r
+
+
+def scaled_output_len(n_out: int, output_scale: float, max_output_len: int | None) -> int:
+    n = max(1, round(n_out * output_scale))
+    return n if max_output_len is None else min(n, max_output_len)
+
+
 def mooncake(path: str, pool: TokenPool, limit: int | None = None,
              block_tokens: int = MOONCAKE_BLOCK_TOKENS, time_scale: float = 1.0,
              output_scale: float = 1.0, max_output_len: int | None = None,
@@ -120,29 +153,16 @@ def mooncake(path: str, pool: TokenPool, limit: int | None = None,
         raise BenchError("need block_tokens >= 1, time_scale >= 0 and output_scale > 0")
     out: list[BenchRequest] = []
     t0: float | None = None
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ts, n_in = float(rec["timestamp"]), int(rec["input_length"])
-                n_out, hashes = int(rec["output_length"]), [int(h) for h in rec["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as e:
-                raise BenchError(f"{path}:{lineno}: not a Mooncake record ({e})") from e
-            if not hashes or n_in < 1:
-                continue
-            ids = _trace_prompt(pool, hashes, n_in, block_tokens)
-            if max_input_len is not None:
-                ids = ids[:max_input_len]
-            n_out = max(1, round(n_out * output_scale))
-            if max_output_len is not None:
-                n_out = min(n_out, max_output_len)
-            t0 = ts if t0 is None else t0
-            out.append(BenchRequest(ids, len(ids), n_out, arrival_s=(ts - t0) / 1000.0
-                                    * time_scale, tag="trace"))
+    for rec in mooncake_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        ids = _trace_prompt(pool, rec.hash_ids, rec.input_length, block_tokens)
+        if max_input_len is not None:
+            ids = ids[:max_input_len]
+        n_out = scaled_output_len(rec.output_length, output_scale, max_output_len)
+        t0 = rec.timestamp_ms if t0 is None else t0
+        out.append(BenchRequest(ids, len(ids), n_out, arrival_s=(rec.timestamp_ms - t0)
+                                / 1000.0 * time_scale, tag="trace"))
     if not out:
         raise BenchError(f"{path}: no usable records")
     return out

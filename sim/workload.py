@@ -26,7 +26,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from bench.base import BenchError, BenchRequest
-from bench.datasets import MOONCAKE_BLOCK_TOKENS, LengthDist
+from bench.datasets import (
+    MOONCAKE_BLOCK_TOKENS,
+    LengthDist,
+    mooncake_records,
+    scaled_output_len,
+)
 from bench.load import LoadSpec, start_offsets, units
 
 _OFFSET_BITS = 21  # a segment is shorter than 2M tokens
@@ -141,31 +146,18 @@ def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_B
             raise BenchError(f"{path}: no usable records")
         t0: float | None = None
         last = 0.0
-        with open(path) as f:
-            for lineno, line in enumerate(f, 1):
-                if limit is not None and n >= limit:
-                    return
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    ts, n_in = float(rec["timestamp"]), int(rec["input_length"])
-                    n_out, hashes = int(rec["output_length"]), [int(h) for h in rec["hash_ids"]]
-                except (ValueError, KeyError, TypeError) as e:
-                    raise BenchError(f"{path}:{lineno}: not a Mooncake record ({e})") from e
-                if not hashes or n_in < 1:
-                    continue
-                n_prompt, _ = trace_prompt_len(len(hashes), n_in, block_tokens)
-                if max_input_len is not None:
-                    n_prompt = min(n_prompt, max_input_len)
-                n_out = max(1, round(n_out * output_scale))
-                if max_output_len is not None:
-                    n_out = min(n_out, max_output_len)
-                t0 = ts if t0 is None else t0
-                last = (ts - t0) / 1000.0 * time_scale
-                segs = tuple(((k << 40) | h, block_tokens) for h in hashes)
-                n += 1
-                yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace")
+        for rec in mooncake_records(path):
+            if limit is not None and n >= limit:
+                return
+            n_prompt, _ = trace_prompt_len(len(rec.hash_ids), rec.input_length, block_tokens)
+            if max_input_len is not None:
+                n_prompt = min(n_prompt, max_input_len)
+            n_out = scaled_output_len(rec.output_length, output_scale, max_output_len)
+            t0 = rec.timestamp_ms if t0 is None else t0
+            last = (rec.timestamp_ms - t0) / 1000.0 * time_scale
+            segs = tuple(((k << 40) | h, block_tokens) for h in rec.hash_ids)
+            n += 1
+            yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace")
         span += last
 
 
