@@ -32,7 +32,7 @@ import grpc
 from bench.experiments.common import ExperimentConfig, PinnedCluster, scrape_all, wait_routable
 from bench.invariants import idle_blocks
 from bench.report import Report
-from cluster.launcher import ClusterSpec
+from cluster.launcher import ClusterSpec, LocalCluster
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 
@@ -114,9 +114,10 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def send_all(cluster: FaultCluster, batch: list[list[int]], concurrency: int,
-             ) -> list[Outcome]:
-    """Greedy gRPC Generate of each prompt through the gateway, `concurrency` at once."""
+def send_all(cluster: LocalCluster, batch: list[list[int]], concurrency: int,
+             max_tokens: int = MAX_TOKENS, deadline_s: float = DEADLINE_S) -> list[Outcome]:
+    """Greedy gRPC Generate of each prompt through the gateway, `concurrency` at once
+    (also the fault tests' client, tests/integration/test_faults.py)."""
     async def main() -> list[Outcome]:
         gate = asyncio.Semaphore(concurrency)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
@@ -126,10 +127,10 @@ def send_all(cluster: FaultCluster, batch: list[list[int]], concurrency: int,
                 async with gate:
                     t0 = time.monotonic()
                     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.
-                                             SamplingParams(max_tokens=MAX_TOKENS,
+                                             SamplingParams(max_tokens=max_tokens,
                                                             temperature=0.0, ignore_eos=True))
                     try:
-                        out = [t async for r in stub.Generate(req, timeout=DEADLINE_S)
+                        out = [t async for r in stub.Generate(req, timeout=deadline_s)
                                for t in r.token_ids]
                         return Outcome(out, None, time.monotonic() - t0)
                     except grpc.aio.AioRpcError as e:

@@ -9,19 +9,15 @@ token-identical to the fault-free (offline) run."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
-import grpc
 import pytest
 
+from bench.experiments.faults import Outcome, send_all
 from cluster.launcher import ClusterSpec, LocalCluster
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from kvtransfer.faults import WIRE_KINDS
-from protos import splitserve_pb2 as pb
-from protos import splitserve_pb2_grpc as pb_grpc
 from tests.factories import tiny_model_dir
 from tests.integration.serving_util import load_report, metric, wait_for
 
@@ -55,47 +51,25 @@ def start(tmp: Any, faults: str) -> LocalCluster:
     return cluster
 
 
-def run_requests(cluster: LocalCluster, batch: list[list[int]], concurrency: int = 4,
-                 ) -> list[tuple[list[int] | None, grpc.StatusCode | None, float]]:
-    """(tokens or None, error code or None, seconds) per prompt, `concurrency` at once."""
-    async def main() -> list[tuple[list[int] | None, grpc.StatusCode | None, float]]:
-        gate = asyncio.Semaphore(concurrency)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
-            stub = pb_grpc.GenerateStub(ch)
-
-            async def one(p: list[int]) -> tuple[list[int] | None, grpc.StatusCode | None,
-                                                 float]:
-                async with gate:
-                    t0 = time.monotonic()
-                    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.
-                                             SamplingParams(max_tokens=MAX_TOKENS,
-                                                            temperature=0.0, ignore_eos=True))
-                    try:
-                        out = [t async for r in stub.Generate(req, timeout=DEADLINE_S)
-                               for t in r.token_ids]
-                        return out, None, time.monotonic() - t0
-                    except grpc.aio.AioRpcError as e:
-                        assert e.details(), "a clean error says why"
-                        return None, e.code(), time.monotonic() - t0
-            return list(await asyncio.gather(*(one(p) for p in batch)))
-    return asyncio.run(main())
+def run_requests(cluster: LocalCluster, batch: list[list[int]],
+                 concurrency: int = 4) -> list[Outcome]:
+    """The fault experiment's client (greedy gRPC Generate through the gateway)."""
+    return send_all(cluster, batch, concurrency, MAX_TOKENS, DEADLINE_S)
 
 
 def check_invariants(cluster: LocalCluster, batch: list[list[int]],
-                     results: list[tuple[list[int] | None, grpc.StatusCode | None, float]],
-                     workers: tuple[str, ...]) -> int:
+                     results: list[Outcome], workers: tuple[str, ...]) -> int:
     """Returns the number of successful requests."""
     refs = LLM(tiny_model_dir("llama"), num_blocks=NUM_BLOCKS).generate(
         batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     ok = 0
-    for (tokens, code, seconds), ref in zip(results, refs, strict=True):
-        assert seconds < DEADLINE_S + 1.0  # ended (either way) within its deadline
-        if tokens is not None:
-            assert tokens == ref.token_ids  # identical to the fault-free run
+    for r, ref in zip(results, refs, strict=True):
+        assert r.seconds < DEADLINE_S + 1.0  # ended (either way) within its deadline
+        if r.tokens is not None:
+            assert r.tokens == ref.token_ids  # identical to the fault-free run
             ok += 1
-        else:  # a clean error, never a crash of the gateway's own
-            assert code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            grpc.StatusCode.RESOURCE_EXHAUSTED), code
+        else:  # a clean error that says why ("CODE (no message)" otherwise), never a crash
+            assert r.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"), r.code
     children = [c for c in cluster.children if c.name in workers]
     wait_for(lambda: all(load_report(c.grpc_address or "").num_free_blocks == NUM_BLOCKS
                          for c in children), 15, f"every block free on {workers}")
