@@ -16,6 +16,7 @@ from kvtransfer.errors import (
     ProtocolError,
     TransferCancelled,
     TransferTimeout,
+    VersionMismatch,
 )
 from kvtransfer.layout import KVLayout, Region, coalesce, whole_blocks
 from kvtransfer.registry import make_receiver, make_sender, make_transport
@@ -23,6 +24,6 @@ from kvtransfer.registry import make_receiver, make_sender, make_transport
 __all__ = [
     "AuthError", "IntegrityError", "KVLayout", "KVTransferError", "LayoutMismatch",
     "PeerUnavailable", "ProtocolError", "Region", "TransferCancelled", "TransferConfig",
-    "TransferTimeout", "coalesce", "make_receiver", "make_sender", "make_transport",
-    "whole_blocks",
+    "TransferTimeout", "VersionMismatch", "coalesce", "make_receiver", "make_sender",
+    "make_transport", "whole_blocks",
 ]

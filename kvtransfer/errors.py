@@ -56,6 +56,13 @@ class ProtocolError(KVTransferError):
     kind = "protocol"
 
 
+class VersionMismatch(ProtocolError):
+    """The peer speaks another version of the wire protocol (`wire.PROTOCOL_VERSION`);
+    refused at the handshake, before any byte of KV moves. Upgrade both sides together."""
+
+    kind = "version"
+
+
 def error_from_kind(kind: str, message: str) -> KVTransferError:
     """Rebuild a typed error from its wire `kind` (errors cross the control channel)."""
     for cls in _ALL:
@@ -71,5 +78,6 @@ _ALL: tuple[type[KVTransferError], ...] = (
     IntegrityError,
     TransferCancelled,
     AuthError,
+    VersionMismatch,
     ProtocolError,
 )

@@ -200,7 +200,9 @@ class ReceiverBase:
         client_nonce = bytes.fromhex(str(hello.get("nonce", "")))
         want = wire.proof(self.config.token, b"c", challenge, client_nonce)
         reason, message = "", ""
-        if not wire.hmac.compare_digest(want, str(hello.get("proof", ""))):
+        if (mismatch := wire.version_mismatch(hello.get("version"), "sender")) is not None:
+            reason, message = "version", str(mismatch)
+        elif not wire.hmac.compare_digest(want, str(hello.get("proof", ""))):
             reason, message = "auth", "shared token proof failed"
         elif hello.get("transport") != self.name:
             reason, message = "transport", f"receiver speaks {self.name}"

@@ -25,6 +25,7 @@ from kvtransfer.errors import (
     PeerUnavailable,
     ProtocolError,
     TransferTimeout,
+    VersionMismatch,
     error_from_kind,
 )
 from kvtransfer.layout import KVLayout, Region, coalesce
@@ -241,15 +242,17 @@ class SenderBase:
                          layout: KVLayout) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         _, challenge = await wire.expect_json(loop, sock, Frame.CHALLENGE)
+        if (mismatch := wire.version_mismatch(challenge.get("version"), "receiver")) is not None:
+            raise mismatch
         server_nonce, client_nonce = bytes.fromhex(challenge["nonce"]), wire.nonce()
         await wire.send_all(loop, sock, wire.pack_json(Frame.HELLO, {
             "proof": wire.proof(token, b"c", server_nonce, client_nonce),
             "nonce": client_nonce.hex(), "transport": self.name,
-            "layout": json.loads(layout.to_json())}))
+            "layout": json.loads(layout.to_json()), "version": wire.PROTOCOL_VERSION}))
         kind, reply = await wire.expect_json(loop, sock, Frame.WELCOME, Frame.REFUSE)
         if kind is Frame.REFUSE:
             log.warning("receiver refused us: %s (%s)", reply["kind"], reply["message"])
-            raise {"auth": AuthError, "layout": LayoutMismatch}.get(
+            raise {"auth": AuthError, "layout": LayoutMismatch, "version": VersionMismatch}.get(
                 reply["kind"], ProtocolError)(f"refused by receiver: {reply['message']}")
         want = wire.proof(token, b"s", client_nonce, server_nonce)
         if not wire.hmac.compare_digest(want, str(reply.get("proof", ""))):

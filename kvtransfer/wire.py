@@ -6,10 +6,15 @@ buffers) so tcp payloads land straight in the destination blocks.
 Frame: `!BIQ` header = type, meta length, payload length; then meta; then payload.
 Handshake (mutual, the token never crosses the wire):
 
-    receiver -> CHALLENGE {nonce}
-    sender   -> HELLO {proof = HMAC(token, "c" nonce client_nonce), layout, transport}
+    receiver -> CHALLENGE {nonce, version}
+    sender   -> HELLO {proof = HMAC(token, "c" nonce client_nonce), layout, transport,
+                       version}
     receiver -> WELCOME {proof = HMAC(token, "s" client_nonce nonce), conn_id, extra}
-             |  REFUSE {kind: auth | layout | transport, message}
+             |  REFUSE {kind: version | auth | layout | transport, message}
+
+Both sides check the version first: a sender refuses a CHALLENGE of another version
+before it sends anything, a receiver a HELLO of another (or none: version 1 sent
+none), each with `VersionMismatch` naming both versions.
 """
 
 from __future__ import annotations
@@ -25,10 +30,15 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from kvtransfer.errors import PeerUnavailable, ProtocolError
+from kvtransfer.errors import PeerUnavailable, ProtocolError, VersionMismatch
 from kvtransfer.layout import Region
 
-PROTOCOL_VERSION = 1
+# Bump on any change a peer of the previous version would misread. History:
+#   1: WRITE frames carry the bytes (tcp, shm); ucx as tagged messages.
+#   2: in-place writers (RESERVE / GRANT / WRITTEN, one notice per chunk) for shm,
+#      cuda_ipc and ucx RMA; WELCOME carries the exported cache or the remote key;
+#      HELLO carries the version.
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("!BIQ")
 WRITE_META = struct.Struct("!QBIIIIQ")
 MAX_META = 1 << 20
@@ -75,6 +85,16 @@ class WriteHeader:
         gen, flags, block, nblocks, start, end, csum = WRITE_META.unpack_from(meta)
         region = Region(block, start, None if end == 0xFFFFFFFF else end, nblocks)
         return cls(meta[WRITE_META.size:].decode(), gen, region, flags, csum)
+
+
+def version_mismatch(theirs: Any, who: str) -> VersionMismatch | None:
+    """The error to refuse a peer with, unless `theirs` (from its CHALLENGE or HELLO;
+    None when it sent none) is this build's PROTOCOL_VERSION."""
+    if theirs == PROTOCOL_VERSION:
+        return None
+    return VersionMismatch(
+        f"the {who} speaks kvtransfer protocol version {theirs or '1 or older'}, this "
+        f"worker version {PROTOCOL_VERSION}: run one splitserve version on both sides")
 
 
 def proof(token: str, tag: bytes, first: bytes, second: bytes) -> str:

@@ -172,7 +172,8 @@ def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # n
             mine = wire.nonce()
             await wire.send_all(loop, sock, wire.pack_json(wire.Frame.HELLO, {
                 "proof": wire.proof(token, b"c", bytes.fromhex(challenge["nonce"]), mine),
-                "nonce": mine.hex(), "transport": "ucx", "layout": addr["layout"]}))
+                "nonce": mine.hex(), "transport": "ucx", "layout": addr["layout"],
+                "version": wire.PROTOCOL_VERSION}))
             return await wire.expect_json(loop, sock, wire.Frame.WELCOME, wire.Frame.REFUSE)
 
     async def main() -> None:
