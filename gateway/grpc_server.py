@@ -1,8 +1,10 @@
 """The gateway's public gRPC front: `splitserve.v1.Generate` (server stream).
 
-Same validation as HTTP (gateway/protocol.py) before any routing; errors become gRPC
-status codes (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...). The
-caller's deadline bounds the worker call; a cancelled call cancels the worker stream.
+The same API keys as HTTP (`authorization: Bearer <key>` metadata; UNAUTHENTICATED
+without an accepted one when keys are configured) and the same validation
+(gateway/protocol.py) before any routing; errors become gRPC status codes
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...). The caller's
+deadline bounds the worker call; a cancelled call cancels the worker stream.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import grpc
 
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest
-from gateway.identity import check_labels
+from gateway.identity import bearer_token, check_labels
 from gateway.protocol import (
     GenerateInput,
     _message_text,
@@ -81,17 +83,14 @@ class GenerateService(pb_grpc.GenerateServicer):
                             tools=tools)
 
     def _identify(self, inp: GenerateInput, req: pb.GenerateRequest,
-                  md: dict[str, str | bytes]) -> GenerateInput:
-        """Tenant and labels (gateway/identity.py): the `authorization: Bearer <key>`
-        metadata; the request's `tenant` when trusted; its `labels` as HTTP's body
-        `metadata`."""
-        auth = str(md.get("authorization") or "")
+                  token: str) -> GenerateInput:
+        """Tenant and labels (gateway/identity.py): the API key; the request's `tenant`
+        when trusted; its `labels` as HTTP's body `metadata`."""
         try:
             labels = check_labels(dict(req.labels), "labels") if req.labels else {}
         except ValueError as e:
             raise InvalidRequest(str(e), "labels") from e
-        ident = self.gw.identity.resolve(auth[7:] if auth.startswith("Bearer ") else None,
-                                         req.tenant or None, metadata=labels)
+        ident = self.gw.identity.resolve(token, req.tenant or None, metadata=labels)
         inp.tenant, inp.labels = ident.tenant, dict(ident.labels)
         return inp
 
@@ -104,7 +103,9 @@ class GenerateService(pb_grpc.GenerateServicer):
         deadline = time.monotonic() + (min(remaining, budget) if remaining else budget)
         try:
             check_request_id(rid)
-            inp = self._identify(self._input(request), request, md)
+            token = bearer_token(md.get("authorization"))
+            self.gw.identity.authenticate(token)
+            inp = self._identify(self._input(request), request, token)
             async with contextlib.aclosing(self.gw.stream(inp, rid, deadline)) as stream:
                 echoed: set[int] = set()
                 texts: dict[int, list[str]] = {}  # per sample, with tools: read at the end

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.choices import Choices, merged_streams
 from gateway.core import Gateway
 from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
-from gateway.identity import header_labels, metadata_labels
+from gateway.identity import bearer_token, header_labels, metadata_labels
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
 from gateway.protocol import (
     GenerateInput,
@@ -52,15 +52,7 @@ def _json_error(e: APIError, rid: str) -> web.Response:
 
 
 def _bearer(request: web.Request) -> str:
-    """The Bearer token, or "" (none, or not UTF-8: aiohttp hands such header bytes on as
-    lone surrogates, which no key can equal and `str.encode` refuses)."""
-    auth = request.headers.get("Authorization", "")
-    token = auth[7:] if auth.startswith("Bearer ") else ""
-    try:
-        token.encode()
-    except UnicodeEncodeError:
-        return ""
-    return token
+    return bearer_token(request.headers.get("Authorization"))
 
 
 @web.middleware
@@ -75,9 +67,8 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         except InvalidRequest:
             request[REQUEST_ID] = rid = uuid.uuid4().hex  # the client's cannot be echoed
             raise
-        if gw.identity.keys_required and request.path.startswith("/v1/"):
-            if not gw.identity.accepts(_bearer(request)):
-                raise Unauthorized("invalid or missing API key")
+        if request.path.startswith("/v1/"):
+            gw.identity.authenticate(_bearer(request))
         resp = await handler(request)
     except APIError as e:
         log.info("event=http_error request_id=%s path=%s status=%d message=%r", rid, endpoint,

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, Unauthorized
 
 TENANT_LABEL = "tenant"  # engine.strategies.TENANT_LABEL
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
@@ -124,6 +124,12 @@ class IdentityResolver:
         return any(hmac.compare_digest(token.encode(), k.encode())
                    for k in (*self.plain_keys, *self.by_key))
 
+    def authenticate(self, token: str) -> None:
+        """The front door of both fronts (HTTP /v1/*, gRPC Generate): Unauthorized (401 /
+        UNAUTHENTICATED) for a missing or wrong key when keys are configured."""
+        if self.keys_required and not self.accepts(token):
+            raise Unauthorized("invalid or missing API key")
+
     def resolve(self, token: str | None, claimed_tenant: str | None = None,
                 claimed_labels: Mapping[str, str] | None = None,
                 metadata: Mapping[str, str] | None = None) -> Identity:
@@ -145,6 +151,20 @@ class IdentityResolver:
             tenant = key.tenant
         labels[TENANT_LABEL] = tenant
         return Identity(tenant, labels)
+
+
+def bearer_token(authorization: str | bytes | None) -> str:
+    """The key of an `Authorization: Bearer <key>` header (HTTP) or `authorization`
+    metadata (gRPC), or "" (none, or not UTF-8: aiohttp hands such header bytes on as
+    lone surrogates, which no key can equal and `str.encode` refuses)."""
+    if not isinstance(authorization, str) or not authorization.startswith("Bearer "):
+        return ""
+    token = authorization[7:]
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        return ""
+    return token
 
 
 def metadata_labels(body: Mapping[str, Any]) -> dict[str, str]:

@@ -90,3 +90,19 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int,
                              do_sample=False, eos_token_id=eos_token_id,
                              pad_token_id=eos_token_id if eos_token_id is not None else 0)
     return [int(t) for t in out[0, len(prompt_ids):]]
+
+
+def workerless_gateway(**config: Any) -> Any:
+    """A `gateway.core.Gateway` over the tiny llama model, served as "tiny", whose
+    registry is never started: no worker is ever routable, so a request that passes the
+    gateway's own checks ends in 503 / UNAVAILABLE. `config`: GatewayConfig fields."""
+    from gateway.config import GatewayConfig
+    from gateway.core import Gateway
+    from gateway.metrics import GatewayMetrics
+    from gateway.protocol import ModelContext
+    from gateway.registry import WorkerRegistry
+
+    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
+                        static_workers=("127.0.0.1:1",), **config)
+    return Gateway(cfg, ModelContext(cfg.model_dir, cfg.served_model_name),
+                   WorkerRegistry(cfg), GatewayMetrics())

@@ -14,14 +14,10 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from bench.hostile import HostileRequest, check_answer, nested, send
-from gateway.config import GatewayConfig
-from gateway.core import Gateway
 from gateway.errors import InvalidRequest
 from gateway.http_server import build_app
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import ModelContext, parse_json
-from gateway.registry import WorkerRegistry
-from tests.factories import tiny_model_dir
+from gateway.protocol import parse_json
+from tests.factories import workerless_gateway
 
 ADMIN = "hostile-admin-key"
 JSON = ("Content-Type", b"application/json")
@@ -71,10 +67,7 @@ CASES: list[tuple[str, HostileRequest, int]] = [
 
 
 async def _answers(requests: list[HostileRequest]) -> list[Any]:
-    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
-                        static_workers=("127.0.0.1:1",), admin_key=ADMIN)
-    gw = Gateway(cfg, ModelContext(cfg.model_dir, cfg.served_model_name),
-                 WorkerRegistry(cfg), GatewayMetrics())
+    gw = workerless_gateway(admin_key=ADMIN)
     async with TestServer(build_app(gw)) as server:
         return [await asyncio.to_thread(send, server.port, r) for r in requests]
 

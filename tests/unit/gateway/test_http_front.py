@@ -8,21 +8,9 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.http_server import build_app
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import ModelContext
-from gateway.registry import WorkerRegistry
-from tests.factories import tiny_model_dir
-
-
-def _gateway(**kw: Any) -> Gateway:
-    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
-                        static_workers=("127.0.0.1:1",), **kw)
-    ctx = ModelContext(cfg.model_dir, cfg.served_model_name)
-    # The registry is never started: no worker is ever routable.
-    return Gateway(cfg, ctx, WorkerRegistry(cfg), GatewayMetrics())
+from tests.factories import workerless_gateway as _gateway
 
 
 async def _calls(gw: Gateway, calls: list[tuple[str, str, dict | None, dict]]) -> list[Any]:

@@ -9,18 +9,15 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.http_server import build_app
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
-from gateway.protocol import ModelContext
-from gateway.registry import WorkerRegistry
 from gateway.routing.base import Candidate, RouteRequest
 from gateway.routing.locality import PrefixLocalityScorer
 from gateway.routing.profile import Router, RoutingProfile
 from kvtransfer.index import IndexLookup
-from tests.factories import tiny_model_dir
+from tests.factories import workerless_gateway as _gateway
 
 HASHES = [bytes([i]) * 16 for i in range(4)]
 
@@ -100,13 +97,6 @@ def _metrics_text(m: GatewayMetrics) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(m.registry).decode()
-
-
-def _gateway(**kw: Any) -> Gateway:
-    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
-                        static_workers=("127.0.0.1:1",), **kw)
-    return Gateway(cfg, ModelContext(cfg.model_dir, cfg.served_model_name),
-                   WorkerRegistry(cfg), GatewayMetrics())
 
 
 async def _admin(gw: Gateway, calls: list[tuple[str, Any, str | None]]) -> list[Any]:

@@ -15,16 +15,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.choices import Choices
-from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.http_server import build_app
-from gateway.metrics import GatewayMetrics
 from gateway.openai_format import DONE, ResponseBuilder, sse
 from gateway.params import IMPLEMENTED, REFUSED
 from gateway.protocol import ModelContext, parse_chat, parse_completion
-from gateway.registry import WorkerRegistry
 from protos import splitserve_pb2 as pb
-from tests.factories import tiny_model_dir
+from tests.factories import workerless_gateway
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 
@@ -52,10 +49,7 @@ BASE: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def gw() -> Gateway:
-    cfg = GatewayConfig(model_dir=tiny_model_dir("llama"), served_model_name="tiny",
-                        static_workers=("127.0.0.1:1",))
-    ctx = ModelContext(cfg.model_dir, cfg.served_model_name)
-    return Gateway(cfg, ctx, WorkerRegistry(cfg), GatewayMetrics())  # no routable worker
+    return workerless_gateway()
 
 
 def _post(gw: Gateway, path: str, body: dict[str, Any]) -> tuple[int, Any]:
