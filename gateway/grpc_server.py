@@ -18,16 +18,11 @@ from typing import Any
 
 import grpc
 
+from gateway.body import check_request_id
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest
 from gateway.identity import bearer_token, check_labels
-from gateway.protocol import (
-    GenerateInput,
-    _message_text,
-    chat_tools,
-    check_request_id,
-    finish_input,
-)
+from gateway.protocol import GenerateInput, chat_tools, finish_input, message_text
 from gateway.tools import ChatOutput, forced_structure, tools_from_json
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -50,7 +45,7 @@ class GenerateService(pb_grpc.GenerateServicer):
         if which == "prompt":
             ids = ctx.tokenizer.encode(req.prompt)
         elif which == "chat":
-            msgs = [_message_text(_chat_message(m), i) for i, m in enumerate(req.chat.messages)]
+            msgs = [message_text(_chat_message(m), i) for i, m in enumerate(req.chat.messages)]
             if not msgs:
                 raise InvalidRequest("chat.messages must be non-empty", "chat")
             tools = chat_tools(ctx, tools_from_json(req.tools_json, req.tool_choice_json))

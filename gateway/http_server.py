@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.body import check_request_id, parse_json
 from gateway.choices import Choices, merged_streams
 from gateway.core import Gateway
 from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
@@ -29,11 +30,9 @@ from gateway.identity import bearer_token, header_labels, metadata_labels
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
 from gateway.protocol import (
     GenerateInput,
-    check_request_id,
     parse_chat,
     parse_completion,
     parse_detokenize,
-    parse_json,
     parse_tokenize,
 )
 from gateway.routing.profile import RoutingProfile

@@ -6,7 +6,7 @@ it, when its value asks for something (a default value is harmless and accepted)
 Fields nobody defines are ignored with a log line, as vLLM does.
 
 `REFUSED[field]` says when a value asks for what we do not do; `IMPLEMENTED` lists the
-fields some part of the gateway reads (gateway/protocol.py, structured outputs, tools,
+fields some part of the gateway reads (gateway/protocol.py, sampling.py, structured outputs, tools,
 identity).
 """
 

@@ -14,9 +14,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from bench.hostile import HostileRequest, check_answer, nested, send
+from gateway.body import parse_json
 from gateway.errors import InvalidRequest
 from gateway.http_server import build_app
-from gateway.protocol import parse_json
 from tests.factories import workerless_gateway
 
 ADMIN = "hostile-admin-key"
