@@ -357,6 +357,8 @@ class LLMEngine:
             return []
         self._run_loads(out)
         sampled = self.runner.execute(out, self.kv)
+        producers = any(s.request.hold_kv for s in out.scheduled)
+        kv_ready = self.runner.record_kv_ready() if producers else None
         now = time.monotonic()
         outputs = []
         got_token = self.scheduler.update_from_output(out, sampled)
@@ -372,6 +374,10 @@ class LLMEngine:
         for s in out.scheduled:  # producers report KV progress of chunks too
             if s.request.hold_kv and s.request not in got_token:
                 outputs += self._emit(s.request, final=False)
+        if kv_ready is not None:
+            for o in outputs:
+                if o.block_ids is not None:  # a producer: its KV is final at this event
+                    o.kv_ready = kv_ready
         if self.offload is not None:  # copy newly cached blocks out, off this thread
             self.offload.save_new(self.kv.pool, self.runner.kv_cache)
         return outputs

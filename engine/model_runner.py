@@ -192,6 +192,16 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, reqs)
         return {r.request_id: (t, lp) for r, t, lp in zip(reqs, tokens, logprobs, strict=True)}
 
+    def record_kv_ready(self) -> torch.cuda.Event | None:
+        """An event on the compute stream after the work queued so far (the step's
+        forward, which wrote its KV), for a transfer to wait on without a device-wide
+        sync; None on CPU, where the forward is done when `execute` returns."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest],
                          query_start_loc: list[int]) -> None:
         """Appends to `prompt_logprobs` of each request that asked, for the prompt tokens

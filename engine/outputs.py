@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -38,3 +39,8 @@ class RequestOutput:
     # blocks can be sent while later chunks compute.
     num_computed_tokens: int = 0
     block_ids: list[int] | None = None
+    # On CUDA: an event recorded on the compute stream right after the forward that
+    # computed `num_computed_tokens` (torch.cuda.Event). A transfer of these blocks waits
+    # on it, on the device, and so overlaps the forwards queued after it. None: the KV is
+    # in place already (CPU forwards are synchronous).
+    kv_ready: Any = None

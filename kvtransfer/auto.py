@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtransfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, boot_id
 from kvtransfer.layout import Region
+from kvtransfer.memory import Ready
 from kvtransfer.sender import Peer
 from kvtransfer.ucx import UcxReceiver, UcxSender
 
@@ -41,11 +42,11 @@ class AutoSender(CudaIpcSender, UcxSender):
             await UcxSender._on_connected(self, peer)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float) -> None:
+                    deadline: float, ready: Ready | None) -> None:
         if self.paths.get(id(peer)) == "cuda_ipc":
-            await CudaIpcSender._copy(self, peer, pairs, deadline)
+            await CudaIpcSender._copy(self, peer, pairs, deadline, ready)
         else:
-            await UcxSender._copy(self, peer, pairs, deadline)
+            await UcxSender._copy(self, peer, pairs, deadline, ready)
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if self.paths.pop(id(peer), None) == "cuda_ipc":

@@ -51,8 +51,11 @@ class KVSender(Protocol):
 
     async def write(self, peer: Any, src_regions: Sequence[Region],
                     dst_regions: Sequence[Region], xfer_id: str, generation: int,
-                    checksum: bool | None = None, timeout_s: float | None = None) -> None:
-        """Stream some regions of a transfer (call as layers/chunks are produced)."""
+                    checksum: bool | None = None, timeout_s: float | None = None,
+                    ready: Any = None) -> None:
+        """Stream some regions of a transfer (call as layers/chunks are produced). No
+        byte moves before `ready` (`memory.Ready`: on CUDA the event after the forward
+        that wrote the src regions) has completed."""
 
     async def finish(self, peer: Any, xfer_id: str, generation: int | None = None,
                      timeout_s: float | None = None) -> None:

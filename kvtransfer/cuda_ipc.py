@@ -13,10 +13,13 @@ The data mover is the only part that differs by device, and is small:
 - `CudaMover`: the cache exported as a CUDA IPC handle (torch's `_share_cuda_`, the
   mechanism behind `torch.multiprocessing`); the sender maps it (same GPU, or a P2P /
   NVLink peer) and copies a chunk's regions with ONE `scatter_copy` launch on its own
-  stream. That stream first waits on an event recorded on the compute stream (the
-  forward that wrote the blocks: ordered by events, no device-wide sync), and the
-  WRITE notices go out only once an event after the copy has completed, so the decode
-  never sees a block as ready before its bytes are on the device.
+  stream. That stream first waits on the write's `ready` event, which the engine
+  recorded on the compute stream right after the forward that wrote the chunk
+  (`RequestOutput.kv_ready`): ordered by events, no device-wide sync, so chunk c's copy
+  runs while chunk c+1's forward, queued after that event, computes (layer-wise
+  streaming, one chunk's layers at a time). The WRITTEN notice goes out only once an
+  event after the copy has completed, so the decode never sees a block as ready before
+  its bytes are on the device.
 - `HostMover` (KV caches in host memory, which is how the CPU tests run this same
   protocol): the cache exported as (pid, address); the sender writes a chunk's
   regions with one `process_vm_writev` call per 1024 regions (the kernel's batched
@@ -37,7 +40,7 @@ from typing import Any, Protocol
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import RegisteredKV
+from kvtransfer.memory import Ready, RegisteredKV, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -62,9 +65,10 @@ class Mover(Protocol):
         """Sender: map a receiver's exported cache; returns the destination handle."""
 
     async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float) -> None:
-        """Copy (src offset, dst offset, nbytes) regions from `kv` into `dst`; return
-        once the bytes are in place. Start nothing after `deadline`."""
+                   deadline: float, ready: Ready | None) -> None:
+        """Copy (src offset, dst offset, nbytes) regions from `kv` into `dst`, none
+        before `ready` completed; return once the bytes are in place. Start nothing
+        after `deadline`."""
 
     def close(self, dst: Any) -> None:
         """Sender: unmap a destination."""
@@ -100,7 +104,7 @@ class CudaMover:
         return flat
 
     async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float) -> None:
+                   deadline: float, ready: Ready | None) -> None:
         import torch
 
         from kvtransfer.scatter_copy import scatter_copy
@@ -108,8 +112,7 @@ class CudaMover:
         device = kv.tensor.device
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        produced = torch.cuda.Event()
-        produced.record(torch.cuda.current_stream(device))  # after the forward's writes
+        produced = self.producer_event(device, ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
         self._stream.wait_event(produced)
@@ -119,6 +122,19 @@ class CudaMover:
             copied.record(self._stream)
         if not copied.query():
             await asyncio.to_thread(copied.synchronize)
+
+    @staticmethod
+    def producer_event(device: Any, ready: Ready | None) -> Any:
+        """The CUDA event the copy stream waits on: `ready` itself when it is one (the
+        chunk's forward, not the forwards queued after it); without one, an event
+        after all work queued so far on the compute stream (e.g. cached blocks)."""
+        import torch
+
+        if isinstance(ready, torch.cuda.Event):
+            return ready
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
 
     def close(self, dst: Any) -> None:
         del dst  # the IPC mapping goes with the last reference to its storage
@@ -145,7 +161,8 @@ class HostMover:
         return (int(exported["pid"]), int(exported["address"]))
 
     async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float) -> None:
+                   deadline: float, ready: Ready | None) -> None:
+        await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
         await asyncio.to_thread(self._copy, kv.address, dst, regions)
@@ -217,7 +234,7 @@ class CudaIpcSender(InPlaceSender):
         peer.state = self._mover.open(exported)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float) -> None:
+                    deadline: float, ready: Ready | None) -> None:
         assert self.kv is not None and self._mover is not None
         kv = self.kv
         total = peer.welcome["cuda_ipc"]["nbytes"] // kv.layout.block_bytes
@@ -225,7 +242,7 @@ class CudaIpcSender(InPlaceSender):
         for src, dst in pairs:
             off, n = dst.resolve(kv.layout, total)
             regions.append((kv.locate(src)[0], off, n))
-        await self._mover.copy(kv, peer.state, regions, deadline)
+        await self._mover.copy(kv, peer.state, regions, deadline, ready)
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None and self._mover is not None:

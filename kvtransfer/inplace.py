@@ -29,6 +29,7 @@ from typing import Any
 from kvtransfer import wire
 from kvtransfer.errors import ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
+from kvtransfer.memory import Ready
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
@@ -122,7 +123,8 @@ class InPlaceSender(SenderBase):
     """Reserves, copies with the transport's `_copy`, then sends one WRITTEN notice."""
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                            xfer_id: str, generation: int, checksum: bool) -> None:
+                            xfer_id: str, generation: int, checksum: bool,
+                            ready: Ready | None) -> None:
         assert self.kv is not None
         loop = asyncio.get_running_loop()
         req = secrets.randbits(62)
@@ -136,7 +138,7 @@ class InPlaceSender(SenderBase):
         if not grant["ok"]:
             raise error_from_kind(grant["kind"], grant["message"])
         deadline = asked + float(grant["ttl"])
-        await self._copy(peer, pairs, deadline)
+        await self._copy(peer, pairs, deadline, ready)
         if time.monotonic() >= deadline:  # too late to count: the receiver reclaims them
             raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
         sums = None if not checksum else [
@@ -146,7 +148,8 @@ class InPlaceSender(SenderBase):
                                                                     "checksums": sums}))
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float) -> None:
-        """Write every src region here into its dst region there; return once the
-        bytes are in place (visible to the receiver). Start no copy after `deadline`."""
+                    deadline: float, ready: Ready | None) -> None:
+        """Write every src region here into its dst region there, none before `ready`
+        completed; return once the bytes are in place (visible to the receiver). Start
+        no copy after `deadline`."""
         raise NotImplementedError

@@ -6,7 +6,8 @@ registration, and slice regions out of it without copying.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -80,16 +81,31 @@ class RegisteredKV:
             checksum(host_bytes(self.device_slice(region).cpu()))
 
 
-async def device_ready(device: torch.device) -> None:
-    """Wait, without blocking the event loop, until the work queued so far on
-    `device`'s current stream (the forward that wrote the blocks) is done. An event,
-    not a device-wide sync: later work on other streams is not waited for."""
-    import asyncio
+class Ready(Protocol):
+    """When a write's source bytes are final. On CUDA, the event the engine recorded
+    on its compute stream right after the forward that wrote them (`torch.cuda.Event`,
+    `RequestOutput.kv_ready`); None where the bytes are final already (host memory)."""
 
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    if not event.query():
-        await asyncio.to_thread(event.synchronize)
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+async def wait_ready(ready: Ready | None) -> None:
+    """Return once `ready` has completed, without blocking the event loop."""
+    if ready is not None and not ready.query():
+        await asyncio.to_thread(ready.synchronize)
+
+
+async def device_ready(device: torch.device, ready: Ready | None = None) -> None:
+    """Wait, without blocking the event loop, until `ready` completed or, without one,
+    the work queued so far on `device`'s current stream. An event, not a device-wide
+    sync: work on other streams (or queued after `ready`) is not waited for."""
+    if ready is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        ready = event
+    await wait_ready(ready)
 
 
 def host_bytes(t: torch.Tensor) -> memoryview:

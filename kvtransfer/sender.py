@@ -29,7 +29,7 @@ from kvtransfer.errors import (
     error_from_kind,
 )
 from kvtransfer.layout import KVLayout, Region, coalesce
-from kvtransfer.memory import RegisteredKV
+from kvtransfer.memory import Ready, RegisteredKV
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.wire import Frame
 
@@ -136,11 +136,15 @@ class SenderBase:
 
     async def write(self, peer: Peer, src_regions: Sequence[Region],
                     dst_regions: Sequence[Region], xfer_id: str, generation: int,
-                    checksum: bool | None = None, timeout_s: float | None = None) -> None:
+                    checksum: bool | None = None, timeout_s: float | None = None,
+                    ready: Ready | None = None) -> None:
         """Write src regions (local) into dst regions (remote) of transfer `xfer_id`.
 
-        Returns when the bytes are handed to the transport (not yet verified; see
-        `finish`). Raises the transfer's error if the receiver already failed it.
+        No byte moves before `ready` (the event after the forward that wrote the src
+        regions; `memory.Ready`) has completed: on the device where the transport can
+        order its copy by events (cuda_ipc), on the host otherwise. Returns when the
+        bytes are handed to the transport (not yet verified; see `finish`). Raises the
+        transfer's error if the receiver already failed it.
         """
         peer.check()
         out = self._outgoing(peer, xfer_id, generation)
@@ -154,7 +158,8 @@ class SenderBase:
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
             await asyncio.wait_for(
-                self._send_regions(peer, pairs, xfer_id, generation, use_checksum), timeout)
+                self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready),
+                timeout)
         except asyncio.TimeoutError:
             error = TransferTimeout(f"{xfer_id}: write not delivered within {timeout}s")
             self._fail_peer(peer, error)  # a frame may be half-sent: the stream is unusable
@@ -218,7 +223,8 @@ class SenderBase:
 
     # ----- transport hooks ----------------------------------------------------------
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                            xfer_id: str, generation: int, checksum: bool) -> None:
+                            xfer_id: str, generation: int, checksum: bool,
+                            ready: Ready | None) -> None:
         raise NotImplementedError
 
     async def _on_connected(self, peer: Peer) -> None:

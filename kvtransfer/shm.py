@@ -17,7 +17,7 @@ import torch
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region
-from kvtransfer.memory import torch_dtype
+from kvtransfer.memory import Ready, torch_dtype, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -124,8 +124,9 @@ class ShmSender(InPlaceSender):
         peer.state = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float) -> None:
+                    deadline: float, ready: Ready | None) -> None:
         assert self.kv is not None
+        await wait_ready(ready)
         dst_bytes: torch.Tensor = peer.state[1]
         total = len(dst_bytes) // self.kv.layout.block_bytes
         for src, dst in pairs:

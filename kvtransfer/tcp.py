@@ -17,8 +17,8 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
 from kvtransfer.faults import Faults, on_wire
 from kvtransfer.layout import Region
+from kvtransfer.memory import Ready, host_bytes, wait_ready
 from kvtransfer.memory import checksum as compute_checksum
-from kvtransfer.memory import host_bytes
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
@@ -94,9 +94,11 @@ class TcpSender(SenderBase):
             if config.faults is not None and on_wire(config.faults) else None
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                            xfer_id: str, generation: int, checksum: bool) -> None:
+                            xfer_id: str, generation: int, checksum: bool,
+                            ready: Ready | None) -> None:
         assert self.kv is not None
         loop = asyncio.get_running_loop()
+        await wait_ready(ready)
         if self._faults is not None:
             pairs = self._faults.reorder(pairs)
         for src, dst in pairs:

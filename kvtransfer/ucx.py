@@ -50,7 +50,7 @@ from typing import Any
 from kvtransfer.errors import ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import device_ready
+from kvtransfer.memory import Ready, device_ready, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 from kvtransfer.ucp_rma import Batch, Flushes, Ucp
@@ -263,11 +263,12 @@ class UcxSender(InPlaceSender):
                                         for i in range(len(self._lanes))], scratch=True)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float) -> None:
+                    deadline: float, ready: Ready | None) -> None:
         assert self.kv is not None
         kv, remote = self.kv, peer.state
-        if kv.is_cuda:  # the forward that wrote these blocks must be done on the device
-            await device_ready(kv.tensor.device)
+        # UCX reads the source itself: the forward that wrote it must be done (its event;
+        # without one, all work queued on the compute stream so far).
+        await (device_ready(kv.tensor.device, ready) if kv.is_cuda else wait_ready(ready))
         total = remote.nbytes // kv.layout.block_bytes
         items = []
         for src, dst in pairs:

@@ -3,7 +3,9 @@
 For one call: run the prompt through the engine as a producer (`hold_kv`, max_tokens 1)
 so each chunked-prefill step reports which blocks are complete; a single writer task
 per call pushes those blocks to the decode's destination blocks over kvtransfer while
-the engine computes the next chunk; at the end the last (partial) block goes too, the
+the engine computes the next chunk. On CUDA each step's output carries the event
+recorded after its forward (`kv_ready`) and the write waits on that event, not on the
+forwards queued after it, so chunk c's copy overlaps chunk c+1's forward; at the end the last (partial) block goes too, the
 receiver's verdict is awaited, the held blocks are released and the first token is
 returned. A cancelled call cancels its writes, fences the transfer on the receiver and
 frees its blocks.
@@ -16,6 +18,7 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -34,7 +37,9 @@ from protos.convert import logprobs_to_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-_Batch = tuple[list[int], list[int]]  # (source blocks here, destination blocks there)
+# (source blocks here, destination blocks there, the event after the forward that
+# computed them: `RequestOutput.kv_ready`, None on CPU)
+_Batch = tuple[list[int], list[int], Any]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,7 +130,8 @@ class PrefillService(pb_grpc.PrefillServicer):
                         else out.num_computed_tokens // bs
                     if done > sent:
                         t_first_write = t_first_write or time.monotonic()
-                        queue.put_nowait((out.block_ids[sent:done], list(dest.block_ids[sent:done])))
+                        queue.put_nowait((out.block_ids[sent:done],
+                                          list(dest.block_ids[sent:done]), out.kv_ready))
                         sent = done
             final = firsts.get(0)
             t_compute = time.monotonic()
@@ -167,5 +173,6 @@ class PrefillService(pb_grpc.PrefillServicer):
                           queue: asyncio.Queue[_Batch | None]) -> None:
         """Writes batches in order, one at a time, until None."""
         while (batch := await queue.get()) is not None:
-            src, dst = batch
-            await sender.write(peer, whole_blocks(src), whole_blocks(dst), rid, gen)
+            src, dst, ready = batch
+            await sender.write(peer, whole_blocks(src), whole_blocks(dst), rid, gen,
+                               ready=ready)
