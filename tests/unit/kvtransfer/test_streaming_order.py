@@ -38,7 +38,7 @@ def test_each_chunk_carries_the_mark_of_the_step_that_computed_it() -> None:
         marks.append(_StepMark(len(marks)))
         return marks[-1]
 
-    engine.runner.record_kv_ready = record  # type: ignore[method-assign]
+    engine.runner.record_kv_ready = record  # type: ignore[method-assign,assignment]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     engine.add_request("producer", list(range(10, 30)), params, hold_kv=True)
     engine.add_request("plain", list(range(40, 43)),
