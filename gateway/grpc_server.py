@@ -100,7 +100,8 @@ class GenerateService(pb_grpc.GenerateServicer):
             check_request_id(rid)
             token = bearer_token(md.get("authorization"))
             self.gw.identity.authenticate(token)
-            inp = self._identify(self._input(request), request, token)
+            inp = self._identify(await self.gw.ctx.off_loop(self._input, request), request,
+                                 token)
             async with contextlib.aclosing(self.gw.stream(inp, rid, deadline)) as stream:
                 echoed: set[int] = set()
                 texts: dict[int, list[str]] = {}  # per sample, with tools: read at the end

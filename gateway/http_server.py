@@ -30,6 +30,7 @@ from gateway.identity import bearer_token, header_labels, metadata_labels
 from gateway.openai_format import DONE, ResponseBuilder, model_list, sse
 from gateway.protocol import (
     GenerateInput,
+    ModelContext,
     parse_chat,
     parse_completion,
     parse_detokenize,
@@ -96,14 +97,15 @@ async def _body(request: web.Request) -> Any:
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     body = await _body(request)
-    inps = [_identify(request, inp, body) for inp in parse_completion(body, gw.ctx)]
+    inps = [_identify(request, inp, body)
+            for inp in await gw.ctx.off_loop(parse_completion, body, gw.ctx)]
     return await _generate(request, inps, ResponseBuilder(inps[0].model, chat=False))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     body = await _body(request)
-    inp = _identify(request, parse_chat(body, gw.ctx), body)
+    inp = _identify(request, await gw.ctx.off_loop(parse_chat, body, gw.ctx), body)
     return await _generate(request, [inp], ResponseBuilder(inp.model, chat=True))
 
 
@@ -177,11 +179,15 @@ async def tokenize(request: web.Request) -> web.Response:
     """vLLM's /tokenize: {count, max_model_len, tokens, token_strs}."""
     gw = request.app[GATEWAY_KEY]
     body = await _body(request)
-    ids = parse_tokenize(body, gw.ctx)
-    strs = [gw.ctx.tokenizer.id_to_token(t) for t in ids] \
+    return web.json_response(await gw.ctx.off_loop(_tokenize, body, gw.ctx))
+
+
+def _tokenize(body: Any, ctx: ModelContext) -> dict[str, Any]:
+    ids = parse_tokenize(body, ctx)
+    strs = [ctx.tokenizer.id_to_token(t) for t in ids] \
         if isinstance(body, dict) and body.get("return_token_strs") else None
-    return web.json_response({"count": len(ids), "max_model_len": gw.ctx.max_model_len,
-                              "tokens": ids, "token_strs": strs})
+    return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids,
+            "token_strs": strs}
 
 
 async def detokenize(request: web.Request) -> web.Response:

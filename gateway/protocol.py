@@ -9,8 +9,11 @@ field reads are gateway/body.py's; its sampling fields gateway/sampling.py's.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -45,14 +48,21 @@ class GenerateInput:
     tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
 
 
+T = TypeVar("T")
+
+
 class ModelContext:
-    """The served model as the gateway knows it (torch-free)."""
+    """The served model as the gateway knows it (torch-free), and the threads the fronts
+    parse requests on (`off_loop`)."""
 
     def __init__(self, model_dir: str, served_name: str, max_model_len: int | None = None,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", parse_threads: int = 4) -> None:
         """`tool_call_parser`: the format tool calls take in this model's output (a
         name in gateway/tool_parsers.PARSERS), "auto" (from the chat template) or
-        "none" (tool_choice "auto" refused)."""
+        "none" (tool_choice "auto" refused). `parse_threads`: requests parsed at once;
+        more wait their turn."""
+        # Created now, its threads only when first used; close() ends them.
+        self._parse_pool = ThreadPoolExecutor(parse_threads, thread_name_prefix="gw-parse")
         cfg = ModelConfig.from_model_dir(model_dir)
         self.served_name = served_name
         self.tokenizer = Tokenizer(model_dir)
@@ -71,6 +81,16 @@ class ModelContext:
         every worker. Only ever lowers the limit."""
         if 0 < max_model_len < self.max_model_len:
             self.max_model_len = max_model_len
+
+    async def off_loop(self, parse: Callable[..., T], *args: Any) -> T:
+        """`parse(*args)` on the parsing threads, not the event loop: tokenizing a prompt
+        at the body limit, or rendering a chat template, takes seconds, during which the
+        loop keeps serving other requests (the tokenizer releases the GIL). The parse
+        itself is unchanged: its checks still come before its tokenization."""
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, parse, *args)
+
+    def close(self) -> None:
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: Any) -> str:
         if model is None or model == "":

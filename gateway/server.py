@@ -87,4 +87,5 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     await runner.cleanup()
     await registry.stop()
     await gw.close()
+    ctx.close()
     return 0

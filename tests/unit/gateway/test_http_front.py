@@ -1,11 +1,13 @@
 """The HTTP front without workers: API keys, overload (429), no worker (503), request
-ids and unknown routes, through aiohttp's test server on loopback."""
+ids and unknown routes, tokenization off the event loop, through aiohttp's test server
+on loopback."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.core import Gateway
@@ -55,6 +57,42 @@ def test_validation_precedes_routing_and_unknown_routes_are_json() -> None:
     ]))
     assert [r[0] for r in res] == [400, 404, 404]
     assert res[2][1]["error"]["code"] == 404
+
+
+def test_a_huge_prompt_does_not_stall_other_requests() -> None:
+    """A prompt of ~1 MB takes the gateway most of a second to tokenize before it gets
+    its 400 (longer than the context); ten small requests sent one after another once
+    the gateway holds the huge one's body are all answered first (milliseconds each).
+    Tokenized on the event loop, or on a thread that holds the GIL, the huge one would
+    keep the loop from serving them until it was done."""
+    gw = _gateway()
+    huge = {"prompt": "the quick brown fox jumps over the lazy dog " * 24_000}
+
+    async def run() -> list[tuple[str, int]]:
+        received = asyncio.Event()
+
+        @web.middleware
+        async def body_received(request: web.Request, handler: Any) -> web.StreamResponse:
+            await request.read()  # the handler reads it again, from aiohttp's cache
+            if request.path == "/v1/completions":
+                received.set()
+            return await handler(request)
+
+        app = build_app(gw)
+        app.middlewares.append(body_received)  # innermost: after the front's own
+        done: list[tuple[str, int]] = []  # in the order the answers came
+        async with TestClient(TestServer(app)) as client:
+            async def post(name: str, path: str, body: dict) -> None:
+                resp = await client.post(path, json=body)
+                done.append((name, resp.status))
+            big = asyncio.create_task(post("huge", "/v1/completions", huge))
+            await asyncio.wait_for(received.wait(), 30)
+            for _ in range(10):
+                await asyncio.wait_for(post("small", "/tokenize", {"prompt": "hello"}), 30)
+            await asyncio.wait_for(big, 60)
+        return done
+
+    assert asyncio.run(run()) == [("small", 200)] * 10 + [("huge", 400)]
 
 
 def test_remote_prefill_decision_fills_the_prefill_peer() -> None:
