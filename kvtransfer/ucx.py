@@ -337,6 +337,7 @@ class UcxSender(InPlaceSender):
                 self._ucp.mem_unmap(lane.context.handle, memh)
         self._memhs.clear()
         self._batches.clear()
+        self._scratch = None  # device memory on a GPU: nothing outlives close()
         _close_lanes(self._lanes)
 
 

@@ -1,12 +1,15 @@
 """KV hand-offs between two processes on one GPU (skipped without one): cuda_ipc and
 ucx (RMA puts; UCX picks cuda_ipc / NVLink there) move bf16 CUDA caches bit-exactly
 with scattered block ids and 20 transfers in flight; a wrong token is refused; a late
-write after an abort is dropped; a killed sender ends in a typed error in time; and a
-1P1D cluster on the GPU answers greedy requests exactly as a colocated worker."""
+write after an abort is dropped; a killed sender or receiver ends in a typed error in
+time; a chunk's copy waits on its own `ready` event, not on the compute queued after it
+(layer-wise streaming); a closed sender leaves no IPC mapping or device memory behind;
+and a 1P1D cluster on the GPU answers greedy requests exactly as a colocated worker."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import os
 import time
@@ -15,7 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvtransfer import PeerUnavailable, Region, TransferCancelled, TransferTimeout
+from kvtransfer import (
+    PeerUnavailable,
+    Region,
+    TransferCancelled,
+    TransferTimeout,
+    make_sender,
+    whole_blocks,
+)
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     PeerProcess,
@@ -124,6 +134,77 @@ def test_wrong_token_late_write_and_killed_sender_on_the_gpu(transport: str) -> 
     before = torch.cuda.memory_allocated()
     asyncio.run(main())
     assert torch.cuda.memory_allocated() <= before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", CUDA_TRANSPORTS)
+def test_copy_waits_on_its_chunk_only_and_close_leaves_nothing(transport: str) -> None:
+    """The sender queues 3 s of later compute after the chunk's `ready` event (the next
+    chunk's forward); the copy must not wait for it (cuda_ipc orders its copy stream by
+    the event; ucx waits for the event on the host, and UCX's own copy streams may still
+    serialize behind the compute: reported, asserted for cuda_ipc only). After close()
+    the sender, still alive, holds no device memory, and the receiver's cache is freed
+    in full: no consumer keeps its IPC export open."""
+    plan = [{"xfer": "c", "gen": 1, "src": [[[0], [1]]], "dst": [[[5], [9]]],
+             "overlap_s": 3.0}]
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    before = torch.cuda.memory_allocated()
+
+    async def main() -> None:
+        config = fast_config(transport, io_timeout_s=20.0)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16, device="cuda")
+        future = receiver.expect("c", [Region(5), Region(9)], 1)
+        peer = await _peer(config, plan, receiver.address(), 4, hold_after_close=True).start()
+        try:
+            assert (await peer.line(60))["ready"]
+            result = await peer.line(60)
+            assert result["ok"], result
+            if transport == "cuda_ipc":
+                assert result["overlapped"], "the copy waited for compute queued after it"
+            await asyncio.wait_for(future, 10)
+            got, src = receiver.kv.tensor.cpu(), make_kv(LAYOUT_BF16, 4, 1234)
+            for s, d in ((0, 5), (1, 9)):
+                assert torch.equal(got[d].view(torch.int16), src[s].view(torch.int16))
+            closed = await peer.line(60)
+            assert closed["closed"] and closed["allocated"] == 0, closed
+            await receiver.close()
+            del receiver, got
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.ipc_collect()  # frees exports whose consumers all let go
+            assert torch.cuda.memory_allocated() <= before, "an IPC export is still held"
+        finally:
+            await peer.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", CUDA_TRANSPORTS)
+def test_killed_receiver_is_a_typed_error_on_the_gpu(transport: str) -> None:
+    async def main() -> None:
+        config = fast_config(transport)
+        plan = [{"xfer": "k", "gen": 1, "dst": [[5], [9]]}]
+        receiver = await PeerProcess(spec("receiver", config, LAYOUT_BF16, 16, plan,
+                                          device="cuda")).start()
+        sender = make_sender(config)
+        sender.register(make_kv(LAYOUT_BF16, 4, 1).to("cuda"), LAYOUT_BF16)
+        try:
+            address = (await receiver.line(60))["address"]
+            peer = await sender.connect(address)
+            receiver.kill()
+            await receiver.aclose()
+            t0 = time.monotonic()
+            with pytest.raises((PeerUnavailable, TransferTimeout)):
+                await sender.write(peer, whole_blocks([0, 1]), whole_blocks([5, 9]), "k", 1)
+                await sender.finish(peer, "k", 1)
+            assert time.monotonic() - t0 < 15
+        finally:
+            await asyncio.wait_for(sender.close(), 15)
+            await receiver.aclose()
+
+    asyncio.run(main())
 
 
 def _cluster_generate(tmp_path: Any, transport: str, prompts: list[list[int]],

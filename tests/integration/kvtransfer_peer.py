@@ -4,11 +4,19 @@ One JSON spec on argv[1]. Prints JSON lines on stdout: {"address": ...} once a
 receiver listens, {"ready": true} once a sender is connected, then one
 {"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
 the test process rebuilds it and checks the received blocks bit for bit.
+
+GPU senders: a transfer with `overlap_s` queues that long of later work on the compute
+stream after each write's `ready` event (as chunk c+1's forward follows chunk c's) and
+reports whether the transfer finished while that work still ran (`overlapped`);
+`hold_after_close` reports the device memory still allocated after `close()`, then
+stops the process (alive, so its IPC mappings would still be open had close() kept
+them) until the test kills it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -38,8 +46,9 @@ async def run_sender(spec: dict[str, Any]) -> None:
     layout = KVLayout(**spec["layout"])
     config = TransferConfig(**spec["config"])
     sender = make_sender(config)
-    sender.register(make_kv(layout, spec["num_blocks"], spec["seed"]).to(
-        spec.get("device", "cpu")), layout)
+    kv = make_kv(layout, spec["num_blocks"], spec["seed"]).to(spec.get("device", "cpu"))
+    before = torch.cuda.memory_allocated() if kv.is_cuda else 0
+    sender.register(kv, layout)
     if spec.get("corrupt"):
         import kvtransfer.memory as memory
         real = memory.checksum
@@ -54,21 +63,43 @@ async def run_sender(spec: dict[str, Any]) -> None:
     emit({"ready": True})
     await asyncio.gather(*(send_one(sender, peer, t, spec) for t in spec["transfers"]))
     await sender.close()
+    if spec.get("hold_after_close"):
+        del sender, peer
+        gc.collect()
+        torch.cuda.synchronize()
+        emit({"closed": True, "allocated": torch.cuda.memory_allocated() - before})
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 async def send_one(sender: Any, peer: Any, t: dict[str, Any], spec: dict[str, Any]) -> None:
     try:
         # Streaming: several write() calls per transfer, as a prefill would per layer.
+        later = None
         for i, (src, dst) in enumerate(zip(t["src"], t["dst"], strict=True)):
+            ready, later = chunk_events(t.get("overlap_s"))
             await sender.write(peer, regions(src), regions(dst), t["xfer"], t["gen"],
-                               checksum=t.get("checksum"))
+                               checksum=t.get("checksum"), ready=ready)
             if spec.get("stop_after_first_write") and i == 0:
                 emit({"stopping": True})
                 os.kill(os.getpid(), signal.SIGSTOP)
         await sender.finish(peer, t["xfer"], timeout_s=t.get("finish_timeout"))
-        emit({"xfer": t["xfer"], "ok": True, "kind": ""})
+        extra = {} if later is None else {"overlapped": not later.query()}
+        emit({"xfer": t["xfer"], "ok": True, "kind": "", **extra})
     except KVTransferError as e:
         emit({"xfer": t["xfer"], "ok": False, "kind": e.kind, "message": str(e)})
+
+
+def chunk_events(overlap_s: float | None) -> tuple[Any, Any]:
+    """(ready, later): `ready` recorded on the compute stream now (the chunk's forward
+    is done), then `overlap_s` of busy work queued after it (the next chunk's forward),
+    `later` after that. (None, None) without `overlap_s`."""
+    if not overlap_s:
+        return None, None
+    ready, later = torch.cuda.Event(), torch.cuda.Event()
+    ready.record()
+    torch.cuda._sleep(int(overlap_s * 2e9))  # cycles: ~1 s per 2e9 at H100 clocks
+    later.record()
+    return ready, later
 
 
 async def run_receiver(spec: dict[str, Any]) -> None:
