@@ -40,6 +40,8 @@ class ExperimentConfig:
     slo: tuple[tuple[str, float], ...] = ()
     profiles: tuple[str, ...] = ()  # routing experiment: extra routing YAML files
     trace_path: str = ""  # routing experiment: a Mooncake JSONL (default: the shared one)
+    device: str = "cpu"  # transports experiment: "cuda" runs its workers on one GPU
+    load_format: str = "auto"  # "dummy" for a model shape (random weights on the device)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
