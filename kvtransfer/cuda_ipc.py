@@ -230,7 +230,8 @@ class CudaIpcSender(InPlaceSender):
             self._mover = mover_for(self.kv)
         if exported.get("kind") != self._mover.kind:
             raise ProtocolError(f"cuda_ipc: the receiver's KV cache is in {exported.get('kind')}"
-                                f" memory, this sender's in {self._mover.kind} memory")
+                                f" memory, this sender's in {self._mover.kind} memory; run "
+                                "both workers with one --device, or use --transport ucx")
         peer.state = self._mover.open(exported)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
