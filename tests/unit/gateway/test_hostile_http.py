@@ -1,4 +1,4 @@
-"""What the HTTP fuzz (tests/integration/test_serving.py) found, pinned: each request
+"""What the HTTP fuzz (tests/integration/serving/test_fuzz.py) found, pinned: each request
 once got a 500 (an exception escaping the handler, here or at the worker call), or its
 bad x-request-id was passed on to gRPC metadata and logs; now it gets a 400/401 in
 vLLM's error JSON before any routing. Raw bytes on a socket (bench/hostile.py), against the
