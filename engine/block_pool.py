@@ -5,6 +5,7 @@ tensor owned by the model runner, indexed by `block_id`.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -91,6 +92,27 @@ class BlockPool:
         if evicted:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
+
+    def peek_free(self, n: int) -> list[KVBlock]:
+        """The next `n` blocks `get_new_blocks` would hand out, in that order (not taken)."""
+        return [self.blocks[i] for i in itertools.islice(self._free, n)]
+
+    def unget(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash | None]) -> None:
+        """Undoes `get_new_blocks` for blocks nothing wrote: they go back to the head of
+        the free queue in order, each holding again the cached hash it was taken with
+        (its KV is untouched), as if never taken. No event: the caller publishes the
+        evictions it keeps (the simulator's decode windows, sim/worker.py)."""
+        for block, h in zip(reversed(blocks), reversed(hashes), strict=True):
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise RuntimeError(f"unget of block {block.block_id}: in use or cached")
+            block.ref_cnt = 0
+            self._free[block.block_id] = None
+            self._free.move_to_end(block.block_id, last=False)
+            if h is not None:
+                if h in self._cached:
+                    raise RuntimeError(f"unget of block {block.block_id}: hash cached again")
+                block.block_hash = h
+                self._cached[h] = block
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Takes a reference on (cached) blocks, reviving them from the free queue."""

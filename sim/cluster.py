@@ -13,9 +13,11 @@ decode/remote.py, prefill/service.py):
       -> D's continuous batching streams the rest.
 
 Time: each worker steps when it has work; a step lasts what the latency model says. A
-worker whose requests all decode runs the iterations up to the next one that anything
-outside it could notice as one scheduler step, each timed as its own (an exact decode
-window, sim/worker.py). Transfers take a worker's egress link (sim/worker.py). The
+worker whose requests all decode runs the iterations up to the first that ends one of
+them as one scheduler step, each timed as its own (an exact decode window, sim/worker.py):
+the blocks its iterations take are evicted in the index at those iterations' starts,
+and anything that touches the worker first cuts the window at the iteration running
+then (`_sync`), which gives back the blocks later iterations took. Transfers take a worker's egress link (sim/worker.py). The
 gateway's part (routing, the registry's view, in-flight counts) is sim/gateway.py.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -61,8 +64,8 @@ class ClusterConfig:
     # 1: exact.
     decode_stride: int = 1
     # Exact either way: a worker whose requests all decode runs the iterations until
-    # one of them needs a block, fills one or ends as one scheduler step (sim/worker.py
-    # decode_window), cut short by new work. False: one scheduler step per iteration
+    # one of them ends as one scheduler step (sim/worker.py decode_window), cut short
+    # by new work. False: one scheduler step per iteration
     # (the reference the tests hold the windows against).
     decode_windows: bool = True
 
@@ -243,6 +246,7 @@ class Simulator:
             self.stats.invalid += 1
             self._reject(flight, f"invalid: {error}")
             return
+        self._sync(w)
         if w.role == "decode" and (d.prefill is not None or d.kv_peer is not None) \
                 and w.scheduler.allocate_remote(req):
             t = self.now + w.restore_seconds()
@@ -275,6 +279,7 @@ class Simulator:
         if end <= first:
             return t, computed
         peer = self.workers[d.kv_peer.worker_id]
+        self._sync(peer)
         blocks = peer.pin(flight.req.block_hashes[first:end])
         peer.publish_events()
         if len(blocks) < end - first:
@@ -324,10 +329,7 @@ class Simulator:
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
         if w.busy:  # the new work waits for the iteration running now
-            end = w.cut(self.now)
-            if end is not None:
-                w.version += 1
-                self.at(end, self._step_done, (w, w.current, w.version))
+            self._sync(w)
             return
         step = w.start_step()
         w.publish_events()
@@ -337,6 +339,36 @@ class Simulator:
         w.current = step
         w.version += 1
         self.at(step.end, self._step_done, (w, step, w.version))
+        if step.window is not None:
+            self._evictions(w, step)
+
+    def _sync(self, w: SimWorker) -> None:
+        """Before anything touches a busy worker's scheduler or pool: its step ends with
+        the iteration running now (a decode window gives back what later ones took)."""
+        if w.busy:
+            end = w.cut(self.now)
+            if end is not None:
+                w.version += 1
+                self.at(end, self._step_done, (w, w.current, w.version))
+
+    def _evictions(self, w: SimWorker, step: Step) -> None:
+        """A decode window's evictions, each at the start of the iteration that takes
+        the block (the first iteration's went out with the window's start)."""
+        assert step.window is not None and step.ends is not None
+        takes = step.window.takes
+        j, n = bisect_right(takes, 1), len(takes)
+        while j < n:
+            i = takes[j]
+            e = bisect_right(takes, i, j)
+            hashes = [h for h in step.window.hashes[j:e] if h is not None]
+            if hashes:
+                self.at(step.ends[i - 2], self._evict, (w, step, i, hashes))
+            j = e
+
+    def _evict(self, arg: tuple[SimWorker, Step, int, list[Any]]) -> None:
+        w, step, i, hashes = arg
+        if w.current is step and i <= step.done:  # not given back by a cut
+            self.index.apply_device(w.worker_id, (), hashes)
 
     def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:
         w, step, version = arg
@@ -370,6 +402,7 @@ class Simulator:
     def _release(self, arg: tuple[SimWorker, str]) -> None:
         """The producer's KV has landed on the decode: it frees its held blocks."""
         p, request_id = arg
+        self._sync(p)
         p.scheduler.release(request_id)
         p.publish_events()
         self._kick(p)

@@ -68,10 +68,10 @@ class SimGateway:
 
     def _report(self, w: SimWorker) -> Candidate:
         s = w.scheduler
-        pool = w.kv.pool
+        n = w.kv.pool.num_blocks
+        free = w.free_blocks_at(self.clock())  # a decode window took blocks ahead
         return Candidate(w.worker_id, w.worker_id, w.role, True, len(s.waiting),
-                         len(s.running), pool.usage, pool.num_free_blocks, pool.num_blocks,
-                         self._inflight[w.worker_id])
+                         len(s.running), 1.0 - free / n, free, n, self._inflight[w.worker_id])
 
     def add_inflight(self, worker_id: str, delta: int) -> None:
         self._inflight[worker_id] += delta

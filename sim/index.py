@@ -8,16 +8,19 @@ Epochs, TTLs and the circuit breaker have nothing to do in one process: every en
 current, nothing fails.
 
 Speed: at 512 workers a shared system prompt is held by every worker, so a walk that
-visits each (block, holder) pair costs O(workers x blocks) per request. Each block also
-keeps a bitmap of its holders (bit = the node's number), so the walk is one AND per
-block over the nodes whose run is still unbroken; a node leaves that set once, and its
-run is a cached ("device",) * depth unless one of its blocks is held in another tier
-only (a second bitmap per block says which), which is rare and walked per block.
+visits each (block, holder) pair costs O(workers x blocks) per request. Each block
+keeps a bitmap of the nodes holding it on the device (bit = the node's number), so the
+walk is one AND per block over the nodes whose run is still unbroken; a node leaves
+that set once, and its run is a cached ("device",) * depth. The other tiers (host,
+disk) are rare and kept apart: per block, each node's bitmask of those tiers and a
+bitmap of the nodes holding it there; a run through a block a node holds in another
+tier only is walked per block. A device store or removal, the bulk of the events (every
+block a prompt fills, every eviction), is one dict lookup and one OR / AND.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import compress
 
 from engine.block_hash import BlockHash
@@ -30,12 +33,13 @@ _ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
 
 
 class InProcessBlockIndex:
-    """block hash -> {node: bitmask of the tiers holding it}, plus the bitmaps above."""
+    """block hash -> bitmap of the nodes holding it on the device; the other tiers:
+    block hash -> {node: bitmask of those tiers} and the bitmap of those nodes."""
 
     def __init__(self) -> None:
-        self._blocks: dict[BlockHash, dict[str, int]] = {}
-        self._held: dict[BlockHash, int] = {}  # hash -> bitmap of its holders
-        self._elsewhere: dict[BlockHash, int] = {}  # hash -> holders without it on device
+        self._device: dict[BlockHash, int] = {}
+        self._other: dict[BlockHash, dict[str, int]] = {}
+        self._other_bits: dict[BlockHash, int] = {}
         self._bit: dict[str, int] = {}  # node -> 1 << its number
         self._names: list[str] = []  # number -> node
         self._device_runs: dict[int, tuple[str, ...]] = {}  # depth -> ("device",) * depth
@@ -50,51 +54,49 @@ class InProcessBlockIndex:
             self._names.append(node)
         return bit
 
+    def apply_device(self, node: str, stored: Iterable[BlockHash] = (),
+                     removed: Iterable[BlockHash] = ()) -> None:
+        """`apply` for the device tier alone (the block pool's events): removals first."""
+        device = self._device
+        get = device.get
+        bit = self._node_bit(node)
+        for h in removed:
+            m = get(h)
+            if m is None:
+                continue
+            if m == bit:  # most blocks: this node was the only holder
+                del device[h]
+            elif m & bit:
+                device[h] = m ^ bit
+        for h in stored:
+            m = get(h)
+            device[h] = bit if m is None else m | bit
+
     def apply(self, node: str, stored: Sequence[tuple[BlockHash, str]] = (),
               removed: Sequence[tuple[BlockHash, str]] = ()) -> None:
         """Removals first, then stores (a batch evicts before it reuses)."""
-        blocks, held, elsewhere = self._blocks, self._held, self._elsewhere
+        self.apply_device(node, [h for h, t in stored if t == "device"],
+                          [h for h, t in removed if t == "device"])
+        other, other_bits = self._other, self._other_bits
         bit = self._node_bit(node)
         for h, tier in removed:
-            holders = blocks.get(h)
-            if holders is None:
+            holders = other.get(h) if tier != "device" else None
+            if holders is None or node not in holders:
                 continue
-            m = holders.get(node, 0) & ~_BIT[tier]
+            m = holders[node] & ~_BIT[tier]
             if m:
                 holders[node] = m
-                if not m & _DEVICE:
-                    elsewhere[h] = elsewhere.get(h, 0) | bit
                 continue
-            holders.pop(node, None)
-            if not holders:
-                del blocks[h], held[h]
-                elsewhere.pop(h, None)
-                continue
-            held[h] &= ~bit
-            e = elsewhere.get(h, 0) & ~bit
-            if e:
-                elsewhere[h] = e
+            del holders[node]
+            if holders:
+                other_bits[h] &= ~bit
             else:
-                elsewhere.pop(h, None)
+                del other[h], other_bits[h]
         for h, tier in stored:
-            t = _BIT[tier]
-            holders = blocks.get(h)
-            if holders is None:  # most stores: a new prefix, or output blocks
-                blocks[h] = {node: t}
-                held[h] = bit
-                if t != _DEVICE:
-                    elsewhere[h] = bit
-                continue
-            m = holders[node] = holders.get(node, 0) | t
-            held[h] |= bit
-            if not m & _DEVICE:
-                elsewhere[h] = elsewhere.get(h, 0) | bit
-            elif h in elsewhere:
-                e = elsewhere[h] & ~bit
-                if e:
-                    elsewhere[h] = e
-                else:
-                    del elsewhere[h]
+            if tier != "device":
+                holders = other.setdefault(h, {})
+                holders[node] = holders.get(node, 0) | _BIT[tier]
+                other_bits[h] = other_bits.get(h, 0) | bit
 
     def _allowed_bits(self, nodes: set[str] | frozenset[str] | None) -> int:
         """The bitmap of `nodes` (-1: any); a frozenset's is kept for the next call."""
@@ -119,19 +121,27 @@ class InProcessBlockIndex:
             run = self._device_runs[depth] = ("device",) * depth
         return run
 
+    def _best(self, h: BlockHash, node: str) -> str:
+        """The best tier `node` holds `h` in."""
+        if self._device.get(h, 0) & self._bit[node]:
+            return "device"
+        return _BEST[self._other[h][node]]
+
     def lookup_now(self, hashes: Sequence[BlockHash],
                    nodes: set[str] | frozenset[str] | None = None) -> IndexLookup:
         """The leading run any (allowed) node holds, and each node's own run with the
         best tier per block (RedisBlockIndex._walk's result)."""
         self.lookups += 1
         allowed = self._allowed_bits(nodes)
-        held, elsewhere = self._held, self._elsewhere
+        device, other_bits = self._device, self._other_bits
         alive = 0  # nodes holding every block so far
         ends: list[tuple[int, int]] = []  # (nodes whose run ended, its length)
-        tiered = 0  # nodes whose run holds a block in another tier than the device
+        tiered = 0  # nodes whose run holds a block in another tier only
         i = 0
         for h in hashes:
-            bits = held.get(h, 0) & allowed
+            d = device.get(h, 0)
+            o = other_bits.get(h, 0) if other_bits else 0
+            bits = (d | o) & allowed
             if not bits:
                 break
             if i == 0:
@@ -139,8 +149,8 @@ class InProcessBlockIndex:
             elif alive & ~bits:
                 ends.append((alive & ~bits, i))
                 alive &= bits
-            if alive and h in elsewhere:
-                tiered |= elsewhere[h] & alive
+            if o:
+                tiered |= o & ~d & alive
             i += 1
         if alive:
             ends.append((alive, i))
@@ -149,7 +159,7 @@ class InProcessBlockIndex:
             runs.update(dict.fromkeys(self._nodes_of(bits & ~tiered), self._device_run(depth)))
             if bits & tiered:
                 for node in self._nodes_of(bits & tiered):
-                    runs[node] = tuple(_BEST[self._blocks[h][node]] for h in hashes[:depth])
+                    runs[node] = tuple(self._best(h, node) for h in hashes[:depth])
         return IndexLookup(i, runs)
 
     async def lookup(self, hashes: Sequence[BlockHash],
@@ -158,10 +168,13 @@ class InProcessBlockIndex:
 
     async def holders(self, hashes: Sequence[BlockHash]
                       ) -> dict[BlockHash, frozenset[str]] | None:
-        return {h: frozenset(self._blocks.get(h, {})) for h in hashes}
+        return {h: frozenset(self._nodes_of(self._device.get(h, 0)))
+                | frozenset(self._other.get(h, ())) for h in hashes}
 
     def num_entries(self) -> int:
-        return sum(len(v) for v in self._blocks.values())
+        """(block, node) pairs held in some tier."""
+        return sum((self._device.get(h, 0) | self._other_bits.get(h, 0)).bit_count()
+                   for h in self._device.keys() | self._other_bits.keys())
 
     async def close(self) -> None:
         return None

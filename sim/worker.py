@@ -12,7 +12,8 @@ counters (the scheduler only counts tokens) and whose block hashes are given up 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -91,7 +92,8 @@ class Step:
     A stride step (sim/cluster.py, decode_stride > 1) stands for `iterations` decode
     iterations of equal length. A decode window (`ends` set) stands for several decode
     iterations exactly: `ends[i]` is when iteration i + 1 ends, as the one-iteration
-    steps would have timed it, and `done` of them stand (fewer once new work cut it)."""
+    steps would have timed it, and `done` of them stand (fewer once new work cut it).
+    `window` holds the blocks the window's iterations take (Window)."""
 
     out: SchedulerOutput
     start: float
@@ -101,6 +103,25 @@ class Step:
     ends: list[float] | None = None
     dts: list[float] | None = None
     done: int = 1
+    window: Window | None = None
+
+
+@dataclass(slots=True)
+class Window:
+    """The blocks a decode window takes, in the order the one-iteration steps would
+    take them: `blocks[j]` (which held `hashes[j]`, evicted then) goes to `owners[j]` at
+    the start of iteration `takes[j]` (sorted); `kept` of them stand (fewer once cut)."""
+
+    takes: list[int]
+    blocks: list[KVBlock]
+    hashes: list[Any]
+    owners: list[str]
+    kept: int
+
+    def evictions(self, first: int, last: int) -> list[Any]:
+        """The cached hashes the window's iterations first..last evict."""
+        lo, hi = bisect_left(self.takes, first), bisect_right(self.takes, last)
+        return [h for h in self.hashes[lo:hi] if h is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,49 +182,74 @@ class SimWorker:
     def publish_events(self) -> None:
         """The block pool's stores and evictions since the last call, as the worker's KV
         event publisher sends them (tier "device")."""
-        stored: list[tuple[Any, str]] = []
-        removed: list[tuple[Any, str]] = []
-        for ev in self.kv.pool.take_events():
-            if isinstance(ev, BlockStored):
-                stored += [(h, "device") for h in ev.block_hashes]
-            elif isinstance(ev, BlockRemoved):
-                removed += [(h, "device") for h in ev.block_hashes]
-        if stored or removed:
-            self.index.apply(self.worker_id, stored, removed)
+        events = self.kv.pool.take_events()
+        if not events:
+            return
+        stored: Sequence[Any]
+        removed: Sequence[Any]
+        if len(events) == 1:
+            ev = events[0]
+            stored = ev.block_hashes if isinstance(ev, BlockStored) else ()
+            removed = ev.block_hashes if isinstance(ev, BlockRemoved) else ()
+        else:
+            stored = [h for ev in events if isinstance(ev, BlockStored)
+                      for h in ev.block_hashes]
+            removed = [h for ev in events if isinstance(ev, BlockRemoved)
+                       for h in ev.block_hashes]
+        self.index.apply_device(self.worker_id, stored, removed)
 
     # -- a step -------------------------------------------------------------------------
-    def decode_window(self) -> int:
+    def decode_window(self) -> tuple[int, list[tuple[int, int]]]:
         """How many decode iterations the next step can stand for exactly (1: just the
-        next). Every running request decodes and none waits to be admitted; for the next
-        k iterations none of them needs a block, fills one or ends. Then the k steps
-        change nothing another worker or the gateway can see before the k-th ends (load
-        reports, the index, in-flight counts), and new work cuts the window at the
-        iteration it arrives in, as it would wait for that iteration's end. A block the
-        first iteration needs is taken at the window's start, as that step would."""
+        next), and the blocks they take: (iteration, row) per block, in the order the
+        one-iteration steps would take them. Every running request decodes and none
+        waits to be admitted; for the next k iterations none of them ends and the free
+        queue holds every block they take (nothing is preempted). New work, or anything
+        else that touches this worker's pool, cuts the window at the iteration running
+        then (`cut`), as it would wait for that iteration's end; until then nothing
+        another worker or the gateway reads differs from the one-iteration steps (the
+        evictions are published at their iterations' starts, sim/cluster.py; load
+        reports count blocks as of now, `free_blocks_at`)."""
         s = self.scheduler
         if not self.windows or self.stride > 1 or self.offload is not None or not s.running \
                 or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV for r in s.waiting):
-            return 1
+            return 1, []
         bs = self.profile.block_size
         blocks = self.kv.req_blocks
         k = s.config.max_num_batched_tokens // len(s.running)
-        new_blocks = 0
         for r in s.running:
-            c = r.num_computed_tokens
-            if r.num_tokens - c != 1 or r.hold_kv:
-                return 1
-            # | computed | this block's free slots: the window (the first may open it) |
-            k = min(k, (c // bs + 1) * bs - c, cast(SimRequest, r).max_output
-                    - r.num_output_tokens, self.max_model_len - r.num_tokens)
-            new_blocks += c // bs + 1 > len(blocks[r.request_id])
-        if new_blocks > self.kv.pool.num_free_blocks:
-            return 1  # the first iteration preempts: one step, as the scheduler runs it
-        return k
+            if r.num_tokens - r.num_computed_tokens != 1 or r.hold_kv:
+                return 1, []
+            k = min(k, cast(SimRequest, r).max_output - r.num_output_tokens,
+                    self.max_model_len - r.num_tokens)
+        if k <= 1:
+            return 1, []
+        # Iteration i computes token c + i - 1 of a request that has computed c: it
+        # takes a block when that token starts one past the blocks the request holds.
+        takes = []
+        for row, r in enumerate(s.running):
+            first = len(blocks[r.request_id]) * bs - r.num_computed_tokens + 1
+            takes += [(i, row) for i in range(first, k + 1, bs)]
+        free = self.kv.pool.num_free_blocks
+        if len(takes) > free:
+            takes.sort()
+            k = takes[free][0] - 1  # the first iteration that would preempt: not in
+            if k <= 1:
+                return 1, []
+            takes = takes[:bisect_right(takes, (k, len(s.running)))]
+        elif len(takes) > 1:
+            takes.sort()
+        return k, takes
 
-    def _start_window(self, k: int) -> Step:
+    def _start_window(self, k: int, takes: list[tuple[int, int]]) -> Step:
         s = self.scheduler
+        pool = self.kv.pool
+        self.publish_events()  # what came before: the window's own events go per iteration
         rows = list(s.running)
         computed = [r.num_computed_tokens for r in rows]
+        held = [len(self.kv.req_blocks[r.request_id]) for r in rows]
+        taken = pool.peek_free(len(takes))
+        hashes = [b.block_hash for b in taken]
         for r in rows:
             cast(SimRequest, r).hand_ahead(k - 1)
         out = s.schedule()
@@ -211,6 +257,17 @@ class SimWorker:
                 x.num_new_tokens != k for x in out.scheduled):
             raise RuntimeError("decode window: the scheduler did not run every decoding "
                                f"request {k} tokens")
+        # The scheduler took the blocks request by request; hand them out as the
+        # one-iteration steps would (iteration by iteration), so the pool is theirs.
+        mine: list[list[KVBlock]] = [[] for _ in rows]
+        for (_, row), b in zip(takes, taken, strict=True):
+            mine[row].append(b)
+        for r, h, m in zip(rows, held, mine, strict=True):
+            table = self.kv.req_blocks[r.request_id]
+            if len(table) - h != len(m):
+                raise RuntimeError("decode window: the scheduler took other blocks")
+            table[h:] = m
+        pool.take_events()  # the evictions: published per iteration (Window.evictions)
         dts = self.latency.decode_iterations(computed, k)
         if self.profile.token_overhead_s:
             dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
@@ -219,15 +276,19 @@ class SimWorker:
         for d in dts:  # the one-iteration steps' clock: each ends at the last end + dt
             t += d
             ends.append(t)
-        return Step(out, start, t - start, t, k, ends, dts, k)
+        window = Window([i for i, _ in takes], taken, hashes,
+                        [rows[row].request_id for _, row in takes], len(takes))
+        if takes and takes[0][0] == 1:
+            self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
+        return Step(out, start, t - start, t, k, ends, dts, k, window)
 
     def start_step(self) -> Step | None:
         """Schedules one step (or an exact decode window); None when idle."""
         if self.offload is not None:
             self.offload.save_new(self.kv.pool, NO_KV)
-        k = self.decode_window()
+        k, takes = self.decode_window()
         if k > 1:
-            return self._start_window(k)
+            return self._start_window(k, takes)
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
@@ -258,11 +319,13 @@ class SimWorker:
         step = self.current
         assert step is not None
         if step.ends is not None:  # a decode window: exactly as the steps it stands for
-            done = next((i + 1 for i, e in enumerate(step.ends) if e >= now), step.done)
+            done = min(bisect_left(step.ends, now) + 1, step.done)
             if done >= step.done:
                 return None
             step.done = done
             step.end = step.ends[done - 1]
+            if step.window is not None:
+                self._untake(step.window, done)
             return step.end
         # A decode stride step: its decoding rows keep only the tokens computed by then.
         iters = step.iterations
@@ -279,6 +342,30 @@ class SimWorker:
         self.busy_s -= (iters - done) * per
         self.current = Step(step.out, step.start, done * per, step.start + done * per, done)
         return self.current.end
+
+    def _untake(self, w: Window, done: int) -> None:
+        """Gives back the blocks of the window's iterations past `done`: nothing wrote
+        them, so they return to the free queue's head with the hashes they held, as the
+        one-iteration steps would never have taken them."""
+        keep = bisect_right(w.takes, done)
+        if keep >= w.kept:
+            return
+        tables = self.kv.req_blocks
+        for j in range(w.kept - 1, keep - 1, -1):  # each owner's latest blocks first
+            if tables[w.owners[j]].pop() is not w.blocks[j]:
+                raise RuntimeError("decode window: a block table changed under the window")
+        self.kv.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
+        w.kept = keep
+
+    def free_blocks_at(self, now: float) -> int:
+        """The pool's free blocks as the one-iteration steps have them at `now`: a
+        decode window has taken its later iterations' blocks already."""
+        free = self.kv.pool.num_free_blocks
+        step = self.current
+        if self.busy and step is not None and step.window is not None and step.ends:
+            running = min(bisect_left(step.ends, now) + 1, step.done)
+            free += step.window.kept - bisect_right(step.window.takes, running)
+        return free
 
     def restore_seconds(self) -> float:
         """Runs the planned tier restores (the engine's _run_loads) and times them."""

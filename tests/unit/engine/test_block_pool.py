@@ -48,6 +48,30 @@ def test_touch_revives_cached_block_and_double_free_is_an_error():
     pool.check_integrity()
 
 
+def test_unget_puts_untouched_blocks_back_as_they_were():
+    """peek_free names what get_new_blocks takes; unget undoes it: same queue order,
+    same cached hashes, so the next takes evict exactly what they would have."""
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(4)
+    hashes = hash_blocks(list(range(8)), 2)
+    pool.cache_full_blocks(a, hashes, None)
+    pool.free(reversed(a))  # queue: 3, 2, 1, 0, all cached
+    pool.take_events()
+    ahead = pool.peek_free(3)
+    before = [b.block_hash for b in ahead]
+    assert [b.block_id for b in ahead] == [3, 2, 1]
+    assert pool.get_new_blocks(3) == ahead
+    assert pool.take_events() == [BlockRemoved(tuple(before))]
+    pool.unget(ahead[1:], before[1:])  # the last two were never written
+    pool.check_integrity()
+    assert pool.num_free_blocks == 3 and pool.get_cached_block(before[2]) is ahead[2]
+    assert [b.block_id for b in pool.peek_free(3)] == [2, 1, 0]
+    with pytest.raises(RuntimeError):
+        pool.unget([ahead[1]], [None])  # not taken
+    assert [b.block_hash for b in pool.get_new_blocks(2)] == [None, None]
+    assert pool.take_events() == [BlockRemoved(tuple(before[1:]))]
+
+
 def test_manager_prefix_hit_shares_blocks_and_leaves_last_token():
     kv = KVCacheManager(num_blocks=16, block_size=4)
     r1 = make_request("a", 10)
