@@ -7,6 +7,9 @@ profile's efficiency factors and fixed costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
 
 from bench.engine_roofline import ModelCost
 from engine.config import ModelConfig
@@ -53,17 +56,15 @@ class LatencyModel:
         the same floats)."""
         rows, base = len(computed), sum(computed)
         # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined (the same
-        # operations in the same order): a window times up to a block of iterations
+        # operations in the same order, elementwise in float64: IEEE, no fused ops)
         p = self.profile
         fixed = p.step_overhead_s + p.seq_overhead_s * rows
         flops = rows * self._flop_token + rows * self._flop_sampled
-        out = []
-        for j in range(1, k + 1):
-            pairs = base + rows * j
-            c = (flops + pairs * self._flop_pair) * self._s_per_flop
-            m = (self._weights * 1 + pairs * self._kv_token) * self._s_per_byte
-            out.append(fixed * 1 + ((c if c > m else m) if self._max else c + m))
-        return out
+        pairs = base + rows * np.arange(1, k + 1, dtype=np.int64)
+        c = (flops + pairs * self._flop_pair) * self._s_per_flop
+        m = (self._weights * 1 + pairs * self._kv_token) * self._s_per_byte
+        return cast(list[float], (fixed * 1 + (np.maximum(c, m) if self._max else c + m))
+                    .tolist())
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied. A row

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+
 from engine.block_pool import BlockRemoved, BlockStored, KVBlock
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -271,11 +273,11 @@ class SimWorker:
         dts = self.latency.decode_iterations(computed, k)
         if self.profile.token_overhead_s:
             dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
-        t = start = self.clock()
-        ends = []
-        for d in dts:  # the one-iteration steps' clock: each ends at the last end + dt
-            t += d
-            ends.append(t)
+        start = self.clock()
+        # the one-iteration steps' clock: each ends at the last end + dt (a sequential
+        # running sum, as those steps add)
+        ends = cast(list[float], np.cumsum([start, *dts])[1:].tolist())
+        t = ends[-1]
         window = Window([i for i, _ in takes], taken, hashes,
                         [rows[row].request_id for _, row in takes], len(takes))
         if takes and takes[0][0] == 1:
