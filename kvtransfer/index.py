@@ -13,6 +13,12 @@ epoch, then registers it, which hides every older entry at once. Readers delete 
 older than their node's epoch lazily. Entries newer than the registered epoch belong to
 a snapshot still being written and are skipped, not deleted.
 
+Readers walk on the server: one Lua script (`_WALK`, EVALSHA) reads a stretch of the
+prompt's block keys in order and returns only the runs, not the holder fields (the
+client-side walk it replaced is kept as the reference: kvtransfer/index_pywalk.py).
+The index is one Redis (no Redis Cluster): a script may touch any key; every key it
+touches is still passed in KEYS.
+
 Redis is advisory: every call has a client-side deadline in milliseconds and goes
 through a circuit breaker; while it is open, `lookup` answers None ("no data") at once
 and writers get IndexUnavailable without touching the network.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -48,6 +55,7 @@ _TIER_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 
 T = TypeVar("T")
 TierEntry = tuple[BlockHash, str]  # (block hash, tier)
+StaleEntry = tuple[str, str, str]  # (block key, field, epoch) older than the node's epoch
 
 
 class IndexUnavailable(KVTransferError):
@@ -86,15 +94,15 @@ class IndexConfig:
     ttl_s: float = 600.0  # a block key expires this long after its last store
     breaker_failures: int = 3  # consecutive failures that open the breaker
     breaker_cooldown_s: float = 2.0  # open this long before one probe is let through
-    first_chunk: int = 16  # lookup pipelines 16, 64, 256, ... blocks per round trip
+    walk_blocks: int = 64  # blocks one server-side walk reads; a longer run takes more calls
     max_lookup_blocks: int = 8192
     max_cleanup_fields: int = 256  # stale entries deleted per cleanup task
 
     def __post_init__(self) -> None:
         if self.timeout_ms <= 0 or self.ttl_s <= 0 or self.breaker_cooldown_s <= 0:
             raise ValueError("timeout_ms, ttl_s and breaker_cooldown_s must be positive")
-        if self.breaker_failures < 1 or self.first_chunk < 1 or self.max_lookup_blocks < 1:
-            raise ValueError("breaker_failures, first_chunk, max_lookup_blocks must be >= 1")
+        if self.breaker_failures < 1 or self.walk_blocks < 1 or self.max_lookup_blocks < 1:
+            raise ValueError("breaker_failures, walk_blocks, max_lookup_blocks must be >= 1")
         if self.max_cleanup_fields < 0:
             raise ValueError("max_cleanup_fields must be >= 0")
 
@@ -152,6 +160,101 @@ end
 return 1
 """
 
+# The walk of one stretch of a prompt, on the server (index_pywalk._extend's rules, block
+# by block). KEYS[1] epochs hash, KEYS[2..] the stretch's block keys in order. ARGV[1]
+# '1' when the stretch starts the prompt (any node may start a run there), else ARGV[3]
+# is the JSON list of nodes whose run reached the stretch; ARGV[2] the JSON list of
+# allowed nodes ('' = all); ARGV[4] how many stale entries to report at most.
+# Returns JSON [held, sigs, names, sig_of, stale]: `held` leading blocks of the stretch
+# some allowed node holds; per node with a run in the stretch (`names`, in the order
+# they first appear in the first block) the index into `sigs` of its run, a run being
+# [length, pos, tier, pos, tier ...] listing the positions whose best tier is not
+# 'device' (nodes with equal runs share one); stale: [pos, field, epoch, ...] in the
+# order met. Epochs are decimal integers below 2^53 (exact in Lua's doubles); an epoch
+# that is not counts as older, as in the reference. Empty lists come back as {}.
+_WALK = """
+local first, cap = ARGV[1] == '1', 3 * tonumber(ARGV[4])
+local epochs = {}
+local flat = redis.call('HGETALL', KEYS[1])
+for i = 1, #flat, 2 do epochs[flat[i]] = flat[i + 1] end
+local allowed = false
+if ARGV[2] ~= '' then
+  allowed = {}
+  for _, n in ipairs(cjson.decode(ARGV[2])) do allowed[n] = true end
+end
+local run, exc, order = {}, {}, {}
+if not first then
+  for _, n in ipairs(cjson.decode(ARGV[3])) do run[n] = 0; exc[n] = {}; order[#order + 1] = n end
+end
+local function older(e, cur)
+  local a = tonumber(string.match(e, '^%s*([+-]?%d+)%s*$'))
+  local b = tonumber(string.match(cur, '^%s*([+-]?%d+)%s*$'))
+  return a == nil or b == nil or a < b
+end
+local RANK = {device = 0, host = 1, disk = 2}
+-- field -> node (false: no node, or not allowed), tier, rank: each field parsed once
+local node_of, tier_of, rank_of = {}, {}, {}
+local stale, held = {}, 0
+for k = 2, #KEYS do
+  local p = k - 2
+  local row = redis.call('HGETALL', KEYS[k])
+  local best, seen = {}, {}  -- node -> its best field here; nodes in row order
+  for j = 1, #row, 2 do
+    local field, epoch = row[j], row[j + 1]
+    local node = node_of[field]
+    if node == nil then
+      local n, t = string.match(field, '^(.*)@([^@]*)$')
+      if n == nil or n == '' or (allowed and not allowed[n]) then n = false end
+      node, node_of[field], tier_of[field], rank_of[field] = n, n, t, RANK[t] or 3
+    end
+    if node then
+      local cur = epochs[node]
+      if epoch == cur then
+        local b = best[node]
+        if b == nil then
+          seen[#seen + 1] = node
+          best[node] = field
+        elseif rank_of[field] < rank_of[b] then
+          best[node] = field
+        end
+      elseif cur and #stale < cap and older(epoch, cur) then
+        stale[#stale + 1] = p; stale[#stale + 1] = field; stale[#stale + 1] = epoch
+      end
+    end
+  end
+  if #seen == 0 then break end
+  held = held + 1
+  for _, node in ipairs(seen) do
+    local r = run[node]
+    if r == nil and p == 0 and first then
+      r = 0; exc[node] = {}; order[#order + 1] = node
+    end
+    if r == p then
+      run[node] = p + 1
+      local t = tier_of[best[node]]
+      if t ~= 'device' then local e = exc[node]; e[#e + 1] = p; e[#e + 1] = t end
+    end
+  end
+end
+local sigs, sig_at, names, sig_of = {}, {}, {}, {}
+for _, node in ipairs(order) do
+  local r, e = run[node], exc[node]
+  if r > 0 then
+    local key = r
+    if #e > 0 then key = r .. cjson.encode(e) end
+    if sig_at[key] == nil then
+      local s = {r}
+      for j = 1, #e do s[j + 1] = e[j] end
+      sigs[#sigs + 1] = s
+      sig_at[key] = #sigs - 1
+    end
+    names[#names + 1] = node
+    sig_of[#sig_of + 1] = sig_at[key]
+  end
+end
+return cjson.encode({held, sigs, names, sig_of, stale})
+"""
+
 
 class RedisBlockIndex:
     """Reads and writes the index of one model. All methods run on one event loop."""
@@ -172,6 +275,7 @@ class RedisBlockIndex:
         self._apply = self._redis.register_script(_APPLY)
         self._register = self._redis.register_script(_REGISTER)
         self._del_if = self._redis.register_script(_DEL_IF)
+        self._walk_script = self._redis.register_script(_WALK)  # EVALSHA; loaded on NOSCRIPT
         self._cleanup: asyncio.Task[None] | None = None
         self.errors = 0  # failed calls (timeouts, connection errors), breaker refusals not
 
@@ -182,6 +286,11 @@ class RedisBlockIndex:
     @property
     def epochs_key(self) -> str:
         return f"{KEY_PREFIX}:{self.model}:@epochs"
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client, borrowed (the index owns and closes it)."""
+        return self._redis
 
     # -- calls through the breaker ---------------------------------------------------------
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
@@ -241,39 +350,47 @@ class RedisBlockIndex:
     async def lookup(self, hashes: Sequence[BlockHash],
                      nodes: set[str] | frozenset[str] | None = None) -> IndexLookup | None:
         """The leading run of `hashes` held by any node (of `nodes`, when given), and each
-        node's own run with its tiers. Pipelined in growing chunks, stopping at the first
-        block nobody holds. None when Redis is unavailable (advisory: "no data")."""
+        node's own run with its tiers. Walked on the server, `walk_blocks` blocks per
+        call, stopping at the first block nobody holds. None when Redis is unavailable
+        (advisory: "no data")."""
         hashes = list(hashes)[:self.config.max_lookup_blocks]
+        cap = self.config.max_cleanup_fields
+        if self._cleanup is not None and not self._cleanup.done():
+            cap = 0  # one cleanup at a time: nothing to collect now
         try:
-            return await self._call("lookup", lambda: self._walk(hashes, nodes))
+            res, stale = await self._call("lookup", lambda: self._walk(hashes, nodes, cap))
         except IndexUnavailable as e:
             log.debug("index lookup: %s", e)
             return None
-
-    async def _walk(self, hashes: list[BlockHash],
-                    nodes: set[str] | frozenset[str] | None) -> IndexLookup:
-        runs: dict[str, list[str]] = {}
-        stale: list[tuple[str, str, str]] = []
-        epochs: dict[str, str] = {}
-        i, chunk = 0, self.config.first_chunk
-        while i < len(hashes):
-            pipe = self._redis.pipeline(transaction=False)
-            if i == 0:
-                pipe.hgetall(self.epochs_key)
-            keys = [self.block_key(h) for h in hashes[i:i + chunk]]
-            for k in keys:
-                pipe.hgetall(k)
-            rows = await pipe.execute()
-            if i == 0:
-                epochs = rows.pop(0)
-            for key, row in zip(keys, rows, strict=True):
-                if not _extend(runs, i, key, row, epochs, nodes, stale):
-                    self._clean_later(stale)
-                    return _result(runs, i)
-                i += 1
-            chunk *= 4
         self._clean_later(stale)
-        return _result(runs, i)
+        return res
+
+    async def _walk(self, hashes: list[BlockHash], nodes: set[str] | frozenset[str] | None,
+                    max_stale: int) -> tuple[IndexLookup, list[StaleEntry]]:
+        """One `_WALK` call per stretch of `walk_blocks` blocks while every block of the
+        stretch is held; the nodes whose run reaches a stretch's end go on into the next.
+        Returns the lookup and at most `max_stale` stale entries, in the order met."""
+        runs: dict[str, tuple[str, ...]] = {}
+        stale: list[StaleEntry] = []
+        allowed = "" if nodes is None else json.dumps(list(nodes))
+        alive: list[str] = []
+        i, step = 0, self.config.walk_blocks
+        while i < len(hashes):
+            keys = [self.block_key(h) for h in hashes[i:i + step]]
+            reply = await self._walk_script(keys=[self.epochs_key, *keys], args=[
+                "1" if i == 0 else "0", allowed, json.dumps(alive), max_stale - len(stale)])
+            held, *lists = json.loads(reply)
+            sigs, names, sig_of, found = (x or [] for x in lists)  # cjson: [] comes as {}
+            stale += [(keys[p], f, e)
+                      for p, f, e in zip(found[::3], found[1::3], found[2::3], strict=True)]
+            tiers = [_run_tiers(s) for s in sigs]
+            for node, k in zip(names, sig_of, strict=True):
+                runs[node] = runs[node] + tiers[k] if i else tiers[k]
+            i += held
+            if held < len(keys):
+                break
+            alive = [node for node, k in zip(names, sig_of, strict=True) if sigs[k][0] == held]
+        return IndexLookup(i, runs), stale
 
     async def holders(self, hashes: Sequence[BlockHash]
                       ) -> dict[BlockHash, frozenset[str]] | None:
@@ -300,7 +417,7 @@ class RedisBlockIndex:
         epochs = rows[0]
         return {h: _current_nodes(row, epochs) for h, row in zip(hashes, rows[1:], strict=True)}
 
-    def _clean_later(self, stale: list[tuple[str, str, str]]) -> None:
+    def _clean_later(self, stale: list[StaleEntry]) -> None:
         """Deletes entries older than their node's epoch in the background (one task at a
         time, bounded; a failure only leaves them for the next reader or their TTL)."""
         if not stale or self.config.max_cleanup_fields == 0 or (
@@ -325,30 +442,14 @@ class RedisBlockIndex:
             await self._redis.aclose()
 
 
-def _extend(runs: dict[str, list[str]], i: int, key: str, row: dict[str, str],
-            epochs: dict[str, str], nodes: set[str] | frozenset[str] | None,
-            stale: list[tuple[str, str, str]]) -> bool:
-    """Adds block `i` (its hash row) to the runs of the nodes that hold it and whose run
-    reaches block i - 1. False when no allowed node holds it (the chain ends)."""
-    best: dict[str, str] = {}
-    for field, epoch in row.items():
-        node, _, tier = field.rpartition("@")
-        if not node or (nodes is not None and node not in nodes):
-            continue
-        current = epochs.get(node)
-        if current is None or epoch != current:
-            if current is not None and _older(epoch, current):
-                stale.append((key, field, epoch))
-            continue
-        if node not in best or tier_rank(tier) < tier_rank(best[node]):
-            best[node] = tier
-    if not best:
-        return False
-    for node, tier in best.items():
-        run = runs.setdefault(node, [])
-        if len(run) == i:
-            run.append(tier)
-    return True
+def _run_tiers(sig: list[Any]) -> tuple[str, ...]:
+    """A node's run from `_WALK`'s [length, pos, tier, pos, tier ...] (others: device)."""
+    if len(sig) == 1:
+        return ("device",) * sig[0]
+    tiers = ["device"] * sig[0]
+    for p, tier in zip(sig[1::2], sig[2::2], strict=True):
+        tiers[p] = tier
+    return tuple(tiers)
 
 
 def _current_nodes(row: dict[str, str], epochs: dict[str, str]) -> frozenset[str]:
@@ -359,14 +460,3 @@ def _current_nodes(row: dict[str, str], epochs: dict[str, str]) -> frozenset[str
         if node and epochs.get(node) == epoch:
             nodes.add(node)
     return frozenset(nodes)
-
-
-def _older(epoch: str, current: str) -> bool:
-    try:
-        return int(epoch) < int(current)
-    except ValueError:
-        return True  # garbage: clean it
-
-
-def _result(runs: dict[str, list[str]], num_blocks: int) -> IndexLookup:
-    return IndexLookup(num_blocks, {n: tuple(r) for n, r in runs.items() if r})

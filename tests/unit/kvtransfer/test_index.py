@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvtransfer.circuit import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from kvtransfer.index import IndexConfig, _extend, _result, check_tier, new_epoch, tier_rank
+from kvtransfer.index import IndexConfig, check_tier, new_epoch, tier_rank
+from kvtransfer.index_pywalk import _extend, _result
 
 
 class Clock:

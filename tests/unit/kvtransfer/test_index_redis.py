@@ -131,7 +131,7 @@ def test_prefix_lookup_stops_at_first_missing_block(server) -> None:
     r = redis.Redis.from_url(server.url)
 
     async def main() -> None:
-        idx = index(server, first_chunk=2)
+        idx = index(server)
         await idx.register("a", 1)
         held = hs[:3] + hs[4:]  # block 3 missing
         await idx.apply("a", 1, stored=[(h, "device") for h in held])
@@ -142,7 +142,7 @@ def test_prefix_lookup_stops_at_first_missing_block(server) -> None:
 
     asyncio.run(main())
     calls = int(r.info("commandstats")["cmdstat_hgetall"]["calls"])
-    assert calls == 1 + 2 + 8  # epochs, chunk [0, 2), chunk [2, 10): never the other 30
+    assert calls == 1 + 4  # the epochs, blocks 0..3 (in the server walk): never the other 36
 
 
 def test_tenants_do_not_see_each_others_blocks(server) -> None:
