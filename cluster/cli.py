@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "experiment": ("bench.experiment_cli", "start and compare cluster configurations"),
     "routing": ("bench.routing_bench", "round-robin vs least-loaded vs cache-aware routing"),
     "tiers": ("bench.tiers_bench", "KV restore GB/s per offload tier vs recompute"),
+    "index": ("bench.index_bench", "block-index lookup: server-side (Lua) vs Python walk"),
     "soak": ("bench.soak", "mixed load against `splitserve up`: no 5xx, no leak, flat RSS"),
 }
 

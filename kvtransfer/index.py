@@ -182,9 +182,12 @@ if ARGV[2] ~= '' then
   allowed = {}
   for _, n in ipairs(cjson.decode(ARGV[2])) do allowed[n] = true end
 end
-local run, exc, order = {}, {}, {}
+-- run: node -> its run's length in this stretch; exc: node -> {pos, tier, ...}; pend:
+-- the nodes whose first field in the block being read was not 'device', and best: node
+-- -> its best field in that block (read only for the nodes in pend)
+local run, best, exc, order = {}, {}, {}, {}
 if not first then
-  for _, n in ipairs(cjson.decode(ARGV[3])) do run[n] = 0; exc[n] = {}; order[#order + 1] = n end
+  for _, n in ipairs(cjson.decode(ARGV[3])) do run[n] = 0; order[#order + 1] = n end
 end
 local function older(e, cur)
   local a = tonumber(string.match(e, '^%s*([+-]?%d+)%s*$'))
@@ -192,47 +195,50 @@ local function older(e, cur)
   return a == nil or b == nil or a < b
 end
 local RANK = {device = 0, host = 1, disk = 2}
--- field -> node (false: no node, or not allowed), tier, rank: each field parsed once
-local node_of, tier_of, rank_of = {}, {}, {}
-local stale, held = {}, 0
+-- field -> node (false: no node, or not allowed), its node's epoch, tier, tier's rank:
+-- each distinct field is parsed once per call
+local node_of, cur_of, tier_of, rank_of = {}, {}, {}, {}
+local stale, ns, held, pend = {}, 0, 0, {}
 for k = 2, #KEYS do
-  local p = k - 2
+  local p, any, np = k - 2, false, 0
   local row = redis.call('HGETALL', KEYS[k])
-  local best, seen = {}, {}  -- node -> its best field here; nodes in row order
   for j = 1, #row, 2 do
-    local field, epoch = row[j], row[j + 1]
+    local field = row[j]
     local node = node_of[field]
     if node == nil then
       local n, t = string.match(field, '^(.*)@([^@]*)$')
       if n == nil or n == '' or (allowed and not allowed[n]) then n = false end
       node, node_of[field], tier_of[field], rank_of[field] = n, n, t, RANK[t] or 3
+      cur_of[field] = n and epochs[n] or false
     end
     if node then
-      local cur = epochs[node]
+      local epoch, cur = row[j + 1], cur_of[field]
       if epoch == cur then
-        local b = best[node]
-        if b == nil then
-          seen[#seen + 1] = node
-          best[node] = field
-        elseif rank_of[field] < rank_of[b] then
-          best[node] = field
+        any = true
+        local r = run[node]
+        if r == nil and p == 0 and first then r = 0; order[#order + 1] = node end
+        if r == p then  -- the node's first current field here extends its run
+          run[node] = p + 1
+          if rank_of[field] > 0 then np = np + 1; pend[np] = node; best[node] = field end
+        elseif r == p + 1 then  -- another tier of the same block
+          local b = best[node]
+          if b and rank_of[field] < rank_of[b] then best[node] = field end
         end
-      elseif cur and #stale < cap and older(epoch, cur) then
-        stale[#stale + 1] = p; stale[#stale + 1] = field; stale[#stale + 1] = epoch
+      elseif cur and ns < cap and older(epoch, cur) then
+        stale[ns + 1], stale[ns + 2], stale[ns + 3] = p, field, epoch
+        ns = ns + 3
       end
     end
   end
-  if #seen == 0 then break end
+  if not any then break end
   held = held + 1
-  for _, node in ipairs(seen) do
-    local r = run[node]
-    if r == nil and p == 0 and first then
-      r = 0; exc[node] = {}; order[#order + 1] = node
-    end
-    if r == p then
-      run[node] = p + 1
-      local t = tier_of[best[node]]
-      if t ~= 'device' then local e = exc[node]; e[#e + 1] = p; e[#e + 1] = t end
+  for i = 1, np do  -- nodes whose first field here was not 'device': their best tier
+    local node = pend[i]
+    local t = tier_of[best[node]]
+    if t ~= 'device' then
+      local e = exc[node]
+      if e == nil then e = {}; exc[node] = e end
+      e[#e + 1] = p; e[#e + 1] = t
     end
   end
 end
@@ -241,10 +247,10 @@ for _, node in ipairs(order) do
   local r, e = run[node], exc[node]
   if r > 0 then
     local key = r
-    if #e > 0 then key = r .. cjson.encode(e) end
+    if e then key = r .. cjson.encode(e) end
     if sig_at[key] == nil then
       local s = {r}
-      for j = 1, #e do s[j + 1] = e[j] end
+      for j = 1, e and #e or 0 do s[j + 1] = e[j] end
       sigs[#sigs + 1] = s
       sig_at[key] = #sigs - 1
     end

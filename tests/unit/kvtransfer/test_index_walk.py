@@ -196,13 +196,16 @@ def test_odd_fields_and_epoch_spellings_are_read_as_the_python_walk_reads_them(s
         idx = index(server)
         await idx.register("a", 5)
         await idx.register("b@x", 5)
+        await idx.register("c", 5)
         await idx.apply("a", 5, stored=[(h, "disk") for h in hs])
         raw.hset(idx.block_key(hs[0]), mapping={
             "a@host": " 5 ",  # int() reads 5: not older, not current (a string compare)
             "a@device": "05", "a@lmcache": "4", "a@weird": "junk", "a@new": "6",
-            "b@x@device": "5", "b@x@host": "3", "nodeless": "5", "@device": "5"})
+            "b@x@device": "5", "b@x@host": "3", "nodeless": "5", "@device": "5",
+            "c@zeta": "5", "c@alpha": "5"})  # two tiers of equal rank: the first one met
         res, stale = await assert_same(idx, hs, None)
-        assert res == IndexLookup(2, {"a": ("disk", "disk"), "b@x": ("device",)})
+        assert res == IndexLookup(2, {"a": ("disk", "disk"), "b@x": ("device",),
+                                      "c": ("zeta",)})
         assert stale == 3  # "4", "junk", "b@x"'s "3"
         await idx.close()
 
