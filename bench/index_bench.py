@@ -7,8 +7,10 @@ The index is filled as a cluster at scale sees it: every worker holds a shared p
 `--private-blocks`); every 8th worker has offloaded the prefix's last blocks to host
 memory. Each lookup asks, for all workers, about the shared prefix, one worker's private
 run and `--new-blocks` blocks nobody holds (the request's new turn), the gateway's
-question. Figures per worker count: wall time per lookup (p50, mean) and the gateway
-process's CPU time per lookup, for both walks, and old / new. Both walks must answer
+question. Figures per worker count, for both walks: wall time per lookup (p50, mean),
+the gateway process's CPU time per lookup, and Redis's time in the walk's commands per
+lookup (INFO commandstats: HGETALL for the Python walk, EVALSHA for the Lua one, over a
+separate pass of `--lookups` / 4); and old / new (wall p50). Both walks must answer
 the same, or the bench fails.
 
 Ownership: the bench owns the redis-server it starts (killed before it returns); with
@@ -42,9 +44,11 @@ class Row:
     python_p50_ms: float
     python_mean_ms: float
     python_cpu_ms: float
+    python_redis_ms: float
     lua_p50_ms: float
     lua_mean_ms: float
     lua_cpu_ms: float
+    lua_redis_ms: float
 
     @property
     def ratio(self) -> float:
@@ -75,12 +79,13 @@ def run(args: argparse.Namespace) -> int:
         rows = asyncio.run(measure_all(url, counts, args))
     print(f"block index lookup, {args.shared_blocks} shared + {args.private_blocks} private "
           f"+ {args.new_blocks} new blocks, {args.lookups} lookups per walk "
-          "(wall p50 / mean, gateway CPU mean; ms)")
-    print(f"{'workers':>8}  {'python walk':>22}  {'lua walk':>22}  {'python/lua':>10}")
+          "(wall p50 / mean, gateway CPU, redis time; ms per lookup)")
+    print(f"{'workers':>8}  {'python walk':>31}  {'lua walk':>31}  {'python/lua':>10}")
     for r in rows:
-        print(f"{r.workers:>8}  {r.python_p50_ms:7.3f} / {r.python_mean_ms:6.3f} / "
-              f"{r.python_cpu_ms:6.3f}  {r.lua_p50_ms:7.3f} / {r.lua_mean_ms:6.3f} / "
-              f"{r.lua_cpu_ms:6.3f}  {r.ratio:9.1f}x")
+        print(f"{r.workers:>8}  {r.python_p50_ms:7.3f} / {r.python_mean_ms:7.3f} / "
+              f"{r.python_cpu_ms:7.3f} / {r.python_redis_ms:6.3f}  {r.lua_p50_ms:7.3f} / "
+              f"{r.lua_mean_ms:7.3f} / {r.lua_cpu_ms:7.3f} / {r.lua_redis_ms:6.3f}  "
+              f"{r.ratio:9.1f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) | {"ratio": r.ratio} for r in rows], f, indent=2)
@@ -182,9 +187,18 @@ async def measure(idx: RedisBlockIndex, workers: int, queries: list[list[BlockHa
             await walk(q)
             wall[name].append(time.perf_counter() - t0)
             cpu[name] += time.process_time() - c0
+    redis_ms = {}
+    for (name, walk), command in zip(walks.items(), ("hgetall", "evalsha"), strict=True):
+        # apart from the timed pass: a script's own HGETALLs count under HGETALL too
+        n = max(1, lookups // 4)
+        await idx.client.config_resetstat()
+        for i in range(n):
+            await walk(queries[i % len(queries)])
+        stats = await idx.client.info("commandstats")
+        redis_ms[name] = stats[f"cmdstat_{command}"]["usec"] / n / 1000.0
     ms = 1000.0
     return Row(workers,
                statistics.median(wall["python"]) * ms, statistics.fmean(wall["python"]) * ms,
-               cpu["python"] / lookups * ms,
+               cpu["python"] / lookups * ms, redis_ms["python"],
                statistics.median(wall["lua"]) * ms, statistics.fmean(wall["lua"]) * ms,
-               cpu["lua"] / lookups * ms)
+               cpu["lua"] / lookups * ms, redis_ms["lua"])

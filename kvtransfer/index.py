@@ -13,9 +13,9 @@ epoch, then registers it, which hides every older entry at once. Readers delete 
 older than their node's epoch lazily. Entries newer than the registered epoch belong to
 a snapshot still being written and are skipped, not deleted.
 
-Readers walk on the server: one Lua script (`_WALK`, EVALSHA) reads a stretch of the
-prompt's block keys in order and returns only the runs, not the holder fields (the
-client-side walk it replaced is kept as the reference: kvtransfer/index_pywalk.py).
+Readers walk on the server: one Lua script (kvtransfer/index_walk.py, EVALSHA) reads a
+stretch of the prompt's block keys in order and returns only the runs, not the holder
+fields (the client-side walk it replaced is the reference: kvtransfer/index_pywalk.py).
 The index is one Redis (no Redis Cluster): a script may touch any key; every key it
 touches is still passed in KEYS.
 
@@ -46,6 +46,7 @@ from redis.backoff import NoBackoff
 from engine.block_hash import BlockHash
 from kvtransfer.circuit import CircuitBreaker
 from kvtransfer.errors import KVTransferError
+from kvtransfer.index_walk import WALK, run_tiers
 
 log = logging.getLogger(__name__)
 
@@ -160,108 +161,6 @@ end
 return 1
 """
 
-# The walk of one stretch of a prompt, on the server (index_pywalk._extend's rules, block
-# by block). KEYS[1] epochs hash, KEYS[2..] the stretch's block keys in order. ARGV[1]
-# '1' when the stretch starts the prompt (any node may start a run there), else ARGV[3]
-# is the JSON list of nodes whose run reached the stretch; ARGV[2] the JSON list of
-# allowed nodes ('' = all); ARGV[4] how many stale entries to report at most.
-# Returns JSON [held, sigs, names, sig_of, stale]: `held` leading blocks of the stretch
-# some allowed node holds; per node with a run in the stretch (`names`, in the order
-# they first appear in the first block) the index into `sigs` of its run, a run being
-# [length, pos, tier, pos, tier ...] listing the positions whose best tier is not
-# 'device' (nodes with equal runs share one); stale: [pos, field, epoch, ...] in the
-# order met. Epochs are decimal integers below 2^53 (exact in Lua's doubles); an epoch
-# that is not counts as older, as in the reference. Empty lists come back as {}.
-_WALK = """
-local first, cap = ARGV[1] == '1', 3 * tonumber(ARGV[4])
-local epochs = {}
-local flat = redis.call('HGETALL', KEYS[1])
-for i = 1, #flat, 2 do epochs[flat[i]] = flat[i + 1] end
-local allowed = false
-if ARGV[2] ~= '' then
-  allowed = {}
-  for _, n in ipairs(cjson.decode(ARGV[2])) do allowed[n] = true end
-end
--- run: node -> its run's length in this stretch; exc: node -> {pos, tier, ...}; pend:
--- the nodes whose first field in the block being read was not 'device', and best: node
--- -> its best field in that block (read only for the nodes in pend)
-local run, best, exc, order = {}, {}, {}, {}
-if not first then
-  for _, n in ipairs(cjson.decode(ARGV[3])) do run[n] = 0; order[#order + 1] = n end
-end
-local function older(e, cur)
-  local a = tonumber(string.match(e, '^%s*([+-]?%d+)%s*$'))
-  local b = tonumber(string.match(cur, '^%s*([+-]?%d+)%s*$'))
-  return a == nil or b == nil or a < b
-end
-local RANK = {device = 0, host = 1, disk = 2}
--- field -> node (false: no node, or not allowed), its node's epoch, tier, tier's rank:
--- each distinct field is parsed once per call
-local node_of, cur_of, tier_of, rank_of = {}, {}, {}, {}
-local stale, ns, held, pend = {}, 0, 0, {}
-for k = 2, #KEYS do
-  local p, any, np = k - 2, false, 0
-  local row = redis.call('HGETALL', KEYS[k])
-  for j = 1, #row, 2 do
-    local field = row[j]
-    local node = node_of[field]
-    if node == nil then
-      local n, t = string.match(field, '^(.*)@([^@]*)$')
-      if n == nil or n == '' or (allowed and not allowed[n]) then n = false end
-      node, node_of[field], tier_of[field], rank_of[field] = n, n, t, RANK[t] or 3
-      cur_of[field] = n and epochs[n] or false
-    end
-    if node then
-      local epoch, cur = row[j + 1], cur_of[field]
-      if epoch == cur then
-        any = true
-        local r = run[node]
-        if r == nil and p == 0 and first then r = 0; order[#order + 1] = node end
-        if r == p then  -- the node's first current field here extends its run
-          run[node] = p + 1
-          if rank_of[field] > 0 then np = np + 1; pend[np] = node; best[node] = field end
-        elseif r == p + 1 then  -- another tier of the same block
-          local b = best[node]
-          if b and rank_of[field] < rank_of[b] then best[node] = field end
-        end
-      elseif cur and ns < cap and older(epoch, cur) then
-        stale[ns + 1], stale[ns + 2], stale[ns + 3] = p, field, epoch
-        ns = ns + 3
-      end
-    end
-  end
-  if not any then break end
-  held = held + 1
-  for i = 1, np do  -- nodes whose first field here was not 'device': their best tier
-    local node = pend[i]
-    local t = tier_of[best[node]]
-    if t ~= 'device' then
-      local e = exc[node]
-      if e == nil then e = {}; exc[node] = e end
-      e[#e + 1] = p; e[#e + 1] = t
-    end
-  end
-end
-local sigs, sig_at, names, sig_of = {}, {}, {}, {}
-for _, node in ipairs(order) do
-  local r, e = run[node], exc[node]
-  if r > 0 then
-    local key = r
-    if e then key = r .. cjson.encode(e) end
-    if sig_at[key] == nil then
-      local s = {r}
-      for j = 1, e and #e or 0 do s[j + 1] = e[j] end
-      sigs[#sigs + 1] = s
-      sig_at[key] = #sigs - 1
-    end
-    names[#names + 1] = node
-    sig_of[#sig_of + 1] = sig_at[key]
-  end
-end
-return cjson.encode({held, sigs, names, sig_of, stale})
-"""
-
-
 class RedisBlockIndex:
     """Reads and writes the index of one model. All methods run on one event loop."""
 
@@ -281,7 +180,7 @@ class RedisBlockIndex:
         self._apply = self._redis.register_script(_APPLY)
         self._register = self._redis.register_script(_REGISTER)
         self._del_if = self._redis.register_script(_DEL_IF)
-        self._walk_script = self._redis.register_script(_WALK)  # EVALSHA; loaded on NOSCRIPT
+        self._walk_script = self._redis.register_script(WALK)  # EVALSHA; loaded on NOSCRIPT
         self._cleanup: asyncio.Task[None] | None = None
         self.errors = 0  # failed calls (timeouts, connection errors), breaker refusals not
 
@@ -373,7 +272,7 @@ class RedisBlockIndex:
 
     async def _walk(self, hashes: list[BlockHash], nodes: set[str] | frozenset[str] | None,
                     max_stale: int) -> tuple[IndexLookup, list[StaleEntry]]:
-        """One `_WALK` call per stretch of `walk_blocks` blocks while every block of the
+        """One WALK call per stretch of `walk_blocks` blocks while every block of the
         stretch is held; the nodes whose run reaches a stretch's end go on into the next.
         Returns the lookup and at most `max_stale` stale entries, in the order met."""
         runs: dict[str, tuple[str, ...]] = {}
@@ -389,7 +288,7 @@ class RedisBlockIndex:
             sigs, names, sig_of, found = (x or [] for x in lists)  # cjson: [] comes as {}
             stale += [(keys[p], f, e)
                       for p, f, e in zip(found[::3], found[1::3], found[2::3], strict=True)]
-            tiers = [_run_tiers(s) for s in sigs]
+            tiers = [run_tiers(s) for s in sigs]
             for node, k in zip(names, sig_of, strict=True):
                 runs[node] = runs[node] + tiers[k] if i else tiers[k]
             i += held
@@ -446,16 +345,6 @@ class RedisBlockIndex:
                 await self._cleanup
         with contextlib.suppress(Exception):
             await self._redis.aclose()
-
-
-def _run_tiers(sig: list[Any]) -> tuple[str, ...]:
-    """A node's run from `_WALK`'s [length, pos, tier, pos, tier ...] (others: device)."""
-    if len(sig) == 1:
-        return ("device",) * sig[0]
-    tiers = ["device"] * sig[0]
-    for p, tier in zip(sig[1::2], sig[2::2], strict=True):
-        tiers[p] = tier
-    return tuple(tiers)
 
 
 def _current_nodes(row: dict[str, str], epochs: dict[str, str]) -> frozenset[str]:

@@ -1,7 +1,7 @@
 """The block index's walk done by the client: HGETALL of each block's hash, pipelined in
 growing chunks (16, 64, 256 ... blocks per round trip), every holder field of every
 block parsed in Python. It was RedisBlockIndex.lookup's walk until the walk moved onto
-the Redis server (kvtransfer/index.py, `_WALK`); it stays as the reference the server
+the Redis server (kvtransfer/index_walk.py); it stays as the reference the server
 walk is tested against (tests/unit/kvtransfer/test_index_walk.py) and as the baseline
 of `splitserve bench index`. Its cost grows with holders x blocks in gateway Python
 (~7 ms per lookup when 512 workers hold a 30-block prefix), which is why it moved.

@@ -24,5 +24,6 @@ def test_bench_index_quick(tmp_path: Path) -> None:
     assert [r["workers"] for r in rows] == [8, 32]
     for r in rows:
         assert r["python_p50_ms"] > 0 and r["lua_p50_ms"] > 0
+        assert r["python_redis_ms"] > 0 and r["lua_redis_ms"] > 0
         assert r["ratio"] == pytest.approx(r["python_p50_ms"] / r["lua_p50_ms"])
     assert "python/lua" in proc.stdout

@@ -1,4 +1,4 @@
-"""The server-side walk of the block index (`_WALK`, one Lua script) gives the client-side
+"""The server-side walk of the block index (index_walk.WALK, one Lua script) gives the client-side
 walk's answer (kvtransfer/index_pywalk.py, the reference) for every state: random
 histories of stores, removals, restarts (new epochs), snapshots under way, retirements
 and garbage fields, replayed into a real redis-server and queried with random prompts
