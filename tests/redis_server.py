@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -59,3 +60,13 @@ class RedisServer:
     def restart(self) -> None:
         self.kill()
         self.start()
+
+
+@contextlib.contextmanager
+def running_redis() -> Iterator[RedisServer]:
+    """A started RedisServer, killed when the block ends (a fixture's body)."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -13,7 +13,7 @@ from decode.kv_events import KVEventPublisher, PublisherConfig
 from engine.block_hash import BlockHash, hash_blocks, make_extra_key
 from engine.block_pool import BlockRemoved, BlockStored
 from kvtransfer.index import IndexConfig, IndexUnavailable, RedisBlockIndex
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, running_redis
 
 MODEL = "tiny"
 BS = 4
@@ -21,11 +21,8 @@ BS = 4
 
 @pytest.fixture
 def server():
-    s = RedisServer().start()
-    try:
+    with running_redis() as s:
         yield s
-    finally:
-        s.kill()
 
 
 def hashes(n: int, salt: str | None = None, first: int = 0) -> list[BlockHash]:

@@ -15,7 +15,7 @@ import redis
 from engine.block_hash import BlockHash, hash_blocks, make_extra_key
 from kvtransfer.index import IndexConfig, IndexLookup, RedisBlockIndex
 from kvtransfer.index_pywalk import python_walk
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, running_redis
 
 MODEL = "walk"
 BS = 4
@@ -24,11 +24,8 @@ TIERS = ("device", "host", "disk", "lmcache")
 
 @pytest.fixture(scope="module")
 def server():
-    s = RedisServer().start()
-    try:
+    with running_redis() as s:
         yield s
-    finally:
-        s.kill()
 
 
 def chains(n: int, depth: int) -> list[list[BlockHash]]:
