@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_hash import BlockHash, make_extra_key
-from engine.block_pool import KVBlock
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
@@ -20,6 +19,7 @@ from engine.model_runner import ModelRunner
 from engine.offload import KVOffload, OffloadConnector
 from engine.outputs import RequestOutput
 from engine.parallel import SampleGroup
+from engine.pins import Pins
 from engine.request import Request, RequestStatus
 from engine.sampler import Logprobs
 from engine.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self._tracks: dict[str, _Track] = {}
         self._groups: dict[str, SampleGroup] = {}  # n / best_of requests, by every member id
-        self._pins: dict[int, int] = {}  # block id -> references pin_cached holds
+        self.pins = Pins(self.kv.pool)  # blocks peers fetch from here (pin_cached)
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
@@ -276,46 +276,14 @@ class LLMEngine:
 
     # -- peer fetch (holder side) -------------------------------------------------------
     def pin_cached(self, hashes: list[BlockHash]) -> list[int]:
-        """Block ids holding the leading run of `hashes` here, each with a reference
-        taken so it is neither evicted nor reused until `unpin`: device prefix-cache hits
-        first, then blocks the offload tiers load into fresh (and now cached) blocks."""
-        pool = self.kv.pool
-        blocks = []
-        for h in hashes:
-            b = pool.get_cached_block(h)
-            if b is None:
-                break
-            blocks.append(b)
-        pool.touch(blocks)
-        rest = list(hashes[len(blocks):])
-        if rest and self.offload is not None:
-            blocks += self._load_pinned(rest, blocks[-1].block_hash if blocks else None)
-        ids = [b.block_id for b in blocks]
-        for i in ids:
-            self._pins[i] = self._pins.get(i, 0) + 1
-        return ids
-
-    def _load_pinned(self, hashes: list[BlockHash], parent: BlockHash | None) -> list[KVBlock]:
-        assert self.offload is not None
-        n = self.offload.offload.lookup(hashes)
-        new = self.kv.pool.get_new_blocks(n) if n else None
-        if not new:
-            return []
-        got = self.offload.offload.load(hashes[:n], [b.block_id for b in new],
-                                        self.runner.kv_cache)
-        self.kv.pool.free(new[got:])
-        self.kv.pool.cache_full_blocks(new[:got], hashes[:got], parent)
-        return new[:got]
+        """Block ids holding the leading run of `hashes` here, pinned until `unpin`
+        (engine/pins.py: device prefix-cache hits, then the offload tiers')."""
+        store = self.offload.offload if self.offload is not None else None
+        return [b.block_id for b in self.pins.pin(hashes, store, self.runner.kv_cache)]
 
     def unpin(self, block_ids: list[int]) -> None:
         """Drops the references `pin_cached` took."""
-        for i in block_ids:
-            left = self._pins[i] - 1
-            if left:
-                self._pins[i] = left
-            else:
-                del self._pins[i]
-        self.kv.pool.free(self.kv.pool.blocks[i] for i in block_ids)
+        self.pins.unpin([self.kv.pool.blocks[i] for i in block_ids])
 
     def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
         """Ends the request (as "error" when `error` is given) and frees its blocks;
@@ -447,7 +415,7 @@ class LLMEngine:
         return self.scheduler.stats()
 
     def check_integrity(self) -> None:
-        held = dict(self._pins)
+        held = dict(self.pins.counts)
         for b in (self.offload.saving if self.offload is not None else {}):
             held[b] = held.get(b, 0) + 1
         self.kv.check_integrity(held)

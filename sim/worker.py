@@ -23,6 +23,7 @@ from engine.block_pool import BlockRemoved, BlockStored, KVBlock
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
+from engine.pins import Pins
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -169,7 +170,7 @@ class SimWorker:
         self.current: Step | None = None
         self.version = 0
         self.link_free_at = 0.0  # this worker's egress link is busy until then
-        self.pins: dict[int, int] = {}
+        self.pins = Pins(self.kv.pool)
         # per-worker load figures for the report
         self.busy_s = 0.0
         self.steps = 0
@@ -432,38 +433,12 @@ class SimWorker:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    # -- peer fetch (holder side): LLMEngine.pin_cached / unpin ---------------------------
+    # -- peer fetch (holder side): engine/pins.py, as LLMEngine.pin_cached / unpin -------
     def pin(self, hashes: list[Any]) -> list[KVBlock]:
-        pool = self.kv.pool
-        blocks = []
-        for h in hashes:
-            b = pool.get_cached_block(h)
-            if b is None:
-                break
-            blocks.append(b)
-        pool.touch(blocks)
-        rest = hashes[len(blocks):]
-        if rest and self.offload is not None and self.tiers is not None:
-            n = self.tiers.lookup(rest)
-            new = pool.get_new_blocks(n) if n else None
-            if new:
-                got = self.tiers.load(rest[:n], [b.block_id for b in new], None)
-                pool.free(new[got:])
-                pool.cache_full_blocks(new[:got], rest[:got],
-                                       blocks[-1].block_hash if blocks else None)
-                blocks += new[:got]
-        for b in blocks:
-            self.pins[b.block_id] = self.pins.get(b.block_id, 0) + 1
-        return blocks
+        return self.pins.pin(hashes, self.tiers)
 
     def unpin(self, blocks: list[KVBlock]) -> None:
-        for b in blocks:
-            left = self.pins[b.block_id] - 1
-            if left:
-                self.pins[b.block_id] = left
-            else:
-                del self.pins[b.block_id]
-        self.kv.pool.free(blocks)
+        self.pins.unpin(blocks)
 
     def link(self, start: float, nbytes: int, kind: str = "kv") -> float:
         """Sends `nbytes` on this worker's egress link no earlier than `start`; returns
@@ -473,6 +448,6 @@ class SimWorker:
         return self.link_free_at
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(dict(self.pins))
+        self.kv.check_integrity(dict(self.pins.counts))
         if self.tiers is not None:
             self.tiers.check_integrity()

@@ -77,7 +77,7 @@ def test_conservation(tmp_path: Path, name: str) -> None:
     assert all(r.output_len == s.output_len for r, s in zip(res, specs) if r.ok)
     sim.check_integrity()
     for w in sim.workers.values():
-        assert not w.kv.req_blocks and not w.pins and not w.scheduler.held
+        assert not w.kv.req_blocks and not w.pins.counts and not w.scheduler.held
         assert w.kv.pool.num_free_blocks == w.kv.pool.num_blocks, w.worker_id
     if name == "disaggregated":
         assert sim.stats.remote_prefills > 0 and sim.stats.transfer_bytes["prefill"] > 0
