@@ -28,7 +28,7 @@ from bench.report import Report, write_report
 from bench.routing_bench import sample_trace
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
-from sim.cluster import ClusterConfig
+from sim.config import ClusterConfig
 from sim.profile import HardwareProfile, load_profile
 from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
 from sim.workload import mooncake, trace_rate

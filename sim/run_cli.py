@@ -18,7 +18,8 @@ from bench.metrics import by_tag, parse_slo, summarize
 from bench.report import Report, write_report
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
-from sim.cluster import ClusterConfig, Simulator
+from sim.cluster import Simulator
+from sim.config import ClusterConfig
 from sim.profile import HardwareProfile, load_profile
 from sim.workload import SimRequestSpec, mooncake, shared_prefix, synthetic
 

@@ -22,11 +22,12 @@ import time
 from dataclasses import replace
 from typing import cast
 
-from sim.cluster import ClusterConfig, Simulator
+from sim.cluster import Simulator
+from sim.config import ClusterConfig
 from sim.gateway import run_sync
 from sim.profile import load_profile
+from sim.request import Tokens
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
-from sim.worker import Tokens
 from sim.workload import SimRequestSpec, mooncake, trace_rate
 
 TARGET_REQUESTS, TARGET_WORKERS, TARGET_S = 1_000_000, 512, 600.0

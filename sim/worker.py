@@ -5,9 +5,7 @@ same order: schedule -> (restores) -> forward -> update_from_output -> stop chec
 finish; allocate_remote / remote_kv_ready for disaggregated requests; pin / unpin of
 cached blocks for peers.
 
-Requests carry no token ids: `SimRequest` is the engine's Request whose token lists are
-counters (the scheduler only counts tokens) and whose block hashes are given up front
-(sim/workload.py's BlockHasher), so no token is ever hashed.
+Requests carry no token ids (sim/request.py).
 """
 
 from __future__ import annotations
@@ -25,49 +23,14 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
 from engine.pins import Pins
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
+from sim.request import SimRequest
 from sim.tiers import SimTiers
 
-PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # never read
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
-
-
-class Tokens:
-    """A token list that only counts (len, append): what the scheduler reads."""
-
-    __slots__ = ("n",)
-
-    def __init__(self, n: int = 0) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def append(self, token: int) -> None:
-        self.n += 1
-
-
-class SimRequest(Request):
-    """engine.request.Request with counting token lists and precomputed hashes."""
-
-    max_output = 0  # the client's max_tokens: the trace's output length
-
-    def __post_init__(self) -> None:
-        self.all_token_ids = cast(list[int], Tokens(len(self.prompt_token_ids)))
-        self.output_token_ids = cast(list[int], Tokens())
-
-    def update_block_hashes(self, block_size: int) -> list[Any]:
-        return self.block_hashes  # every full block's hash is known from the start
-
-    def hand_ahead(self, n: int) -> None:
-        """Counts `n` tokens more (negative: fewer) as sampled, so that the scheduler
-        gives a decoding request the next n + 1 tokens in one step."""
-        cast(Tokens, self.all_token_ids).n += n
-        cast(Tokens, self.output_token_ids).n += n
 
 
 def _iterations(out: SchedulerOutput) -> int:
@@ -78,14 +41,6 @@ def _iterations(out: SchedulerOutput) -> int:
                 s.request.num_prompt_tokens:
             n = s.num_new_tokens
     return n
-
-
-def make_request(request_id: str, prompt_len: int, hashes: list[Any], arrival: float,
-                 hold_kv: bool = False, max_output: int = 0) -> SimRequest:
-    req = SimRequest(request_id, cast(list[int], Tokens(prompt_len)), PARAMS,
-                     arrival_time=arrival, hold_kv=hold_kv, block_hashes=hashes)
-    req.max_output = max_output
-    return req
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ from bench.load import LoadSpec
 from bench.routing_bench import SaltedClient, sample_trace
 from bench.runner import Phase, run_phase
 from sim.calibrate import serving_overheads, serving_requests
-from sim.cluster import ClusterConfig
+from sim.config import ClusterConfig
 from sim.profile import load_profile
 from sim.run_cli import MOONCAKE_TRACE, simulate
 from sim.workload import from_bench

@@ -13,7 +13,8 @@ import pytest
 from bench.datasets import LengthDist
 from gateway.routing.locality import PrefixLocalityScorer
 from gateway.routing.profile import RoutingProfile
-from sim.cluster import ClusterConfig, Simulator
+from sim.cluster import Simulator
+from sim.config import ClusterConfig
 from sim.profile import load_profile
 from sim.workload import SimRequestSpec, mooncake, shared_prefix, synthetic
 

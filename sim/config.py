@@ -1,0 +1,51 @@
+"""What a simulated cluster is made of (`splitserve sim run`'s options): the worker
+pools, their KV capacity and tiers, the gateway's routing and limits, and the exactness
+switches (decode stride, decode windows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.routing.profile import RoutingProfile
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 2
+    num_blocks: int = 0  # per worker; 0: the profile's
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    routing: RoutingProfile = field(default_factory=RoutingProfile)
+    report_interval_s: float = 0.1  # decode/config.py load_interval_ms
+    max_in_flight: int = 0  # the gateway's limit (429 beyond); 0: none
+    max_model_len: int = 131072  # llama 3.1's context: the Mooncake trace's prompts fit
+    salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
+    itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
+    seed: int = 0  # the pickers' randomness when the routing profile sets none
+    # > 1: an approximation for speed. A decoding request is handed this many tokens at
+    # once, so one engine step stands for up to that many decode iterations; new work
+    # cuts such a step at the running iteration, a step that prefills is one iteration.
+    # 1: exact.
+    decode_stride: int = 1
+    # Exact either way: a worker whose requests all decode runs the iterations until
+    # one of them ends as one scheduler step (sim/worker.py decode_window), cut short
+    # by new work. False: one scheduler step per iteration
+    # (the reference the tests hold the windows against).
+    decode_windows: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefill and not self.decode:
+            raise ValueError("prefill workers need decode workers")
+        if self.decode + self.colocated < 1:
+            raise ValueError("need at least one decode or colocated worker")
+        if min(self.prefill, self.decode, self.colocated, self.num_blocks, self.host_blocks,
+               self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0 \
+                or self.decode_stride < 1:
+            raise ValueError("counts must be >= 0, itl_every and decode_stride >= 1, report "
+                             "interval >= 0")
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
