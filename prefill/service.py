@@ -5,9 +5,9 @@ so each chunked-prefill step reports which blocks are complete; a single writer 
 per call pushes those blocks to the decode's destination blocks over kvtransfer while
 the engine computes the next chunk. On CUDA each step's output carries the event
 recorded after its forward (`kv_ready`) and the write waits on that event, not on the
-forwards queued after it, so chunk c's copy overlaps chunk c+1's forward; at the end the last (partial) block goes too, the
-receiver's verdict is awaited, the held blocks are released and the first token is
-returned. A cancelled call cancels its writes, fences the transfer on the receiver and
+forwards queued after it, so chunk c's copy overlaps chunk c+1's forward. At the end
+the last (partial) block goes too, the receiver's verdict is awaited, the held blocks
+are released and the first token is returned. A cancelled call cancels its writes, fences the transfer on the receiver and
 frees its blocks.
 """
 
