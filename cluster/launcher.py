@@ -229,9 +229,11 @@ class LocalCluster:
         os.replace(tmp, self.status_path)
 
     # -- stopping --------------------------------------------------------------------------
-    def stop_child(self, child: Child, sig: int = signal.SIGTERM) -> int | None:
-        """Stops `child` for good (supervision does not restart it)."""
-        return self.supervisor.stop(child, sig, self.spec.stop_timeout_s)
+    def stop_child(self, child: Child, sig: int = signal.SIGTERM,
+                   timeout_s: float | None = None) -> int | None:
+        """Stops `child` for good (supervision does not restart it); past `timeout_s`
+        (default: the spec's stop timeout) it is killed."""
+        return self.supervisor.stop(child, sig, timeout_s or self.spec.stop_timeout_s)
 
     def stop(self) -> None:
         """Gateway first (no new work), then workers (they drain), then redis."""
