@@ -36,8 +36,13 @@ def test_report_files(tmp_path: Path) -> None:
     md = Path(paths["markdown"]).read_text()
     assert "| slow | poisson 1.0 req/s | 10/11 |" in md
     assert "![demo-rate](demo-rate.png)" in md and "Per workload class in `fast`" in md
+    # a hand-written section (`<name>.page.md`) survives publishing, in name order
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "dem.page.md").write_text("## Notes by hand\n\nkept\n")
     page = Path(publish(report, paths, docs_dir=str(tmp_path / "docs"))).read_text()
     assert "## Demo report (`demo`)" in page and "| `ttft_p50` | 0.15 |" in page
+    assert "| slow | poisson 1.0 req/s | 10/11 |" in page  # the phase table
+    assert page.index("## Notes by hand\n\nkept") < page.index("## Demo report")
     assert (tmp_path / "docs" / "results" / "demo-rate.png").is_file()
 
 
