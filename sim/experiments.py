@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
     phases = [r.phase for r in runs]
     summary = HEADLINES[args.name](runs)
     n = sum(len(p.results) for p in phases)
+    # one report per scale: the default 8 GPUs keep the plain name
+    name = f"sim-{args.name}" + (f"-{args.workers}gpu" if args.workers != 8 else "")
     report = Report(
-        f"sim-{args.name}", TITLES[args.name].format(w=args.workers, hw=prof.name), phases,
+        name, TITLES[args.name].format(w=args.workers, hw=prof.name), phases,
         summary=summary,
         config={"hardware": prof.name, "model": prof.model_shape if not prof.model else "",
                 "workers": args.workers, "requests_per_phase": args.requests,
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "
                f"{wall:.0f} s of wall time.", *NOTES[args.name]])
     paths = write_report(report, args.out_dir)
-    extra = metric_plot(phases, os.path.join(args.out_dir, f"sim-{args.name}-goodput.png"),
+    extra = metric_plot(phases, os.path.join(args.out_dir, f"{name}-goodput.png"),
                         report.title)
     _finish_json(paths["json"][0], extra)
     if extra:
