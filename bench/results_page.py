@@ -13,9 +13,10 @@ import json
 import os
 import shutil
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from bench.report import Report, phase_table
+from bench.runner import Phase
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("disagg", "transports", "decider", "routing", "fairness", "faults")
@@ -77,7 +78,9 @@ def _section(data: dict[str, Any], rel: str) -> list[str]:
     for table in data.get("tables", []):
         lines += [*table, ""]
     if data.get("phases"):
-        lines += [*phase_table([SimpleNamespace(**p) for p in data["phases"]]), ""]
+        # the JSON's phases carry what the table reads (name, load, summary)
+        phases = cast(list[Phase], [SimpleNamespace(**p) for p in data["phases"]])
+        lines += [*phase_table(phases), ""]
     lines += [f"- {n}" for n in data.get("notes", [])]
     lines.append("")
     lines += [f"![{p}]({rel}/{p})" for p in data.get("plots", [])]

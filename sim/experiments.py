@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from bench.metrics import parse_slo
@@ -52,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="the gateway's limit (its default; 429 beyond; 0: none)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="phases simulated at once, one process each (default: one per CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         args.sampled = sample_trace(args.trace, args.sample, args.requests,
                                     os.path.join(tmp, "trace.jsonl"))
-        runs = RUNNERS[args.name](args, prof, slo, rates)
+        runs = run_jobs(args, prof, slo, RUNNERS[args.name](args, prof, rates))
     wall = time.perf_counter() - t0
     phases = [r.phase for r in runs]
     summary = HEADLINES[args.name](runs)
@@ -113,44 +118,67 @@ def _trace(args: argparse.Namespace, rate_per_gpu: float) -> Any:
     return mooncake(args.sampled, limit=args.requests, time_scale=scale)
 
 
-def _run(args: argparse.Namespace, prof: HardwareProfile, cfg: ClusterConfig,
-         slo: dict[str, float], rate: float, config: str, **params: Any) -> SimRun:
-    name = f"{config} @ {rate:g}/GPU"
+@dataclass(frozen=True)
+class Job:
+    """One phase: a cluster, a load (req/s per GPU) and the phase's labels."""
+
+    cfg: ClusterConfig
+    rate: float
+    config: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def _job(cfg: ClusterConfig, rate: float, config: str, **params: Any) -> Job:
+    return Job(cfg, rate, config, params)
+
+
+def _run(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
+         job: Job) -> SimRun:
+    name = f"{job.config} @ {job.rate:g}/GPU"
     print(f"  {name}...", flush=True)
-    return simulate(replace(cfg, seed=args.seed, itl_every=10, max_in_flight=args.max_in_flight,
-                            decode_stride=args.decode_stride), prof, _trace(args, rate),
-                    name, slo, {"rate": rate * args.workers, **params}, config)
+    return simulate(replace(job.cfg, seed=args.seed, itl_every=10,
+                            max_in_flight=args.max_in_flight, decode_stride=args.decode_stride),
+                    prof, _trace(args, job.rate), name, slo,
+                    {"rate": job.rate * args.workers, **job.params}, job.config)
+
+
+def run_jobs(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
+             jobs: list[Job]) -> list[SimRun]:
+    """The phases, `args.jobs` at a time in worker processes (each is its own seeded
+    simulation: the results do not depend on how many run at once), in order."""
+    run_one = partial(_run, args, prof, slo)
+    if args.jobs <= 1 or len(jobs) <= 1:
+        return [run_one(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs)),
+                             mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(run_one, jobs))
 
 
 # -- routing ---------------------------------------------------------------------------
-def routing(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
-            rates: list[float]) -> list[SimRun]:
+def routing(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -> list[Job]:
     out = []
     for rate in rates:
         for name in ("round_robin", "least_loaded", "cache_aware"):
             cfg = ClusterConfig(colocated=args.workers, routing=routing_profile(name, args.seed))
-            out.append(_run(args, prof, cfg, slo, rate, name))
+            out.append(_job(cfg, rate, name))
     return out
 
 
 # -- pd-ratio ----------------------------------------------------------------------------
-def pd_ratio(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
-             rates: list[float]) -> list[SimRun]:
+def pd_ratio(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -> list[Job]:
     w = args.workers
     out = []
     routing = RoutingProfile(seed=args.seed)
     for rate in rates:
-        out.append(_run(args, prof, ClusterConfig(colocated=w, routing=routing), slo, rate,
-                        f"colocated {w}"))
+        out.append(_job(ClusterConfig(colocated=w, routing=routing), rate, f"colocated {w}"))
         for p in range(1, w):
             cfg = ClusterConfig(prefill=p, decode=w - p, colocated=0, routing=routing)
-            out.append(_run(args, prof, cfg, slo, rate, f"{p}P:{w - p}D", prefill=p))
+            out.append(_job(cfg, rate, f"{p}P:{w - p}D", prefill=p))
     return out
 
 
 # -- tiers -------------------------------------------------------------------------------
-def tiers(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
-          rates: list[float]) -> list[SimRun]:
+def tiers(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -> list[Job]:
     """Device caches of 1/8, 1/4 and 1/2 of an H100's; behind each: nothing, a host
     tier of 4x the device, host + disk (16x). Then peer fetch on and off in a 2P:6D
     split with the smallest device cache."""
@@ -163,14 +191,13 @@ def tiers(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float]
                                   ("+host+disk", 4 * nb, 16 * nb)):
             cfg = ClusterConfig(colocated=w, num_blocks=nb, host_blocks=host,
                                 disk_blocks=disk, routing=routing)
-            out.append(_run(args, prof, cfg, slo, rate, f"{label} 1/{frac}",
-                            device_blocks=nb))
+            out.append(_job(cfg, rate, f"{label} 1/{frac}", device_blocks=nb))
     nb = prof.num_blocks // 8
     pd = RoutingProfile.from_dict({**RoutingProfile().to_dict(), "seed": args.seed})
     for label, need in (("peer fetch", 2), ("no peer fetch", 0)):
         cfg = ClusterConfig(prefill=w // 4, decode=w - w // 4, colocated=0, num_blocks=nb,
                             routing=replace(pd, peer_fetch_min_blocks=need))
-        out.append(_run(args, prof, cfg, slo, rate, f"{label} 1/8", device_blocks=nb))
+        out.append(_job(cfg, rate, f"{label} 1/8", device_blocks=nb))
     return out
 
 
@@ -285,7 +312,7 @@ def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
 
 DEFAULT_RATES = {"routing": [0.5, 1.0, 2.0, 3.0, 4.0], "pd-ratio": [1.0, 2.0],
                  "tiers": [1.0]}
-RUNNERS: dict[str, Callable[..., list[SimRun]]] = {
+RUNNERS: dict[str, Callable[..., list[Job]]] = {
     "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers}
 HEADLINES: dict[str, Callable[[list[SimRun]], dict[str, Any]]] = {
     "routing": routing_headline, "pd-ratio": pd_headline, "tiers": tiers_headline}

@@ -1,0 +1,37 @@
+"""`splitserve sim experiment`: a report per experiment, and the same figures whether
+its phases run one after the other or in parallel processes (each is its own seeded
+simulation)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sim import experiments
+from tests.unit.sim.test_simulator import TRACE
+
+
+def test_experiment_report_is_the_same_serial_and_parallel(tmp_path: Path) -> None:
+    name = "routing"
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE * 3))
+    p = argparse.ArgumentParser()
+    experiments.add_arguments(p)
+    got = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        args = p.parse_args([name, "--workers", "4", "--requests", "20", "--sample", "1",
+                             "--rates", "2", "--trace", str(trace), "--out-dir", str(out),
+                             "--jobs", str(jobs)])
+        assert experiments.run(args) == 0
+        stem = f"sim-{name}-4gpu"
+        assert (out / f"{stem}.md").is_file() and (out / f"{stem}-goodput.png").is_file()
+        got[jobs] = json.loads((out / f"{stem}.json").read_text())
+    assert got[1]["summary"] == got[2]["summary"]
+    assert [ph["summary"] for ph in got[1]["phases"]] == \
+        [ph["summary"] for ph in got[2]["phases"]]
+    assert [ph["name"] for ph in got[1]["phases"]] == [
+        f"{r} @ 2/GPU" for r in ("round_robin", "least_loaded", "cache_aware")]
+    assert all(ph["summary"]["completed"] == ph["summary"]["requests"] == 20
+               for ph in got[1]["phases"])
