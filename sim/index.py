@@ -133,22 +133,29 @@ class InProcessBlockIndex:
         best tier per block (RedisBlockIndex._walk's result)."""
         self.lookups += 1
         allowed = self._allowed_bits(nodes)
+        everyone = (1 << len(self._names)) - 1
+        masked = allowed & everyone != everyone  # some node is left out
         device, other_bits = self._device, self._other_bits
+        get = device.get
         alive = 0  # nodes holding every block so far
         ends: list[tuple[int, int]] = []  # (nodes whose run ended, its length)
         tiered = 0  # nodes whose run holds a block in another tier only
         i = 0
         for h in hashes:
-            d = device.get(h, 0)
+            d = get(h, 0)
             o = other_bits.get(h, 0) if other_bits else 0
-            bits = (d | o) & allowed
+            bits = d | o if o else d
+            if masked:
+                bits &= allowed
             if not bits:
                 break
             if i == 0:
                 alive = bits
-            elif alive & ~bits:
-                ends.append((alive & ~bits, i))
-                alive &= bits
+            else:
+                kept = alive & bits
+                if kept != alive:
+                    ends.append((alive ^ kept, i))
+                    alive = kept
             if o:
                 tiered |= o & ~d & alive
             i += 1
