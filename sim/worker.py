@@ -225,7 +225,9 @@ class SimWorker:
             if len(table) - h != len(m):
                 raise RuntimeError("decode window: the scheduler took other blocks")
             table[h:] = m
-        pool.take_events()  # the evictions: published per iteration (Window.evictions)
+        # the evictions: published per iteration instead (Window.evictions)
+        if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()):
+            raise RuntimeError("decode window: the scheduler did more than take blocks")
         dts = self.latency.decode_iterations(computed, k)
         if self.profile.token_overhead_s:
             dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
