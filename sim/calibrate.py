@@ -187,25 +187,45 @@ def serving_requests(model_dir: str, n: int, seed: int) -> list[Any]:
                      seed=seed)
 
 
-def serving_overheads(profile: HardwareProfile, results: list[Any]) -> dict[str, float]:
+def serving_overheads(profile: HardwareProfile, results: list[Any],
+                      fit_speed: bool = False) -> dict[str, float]:
     """From requests run one at a time on an idle cluster: the medians of measured minus
-    modelled TTFT (`request_overhead_s`) and TPOT (`token_overhead_s`)."""
+    modelled TTFT (`request_overhead_s`) and TPOT (`token_overhead_s`).
+
+    With `fit_speed`, the profile's token overhead is kept and the TPOTs measure instead
+    how much slower than the profile the machine runs the engine right now (`speed`, the
+    median of measured over modelled TPOT: a decode step is engine time alone); the
+    request overhead is then what TTFT leaves over the modelled prefill at that speed.
+    A shared machine's speed drifts by tens of percent from the calibration's moment:
+    left in the request overhead, the drift reads as a fixed cost per request, paid in
+    full by requests whose prefill was a cache hit."""
     from sim.latency import LatencyModel
 
     lat = LatencyModel(profile)
-    ttft, tpot = [], []
+    rows = []  # (measured TTFT, modelled prefill, measured TPOT, modelled decode step)
     for r in results:
-        if not r.ok or r.ttft_s is None:
-            continue
-        p = r.prompt_len
-        ttft.append(r.ttft_s - lat.seconds(p, 1, p * (p + 1) // 2, p, 1))
-        if r.tpot_s is not None:
-            tpot.append(r.tpot_s - lat.seconds(1, 1, p + 8, p + 8, 1))
-    if not ttft:
+        if r.ok and r.ttft_s is not None:
+            p = r.prompt_len
+            rows.append((r.ttft_s, lat.seconds(p, 1, p * (p + 1) // 2, p, 1), r.tpot_s,
+                         lat.seconds(1, 1, p + 8, p + 8, 1)))
+    if not rows:
         raise RuntimeError("no request of the serving calibration succeeded")
-    return {"request_overhead_s": max(0.0, statistics.median(ttft)),
-            "token_overhead_s": max(0.0, statistics.median(tpot)) if tpot else 0.0,
-            "serving_requests": float(len(ttft))}
+    speed = 1.0
+    decode = [(tpot, step) for _, _, tpot, step in rows if tpot is not None]
+    if fit_speed and decode:
+        lo, hi = SPEED_RANGE
+        speed = min(hi, max(lo, statistics.median(
+            tpot / (step + profile.token_overhead_s) for tpot, step in decode)))
+    ttft = [t - speed * prefill for t, prefill, _, _ in rows]
+    if fit_speed:
+        token = profile.token_overhead_s
+    else:
+        token = max(0.0, statistics.median(t - step for t, step in decode)) if decode else 0.0
+    return {"request_overhead_s": max(0.0, statistics.median(ttft)), "token_overhead_s": token,
+            "speed": speed, "serving_requests": float(len(ttft))}
+
+
+SPEED_RANGE = (0.5, 4.0)  # a fitted speed outside it is a broken measurement, clamped
 
 
 def run(args: argparse.Namespace) -> int:

@@ -107,6 +107,20 @@ class HardwareProfile:
         return cls(**d)
 
 
+def at_speed(profile: HardwareProfile, speed: float) -> HardwareProfile:
+    """`profile` on a machine `speed` times slower: every modelled step time multiplied
+    by `speed` (peaks divided, per-step and per-sequence costs multiplied); links and
+    serving overheads unchanged."""
+    from dataclasses import replace
+
+    if speed <= 0:
+        raise ValueError(f"speed must be > 0, got {speed}")
+    return replace(profile, peak_flop_s=profile.peak_flop_s / speed,
+                   bandwidth_bytes_s=profile.bandwidth_bytes_s / speed,
+                   step_overhead_s=profile.step_overhead_s * speed,
+                   seq_overhead_s=profile.seq_overhead_s * speed)
+
+
 def profile_path(name: str) -> str:
     return os.path.join(PROFILE_DIR, f"{name}.json")
 

@@ -4,10 +4,13 @@ routing) replays a Mooncake trace sample; the simulator replays the same request
 same arrival times with the checked-in CPU profile (sim/profiles/cpu.json). TTFT and
 TPOT p50 agree within 15 % and the prefix-cache hit rate within 2 points.
 
-The engine's step model comes from the profile; the serving overheads (gateway + RPC per
-request, streaming per token) are re-measured on this cluster first, from requests sent
-one at a time (the calibration's own method, sim/calibrate.py), because on this shared
-2-core machine they follow the load of the moment. The trace replay is not used for it.
+The engine's step model and the streaming cost per token come from the profile; the
+machine's speed of the moment (one factor on every modelled step time, from the TPOTs)
+and the serving overhead per request (gateway + RPC) are re-measured on this cluster,
+from requests sent one at a time (the calibration's own method, sim/calibrate.py),
+because on a shared 2-core machine they follow the load of the moment: half just before
+the replay and half just after it (each with cold caches), so that a drift during the
+attempt cancels out. The trace replay itself is not used for it.
 Other processes on the machine can slow a replay for seconds (TPOT doubling): an attempt
 off tolerance is run again (cold caches: a fresh cache_salt), at most ATTEMPTS times,
 and every attempt's figures are printed.
@@ -29,7 +32,7 @@ from bench.routing_bench import SaltedClient, sample_trace
 from bench.runner import Phase, run_phase
 from sim.calibrate import serving_overheads, serving_requests
 from sim.config import ClusterConfig
-from sim.profile import load_profile
+from sim.profile import at_speed, load_profile
 from sim.run_cli import MOONCAKE_TRACE, simulate
 from sim.workload import from_bench
 
@@ -39,14 +42,15 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(MOONCAKE_TRACE),
 PINS = {"colocated-0": "0", "colocated-1": "1"}
 TOLERANCE = {"ttft_p50": 0.15, "tpot_p50": 0.15}
 HIT_POINTS = 0.02
-ATTEMPTS = 3  # the machine is shared: a replay another process disturbed is run again
+ATTEMPTS = 4  # the machine is shared: a replay another process disturbed is run again
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any], fitted: dict[str, float],
             ) -> tuple[list[str], list[str]]:
     """(figures off tolerance, one line per figure: real, simulated, difference)."""
     lines = [f"serving overheads: request {fitted['request_overhead_s'] * 1e3:.2f} ms, "
-             f"token {fitted['token_overhead_s'] * 1e3:.2f} ms"]
+             f"token {fitted['token_overhead_s'] * 1e3:.2f} ms; engine steps at "
+             f"{fitted['speed']:.2f}x the profile's"]
     off = []
     for name, key in (("ttft_p50", "ttft_s"), ("tpot_p50", "tpot_s")):
         r, s = real[key]["p50"], sim[key]["p50"]
@@ -82,19 +86,24 @@ def test_simulator_matches_a_real_cluster(tmp_path: Path) -> None:
     async def body(_: Any) -> list[Phase]:
         for attempt in range(1, ATTEMPTS + 1):
             # A salt of its own per attempt: every replay starts with cold caches.
-            client = SaltedClient(url, f"sim-validation-{attempt}", 60.0)
+            client = SaltedClient(url, "", 60.0)
+            one: list[Any] = []
             try:
-                one = await run_phase(client, sequential, LoadSpec("concurrency",
-                                                                   concurrency=1),
-                                      name="overheads", progress=False)
-                real = await run_phase(client, reqs, LoadSpec("trace"), name="trace",
-                                       progress=False)
+                for phase in ("before", "trace", "after"):
+                    client.salt = f"sim-validation-{attempt}-{phase}"
+                    if phase == "trace":
+                        real = await run_phase(client, reqs, LoadSpec("trace"),
+                                               name="trace", progress=False)
+                    else:
+                        one += (await run_phase(client, sequential, LoadSpec(
+                            "concurrency", concurrency=1), name=phase,
+                            progress=False)).results
             finally:
                 await client.close()
             assert real.summary["failed"] == 0, real.summary["errors"]
-            fitted = serving_overheads(cpu, one.results)
-            prof = replace(cpu, request_overhead_s=fitted["request_overhead_s"],
-                           token_overhead_s=fitted["token_overhead_s"])
+            fitted = serving_overheads(cpu, one, fit_speed=True)
+            prof = replace(at_speed(cpu, fitted["speed"]),
+                           request_overhead_s=fitted["request_overhead_s"])
             sim = simulate(ClusterConfig(colocated=2, max_in_flight=256), prof,
                            from_bench(reqs, LoadSpec("trace")), "sim").phase.summary
             assert sim["failed"] == 0

@@ -33,6 +33,12 @@ def poll_until(sup: Supervisor, cond, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def runs(child) -> int:
+    """How many times the child's script began: its "run" lines in the log."""
+    with open(child.log_path) as f:
+        return f.read().splitlines().count("run")
+
+
 def test_backoff_doubles_to_the_cap_and_resets_after_a_long_run() -> None:
     p = RestartPolicy(backoff_initial_s=0.5, backoff_max_s=10, reset_after_s=30)
     delays, last = [], None
@@ -55,11 +61,13 @@ def test_killed_child_is_restarted_with_the_same_command_and_log(tmp_path, caplo
     child = start(sup, tmp_path, "svc", "echo run; exec sleep 30")
     first = child.proc.pid
     try:
+        # Killed before its first line, the child would log "run" once in all.
+        poll_until(sup, lambda: runs(child) == 1)
         os.kill(first, signal.SIGKILL)
         poll_until(sup, lambda: child.restarts == 1 and child.proc.poll() is None)
         assert child.proc.pid != first and child.last_exit == "killed by SIGKILL"
         assert sup.restarts() == {"svc": 1}
-        poll_until(sup, lambda: open(child.log_path).read().count("run") == 2)
+        poll_until(sup, lambda: runs(child) == 2)
         assert "restart #1 of svc" in open(child.log_path).read()
         assert "svc" in caplog.text and "killed by SIGKILL" in caplog.text
         assert child.log_path in caplog.text

@@ -38,3 +38,29 @@ def test_checked_in_profiles_load_and_time_steps(tmp_path: Path) -> None:
     assert 0.004 < LatencyModel(h100).seconds(1, 1, 100, 100, 1) < 0.02
     with pytest.raises(ValueError):
         replace(h100, combine="min")
+
+
+def test_serving_fit_recovers_the_machines_speed_and_request_overhead() -> None:
+    """Requests timed on a machine 1.3x slower than the profile with 5 ms per request:
+    the speed comes from the TPOTs, the overhead from what TTFT leaves at that speed."""
+    from types import SimpleNamespace
+
+    from sim.calibrate import serving_overheads
+    from sim.profile import at_speed
+
+    cpu = load_profile("cpu")
+    slow = LatencyModel(at_speed(cpu, 1.3))
+    results = [SimpleNamespace(ok=True, prompt_len=p,
+                               ttft_s=0.005 + slow.seconds(p, 1, p * (p + 1) // 2, p, 1),
+                               tpot_s=slow.seconds(1, 1, p + 8, p + 8, 1))
+               for p in (32, 90, 200, 311, 480)]
+    results.append(SimpleNamespace(ok=False, prompt_len=64, ttft_s=None, tpot_s=None))
+    fit = serving_overheads(cpu, results, fit_speed=True)
+    assert fit["speed"] == pytest.approx(1.3, rel=1e-6)
+    assert fit["request_overhead_s"] == pytest.approx(0.005, rel=1e-6)
+    assert fit["token_overhead_s"] == cpu.token_overhead_s
+    # Without the speed fit the slowness is read as overheads instead.
+    plain = serving_overheads(cpu, results)
+    assert plain["speed"] == 1.0 and plain["request_overhead_s"] > 0.01
+    assert LatencyModel(at_speed(cpu, 2.0)).seconds(100, 1, 5050, 100, 1) == pytest.approx(
+        2 * LatencyModel(cpu).seconds(100, 1, 5050, 100, 1))
