@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between reads of the stored scheduling strategies")
     p.add_argument("--index-timeout-ms", type=int, default=50,
                    help="deadline of one Redis block index lookup")
-    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="requests in flight at this gateway; more get 429 (default 0: 32 "
+                        "per decode/colocated worker, at least 256)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--block-size", type=int, default=16)

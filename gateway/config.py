@@ -8,6 +8,17 @@ from gateway.identity import TenantKey
 from gateway.routing.profile import RoutingProfile
 from protos.auth import RpcSecurity
 
+MIN_IN_FLIGHT = 256  # the automatic in-flight limit of a small cluster
+# Per serving worker: a fixed 256 turned away 20-34 % of requests on 64 simulated GPUs at
+# 1 req/s each (docs/results.md, sim-routing-64gpu); 32 per GPU turned none away.
+IN_FLIGHT_PER_WORKER = 32
+
+
+def in_flight_limit(configured: int, serving_workers: int) -> int:
+    """The gateway's limit on requests in flight: `configured` when set (> 0), else
+    IN_FLIGHT_PER_WORKER per serving (decode or colocated) worker, at least MIN_IN_FLIGHT."""
+    return configured or max(MIN_IN_FLIGHT, IN_FLIGHT_PER_WORKER * serving_workers)
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -21,7 +32,9 @@ class GatewayConfig:
     redis_url: str | None = None
     static_workers: tuple[str, ...] = ()  # host:port of decode/colocated/prefill workers
     api_keys: tuple[str, ...] = ()  # empty: no auth
-    max_in_flight: int = 256  # more concurrent requests get 429 / RESOURCE_EXHAUSTED
+    # More concurrent requests get 429 / RESOURCE_EXHAUSTED. 0: grows with the cluster
+    # (in_flight_limit: IN_FLIGHT_PER_WORKER per serving worker, at least MIN_IN_FLIGHT).
+    max_in_flight: int = 0
     client_max_size: int = 4 * 1024 * 1024  # bytes of an HTTP body
     request_timeout_s: float = 600.0  # whole-request deadline when the client sets none
     worker_rpc_timeout_s: float = 2.0  # Info and other unary calls to workers
@@ -64,8 +77,9 @@ class GatewayConfig:
             host, sep, port = addr.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"worker address must be host:port, got {addr!r}")
-        if self.max_in_flight <= 0 or self.client_max_size <= 0:
-            raise ValueError("max_in_flight and client_max_size must be positive")
+        if self.max_in_flight < 0 or self.client_max_size <= 0:
+            raise ValueError("max_in_flight must be >= 0 (0: grows with the cluster) and "
+                             "client_max_size positive")
         if min(self.request_timeout_s, self.worker_rpc_timeout_s, self.discovery_interval_s,
                self.redis_timeout_s, self.load_stale_s, self.retry_backoff_max_s,
                self.redis_missing_grace_s) <= 0:

@@ -29,7 +29,7 @@ import grpc
 from engine.block_hash import hash_blocks, make_extra_key
 from engine.strategies import StrategySet
 from gateway.admission import AdmissionQueue, WorkerSlots
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, in_flight_limit
 from gateway.errors import (
     APIError,
     InvalidRequest,
@@ -161,6 +161,11 @@ class Gateway:
             req.kv_peer.num_blocks = decision.kv_peer_blocks
         return req
 
+    def in_flight_limit(self) -> int:
+        """Requests this gateway serves at once (more get 429): --max-in-flight, or by
+        default grown with the decode/colocated workers it knows."""
+        return in_flight_limit(self.config.max_in_flight, self.registry.serving_workers())
+
     async def stream(self, inp: GenerateInput, request_id: str, deadline: float,
                      ) -> AsyncGenerator[pb.WorkerGenerateResponse, None]:
         """Admission first (gateway/admission.py: waits for room on a worker, in fair
@@ -169,10 +174,11 @@ class Gateway:
         (429, with retry_after), no worker, bad request (as the worker judged it) or
         timeout."""
         t0, model, tenant = time.monotonic(), inp.model, inp.tenant
-        if self.in_flight >= self.config.max_in_flight:
+        limit = self.in_flight_limit()
+        if self.in_flight >= limit:
             self.metrics.rejected.labels("overload", tenant).inc()
-            raise Overloaded(f"the gateway is at its limit of {self.config.max_in_flight} "
-                             "requests in flight; retry later", retry_after=1)
+            raise Overloaded(f"the gateway is at its limit of {limit} requests in flight; "
+                             "retry later", retry_after=1)
         if not await self._wait_ready(deadline):
             raise NoWorkerAvailable(f"no ready worker for model {model!r}")
         try:

@@ -109,6 +109,10 @@ class WorkerRegistry:
     def entry(self, address: str) -> WorkerEntry | None:
         return self._workers.get(address)
 
+    def serving_workers(self) -> int:
+        """Known decode and colocated workers (those that answered Info), routable or not."""
+        return sum(w.role in ("decode", "colocated") for w in self._workers.values())
+
     def inflight_total(self) -> int:
         """Worker calls this gateway has open, on every known worker (routable or not)."""
         return sum(w.inflight for w in self._workers.values())

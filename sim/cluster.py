@@ -173,7 +173,7 @@ class Simulator:
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
                              cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
         flight = Flight(i, spec, req, route)
-        if self.config.max_in_flight and len(self._flights) >= self.config.max_in_flight:
+        if 0 <= self.config.in_flight_limit <= len(self._flights):
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
         try:

@@ -19,7 +19,9 @@ class ClusterConfig:
     disk_blocks: int = 0
     routing: RoutingProfile = field(default_factory=RoutingProfile)
     report_interval_s: float = 0.1  # decode/config.py load_interval_ms
-    max_in_flight: int = 0  # the gateway's limit (429 beyond); 0: none
+    # The gateway's limit (429 beyond): 0 its default (gateway.config.in_flight_limit:
+    # grows with the decode/colocated workers), -1 none.
+    max_in_flight: int = 0
     max_model_len: int = 131072  # llama 3.1's context: the Mooncake trace's prompts fit
     salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
@@ -42,9 +44,18 @@ class ClusterConfig:
             raise ValueError("need at least one decode or colocated worker")
         if min(self.prefill, self.decode, self.colocated, self.num_blocks, self.host_blocks,
                self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0 \
-                or self.decode_stride < 1:
+                or self.decode_stride < 1 or self.max_in_flight < -1:
             raise ValueError("counts must be >= 0, itl_every and decode_stride >= 1, report "
-                             "interval >= 0")
+                             "interval >= 0, max_in_flight >= -1")
+
+    @property
+    def in_flight_limit(self) -> int:
+        """The gateway's limit on requests in flight; -1: none."""
+        from gateway.config import in_flight_limit
+
+        if self.max_in_flight < 0:
+            return -1
+        return in_flight_limit(self.max_in_flight, self.decode + self.colocated)
 
     @property
     def num_workers(self) -> int:

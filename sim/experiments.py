@@ -52,8 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
     p.add_argument("--decode-stride", type=int, default=1, help="see sim run")
-    p.add_argument("--max-in-flight", type=int, default=256,
-                   help="the gateway's limit (its default; 429 beyond; 0: none)")
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="the gateway's limit, 429 beyond (0: its default, 32 per "
+                        "decode/colocated worker and at least 256; -1: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="phases simulated at once, one process each (default: one per CPU)")
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                 "trace_sample": f"every {args.sample}th conversation",
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
                 "block_size": prof.block_size, "decode_stride": args.decode_stride,
-                "max_in_flight": args.max_in_flight,
+                "max_in_flight": args.max_in_flight or "the gateway's default (32 per "
+                                 "decode/colocated worker, at least 256)",
                 "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
                            for p, r in zip(phases, runs, strict=True)}},
         notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "

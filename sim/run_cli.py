@@ -40,7 +40,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-blocks", type=int, default=0, help="disk tier, blocks")
     p.add_argument("--routing", default="cache_aware",
                    help="cache_aware | least_loaded | round_robin (bench/profiles) or YAML")
-    p.add_argument("--max-in-flight", type=int, default=0, help="gateway limit (0: none)")
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="the gateway's limit (0: its default, 32 per decode/colocated "
+                        "worker and at least 256; -1: none)")
     p.add_argument("--block-size", type=int, default=0, help="override the profile's")
     p.add_argument("--decode-stride", type=int, default=1,
                    help="> 1: up to this many decode iterations per simulated step (faster, "

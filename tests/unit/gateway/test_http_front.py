@@ -43,9 +43,20 @@ def test_no_worker_is_503_and_overload_is_429() -> None:
     res = asyncio.run(_calls(gw, [("POST", "/v1/completions", body, {"x-request-id": "r1"})]))
     assert res[0][0] == 503 and res[0][1]["error"]["type"] == "ServiceUnavailableError"
     assert res[0][2] == "r1"
-    gw.in_flight = gw.config.max_in_flight  # the limit is full
+    gw.in_flight = gw.in_flight_limit()  # the limit is full
     res = asyncio.run(_calls(gw, [("POST", "/v1/completions", body, {})]))
     assert res[0][0] == 429 and res[0][1]["error"]["code"] == 429
+    assert "limit of 256 requests" in res[0][1]["error"]["message"]
+
+
+def test_the_default_in_flight_limit_grows_with_the_serving_workers() -> None:
+    """A fixed 256 turned away a fifth of a 64-GPU cluster's load (sim-routing-64gpu)."""
+    from gateway.config import in_flight_limit
+
+    assert [in_flight_limit(0, n) for n in (0, 1, 8, 64, 512)] == [256, 256, 256, 2048, 16384]
+    assert in_flight_limit(100, 512) == 100  # --max-in-flight wins
+    gw = _gateway(max_in_flight=3)
+    assert gw.in_flight_limit() == 3
 
 
 def test_validation_precedes_routing_and_unknown_routes_are_json() -> None:
