@@ -35,8 +35,10 @@ WORKER_ARGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-batched-tokens", "32"
                "--kv-checksum", "--kv-lease", "2", "--prefill-timeout", "4")
 
 
-def prompts(n: int) -> list[list[int]]:
-    return [[(17 * j + 31 * i) % 450 + 3 for j in range(24 + 9 * (i % 6))] for i in range(n)]
+def prompts(n: int, start: int = 0) -> list[list[int]]:
+    """n prompts of 24-69 tokens; another `start` gives others (not cached yet)."""
+    return [[(17 * j + 31 * i) % 450 + 3 for j in range(24 + 9 * (i % 6))]
+            for i in range(start, start + n)]
 
 
 def start(tmp: Any, faults: str) -> LocalCluster:
@@ -84,24 +86,35 @@ def chaos_cluster(tmp_path: Any) -> Any:
 
 
 def test_every_fault_kind_keeps_the_invariants(chaos_cluster: LocalCluster) -> None:
+    """Rounds of requests until every fault kind has fired (the draws are seeded, but
+    which frame meets which draw follows the timing: one round of 28 requests left
+    `wire.drop` unfired about once in a hundred runs); the invariants after each."""
     cluster = chaos_cluster
-    batch = prompts(28)
-    results = run_requests(cluster, batch, concurrency=7)
-    ok = check_invariants(cluster, batch, results, ("prefill-0", "decode-0"))
-    assert ok >= len(batch) // 2, results  # faults cost retries and recomputes, not requests
     ports = {c.name: int(c.extra["metrics_port"]) for c in cluster.children
              if "metrics_port" in c.extra}
-    fired = {k: metric(ports["prefill-0"], "splitserve:wire_faults_injected_total", kind=k)
-             for k in WIRE_KINDS}
-    assert all(fired.values()), fired
-    rpc = {k: sum(metric(p, "splitserve:rpc_faults_injected_total", kind=k)
-                  for p in ports.values()) for k in ("drop", "delay", "duplicate")}
-    assert all(rpc.values()), rpc
-    # The decode noticed the damage (checksums, lost frames) and recomputed ...
-    assert metric(ports["decode-0"], "splitserve:remote_prefill_total",
-                  outcome="recompute") >= 1
-    # ... and late duplicate Prefill calls wrote into fenced transfers: dropped, counted.
-    assert metric(ports["decode-0"], "splitserve:kv_transfer_stale_writes_dropped_total") >= 1
+
+    def observed() -> dict[str, float]:
+        wire = {f"wire.{k}": metric(ports["prefill-0"], "splitserve:wire_faults_injected_total",
+                                    kind=k) for k in WIRE_KINDS}
+        rpc = {f"rpc.{k}": sum(metric(p, "splitserve:rpc_faults_injected_total", kind=k)
+                               for p in ports.values()) for k in ("drop", "delay", "duplicate")}
+        # The decode noticed the damage (checksums, lost frames) and recomputed, and late
+        # duplicate Prefill calls wrote into fenced transfers: dropped, counted.
+        return {**wire, **rpc,
+                "recomputes": metric(ports["decode-0"], "splitserve:remote_prefill_total",
+                                     outcome="recompute"),
+                "stale writes dropped": metric(
+                    ports["decode-0"], "splitserve:kv_transfer_stale_writes_dropped_total")}
+
+    for start, size in ((0, 28), (28, 14), (42, 14)):  # at most three rounds
+        batch = prompts(size, start)
+        results = run_requests(cluster, batch, concurrency=7)
+        ok = check_invariants(cluster, batch, results, ("prefill-0", "decode-0"))
+        assert ok >= len(batch) // 2, results  # faults cost retries and recomputes
+        seen = observed()
+        if all(seen.values()):
+            break
+    assert all(seen.values()), seen
 
 
 def test_prefill_killed_mid_transfer(tmp_path: Any) -> None:
