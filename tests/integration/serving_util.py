@@ -7,6 +7,8 @@ import http.client
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -17,6 +19,17 @@ import grpc
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.auth import signed_metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def splitserve_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """`splitserve ARGS` (as `python -m cluster.cli`, from the repository root) to its
+    end; fails the test with the tail of its output unless it exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
 
 
 def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,

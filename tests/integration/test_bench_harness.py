@@ -5,8 +5,6 @@ running cluster over OpenAI HTTP (rate sweep, SLO goodput, cached tokens) and gR
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,20 +12,17 @@ import pytest
 from cluster.cli import main as splitserve
 from cluster.launcher import ClusterSpec, LocalCluster
 from tests.factories import tiny_model_dir
+from tests.integration.serving_util import splitserve_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(150)
 def test_disagg_experiment_quick(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "experiment", "disagg", "--quick",
-         "--model", tiny_model_dir("llama"), "--out-dir", str(out), "--json",
-         str(tmp_path / "d.json"), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=140)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    splitserve_cli("bench", "experiment", "disagg", "--quick", "--model",
+                   tiny_model_dir("llama"), "--out-dir", str(out), "--json",
+                   str(tmp_path / "d.json"), "--no-progress", timeout=140)
     data = json.loads((tmp_path / "d.json").read_text())
     s = data["summary"]
     for key in ("tpot_p99_colocated", "tpot_p99_disagg", "tpot_p99_unloaded",

@@ -4,22 +4,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.serving_util import splitserve_cli
 
 
 @pytest.mark.timeout(60)
 def test_bench_index_quick(tmp_path: Path) -> None:
     out = tmp_path / "index.json"
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "index", "--quick",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=50)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = splitserve_cli("bench", "index", "--quick", "--json", str(out), timeout=50)
     rows = json.loads(out.read_text())
     assert [r["workers"] for r in rows] == [8, 32]
     for r in rows:

@@ -7,15 +7,13 @@ routing hits the prefix cache at least as often as round-robin on shared prefixe
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.factories import tiny_model_dir
+from tests.integration.serving_util import splitserve_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ("round_robin", "least_loaded", "cache_aware")
 
 # Two conversations; 512-token trace blocks become 16 tokens. Prompts 32, 48, 32, 48
@@ -33,13 +31,10 @@ def test_bench_routing_quick(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "routing", "--quick",
-         "--model", tiny_model_dir("llama"), "--workload", "both", "--trace", str(trace),
-         "--time-scale", "0.1", "--out-dir", str(out), "--json", str(tmp_path / "r.json"),
-         "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = splitserve_cli("bench", "routing", "--quick", "--model", tiny_model_dir("llama"),
+                          "--workload", "both", "--trace", str(trace), "--time-scale", "0.1",
+                          "--out-dir", str(out), "--json", str(tmp_path / "r.json"),
+                          "--no-progress", timeout=110)
     data = json.loads((tmp_path / "r.json").read_text())
     s = data["summary"]
     assert s["failed_requests"] == 0 and s["headline_workload"] == "mooncake"

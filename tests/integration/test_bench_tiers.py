@@ -4,13 +4,11 @@ bit-exact (the bench checks it) and the JSON summary carries every figure."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.serving_util import splitserve_cli
 
 
 @pytest.mark.timeout(90)
@@ -18,10 +16,8 @@ def test_bench_tiers_quick(tmp_path: Path) -> None:
     from kvtransfer.tiers.lmcache_tier import IMPORT_ERROR
 
     out = tmp_path / "tiers.json"
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "tiers", "--quick",
-                           "--disk-dir", str(tmp_path), "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=80)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = splitserve_cli("bench", "tiers", "--quick", "--disk-dir", str(tmp_path), "--json",
+                          str(out), timeout=80)
     result = json.loads(out.read_text())
     s = result["summary"]
     for key in ("host_gbps", "disk_gbps", "recompute_gbps"):

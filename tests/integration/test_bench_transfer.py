@@ -4,22 +4,17 @@ and the JSON summary carries all five figures."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.integration.serving_util import splitserve_cli
 
 
 @pytest.mark.timeout(120)
 def test_bench_transfer_quick(tmp_path: Path) -> None:
     out = tmp_path / "transfer.json"
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "transfer", "--quick",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=110)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = splitserve_cli("bench", "transfer", "--quick", "--json", str(out), timeout=110)
     summary = json.loads(out.read_text())["summary"]
     for key in ("memcpy_gbps", "raw_tcp_gbps", "shm_gbps", "tcp_gbps", "ucx_gbps"):
         assert summary[key] > 0, key
