@@ -131,7 +131,7 @@ class Gateway:
             reason = "index_unavailable"
         elif decision.kv_peer is not None:
             reason = "peer_fetch"
-        elif req.cached_tokens.get(decision.decode.worker_id, 0) > 0:
+        elif req.cached_tokens(decision.decode.worker_id) > 0:
             reason = "prefix_hit"
         else:
             reason = "load"

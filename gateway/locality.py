@@ -36,6 +36,7 @@ class Locality:
         self.alpha = alpha
         self.min_trust = min_trust
         self._accuracy: dict[str, float] = {}  # worker id -> EWMA of accuracy
+        self._trust: dict[str, float] = {}  # worker id -> its floored accuracy (1: unseen)
         self._errors_seen = 0
 
     async def lookup(self, hashes: Sequence[BlockHash], nodes: set[str]) -> IndexLookup | None:
@@ -59,15 +60,8 @@ class Locality:
         """The request with its locality fields set from `lookup` (as is when None)."""
         if lookup is None:
             return req
-        cap = (len(req.prompt_token_ids) - 1) // req.block_size
-        bs = req.block_size
-        # min() and self.trust inlined: at scale these run once per holder per request
-        cached = {n: (k if (k := len(tiers)) < cap else cap) * bs
-                  for n, tiers in lookup.nodes.items()}
-        accuracy, floor = self._accuracy, self.min_trust
-        trust = {n: a if (a := accuracy.get(n, 1.0)) > floor else floor for n in lookup.nodes}
-        return replace(req, cached_tokens=cached, locality=dict(lookup.nodes),
-                       indexed_blocks=lookup.num_blocks, locality_trust=trust)
+        return replace(req, locality=dict(lookup.nodes), indexed_blocks=lookup.num_blocks,
+                       locality_trust=dict(self._trust))
 
     def trust(self, worker_id: str) -> float:
         return max(self.min_trust, self._accuracy.get(worker_id, 1.0))
@@ -79,6 +73,7 @@ class Locality:
         prev = self._accuracy.get(worker_id, 1.0)
         ewma = (1 - self.alpha) * prev + self.alpha * accuracy
         self._accuracy[worker_id] = ewma
+        self._trust[worker_id] = self.trust(worker_id)
         m = self.metrics
         m.predicted_cached.labels(worker_id).inc(predicted)
         m.actual_cached.labels(worker_id).inc(actual)

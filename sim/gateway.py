@@ -11,12 +11,11 @@ load_interval_ms), this gateway's in-flight counts at once, as in the gateway.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from dataclasses import replace
 from typing import Any
 
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
-from gateway.routing.base import Candidate, RouteDecision, RouteRequest
+from gateway.routing.base import Candidate, CandidateSet, RouteDecision, RouteRequest
 from gateway.routing.profile import Router, RoutingProfile
 from sim.index import InProcessBlockIndex
 from sim.worker import SimWorker
@@ -47,7 +46,7 @@ class SimGateway:
         self.clock = clock
         self.report_interval_s = report_interval_s
         self._inflight: dict[str, int] = dict.fromkeys(workers, 0)
-        self._cands: dict[str, Candidate] = {}
+        self._cands = CandidateSet()
         self._reported = -1e30
 
     def route(self, req: RouteRequest) -> tuple[RouteRequest, RouteDecision]:
@@ -56,15 +55,14 @@ class SimGateway:
         filled = self.locality.fill(req, lookup)
         return filled, self.router.route(filled, self.candidates())
 
-    def candidates(self) -> list[Candidate]:
+    def candidates(self) -> CandidateSet:
         """The registry's snapshot: load reports at most `report_interval_s` old, this
         gateway's in-flight counts now."""
         now = self.clock()
         if now - self._reported >= self.report_interval_s:
             self._reported = now
-            for w in self.workers.values():
-                self._cands[w.worker_id] = self._report(w)
-        return list(self._cands.values())
+            self._cands = CandidateSet([self._report(w) for w in self.workers.values()])
+        return self._cands
 
     def _report(self, w: SimWorker) -> Candidate:
         s = w.scheduler
@@ -75,9 +73,7 @@ class SimGateway:
 
     def add_inflight(self, worker_id: str, delta: int) -> None:
         self._inflight[worker_id] += delta
-        c = self._cands.get(worker_id)
-        if c is not None:
-            self._cands[worker_id] = replace(c, inflight=self._inflight[worker_id])
+        self._cands.set_inflight(worker_id, self._inflight[worker_id])
 
     def observe(self, decision: RouteDecision, req: RouteRequest, actual: int) -> None:
         """The decode's first response: what it had cached vs the prediction."""

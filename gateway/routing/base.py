@@ -6,14 +6,23 @@ chooses the decode worker; then the PD decider chooses whether a prefill worker
 prefills the prompt remotely. A scorer with no data scores 0 and logs: routing
 degrades, it never fails. Plugins register by name (`SCORERS.register("queue")`) and
 are chosen by a RoutingProfile (profile.py).
+
+The plugins see the candidates as columns (CandidateSet: one numpy array per load
+figure, a row per worker) and score every worker at once: at hundreds of workers a
+route's per-worker Python would cost more than everything else the gateway does for a
+request (the simulator, sim/, routes a million requests over 512 workers this way).
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
+
+import numpy as np
 
 from engine.block_hash import BlockHash
 
@@ -34,58 +43,194 @@ class Candidate:
     inflight: int = 0  # this gateway's requests on the worker now (fresher than reports)
 
 
+ROLE_CODES = {"prefill": 0, "decode": 1, "colocated": 2}
+
+
+class CandidateSet:
+    """The candidates as columns: `items[i]` is row i's Candidate, and each load figure
+    the plugins read is a numpy array over the rows (in `items`' order). Built once per
+    registry snapshot; immutable, apart from `set_inflight` by the snapshot's owner."""
+
+    __slots__ = ("items", "ids", "ready", "roles", "role_code", "num_waiting", "num_running", "inflight",
+                 "kv_usage", "num_blocks", "_pos", "_selected")
+
+    def __init__(self, items: Sequence[Candidate] = ()) -> None:
+        self.items = list(items)
+        self.ids = [c.worker_id for c in self.items]
+        self.roles = [c.role for c in self.items]
+        n = len(self.items)
+
+        def column(attr: str, dtype: type) -> np.ndarray:
+            return np.fromiter(map(operator.attrgetter(attr), self.items), dtype, n)
+
+        self.role_code = np.fromiter((ROLE_CODES.get(r, -1) for r in self.roles), np.int8, n)
+        self.ready = column("ready", bool)
+        self.num_waiting = column("num_waiting", np.int64)
+        self.num_running = column("num_running", np.int64)
+        self.inflight = column("inflight", np.int64)
+        self.kv_usage = column("kv_usage", np.float64)
+        self.num_blocks = column("num_blocks", np.int64)
+        self._pos: dict[str, int] | None = None
+        self._selected: dict[tuple[str, ...], CandidateSet] = {}
+
+    @classmethod
+    def of(cls, candidates: CandidateSet | Sequence[Candidate]) -> CandidateSet:
+        return candidates if isinstance(candidates, CandidateSet) else cls(candidates)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, row: int) -> Candidate:
+        return self.items[row]
+
+    def __iter__(self) -> Iterator[Candidate]:
+        return iter(self.items)
+
+    @property
+    def pos(self) -> dict[str, int]:
+        """worker id -> row."""
+        if self._pos is None:
+            self._pos = {w: i for i, w in enumerate(self.ids)}
+        return self._pos
+
+    def rows_of(self, worker_ids: Iterable[str], count: int = -1) -> np.ndarray:
+        """The row of each of `worker_ids` (-1: not a candidate), at C speed."""
+        return np.fromiter(map(self.pos.get, worker_ids, itertools.repeat(-1)), np.int64,
+                           count)
+
+    def ready_in(self, roles: tuple[str, ...]) -> CandidateSet:
+        """The ready candidates whose role is one of `roles` (this set itself when all
+        are); a subset is kept until the set changes."""
+        got = self._selected.get(roles)
+        if got is None:
+            keep = self.ready & np.isin(self.role_code, [ROLE_CODES.get(r, -2) for r in roles])
+            got = self if keep.all() else self.take(np.flatnonzero(keep).tolist())
+            self._selected[roles] = got
+        return got
+
+    def take(self, rows: Sequence[int]) -> CandidateSet:
+        """The rows `rows` as a new set."""
+        out = CandidateSet.__new__(CandidateSet)
+        idx = np.asarray(rows, np.int64)
+        out.items = [self.items[i] for i in rows]
+        out.ids = [self.ids[i] for i in rows]
+        out.roles = [self.roles[i] for i in rows]
+        for name in ("role_code", "ready", "num_waiting", "num_running", "inflight", "kv_usage",
+                     "num_blocks"):
+            setattr(out, name, getattr(self, name)[idx])
+        out._pos = None
+        out._selected = {}
+        return out
+
+    def set_inflight(self, worker_id: str, n: int) -> None:
+        """The owner's update of one worker's in-flight count between snapshots."""
+        i = self.pos.get(worker_id)
+        if i is not None:
+            self.items[i] = replace(self.items[i], inflight=n)
+            self.inflight[i] = n
+            # a subset holds its own copy of the column: made again on next use
+            self._selected = {k: v for k, v in self._selected.items() if v is self}
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What routing may look at. `block_hashes` are the prompt's full-block hashes
     (engine.block_hash). Filled from the Redis block index (gateway/locality.py), empty
-    without it: `cached_tokens` maps worker id -> prompt tokens it is predicted to hold
-    (what it will not recompute); `locality` worker id -> the tier of each leading block
-    it holds; `indexed_blocks` the leading blocks some node holds (a peer could serve
-    them); `locality_trust` worker id -> [0, 1], how far the index proved right for it."""
+    without it: `locality` maps worker id -> the tier of each leading block it holds;
+    `indexed_blocks` the leading blocks some node holds (a peer could serve them);
+    `locality_trust` worker id -> [0, 1], how far the index proved right for it (a
+    worker not in it: 1)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
     block_hashes: Sequence[BlockHash] = ()
     block_size: int = 16
-    cached_tokens: dict[str, int] = field(default_factory=dict)
     locality: dict[str, tuple[str, ...]] = field(default_factory=dict)
     indexed_blocks: int = 0
     locality_trust: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def max_cached_blocks(self) -> int:
+        """Leading blocks an engine can take from its cache: the last prompt token is
+        always computed (its logits are sampled)."""
+        return (len(self.prompt_token_ids) - 1) // self.block_size
+
+    def cached_tokens(self, worker_id: str) -> int:
+        """Prompt tokens `worker_id` is predicted to hold (what it will not recompute)."""
+        held = len(self.locality.get(worker_id, ()))
+        return min(held, self.max_cached_blocks) * self.block_size
+
+
+class Scores(Mapping[str, float]):
+    """worker id -> weighted score, as a mapping built on first use (for logs and
+    metrics: a route does not pay for a dict of every worker)."""
+
+    __slots__ = ("_ids", "_scores", "_dict")
+
+    def __init__(self, ids: Sequence[str] = (), scores: Sequence[float] | np.ndarray = ()
+                 ) -> None:
+        self._ids, self._scores = ids, scores
+        self._dict: dict[str, float] | None = None
+
+    def _get(self) -> dict[str, float]:
+        if self._dict is None:
+            self._dict = dict(zip(self._ids, np.asarray(self._scores, float).tolist(),
+                                  strict=True))
+        return self._dict
+
+    def __getitem__(self, worker_id: str) -> float:
+        return self._get()[worker_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     decode: Candidate
     prefill: Candidate | None  # None: the decode prefills locally
-    scores: dict[str, float]  # worker id -> weighted score (for logs and metrics)
+    scores: Mapping[str, float]  # worker id -> weighted score (for logs and metrics)
     kv_peer: Candidate | None = None  # holds a longer prefix: the decode pulls it first
     kv_peer_blocks: int = 0  # leading prompt blocks the index says kv_peer holds
 
     def predicted_cached(self, req: RouteRequest) -> int:
         """Prompt tokens the decode should not compute: its own hit or the pulled run."""
-        own = req.cached_tokens.get(self.decode.worker_id, 0)
-        cap = (len(req.prompt_token_ids) - 1) // req.block_size
-        return max(own, min(self.kv_peer_blocks, cap) * req.block_size)
+        return predicted_cached(req, self.decode, self.kv_peer_blocks)
+
+
+def predicted_cached(req: RouteRequest, decode: Candidate, kv_peer_blocks: int) -> int:
+    own = req.cached_tokens(decode.worker_id)
+    return max(own, min(kv_peer_blocks, req.max_cached_blocks) * req.block_size)
+
+
+def clamp01(x: np.ndarray) -> np.ndarray:
+    """Scores clamped to [0, 1], NaN -> 0 (as min(1, max(0, x)) would)."""
+    return np.where(x >= 0.0, np.where(x <= 1.0, x, 1.0), 0.0)
 
 
 class Filter(Protocol):
-    def filter(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]: ...
+    def filter(self, req: RouteRequest, candidates: CandidateSet) -> CandidateSet: ...
 
 
 class Scorer(Protocol):
-    def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
-        """One score in [0, 1] per candidate, in order; higher is better."""
+    def score(self, req: RouteRequest, candidates: CandidateSet) -> np.ndarray:
+        """One score in [0, 1] per candidate row (float64), higher is better."""
         ...
 
 
 class Picker(Protocol):
-    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate: ...
+    def pick(self, candidates: CandidateSet, scores: np.ndarray) -> Candidate: ...
 
 
 class PDDecider(Protocol):
-    def decide(self, req: RouteRequest, decode: Candidate,
-               prefill_candidates: list[Candidate]) -> bool:
-        """True: prefill remotely (only ever when prefill_candidates is non-empty)."""
+    def decide(self, req: RouteRequest, decode: Candidate, prefill_candidates: CandidateSet,
+               cached_tokens: int) -> bool:
+        """True: prefill remotely (only ever when prefill_candidates is non-empty).
+        `cached_tokens`: prompt tokens the decode will not compute (its own prefix hit
+        or the run it pulls from a peer)."""
         ...
 
 

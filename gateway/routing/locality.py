@@ -7,17 +7,21 @@ and K >= k leading blocks held by some node of the cluster (fetchable from a pee
     score = trust * (sum_i w[t_i] + (K - k) * w["peer"]) / (n * max(w))
 
 so a worker holding the whole prompt on device scores `trust`, and one holding nothing
-scores only what peers could give it. `trust` is the closed loop's per-worker figure
+scores only what peers could give it (trust scales what the index says a worker
+holds; it does not touch what peers could give). `trust` is the closed loop's per-worker figure
 (gateway/locality.py). With no index data every candidate scores 0 (routing falls back
 to the other scorers).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
-from gateway.routing.base import SCORERS, Candidate, RouteRequest
+import numpy as np
+
+from gateway.routing.base import SCORERS, CandidateSet, RouteRequest, clamp01
 from kvtransfer.index import check_tier
 
 log = logging.getLogger(__name__)
@@ -45,39 +49,37 @@ class PrefixLocalityScorer:
     def options(self) -> dict[str, Any]:
         return {"tiers": dict(self.weights)}
 
-    def _weight(self, tier: str) -> float:
-        return self.weights.get(tier, self.weights["other"])
-
-    def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
+    def score(self, req: RouteRequest, candidates: CandidateSet) -> np.ndarray:
         n = len(req.block_hashes)
         if n == 0 or req.indexed_blocks == 0:
             log.debug("prefix_locality: no indexed prefix for %s; scoring 0", req.request_id)
-            return [0.0] * len(candidates)
+            return np.zeros(len(candidates))
         peer = self.weights["peer"]
         scale = n * self._norm
-        locality, trusts = req.locality, req.locality_trust
-        # At scale most candidates hold nothing (they score what peers could give them,
-        # all alike) and the holders' runs repeat (a shared prefix): one sum per run.
-        none = req.indexed_blocks * peer
-        out = [min(1.0, max(0.0, none / scale))] * len(candidates)
+        none = req.indexed_blocks * peer  # what a worker holding nothing gets from peers
+        out = np.full(len(candidates), min(1.0, max(0.0, none / scale)))
+        locality = req.locality
+        if not locality:
+            return out
+        # Per holder at C speed: its row, its run's total, its trust. The holders' runs
+        # repeat (a shared prefix; the in-process index hands out one object per run
+        # length): one sum per distinct run.
+        rows = candidates.rows_of(locality.keys(), len(locality))
+        runs = list(locality.values())
+        _, first, inverse = np.unique(np.fromiter(map(id, runs), np.uint64, len(runs)),
+                                      return_index=True, return_inverse=True)
         totals: dict[tuple[str, ...], float] = {}
-        by_id: dict[int, float] = {}  # the same run object again (the runs live till we return)
-        for i, c in enumerate(candidates):
-            tiers = locality.get(c.worker_id)
-            if tiers is None:
-                if c.worker_id in trusts:
-                    out[i] = min(1.0, max(0.0, trusts[c.worker_id] * none / scale))
-                continue
-            total = by_id.get(id(tiers))
-            if total is None:
-                total = totals.get(tiers)
-                if total is None:
-                    total = sum(self._weight(t) for t in tiers)
-                    total += max(0, req.indexed_blocks - len(tiers)) * peer
-                    totals[tiers] = total
-                by_id[id(tiers)] = total
-            x = trusts.get(c.worker_id, 1.0) * total / scale
-            out[i] = x if 0.0 <= x <= 1.0 else min(1.0, max(0.0, x))  # clamped, NaN -> 0
+        other = itertools.repeat(self.weights["other"])
+        for i in first.tolist():
+            tiers = runs[i]
+            if tiers not in totals:
+                totals[tiers] = sum(map(self.weights.get, tiers, other)) \
+                    + max(0, req.indexed_blocks - len(tiers)) * peer
+        total = np.array([totals[runs[i]] for i in first.tolist()])[inverse]
+        trust = np.fromiter(map(req.locality_trust.get, locality.keys(), itertools.repeat(1.0)),
+                            np.float64, len(locality))
+        held = rows >= 0
+        out[rows[held]] = clamp01(trust * total / scale)[held]
         return out
 
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 import logging
 import random
 
+import numpy as np
+
 from gateway.routing.base import (
     DECIDERS,
     FILTERS,
     PICKERS,
     SCORERS,
     Candidate,
+    CandidateSet,
     RouteRequest,
+    clamp01,
 )
 
 log = logging.getLogger(__name__)
@@ -26,42 +30,40 @@ class ReadyRoleFilter:
     def __init__(self, roles: tuple[str, ...] = DECODE_ROLES) -> None:
         self.roles = tuple(roles)
 
-    def filter(self, req: RouteRequest, candidates: list[Candidate]) -> list[Candidate]:
-        return [c for c in candidates if c.ready and c.role in self.roles]
+    def filter(self, req: RouteRequest, candidates: CandidateSet) -> CandidateSet:
+        return candidates.ready_in(self.roles)
 
 
-def _min_max_inverse(values: list[float]) -> list[float]:
+def _min_max_inverse(values: np.ndarray) -> np.ndarray:
     """Lowest value -> 1, highest -> 0, linear between; all equal -> all 1."""
-    lo, hi = min(values), max(values)
+    if not len(values):
+        return values
+    lo, hi = values.min(), values.max()
     if hi == lo:
-        return [1.0] * len(values)
-    return [1.0 - (v - lo) / (hi - lo) for v in values]
+        return np.ones(len(values))
+    return 1.0 - (values - lo) / (hi - lo)
 
 
 class QueueDepthScorer:
-    """Fewer queued + in-flight requests scores higher (min-max across candidates)."""
+    """Fewer queued + in-flight requests scores higher (min-max across candidates). A
+    worker's running count is the larger of its report and this gateway's in-flight
+    count (fresher than reports)."""
 
-    def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
-        if not candidates:
-            return []
-        return _min_max_inverse([float(c.num_waiting + (c.inflight if c.inflight > c.num_running
-                                                         else c.num_running))
-                                 for c in candidates])
+    def score(self, req: RouteRequest, candidates: CandidateSet) -> np.ndarray:
+        return _min_max_inverse((candidates.num_waiting + np.maximum(
+            candidates.inflight, candidates.num_running)).astype(np.float64))
 
 
 class KVUsageScorer:
     """More free KV cache scores higher: 1 - usage. No report yet: 0 (and a log)."""
 
-    def score(self, req: RouteRequest, candidates: list[Candidate]) -> list[float]:
-        out = []
-        for c in candidates:
-            if c.num_blocks <= 0:
-                log.debug("kv_usage scorer: no report from %s yet; scoring 0", c.worker_id)
-                out.append(0.0)
-            else:
-                free = 1.0 - c.kv_usage
-                out.append(free if 0.0 <= free <= 1.0 else min(1.0, max(0.0, free)))
-        return out
+    def score(self, req: RouteRequest, candidates: CandidateSet) -> np.ndarray:
+        reported = candidates.num_blocks > 0
+        if not reported.all():
+            log.debug("kv_usage scorer: no report yet from %s; scoring 0",
+                      [w for w, ok in zip(candidates.ids, reported.tolist(), strict=True)
+                       if not ok])
+        return np.where(reported, clamp01(1.0 - candidates.kv_usage), 0.0)
 
 
 class MaxScorePicker:
@@ -70,12 +72,11 @@ class MaxScorePicker:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate:
-        if not candidates:
+    def pick(self, candidates: CandidateSet, scores: np.ndarray) -> Candidate:
+        if not len(candidates):
             raise ValueError("no candidates to pick from")
-        best = max(scores)
-        return self._rng.choice([c for c, s in zip(candidates, scores, strict=True)
-                                 if s >= best - 1e-12])
+        best = np.flatnonzero(scores >= scores.max() - 1e-12)
+        return candidates[int(self._rng.choice(best))]
 
 
 class PowerOfTwoPicker:
@@ -84,8 +85,8 @@ class PowerOfTwoPicker:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate:
-        if not candidates:
+    def pick(self, candidates: CandidateSet, scores: np.ndarray) -> Candidate:
+        if not len(candidates):
             raise ValueError("no candidates to pick from")
         if len(candidates) == 1:
             return candidates[0]
@@ -101,8 +102,8 @@ class RoundRobinPicker:
     def __init__(self, seed: int | None = None) -> None:
         self._next = 0  # `seed` is accepted for the PICKERS interface; nothing is random
 
-    def pick(self, candidates: list[Candidate], scores: list[float]) -> Candidate:
-        if not candidates:
+    def pick(self, candidates: CandidateSet, scores: np.ndarray) -> Candidate:
+        if not len(candidates):
             raise ValueError("no candidates to pick from")
         ordered = sorted(candidates, key=lambda c: c.worker_id)
         chosen = ordered[self._next % len(ordered)]
@@ -119,12 +120,11 @@ class ThresholdDecider:
             raise ValueError("threshold must be >= 0")
         self.threshold = threshold
 
-    def decide(self, req: RouteRequest, decode: Candidate,
-               prefill_candidates: list[Candidate]) -> bool:
-        if not prefill_candidates:
+    def decide(self, req: RouteRequest, decode: Candidate, prefill_candidates: CandidateSet,
+               cached_tokens: int) -> bool:
+        if not len(prefill_candidates):
             return False
-        uncached = len(req.prompt_token_ids) - req.cached_tokens.get(decode.worker_id, 0)
-        return uncached > self.threshold
+        return len(req.prompt_token_ids) - cached_tokens > self.threshold
 
 
 FILTERS.register("ready_role")(ReadyRoleFilter)

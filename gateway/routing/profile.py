@@ -12,8 +12,11 @@ the Router that runs them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 import gateway.routing.locality  # noqa: F401  (registers prefix_locality)
 import gateway.routing.plugins  # noqa: F401  (registers the built-in plugins)
@@ -23,9 +26,13 @@ from gateway.routing.base import (
     PICKERS,
     SCORERS,
     Candidate,
+    CandidateSet,
     RouteDecision,
     RouteRequest,
     Scorer,
+    Scores,
+    clamp01,
+    predicted_cached,
 )
 from gateway.routing.plugins import DECODE_ROLES
 
@@ -163,54 +170,53 @@ class Router:
         self._picker = PICKERS.create(profile.picker, seed=profile.seed)
         self._decider = DECIDERS.create(profile.decider, threshold=profile.decider_threshold)
 
-    def _weighted(self, req: RouteRequest, cands: list[Candidate]) -> list[float]:
-        total = [0.0] * len(cands)
-        wsum = sum(w for _, w in self._scorers)
+    def _weighted(self, req: RouteRequest, cands: CandidateSet) -> np.ndarray:
+        total = np.zeros(len(cands))
         for scorer, weight in self._scorers:
-            # s clamped to [0, 1] (NaN -> 0); the comparison spares two calls per worker
-            total = [t + weight * (s if 0.0 <= s <= 1.0 else min(1.0, max(0.0, s)))
-                     for t, s in zip(total, scorer.score(req, cands), strict=True)]
-        return [t / wsum for t in total]
+            # a plugin may return a list: as an array (no copy when it is one)
+            total = total + weight * clamp01(np.asarray(scorer.score(req, cands), np.float64))
+        return total / sum(w for _, w in self._scorers)
 
-    def route(self, req: RouteRequest, workers: list[Candidate]) -> RouteDecision:
+    def route(self, req: RouteRequest,
+              workers: CandidateSet | Sequence[Candidate]) -> RouteDecision:
         """Raises NoCandidates when no ready decode/colocated worker exists."""
+        workers = CandidateSet.of(workers)
         decodes = self._decode_filter.filter(req, workers)
-        if not decodes:
+        if not len(decodes):
             raise NoCandidates("no ready decode or colocated worker")
         scores = self._weighted(req, decodes)
         decode = self._picker.pick(decodes, scores)
         peer, peer_blocks = self._kv_peer(req, decode, workers)
         prefill = None
-        prefills = self._prefill_filter.filter(req, workers)
         if decode.role == "decode":
+            prefills = self._prefill_filter.filter(req, workers)
             # The decider judges what is left after the pull.
-            seen = RouteDecision(decode, None, {}, peer, peer_blocks).predicted_cached(req)
-            if self._decider.decide(replace(req, cached_tokens={
-                    **req.cached_tokens, decode.worker_id: seen}), decode, prefills):
+            if self._decider.decide(req, decode, prefills,
+                                    predicted_cached(req, decode, peer_blocks)):
                 prefill = self._picker.pick(prefills, self._weighted(req, prefills))
         if peer is not None and prefill is not None and peer.worker_id == prefill.worker_id:
             peer, peer_blocks = None, 0  # the prefill worker sends those blocks anyway
-        return RouteDecision(decode, prefill,
-                             {c.worker_id: s for c, s in zip(decodes, scores, strict=True)},
-                             peer, peer_blocks)
+        return RouteDecision(decode, prefill, Scores(decodes.ids, scores), peer, peer_blocks)
 
     def _kv_peer(self, req: RouteRequest, decode: Candidate,
-                 workers: list[Candidate]) -> tuple[Candidate | None, int]:
+                 workers: CandidateSet) -> tuple[Candidate | None, int]:
         """The ready worker with a transport (decode or prefill role) whose caches hold
         the longest leading run of the prompt's blocks, if it beats the decode's own by
-        `peer_fetch_min_blocks`."""
+        `peer_fetch_min_blocks` (the first such in the candidates' order)."""
         need = self.profile.peer_fetch_min_blocks
-        if decode.role != "decode" or need <= 0 or not req.locality:
-            return None, 0
         locality = req.locality
-        own = len(locality.get(decode.worker_id, ()))
-        best: Candidate | None = None
-        best_n = own
-        for c in workers:
-            tiers = locality.get(c.worker_id)  # most workers hold nothing: one lookup
-            if tiers is not None and len(tiers) > best_n and c.ready \
-                    and c.role in ("decode", "prefill") and c.worker_id != decode.worker_id:
-                best, best_n = c, len(tiers)
-        if best is None or best_n - own < need:
+        if decode.role != "decode" or need <= 0 or not locality:
             return None, 0
-        return best, best_n
+        own = len(locality.get(decode.worker_id, ()))
+        able = workers.ready_in(("decode", "prefill"))
+        held = np.zeros(len(able), np.int64)
+        rows = able.rows_of(locality.keys(), len(locality))
+        lens = np.fromiter(map(len, locality.values()), np.int64, len(locality))
+        held[rows[rows >= 0]] = lens[rows >= 0]
+        me = able.pos.get(decode.worker_id)
+        if me is not None:
+            held[me] = 0
+        best = int(held.argmax()) if len(held) else 0
+        if not len(held) or held[best] <= own or held[best] - own < need:
+            return None, 0
+        return able[best], int(held[best])

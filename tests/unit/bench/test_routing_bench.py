@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.base import BenchError
 from bench.routing_bench import PROFILES, RoutingBenchConfig, profile_path, sample_trace
-from gateway.routing.base import PICKERS, Candidate
+from gateway.routing.base import PICKERS, Candidate, CandidateSet
 from gateway.routing.profile import RoutingProfile
 
 
@@ -38,12 +39,12 @@ def test_shipped_profiles_parse_and_differ() -> None:
 
 
 def test_round_robin_picker_rotates_whatever_the_scores() -> None:
-    cs = [Candidate(w, f"{w}:1", "colocated") for w in ("c", "a", "b")]
+    cs = CandidateSet([Candidate(w, f"{w}:1", "colocated") for w in ("c", "a", "b")])
     picker = PICKERS.create("round_robin")
-    got = [picker.pick(cs, [1.0, 0.0, 0.0]).worker_id for _ in range(6)]
+    got = [picker.pick(cs, np.array([1.0, 0.0, 0.0])).worker_id for _ in range(6)]
     assert got == ["a", "b", "c", "a", "b", "c"]
     with pytest.raises(ValueError):
-        picker.pick([], [])
+        picker.pick(CandidateSet(), np.array([]))
 
 
 def test_config_rejects_bad_input(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from gateway.core import Gateway
 from gateway.http_server import build_app
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
-from gateway.routing.base import Candidate, RouteRequest
+from gateway.routing.base import Candidate, CandidateSet, RouteRequest
 from gateway.routing.locality import PrefixLocalityScorer
 from gateway.routing.profile import Router, RoutingProfile
 from kvtransfer.index import IndexLookup
@@ -33,7 +33,7 @@ def cand(wid: str, waiting: int = 0) -> Candidate:
 
 def test_scorer_weights_tiers_and_peers() -> None:
     s = PrefixLocalityScorer()
-    cands = [cand("a"), cand("b"), cand("c")]
+    cands = CandidateSet([cand("a"), cand("b"), cand("c")])
     r = req({"a": ("device",) * 4, "b": ("device", "host")}, 4)
     a, b, c = s.score(r, cands)
     assert a == pytest.approx(1.0)
@@ -41,7 +41,10 @@ def test_scorer_weights_tiers_and_peers() -> None:
     assert c == pytest.approx(4 * 0.2 / 4)
     custom = PrefixLocalityScorer(tiers={"host": 0.1, "peer": 0.0})
     assert custom.score(r, cands)[1:] == pytest.approx([1.1 / 4, 0.0])
-    assert s.score(req({}, 0), cands) == [0.0, 0.0, 0.0]  # no data: 0, never an error
+    assert s.score(req({}, 0), cands).tolist() == [0.0, 0.0, 0.0]  # no data: 0, no error
+    # a holder that is not a candidate is ignored; a candidate's trust scales its own run
+    r = req({"x": ("device",) * 4, "b": ("device", "host")}, 4, trust={"b": 0.5, "c": 0.5})
+    assert s.score(r, cands).tolist() == pytest.approx([0.2, 0.5 * 2.2 / 4, 0.2])
     trusted = req({"a": ("device",) * 4}, 4, trust={"a": 0.25})
     assert s.score(trusted, cands)[0] == pytest.approx(0.25)
     for bad in ({"device": 2}, {"Bad Tier": 0.5}, {"host": "x"}, "device"):
@@ -77,7 +80,8 @@ def test_prediction_is_capped_and_trust_follows_accuracy() -> None:
     base = RouteRequest("r", list(range(64)), HASHES, 16)
     filled = loc.fill(base, IndexLookup(4, {"a": ("device",) * 4, "b": ("host",)}))
     # 64 tokens = 4 full blocks, but the last token is always computed: 3 blocks hit
-    assert filled.cached_tokens == {"a": 48, "b": 16} and filled.indexed_blocks == 4
+    assert (filled.cached_tokens("a"), filled.cached_tokens("b"), filled.cached_tokens("c")) \
+        == (48, 16, 0) and filled.indexed_blocks == 4
     assert loc.fill(base, None) is base
     loc.observe("a", 48, 48)
     assert loc.trust("a") == 1.0

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pytest
 
-from gateway.routing.base import PICKERS, SCORERS, Candidate, RouteRequest
+from gateway.routing.base import PICKERS, SCORERS, Candidate, CandidateSet, RouteRequest
 from gateway.routing.plugins import (
     KVUsageScorer,
     MaxScorePicker,
@@ -26,37 +27,63 @@ REQ = RouteRequest("r", list(range(100)))
 
 
 def test_filter_keeps_ready_workers_of_the_role() -> None:
-    cs = [cand("a"), cand("b", ready=False), cand("p", role="prefill"), cand("d", "decode")]
-    assert [c.worker_id for c in ReadyRoleFilter().filter(REQ, cs)] == ["a", "d"]
+    cs = CandidateSet([cand("a"), cand("b", ready=False), cand("p", role="prefill"),
+                       cand("d", "decode", num_waiting=3)])
+    decodes = ReadyRoleFilter().filter(REQ, cs)
+    assert [c.worker_id for c in decodes] == ["a", "d"]
+    assert decodes.num_waiting.tolist() == [0, 3] and decodes.pos == {"a": 0, "d": 1}
     assert [c.worker_id for c in ReadyRoleFilter(("prefill",)).filter(REQ, cs)] == ["p"]
+    assert ReadyRoleFilter(("colocated", "decode", "prefill")).filter(REQ, cs).ids == \
+        ["a", "p", "d"]
+    everyone = CandidateSet([cand("a"), cand("d", "decode")])
+    assert ReadyRoleFilter().filter(REQ, everyone) is everyone  # nothing to drop: no copy
+
+
+def test_candidate_set_inflight_update_reaches_its_subsets() -> None:
+    cs = CandidateSet([cand("a"), cand("p", role="prefill"), cand("d", "decode")])
+    decodes = cs.ready_in(("decode",))
+    assert decodes.inflight.tolist() == [0]
+    cs.set_inflight("d", 4)
+    assert cs.inflight.tolist() == [0, 0, 4] and cs[2].inflight == 4
+    assert cs.ready_in(("decode",)).inflight.tolist() == [4]
+    assert cs.rows_of(["d", "x", "a"]).tolist() == [2, -1, 0]
 
 
 def test_scorers_are_in_unit_range_and_prefer_idle() -> None:
-    cs = [cand("a", num_waiting=4), cand("b", inflight=1), cand("c")]
+    cs = CandidateSet([cand("a", num_waiting=4), cand("b", inflight=1),
+                       cand("c", num_running=2, inflight=1)])
     q = QueueDepthScorer().score(REQ, cs)
-    assert q == [0.0, 0.75, 1.0]
-    kv = KVUsageScorer().score(REQ, [cand("a", kv_usage=0.9), cand("b", kv_usage=0.1),
-                                     Candidate("n", "n:1", "decode")])
+    assert q.tolist() == pytest.approx([0.0, 1.0, 2 / 3])  # in flight or running: the more
+    assert QueueDepthScorer().score(REQ, CandidateSet([cand("a"), cand("b")])).tolist() == \
+        [1.0, 1.0]
+    kv = KVUsageScorer().score(REQ, CandidateSet([
+        cand("a", kv_usage=0.9), cand("b", kv_usage=0.1), Candidate("n", "n:1", "decode"),
+        cand("x", kv_usage=1.5), cand("y", kv_usage=float("nan"))]))
     assert kv[0] < kv[1] and kv[2] == 0.0 and all(0 <= s <= 1 for s in kv)
+    assert kv[3] == 0.0 and kv[4] == 0.0  # out of range and NaN clamp to [0, 1]
 
 
 def test_pickers() -> None:
-    cs = [cand("a"), cand("b"), cand("c")]
-    assert MaxScorePicker(seed=0).pick(cs, [0.1, 0.9, 0.5]).worker_id == "b"
+    cs = CandidateSet([cand("a"), cand("b"), cand("c")])
+    assert MaxScorePicker(seed=0).pick(cs, np.array([0.1, 0.9, 0.5])).worker_id == "b"
+    tie = MaxScorePicker(seed=0)
+    tied = collections.Counter(tie.pick(cs, np.array([0.9, 0.9, 0.5])).worker_id
+                               for _ in range(200))
+    assert set(tied) == {"a", "b"}  # ties shared at random, never the lower score
     p2c = PowerOfTwoPicker(seed=1)
-    counts = collections.Counter(p2c.pick(cs, [0.0, 0.5, 1.0]).worker_id for _ in range(300))
+    counts = collections.Counter(p2c.pick(cs, np.array([0.0, 0.5, 1.0])).worker_id
+                                 for _ in range(300))
     assert counts["a"] == 0  # never the worst of any pair
     assert counts["c"] > counts["b"] > 0
 
 
 def test_threshold_decider_needs_a_prefill_worker() -> None:
     d = ThresholdDecider(threshold=50)
-    p = [cand("p", role="prefill")]
-    assert d.decide(REQ, cand("d", "decode"), p)
-    assert not d.decide(REQ, cand("d", "decode"), [])
-    assert not d.decide(RouteRequest("r", list(range(50))), cand("d", "decode"), p)
-    cached = RouteRequest("r", list(range(100)), cached_tokens={"d": 64})
-    assert not d.decide(cached, cand("d", "decode"), p)
+    p = CandidateSet([cand("p", role="prefill")])
+    assert d.decide(REQ, cand("d", "decode"), p, 0)
+    assert not d.decide(REQ, cand("d", "decode"), CandidateSet(), 0)
+    assert not d.decide(RouteRequest("r", list(range(50))), cand("d", "decode"), p, 0)
+    assert not d.decide(REQ, cand("d", "decode"), p, 64)  # 36 tokens left to prefill
 
 
 def test_profile_from_dict_and_errors() -> None:
@@ -114,7 +141,6 @@ def test_kv_peer_is_the_longest_prefix_holder_beyond_the_decode() -> None:
     d1 = cand("d1", "decode", num_waiting=5)  # busier: d0 is picked
     p0 = cand("p0", "prefill")
     req = RouteRequest("r", list(range(100)), block_size=16,
-                       cached_tokens={"d0": 16, "d1": 80},
                        locality={"d0": ("device",), "d1": ("device",) * 5,
                                  "p0": ("host",) * 3})
     router = _peer_router(decider={"name": "threshold", "threshold": 30})
@@ -131,7 +157,7 @@ def test_kv_peer_is_the_longest_prefix_holder_beyond_the_decode() -> None:
 
 def test_kv_peer_dropped_when_it_is_the_chosen_prefill_worker() -> None:
     d0, p0 = cand("d0", "decode"), cand("p0", "prefill")
-    req = RouteRequest("r", list(range(300)), block_size=16, cached_tokens={},
+    req = RouteRequest("r", list(range(300)), block_size=16,
                        locality={"p0": ("device",) * 4})
     dec = _peer_router(decider={"name": "threshold", "threshold": 0}).route(req, [d0, p0])
     assert dec.prefill is not None and dec.prefill.worker_id == "p0"
