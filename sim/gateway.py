@@ -15,7 +15,7 @@ from typing import Any
 
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
-from gateway.routing.base import Candidate, CandidateSet, RouteDecision, RouteRequest
+from gateway.routing.base import CandidateSet, RouteDecision, RouteRequest
 from gateway.routing.profile import Router, RoutingProfile
 from sim.index import InProcessBlockIndex
 from sim.worker import SimWorker
@@ -61,15 +61,20 @@ class SimGateway:
         now = self.clock()
         if now - self._reported >= self.report_interval_s:
             self._reported = now
-            self._cands = CandidateSet([self._report(w) for w in self.workers.values()])
+            self._cands = self._report(now)
         return self._cands
 
-    def _report(self, w: SimWorker) -> Candidate:
-        s = w.scheduler
-        n = w.kv.pool.num_blocks
-        free = w.free_blocks_at(self.clock())  # a decode window took blocks ahead
-        return Candidate(w.worker_id, w.worker_id, w.role, True, len(s.waiting),
-                         len(s.running), 1.0 - free / n, free, n, self._inflight[w.worker_id])
+    def _report(self, now: float) -> CandidateSet:
+        """Every worker's load report (decode/service.py's LoadReport) at `now`."""
+        ws = list(self.workers.values())
+        ids = [w.worker_id for w in ws]
+        sizes = [w.kv.pool.num_blocks for w in ws]
+        free = [w.free_blocks_at(now) for w in ws]  # a decode window took blocks ahead
+        return CandidateSet.from_columns(
+            ids, ids, [w.role for w in ws], [True] * len(ws),
+            [len(w.scheduler.waiting) for w in ws], [len(w.scheduler.running) for w in ws],
+            [1.0 - f / n for f, n in zip(free, sizes, strict=True)], free, sizes,
+            [self._inflight[w] for w in ids])
 
     def add_inflight(self, worker_id: str, delta: int) -> None:
         self._inflight[worker_id] += delta

@@ -16,10 +16,9 @@ request (the simulator, sim/, routes a million requests over 512 workers this wa
 from __future__ import annotations
 
 import itertools
-import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -47,29 +46,53 @@ ROLE_CODES = {"prefill": 0, "decode": 1, "colocated": 2}
 
 
 class CandidateSet:
-    """The candidates as columns: `items[i]` is row i's Candidate, and each load figure
-    the plugins read is a numpy array over the rows (in `items`' order). Built once per
-    registry snapshot; immutable, apart from `set_inflight` by the snapshot's owner."""
+    """The candidates as columns: each load figure the plugins read is a numpy array
+    with a row per worker; `ids`, `roles` and `addresses` are lists in the same order,
+    and `cs[i]` is row i as a Candidate (made on first use: a route picks one or two
+    rows of hundreds). Built once per registry snapshot; immutable, apart from
+    `set_inflight` by the snapshot's owner."""
 
-    __slots__ = ("items", "ids", "ready", "roles", "role_code", "num_waiting", "num_running", "inflight",
-                 "kv_usage", "num_blocks", "_pos", "_selected")
+    COLUMNS = ("ready", "num_waiting", "num_running", "kv_usage", "num_free_blocks",
+               "num_blocks", "inflight")
+    _DTYPES = (bool, np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)
+
+    __slots__ = ("ids", "addresses", "roles", "role_code", *COLUMNS, "_items", "_pos",
+                 "_selected")
+    ids: list[str]
+    addresses: list[str]
+    roles: list[str]
+    role_code: np.ndarray
+    ready: np.ndarray
+    num_waiting: np.ndarray
+    num_running: np.ndarray
+    kv_usage: np.ndarray
+    num_free_blocks: np.ndarray
+    num_blocks: np.ndarray
+    inflight: np.ndarray
 
     def __init__(self, items: Sequence[Candidate] = ()) -> None:
-        self.items = list(items)
-        self.ids = [c.worker_id for c in self.items]
-        self.roles = [c.role for c in self.items]
-        n = len(self.items)
+        items = list(items)
+        self._set(*([getattr(c, name) for c in items] for name in (
+            "worker_id", "address", "role", *self.COLUMNS)))
+        self._items: list[Candidate | None] = list(items)
 
-        def column(attr: str, dtype: type) -> np.ndarray:
-            return np.fromiter(map(operator.attrgetter(attr), self.items), dtype, n)
+    @classmethod
+    def from_columns(cls, ids: list[str], addresses: list[str], roles: list[str],
+                     *columns: Sequence[Any]) -> CandidateSet:
+        """A set from its columns, in COLUMNS' order (no Candidate is made)."""
+        if len(columns) != len(cls.COLUMNS):
+            raise ValueError(f"need the columns {cls.COLUMNS}")
+        out = cls.__new__(cls)
+        out._set(ids, addresses, roles, *columns)
+        out._items = [None] * len(ids)
+        return out
 
-        self.role_code = np.fromiter((ROLE_CODES.get(r, -1) for r in self.roles), np.int8, n)
-        self.ready = column("ready", bool)
-        self.num_waiting = column("num_waiting", np.int64)
-        self.num_running = column("num_running", np.int64)
-        self.inflight = column("inflight", np.int64)
-        self.kv_usage = column("kv_usage", np.float64)
-        self.num_blocks = column("num_blocks", np.int64)
+    def _set(self, ids: list[str], addresses: list[str], roles: list[str],
+             *columns: Sequence[Any]) -> None:
+        self.ids, self.addresses, self.roles = ids, addresses, roles
+        self.role_code = np.array([ROLE_CODES.get(r, -1) for r in roles], np.int8)
+        for name, dtype, col in zip(self.COLUMNS, self._DTYPES, columns, strict=True):
+            setattr(self, name, np.asarray(col, dtype))
         self._pos: dict[str, int] | None = None
         self._selected: dict[tuple[str, ...], CandidateSet] = {}
 
@@ -78,13 +101,18 @@ class CandidateSet:
         return candidates if isinstance(candidates, CandidateSet) else cls(candidates)
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.ids)
 
     def __getitem__(self, row: int) -> Candidate:
-        return self.items[row]
+        c = self._items[row]
+        if c is None:
+            c = self._items[row] = Candidate(
+                self.ids[row], self.addresses[row], self.roles[row],
+                *(getattr(self, name)[row].item() for name in self.COLUMNS))
+        return c
 
     def __iter__(self) -> Iterator[Candidate]:
-        return iter(self.items)
+        return (self[i] for i in range(len(self.ids)))
 
     @property
     def pos(self) -> dict[str, int]:
@@ -110,24 +138,19 @@ class CandidateSet:
 
     def take(self, rows: Sequence[int]) -> CandidateSet:
         """The rows `rows` as a new set."""
-        out = CandidateSet.__new__(CandidateSet)
         idx = np.asarray(rows, np.int64)
-        out.items = [self.items[i] for i in rows]
-        out.ids = [self.ids[i] for i in rows]
-        out.roles = [self.roles[i] for i in rows]
-        for name in ("role_code", "ready", "num_waiting", "num_running", "inflight", "kv_usage",
-                     "num_blocks"):
-            setattr(out, name, getattr(self, name)[idx])
-        out._pos = None
-        out._selected = {}
+        out = CandidateSet.from_columns(
+            [self.ids[i] for i in rows], [self.addresses[i] for i in rows],
+            [self.roles[i] for i in rows], *(getattr(self, name)[idx] for name in self.COLUMNS))
+        out._items = [self._items[i] for i in rows]
         return out
 
     def set_inflight(self, worker_id: str, n: int) -> None:
         """The owner's update of one worker's in-flight count between snapshots."""
         i = self.pos.get(worker_id)
         if i is not None:
-            self.items[i] = replace(self.items[i], inflight=n)
             self.inflight[i] = n
+            self._items[i] = None
             # a subset holds its own copy of the column: made again on next use
             self._selected = {k: v for k, v in self._selected.items() if v is self}
 

@@ -166,3 +166,15 @@ def test_kv_peer_dropped_when_it_is_the_chosen_prefill_worker() -> None:
         RoutingProfile.from_dict({"peer_fetch": 3})
     assert RoutingProfile.from_dict(
         RoutingProfile(peer_fetch_min_blocks=7).to_dict()).peer_fetch_min_blocks == 7
+
+
+def test_candidate_set_from_columns_makes_the_same_candidates() -> None:
+    items = [cand("a", num_waiting=2, kv_usage=0.5, inflight=1),
+             cand("p", "prefill", ready=False, num_free_blocks=7)]
+    cs = CandidateSet.from_columns(["a", "p"], ["a:1", "p:1"], ["colocated", "prefill"],
+                                   *([getattr(c, n) for c in items]
+                                     for n in CandidateSet.COLUMNS))
+    assert list(cs) == items and cs[1].ready is False and isinstance(cs[0].num_waiting, int)
+    assert CandidateSet(items)[0] is items[0]
+    with pytest.raises(ValueError, match="columns"):
+        CandidateSet.from_columns(["a"], ["a:1"], ["colocated"], [True])
