@@ -5,10 +5,13 @@ tensor owned by the model runner, indexed by `block_id`.
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
+from typing import cast
 
 from engine.block_hash import BlockHash
 
@@ -18,6 +21,8 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    # its entries in the pool's free queue; the last one is live while ref_cnt == 0
+    queued: int = field(default=0, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,8 @@ class BlockRemoved:
 
 KVEvent = BlockStored | BlockRemoved
 
+_not_none = partial(is_not, None)
+
 
 class BlockPool:
     """Ref-counted blocks, an LRU free queue and a hash -> block map.
@@ -40,6 +47,13 @@ class BlockPool:
     A block with `ref_cnt == 0` sits in the free queue; if it still has a hash its KV
     is a cached prefix that `touch` can revive until `get_new_blocks` reuses (evicts)
     it. Blocks freed last are reused last, so recently used prefixes survive longest.
+
+    The free queue is a deque with lazy removal (per block, the memory it touches is the
+    block and a deque slot, where an OrderedDict's is a node and a hash table): `touch`
+    leaves the block's entry in place, stale, and a freed block is appended again. A
+    block's live entry is its last one (`queued` counts them) while its ref_cnt is 0;
+    `get_new_blocks` skips stale entries. So the live entries are in the order an LRU
+    queue with removal would hold.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -47,8 +61,9 @@ class BlockPool:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = [KVBlock(i, queued=1) for i in range(num_blocks)]
+        self._queue: deque[KVBlock] = deque(self.blocks)
+        self._num_free = num_blocks
         self._cached: dict[BlockHash, KVBlock] = {}
         self._events: list[KVEvent] = []
         # Newly cached blocks for an offload connector (engine/offload.py), if tracked.
@@ -58,7 +73,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds (cached-but-evictable ones included)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -71,43 +86,72 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self._cached.get(block_hash)
 
+    def cached_prefix(self, hashes: Iterable[BlockHash], limit: int | None = None) -> list[KVBlock]:
+        """The blocks holding `hashes[:limit]`, up to the first one not cached."""
+        # C-level: map looks each hash up, takewhile stops at the first miss (None)
+        get: Callable[[BlockHash], KVBlock | None] = self._cached.get
+        return cast(list[KVBlock], list(takewhile(_not_none, map(get, islice(hashes, limit)))))
+
     def get_new_blocks(self, n: int) -> list[KVBlock] | None:
         """Takes `n` blocks off the free queue (evicting their cached hashes).
 
         Returns blocks with ref_cnt 1 that the caller owns and must `free`, or None
         when fewer than `n` are free.
         """
-        if n > len(self._free):
+        if n > self._num_free:
             return None
+        popleft = self._queue.popleft
+        cached = self._cached
         out = []
         evicted = []
         for _ in range(n):
-            block = self.blocks[self._free.popitem(last=False)[0]]
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del self._cached[block.block_hash]
-                block.block_hash = None
+            block = popleft()
+            block.queued -= 1
+            while block.queued or block.ref_cnt:  # a stale entry (see the class)
+                block = popleft()
+                block.queued -= 1
             block.ref_cnt = 1
+            h = block.block_hash
+            if h is not None:
+                evicted.append(h)
+                del cached[h]
+                block.block_hash = None
             out.append(block)
+        self._num_free -= n
         if evicted:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
 
     def peek_free(self, n: int) -> list[KVBlock]:
         """The next `n` blocks `get_new_blocks` would hand out, in that order (not taken)."""
-        return [self.blocks[i] for i in itertools.islice(self._free, n)]
+        out: list[KVBlock] = []
+        if n <= 0:
+            return out
+        seen: dict[KVBlock, int] = {}
+        for block in self._queue:
+            if block.ref_cnt:
+                continue
+            k = seen[block] = seen.get(block, 0) + 1
+            if k == block.queued:  # its live entry
+                out.append(block)
+                if len(out) == n:
+                    break
+        return out
 
     def unget(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash | None]) -> None:
         """Undoes `get_new_blocks` for blocks nothing wrote: they go back to the head of
         the free queue in order, each holding again the cached hash it was taken with
         (its KV is untouched), as if never taken. No event: the caller publishes the
         evictions it keeps (the simulator's decode windows, sim/worker.py)."""
+        if any(b.queued for b in blocks):  # stale entries later on: drop them first
+            self._compact()
         for block, h in zip(reversed(blocks), reversed(hashes), strict=True):
             if block.ref_cnt != 1 or block.block_hash is not None:
                 raise RuntimeError(f"unget of block {block.block_id}: in use or cached")
             block.ref_cnt = 0
-            self._free[block.block_id] = None
-            self._free.move_to_end(block.block_id, last=False)
+            block.queued = 1
+            self._queue.appendleft(block)
+            self._num_free += 1
             if h is not None:
                 if h in self._cached:
                     raise RuntimeError(f"unget of block {block.block_id}: hash cached again")
@@ -116,39 +160,67 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Takes a reference on (cached) blocks, reviving them from the free queue."""
-        for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
-            block.ref_cnt += 1
+        revived = 0
+        try:
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    revived += 1  # its queue entry goes stale
+                block.ref_cnt += 1
+        finally:
+            self._num_free -= revived
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drops one reference per block; unreferenced blocks join the free queue's tail.
 
         Pass a request's blocks in reverse so its tail blocks are evicted first.
         """
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+        append = self._queue.append
+        freed = 0
+        try:
+            for block in blocks:
+                ref_cnt = block.ref_cnt
+                if ref_cnt == 1:
+                    block.ref_cnt = 0
+                    block.queued += 1
+                    append(block)
+                    freed += 1
+                elif ref_cnt > 1:
+                    block.ref_cnt = ref_cnt - 1
+                else:
+                    raise RuntimeError(f"double free of block {block.block_id}")
+        finally:
+            self._num_free += freed
+        if len(self._queue) > 2 * self.num_blocks:  # mostly stale: bound its memory
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drops the free queue's stale entries (order kept)."""
+        live = []
+        for block in self._queue:
+            block.queued -= 1
+            if not block.queued and not block.ref_cnt:
+                live.append(block)
+        for block in live:
+            block.queued = 1
+        self._queue = deque(live)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash],
                           parent_hash: BlockHash | None) -> None:
         """Marks full, computed blocks as holding the KV for `hashes` (same order)."""
         if not self.enable_caching:
             return
+        cached = self._cached
+        track = self.track_new_cached
         stored = []
         for block, h in zip(blocks, hashes, strict=True):
-            if block.block_hash is not None:
-                continue  # already cached (a prefix hit)
-            if h in self._cached:
-                continue  # another block holds this content; keep the first
-            block.block_hash = h
-            self._cached[h] = block
-            stored.append(h)
-            if self.track_new_cached:
-                self._new_cached.append((block, h))
+            # skip: already cached (a prefix hit), or another block holds this content
+            # (keep the first)
+            if block.block_hash is None and h not in cached:
+                block.block_hash = h
+                cached[h] = block
+                stored.append(h)
+                if track:
+                    self._new_cached.append((block, h))
         if stored:
             self._events.append(BlockStored(tuple(stored), parent_hash))
 
@@ -179,11 +251,15 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raises AssertionError if the pool's invariants are broken."""
-        assert len(self._free) == sum(b.ref_cnt == 0 for b in self.blocks), "free queue size"
+        assert self._num_free == sum(b.ref_cnt == 0 for b in self.blocks), "free count"
+        entries: dict[int, int] = {}
+        for block in self._queue:
+            entries[block.block_id] = entries.get(block.block_id, 0) + 1
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"block {block.block_id} ref_cnt < 0"
-            assert (block.block_id in self._free) == (block.ref_cnt == 0), \
-                f"block {block.block_id} free-queue membership"
+            assert block.queued == entries.get(block.block_id, 0), \
+                f"block {block.block_id} free-queue entries"
+            assert block.ref_cnt or block.queued, f"free block {block.block_id} not queued"
             if block.block_hash is not None:
                 assert self._cached.get(block.block_hash) is block, \
                     f"block {block.block_id} hash not mapped"

@@ -43,12 +43,7 @@ class KVCacheManager:
             return [], 0
         hashes = request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[KVBlock] = []
-        for h in hashes[:max_blocks]:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self.pool.cached_prefix(hashes, max(max_blocks, 0))
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
@@ -66,7 +61,10 @@ class KVCacheManager:
             + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cached blocks with no holder sit in the free queue: touching them uses them up.
-        num_revived = sum(b.ref_cnt == 0 for b in new_computed_blocks)
+        num_revived = 0
+        for b in new_computed_blocks:
+            if not b.ref_cnt:
+                num_revived += 1
         if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, cast
 
 import numpy as np
@@ -150,10 +151,11 @@ class SimWorker:
             stored = ev.block_hashes if isinstance(ev, BlockStored) else ()
             removed = ev.block_hashes if isinstance(ev, BlockRemoved) else ()
         else:
-            stored = [h for ev in events if isinstance(ev, BlockStored)
-                      for h in ev.block_hashes]
-            removed = [h for ev in events if isinstance(ev, BlockRemoved)
-                       for h in ev.block_hashes]
+            # chain: the events' hashes joined at C level, in order
+            stored = list(chain.from_iterable(ev.block_hashes for ev in events
+                                              if isinstance(ev, BlockStored)))
+            removed = list(chain.from_iterable(ev.block_hashes for ev in events
+                                               if isinstance(ev, BlockRemoved)))
         self.index.apply_device(self.worker_id, stored, removed)
 
     # -- a step -------------------------------------------------------------------------
