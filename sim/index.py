@@ -17,22 +17,17 @@ bitmap of the nodes holding it there; a run through a block a node holds in anot
 tier only is walked per block. A device store or removal, the bulk of the events (every
 block a prompt fills, every eviction), is one dict lookup and one OR / AND.
 
-While no block is held in another tier (the common case), the walk runs at C level:
-the running AND of the blocks' bitmaps (itertools.accumulate, up to the first block no
-node holds), runs ending where it changes, and the runs dict of those (nodes, depth)
-pairs built once and copied after that (a shared prompt ends the same nodes at the same
-depths request after request). The per-block loop remains for the other tiers.
-
-What the walk and the stores cost is mostly memory: at 512 workers the device dict holds
-millions of blocks and each lookup of one misses the CPU caches (~200 ns). The store loop
-is as fast as C-level alternatives (map + dict.fromkeys + update measured no faster).
+What is left is memory, not the interpreter: at 512 workers the device dict holds
+millions of blocks and each probe misses the CPU caches (~200 ns per hash, stores and
+walk alike). C-level variants (map + dict.fromkeys + update for stores; accumulate of the
+ANDs with runs cached per (nodes, depth) for the walk) measured no faster in the
+simulator (issue 17), so the loops stay.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, compress, count, islice, repeat, takewhile
-from operator import and_, ne
+from itertools import compress
 
 from engine.block_hash import BlockHash
 from kvtransfer.index import TIERS, IndexLookup
@@ -54,8 +49,6 @@ class InProcessBlockIndex:
         self._bit: dict[str, int] = {}  # node -> 1 << its number
         self._names: list[str] = []  # number -> node
         self._device_runs: dict[int, tuple[str, ...]] = {}  # depth -> ("device",) * depth
-        # a device-only walk's ends -> its runs
-        self._runs_of: dict[tuple[tuple[int, int], ...], dict[str, tuple[str, ...]]] = {}
         self._allowed: tuple[frozenset[str] | None, int, int] = (None, 0, -1)
         self.errors = 0  # RedisBlockIndex's counter of failed calls (never here)
         self.lookups = 0
@@ -149,8 +142,6 @@ class InProcessBlockIndex:
         everyone = (1 << len(self._names)) - 1
         masked = allowed & everyone != everyone  # some node is left out
         device, other_bits = self._device, self._other_bits
-        if not other_bits:
-            return self._lookup_device(hashes, allowed if masked else -1)
         get = device.get
         alive = 0  # nodes holding every block so far
         ends: list[tuple[int, int]] = []  # (nodes whose run ended, its length)
@@ -183,31 +174,6 @@ class InProcessBlockIndex:
                 for node in self._nodes_of(bits & tiered):
                     runs[node] = tuple(self._best(h, node) for h in hashes[:depth])
         return IndexLookup(i, runs)
-
-    def _lookup_device(self, hashes: Sequence[BlockHash], allowed: int) -> IndexLookup:
-        """lookup_now's walk when no block is held in another tier, at C level."""
-        held = map(self._device.get, hashes, repeat(0))
-        if allowed != -1:
-            held = map(and_, held, repeat(allowed))
-        # acc[k]: the nodes holding blocks 0..k; the walk ends at a block no one holds
-        acc = list(accumulate(takewhile(bool, held), and_))
-        i = len(acc)
-        # runs end at the depths k where acc changes (it stays 0 once it reaches 0)
-        ends = [(acc[k - 1] ^ acc[k], k)
-                for k in compress(count(1), map(ne, acc, islice(acc, 1, None)))]
-        if i and acc[-1]:
-            ends.append((acc[-1], i))
-        # the same nodes end at the same depths request after request (a shared prompt):
-        # their runs are built once (a node's bit never changes)
-        key = tuple(ends)
-        runs = self._runs_of.get(key)
-        if runs is None:
-            if len(self._runs_of) >= 256:
-                self._runs_of.clear()
-            runs = self._runs_of[key] = {}
-            for bits, depth in ends:
-                runs.update(dict.fromkeys(self._nodes_of(bits), self._device_run(depth)))
-        return IndexLookup(i, runs.copy())
 
     async def lookup(self, hashes: Sequence[BlockHash],
                      nodes: set[str] | frozenset[str] | None = None) -> IndexLookup | None:

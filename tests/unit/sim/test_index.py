@@ -58,8 +58,8 @@ def test_bitmap_walk_matches_the_plain_walk() -> None:
 
 
 def test_device_walk_matches_the_general_walk() -> None:
-    """With the device tier alone, lookup_now takes its C-level walk; a twin index that
-    also holds one unrelated block on the host takes the per-block walk. Same events
+    """An index with the device tier alone (the walk skips the other tiers) against a
+    twin that also holds one unrelated block on the host (the walk checks them). Same events
     (hashes listed twice, in both lists of one call, generators): the same lookups,
     to the order of the runs (routing iterates it), and the plain walk's answer."""
     rng = random.Random(11)
