@@ -55,3 +55,54 @@ def test_bitmap_walk_matches_the_plain_walk() -> None:
             want = plain_walk(state, chain[start:], allowed)
             assert got.num_blocks == want.num_blocks and got.nodes == want.nodes, step
     assert idx.num_entries() == sum(1 for h in state.values() for t in h.values() if t)
+
+
+def test_device_walk_matches_the_general_walk() -> None:
+    """An index with the device tier alone (the walk skips the other tiers) against a
+    twin that also holds one unrelated block on the host (the walk checks them). Same events
+    (hashes listed twice, in both lists of one call, generators): the same lookups,
+    to the order of the runs (routing iterates it), and the plain walk's answer."""
+    rng = random.Random(11)
+    names = [f"w{i}" for i in range(70)]
+    fast, general = InProcessBlockIndex(), InProcessBlockIndex()
+    fast.apply_device(names[0])
+    general.apply(names[0], stored=[(-1, "host")])  # never queried: the general walk
+    state: dict[int, dict[str, set[str]]] = {}
+    chains = [list(range(100 * c, 100 * c + 16)) for c in range(3)]
+    for c in chains[1:]:
+        c[:4] = chains[0][:4]  # a shared prefix, then their own blocks
+    for step in range(2500):
+        node = rng.choice(names)
+        chain = rng.choice(chains)
+        if rng.random() < 0.5:
+            stored = chain[:rng.randint(1, len(chain))]
+        else:
+            stored = [rng.choice(chain) for _ in range(rng.randint(0, 3))]
+        removed = [rng.choice(chain) for _ in range(rng.randint(0, 3))] \
+            if rng.random() < 0.4 else []
+        for idx in (fast, general):
+            if step % 5 == 0:  # generators, read once
+                idx.apply_device(node, (h for h in stored), (h for h in removed))
+            else:
+                idx.apply_device(node, tuple(stored), removed)
+        for h in removed:
+            state.get(h, {}).get(node, set()).discard("device")
+        for h in stored:
+            state.setdefault(h, {}).setdefault(node, set()).add("device")
+        if step % 3 == 0:
+            allowed = (None, frozenset(rng.sample(names, 30)), set(rng.sample(names, 69)),
+                       frozenset(names), frozenset())[step % 5]
+            query = rng.choice(chains)[rng.randint(0, 1):rng.randint(6, 16)]
+            # the same query again: the runs already built; a shorter one: the same
+            # nodes end, at other depths
+            for again, q in enumerate((query, query, query[:-2])):
+                got = fast.lookup_now(q, allowed)
+                want = general.lookup_now(q, allowed)
+                assert got.num_blocks == want.num_blocks, step
+                assert list(got.nodes.items()) == list(want.nodes.items()), step
+                if not again:
+                    got.nodes.clear()  # the caller's copy
+            plain = plain_walk(state, q, None if allowed is None else frozenset(allowed))
+            assert got.num_blocks == plain.num_blocks and got.nodes == plain.nodes, step
+    assert fast._device == general._device
+    assert fast.num_entries() + 1 == general.num_entries()
