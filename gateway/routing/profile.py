@@ -209,14 +209,16 @@ class Router:
             return None, 0
         own = len(locality.get(decode.worker_id, ()))
         able = workers.ready_in(("decode", "prefill"))
-        held = np.zeros(len(able), np.int64)
+        if not len(able):
+            return None, 0
         rows = able.rows_of(locality.keys(), len(locality))
-        lens = np.fromiter(map(len, locality.values()), np.int64, len(locality))
-        held[rows[rows >= 0]] = lens[rows >= 0]
-        me = able.pos.get(decode.worker_id)
-        if me is not None:
+        found = rows >= 0
+        held = np.zeros(len(able), np.int64)  # leading blocks per row
+        held[rows[found]] = np.fromiter(map(len, locality.values()), np.int64,
+                                        len(locality))[found]
+        if (me := able.pos.get(decode.worker_id)) is not None:
             held[me] = 0
-        best = int(held.argmax()) if len(held) else 0
-        if not len(held) or held[best] <= own or held[best] - own < need:
+        best = int(held.argmax())  # the first of the longest
+        if held[best] - own < need:  # need >= 1: beating the decode own run
             return None, 0
         return able[best], int(held[best])
