@@ -7,45 +7,114 @@ pool's and tiers' events into it as the real KV event publisher does.
 Epochs, TTLs and the circuit breaker have nothing to do in one process: every entry is
 current, nothing fails.
 
-Speed: at 512 workers a shared system prompt is held by every worker, so a walk that
-visits each (block, holder) pair costs O(workers x blocks) per request. Each block
-keeps a bitmap of the nodes holding it on the device (bit = the node's number), so the
-walk is one AND per block over the nodes whose run is still unbroken; a node leaves
-that set once, and its run is a cached ("device",) * depth. The other tiers (host,
-disk) are rare and kept apart: per block, each node's bitmask of those tiers and a
-bitmap of the nodes holding it there; a run through a block a node holds in another
-tier only is walked per block. A device store or removal, the bulk of the events (every
-block a prompt fills, every eviction), is one dict lookup and one OR / AND.
+Speed: at 512 workers the pools hold millions of blocks, a request stores and evicts
+hundreds and a lookup walks hundreds, and a dict probe per block misses the CPU caches
+(~200 ns each, what this index cost per block before). Hashes are ints laid out as
+`segment << SEGMENT_SHIFT | block's number in the segment` (sim/workload.py: a segment
+is one Mooncake hash id's tokens, 32 blocks of 16 tokens), so the device tier is kept
+per segment: per node a bitmap of the segment's blocks it holds, and the bitmap of the
+nodes holding all of them. An event applies a run of consecutive blocks as one OR /
+AND per segment; a lookup walks segment by segment, one AND over the nodes holding
+the whole segment, block bits only for the few holding part of it. Any int is a valid
+hash: other layouts are exact too, one segment per block at worst.
 
-What is left is memory, not the interpreter: at 512 workers the device dict holds
-millions of blocks and each probe misses the CPU caches (~200 ns per hash, stores and
-walk alike). C-level variants (map + dict.fromkeys + update for stores; accumulate of the
-ANDs with runs cached per (nodes, depth) for the walk) measured no faster in the
-simulator (issue 17), so the loops stay.
+The other tiers (host, disk) are rare and kept apart, per block: each node's bitmask of
+those tiers and a bitmap of the nodes holding it there; a lookup that may meet them
+walks block by block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress
 
-from engine.block_hash import BlockHash
+import numpy as np
+
 from kvtransfer.index import TIERS, IndexLookup
+
+SEGMENT_SHIFT = 21  # a hash (an int: sim/workload.py's) = segment << this | block number
+_LOW = (1 << SEGMENT_SHIFT) - 1
+_NUMPY_FROM = 16  # events of at least this many hashes go to runs through numpy
 
 _BIT = {t: 1 << i for i, t in enumerate(TIERS)}
 _BEST = [""] + [next(t for t in TIERS if m & _BIT[t]) for m in range(1, 1 << len(TIERS))]
-_DEVICE = _BIT["device"]
 _ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
 
 
-class InProcessBlockIndex:
-    """block hash -> bitmap of the nodes holding it on the device; the other tiers:
-    block hash -> {node: bitmask of those tiers} and the bitmap of those nodes."""
+def _bits(x: int) -> Iterator[int]:
+    """The set bits of `x`, lowest first, each as an int with that bit alone."""
+    while x:
+        low = x & -x
+        yield low
+        x ^= low
+
+
+class _Segment:
+    """The nodes holding blocks of one segment on the device. `full` holds the nodes
+    holding its blocks [0, length); every node holds blocks below `length` only."""
+
+    __slots__ = ("any", "full", "length", "masks")
 
     def __init__(self) -> None:
-        self._device: dict[BlockHash, int] = {}
-        self._other: dict[BlockHash, dict[str, int]] = {}
-        self._other_bits: dict[BlockHash, int] = {}
+        self.any = 0  # nodes holding some of its blocks
+        self.full = 0
+        self.length = 0
+        self.masks: dict[int, int] = {}  # node bit -> its blocks' bitmap
+
+    def refit(self) -> None:
+        """`length` down to the blocks held, `full` again (after the last full node
+        lost a block: keeps a segment's lone holder on the walk's fast path)."""
+        length = max(m.bit_length() for m in self.masks.values())
+        whole = (1 << length) - 1
+        self.length = length
+        self.full = sum(b for b, m in self.masks.items() if m == whole)
+
+    def held(self, allowed: int) -> int:
+        """The bitmap of the blocks some node of `allowed` holds."""
+        if self.full & allowed:
+            return (1 << self.length) - 1
+        out = 0
+        for b, m in self.masks.items():
+            if b & allowed:
+                out |= m
+        return out
+
+
+def _runs(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int, int]]:
+    """`hashes` as runs of consecutive blocks of one segment: (segment, first block,
+    count), in order, or (not `ordered`: a set of blocks, e.g. evictions, which come
+    tail first) sorted, a repeat as a run of its own."""
+    n = len(hashes)
+    if n < _NUMPY_FROM:
+        if not ordered:
+            hashes = sorted(hashes)
+        out: list[tuple[int, int, int]] = []
+        prev = None
+        for h in hashes:
+            if prev is not None and h == prev + 1 and h & _LOW:
+                c, j, m = out[-1]
+                out[-1] = (c, j, m + 1)
+            else:
+                out.append((h >> SEGMENT_SHIFT, h & _LOW, 1))
+            prev = h
+        return out
+    a = np.fromiter(hashes, np.int64, n)
+    if not ordered:
+        a.sort()
+    cut = np.flatnonzero((np.diff(a) != 1) | ((a[1:] & _LOW) == 0)) + 1
+    starts = a[np.concatenate(([0], cut))].tolist()
+    counts = np.diff(np.concatenate(([0], cut, [len(a)]))).tolist()
+    return [(h >> SEGMENT_SHIFT, h & _LOW, m) for h, m in zip(starts, counts, strict=True)]
+
+
+class InProcessBlockIndex:
+    """segment -> _Segment (the device tier); the other tiers: block hash ->
+    {node: bitmask of those tiers} and the bitmap of those nodes."""
+
+    def __init__(self) -> None:
+        self._segments: dict[int, _Segment] = {}
+        self._other: dict[int, dict[str, int]] = {}
+        self._other_bits: dict[int, int] = {}
         self._bit: dict[str, int] = {}  # node -> 1 << its number
         self._names: list[str] = []  # number -> node
         self._device_runs: dict[int, tuple[str, ...]] = {}  # depth -> ("device",) * depth
@@ -60,26 +129,53 @@ class InProcessBlockIndex:
             self._names.append(node)
         return bit
 
-    def apply_device(self, node: str, stored: Iterable[BlockHash] = (),
-                     removed: Iterable[BlockHash] = ()) -> None:
+    # -- writes -------------------------------------------------------------------------
+    def apply_device(self, node: str, stored: Iterable[int] = (),
+                     removed: Iterable[int] = ()) -> None:
         """`apply` for the device tier alone (the block pool's events): removals first."""
-        device = self._device
-        get = device.get
+        segments = self._segments
         bit = self._node_bit(node)
-        for h in removed:
-            m = get(h)
-            if m is None:
-                continue
-            if m == bit:  # most blocks: this node was the only holder
-                del device[h]
-            elif m & bit:
-                device[h] = m ^ bit
-        for h in stored:
-            m = get(h)
-            device[h] = bit if m is None else m | bit
+        removed = removed if isinstance(removed, (list, tuple)) else list(removed)
+        if removed:
+            for c, j, m in _runs(removed, ordered=False):
+                s = segments.get(c)
+                old = s.masks.get(bit, 0) if s is not None else 0
+                new = old & ~(((1 << m) - 1) << j)
+                if new == old:
+                    continue
+                assert s is not None
+                if new:
+                    s.masks[bit] = new
+                else:
+                    del s.masks[bit]
+                    s.any ^= bit
+                    if not s.masks:
+                        del segments[c]
+                        continue
+                if s.full & bit:
+                    s.full ^= bit
+                    if not s.full:
+                        s.refit()
+        stored = stored if isinstance(stored, (list, tuple)) else list(stored)
+        if stored:
+            for c, j, m in _runs(stored):
+                s = segments.get(c)
+                if s is None:
+                    s = segments[c] = _Segment()
+                old = s.masks.get(bit, 0)
+                new = old | ((1 << m) - 1) << j
+                if new == old:
+                    continue
+                s.masks[bit] = new
+                s.any |= bit
+                if j + m > s.length:  # no other node holds the new last block
+                    s.length = j + m
+                    s.full = bit if new == (1 << s.length) - 1 else 0
+                elif new == (1 << s.length) - 1:
+                    s.full |= bit
 
-    def apply(self, node: str, stored: Sequence[tuple[BlockHash, str]] = (),
-              removed: Sequence[tuple[BlockHash, str]] = ()) -> None:
+    def apply(self, node: str, stored: Sequence[tuple[int, str]] = (),
+              removed: Sequence[tuple[int, str]] = ()) -> None:
         """Removals first, then stores (a batch evicts before it reuses)."""
         self.apply_device(node, [h for h, t in stored if t == "device"],
                           [h for h, t in removed if t == "device"])
@@ -104,6 +200,7 @@ class InProcessBlockIndex:
                 holders[node] = holders.get(node, 0) | _BIT[tier]
                 other_bits[h] = other_bits.get(h, 0) | bit
 
+    # -- reads --------------------------------------------------------------------------
     def _allowed_bits(self, nodes: set[str] | frozenset[str] | None) -> int:
         """The bitmap of `nodes` (-1: any); a frozenset's is kept for the next call."""
         if nodes is None:
@@ -127,32 +224,94 @@ class InProcessBlockIndex:
             run = self._device_runs[depth] = ("device",) * depth
         return run
 
-    def _best(self, h: BlockHash, node: str) -> str:
+    def _device_bits(self, h: int) -> int:
+        """The bitmap of the nodes holding `h` on the device."""
+        s = self._segments.get(h >> SEGMENT_SHIFT)
+        if s is None:
+            return 0
+        j = h & _LOW
+        bits = s.full if j < s.length else 0
+        for b in _bits(s.any & ~s.full):
+            if s.masks[b] >> j & 1:
+                bits |= b
+        return bits
+
+    def _best(self, h: int, node: str) -> str:
         """The best tier `node` holds `h` in."""
-        if self._device.get(h, 0) & self._bit[node]:
+        if self._device_bits(h) & self._bit[node]:
             return "device"
         return _BEST[self._other[h][node]]
 
-    def lookup_now(self, hashes: Sequence[BlockHash],
-                   nodes: set[str] | frozenset[str] | None = None) -> IndexLookup:
-        """The leading run any (allowed) node holds, and each node's own run with the
-        best tier per block (RedisBlockIndex._walk's result)."""
-        self.lookups += 1
-        allowed = self._allowed_bits(nodes)
-        everyone = (1 << len(self._names)) - 1
-        masked = allowed & everyone != everyone  # some node is left out
-        device, other_bits = self._device, self._other_bits
-        get = device.get
+    def _walk_segments(self, hashes: Sequence[int], allowed: int
+                       ) -> tuple[int, dict[int, int]]:
+        """The device-only walk: (blocks some allowed node holds from the start, depth ->
+        the nodes whose run ends there)."""
+        segments = self._segments
+        ends: dict[int, int] = {}
         alive = 0  # nodes holding every block so far
-        ends: list[tuple[int, int]] = []  # (nodes whose run ended, its length)
-        tiered = 0  # nodes whose run holds a block in another tier only
+        depth = 0
+        for c, j, m in _runs(hashes):
+            s = segments.get(c)
+            if s is None:
+                break
+            if depth:
+                pool = alive & s.any
+                if gone := alive & ~pool:
+                    ends[depth] = ends.get(depth, 0) | gone
+            else:
+                pool = s.any & allowed
+            keep = pool & s.full if j + m <= s.length else 0
+            whole = (1 << m) - 1
+            for b in _bits(pool & ~keep):
+                x = s.masks[b] >> j & whole
+                if x == whole:
+                    keep |= b
+                elif x & 1 or depth:
+                    end = depth + (x ^ (x + 1)).bit_length() - 1  # + its trailing ones
+                    ends[end] = ends.get(end, 0) | b
+            alive = keep
+            if not alive:  # every run ended: the walk goes on while some node holds
+                x = s.held(allowed) >> j & whole
+                if x != whole:
+                    return depth + (x ^ (x + 1)).bit_length() - 1, ends
+                depth += m
+                break
+            depth += m
+        else:
+            if alive:
+                ends[depth] = alive
+            return depth, ends
+        if alive:  # the walk stopped at a segment nobody holds
+            ends[depth] = ends.get(depth, 0) | alive
+            return depth, ends
+        return self._walk_on(hashes, depth, allowed), ends
+
+    def _walk_on(self, hashes: Sequence[int], depth: int, allowed: int) -> int:
+        """From `depth` on, the blocks some allowed node holds, one after the other."""
+        for c, j, m in _runs(hashes[depth:]):
+            s = self._segments.get(c)
+            if s is None:
+                break
+            whole = (1 << m) - 1
+            x = s.held(allowed) >> j & whole
+            if x != whole:
+                return depth + (x ^ (x + 1)).bit_length() - 1
+            depth += m
+        return depth
+
+    def _walk_blocks(self, hashes: Sequence[int], allowed: int
+                     ) -> tuple[int, dict[int, int], int]:
+        """The walk through every tier, block by block: (blocks walked, depth -> nodes
+        whose run ends there, the nodes whose run holds a block in another tier only)."""
+        other_bits = self._other_bits
+        alive = 0
+        ends: dict[int, int] = {}
+        tiered = 0
         i = 0
         for h in hashes:
-            d = get(h, 0)
-            o = other_bits.get(h, 0) if other_bits else 0
-            bits = d | o if o else d
-            if masked:
-                bits &= allowed
+            d = self._device_bits(h)
+            o = other_bits.get(h, 0)
+            bits = (d | o) & allowed
             if not bits:
                 break
             if i == 0:
@@ -160,34 +319,50 @@ class InProcessBlockIndex:
             else:
                 kept = alive & bits
                 if kept != alive:
-                    ends.append((alive ^ kept, i))
+                    ends[i] = alive ^ kept
                     alive = kept
             if o:
                 tiered |= o & ~d & alive
             i += 1
         if alive:
-            ends.append((alive, i))
+            ends[i] = alive
+        return i, ends, tiered
+
+    def lookup_now(self, hashes: Sequence[int],
+                   nodes: set[str] | frozenset[str] | None = None) -> IndexLookup:
+        """The leading run any (allowed) node holds, and each node's own run with the
+        best tier per block (RedisBlockIndex._walk's result)."""
+        self.lookups += 1
+        allowed = self._allowed_bits(nodes) & ((1 << len(self._names)) - 1)
+        if self._other_bits:
+            i, ends, tiered = self._walk_blocks(hashes, allowed)
+        else:
+            (i, ends), tiered = self._walk_segments(hashes, allowed), 0
         runs: dict[str, tuple[str, ...]] = {}
-        for bits, depth in ends:
+        for depth in sorted(ends):
+            bits = ends[depth]
             runs.update(dict.fromkeys(self._nodes_of(bits & ~tiered), self._device_run(depth)))
             if bits & tiered:
                 for node in self._nodes_of(bits & tiered):
                     runs[node] = tuple(self._best(h, node) for h in hashes[:depth])
         return IndexLookup(i, runs)
 
-    async def lookup(self, hashes: Sequence[BlockHash],
+    async def lookup(self, hashes: Sequence[int],
                      nodes: set[str] | frozenset[str] | None = None) -> IndexLookup | None:
         return self.lookup_now(hashes, nodes)
 
-    async def holders(self, hashes: Sequence[BlockHash]
-                      ) -> dict[BlockHash, frozenset[str]] | None:
-        return {h: frozenset(self._nodes_of(self._device.get(h, 0)))
+    async def holders(self, hashes: Sequence[int]
+                      ) -> dict[int, frozenset[str]] | None:
+        return {h: frozenset(self._nodes_of(self._device_bits(h)))
                 | frozenset(self._other.get(h, ())) for h in hashes}
 
     def num_entries(self) -> int:
         """(block, node) pairs held in some tier."""
-        return sum((self._device.get(h, 0) | self._other_bits.get(h, 0)).bit_count()
-                   for h in self._device.keys() | self._other_bits.keys())
+        n = sum(m.bit_count() for s in self._segments.values() for m in s.masks.values())
+        for h, holders in self._other.items():
+            d = self._device_bits(h)
+            n += sum(not d & self._bit[node] for node in holders)
+        return n
 
     async def close(self) -> None:
         return None

@@ -156,7 +156,9 @@ class SimWorker:
                                               if isinstance(ev, BlockStored)))
             removed = list(chain.from_iterable(ev.block_hashes for ev in events
                                                if isinstance(ev, BlockRemoved)))
-        self.index.apply_device(self.worker_id, stored, removed)
+        # the simulator's hashes are ints (sim/workload.py), BlockHash's type aside
+        self.index.apply_device(self.worker_id, cast(Sequence[int], stored),
+                                cast(Sequence[int], removed))
 
     # -- a step -------------------------------------------------------------------------
     def decode_window(self) -> tuple[int, list[tuple[int, int]]]:

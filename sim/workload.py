@@ -9,7 +9,9 @@ one system prompt). `BlockHasher` turns segments into the engine's per-block pre
 identities: block j's hash names the prefix up to its last token, so equal prefixes
 give equal hashes and anything else differs, the property engine/block_hash.py gives
 real tokens. Hashes are ints (dict keys in the block pool and the index; nothing leaves
-the process).
+the process): `chain << SEGMENT_SHIFT | block's number in the segment`, so a segment's
+blocks are consecutive ints, which the in-process index keeps as one bitmap per node
+(sim/index.py).
 
 Sources: `from_bench` (any bench dataset and load shape, token ids as one-token
 segments: the validation path), `mooncake` (the trace, streamed, with bench's length
@@ -33,8 +35,7 @@ from bench.datasets import (
     scaled_output_len,
 )
 from bench.load import LoadSpec, start_offsets, units
-
-_OFFSET_BITS = 21  # a segment is shorter than 2M tokens
+from sim.index import SEGMENT_SHIFT
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +64,12 @@ class BlockHasher:
             c = self._chains[k] = len(self._chains) + 1
         return c
 
-    def unique(self) -> int:
-        """A hash no prompt block has (output blocks: sampled tokens are never shared)."""
-        self._fresh += 1
-        return -self._fresh
-
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
         """One hash per full block of `total_len` tokens (prompt + output). A block of
         prompt tokens is named by the chain of the segment holding its last token and
-        its end's offset in that segment: consecutive within a segment (one range)."""
+        its number among the blocks ending in that segment (one range per segment).
+        Blocks of sampled tokens are never shared: a fresh (negative) chain of their
+        own per call."""
         bs = self.block_size
         n_full = total_len // bs
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
@@ -83,15 +81,18 @@ class BlockHasher:
                 break
             chain = self._chain(chain, key)
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
-            base = chain << _OFFSET_BITS
-            if stop - start < 1 << _OFFSET_BITS:
-                out.extend(range(base + first - start, base + stop - start + 1, bs))
-            else:
-                out.extend(base | (e - start) for e in range(first, stop + 1, bs))
+            if stop >= first:
+                count = (stop - first) // bs + 1
+                if count >> SEGMENT_SHIFT:
+                    raise ValueError(f"a segment of {n} tokens: over {1 << SEGMENT_SHIFT} "
+                                     "blocks")
+                base = chain << SEGMENT_SHIFT
+                out.extend(range(base, base + count))
             start += n
-        fresh = self._fresh  # unique(), n_full - n_shared times
-        out.extend(range(-fresh - 1, -fresh - 1 - (n_full - n_shared), -1))
-        self._fresh = fresh + n_full - n_shared
+        if n_full > n_shared:
+            self._fresh += 1
+            base = -self._fresh << SEGMENT_SHIFT
+            out.extend(range(base, base + n_full - n_shared))
         return out
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
-from sim.index import InProcessBlockIndex
+from sim.gateway import run_sync
+from sim.index import SEGMENT_SHIFT, InProcessBlockIndex
 
 
 def plain_walk(state: dict[int, dict[str, set[str]]], hashes: list[int],
@@ -104,5 +105,54 @@ def test_device_walk_matches_the_general_walk() -> None:
                     got.nodes.clear()  # the caller's copy
             plain = plain_walk(state, q, None if allowed is None else frozenset(allowed))
             assert got.num_blocks == plain.num_blocks and got.nodes == plain.nodes, step
-    assert fast._device == general._device
+    assert {c: (s.any, s.full, s.length, s.masks) for c, s in fast._segments.items()} \
+        == {c: (s.any, s.full, s.length, s.masks) for c, s in general._segments.items()}
     assert fast.num_entries() + 1 == general.num_entries()
+
+
+def test_segment_walk_matches_the_plain_walk() -> None:
+    """Hashes laid out as the simulator's (sim/workload.py: a segment's blocks are
+    consecutive ints): prompts of shared and own segments, stored as a pool stores
+    them (prefixes), evicted tail first or at random, in batches long enough for the
+    vectorized runs and short ones; every lookup is the plain walk's answer."""
+    rng = random.Random(5)
+    names = [f"w{i}" for i in range(70)]
+    idx = InProcessBlockIndex()
+    state: dict[int, dict[str, set[str]]] = {}
+
+    def seg(c: int, n: int) -> list[int]:
+        return [c << SEGMENT_SHIFT | j for j in range(n)]
+
+    system = seg(1, 20) + seg(2, 7)  # shared by every prompt
+    prompts = [system + seg(10 + p, 32) + seg(100 + p, rng.randint(1, 40)) for p in range(6)]
+    prompts += [seg(-3 - p, 5) for p in range(3)]  # negative segments (sampled tokens')
+    for step in range(3000):
+        node = rng.choice(names)
+        p = rng.choice(prompts)
+        removed: list[int] = []
+        if rng.random() < 0.5:
+            stored = p[:rng.randint(1, len(p))]
+        else:
+            stored = rng.sample(p, rng.randint(0, min(20, len(p))))
+        if rng.random() < 0.5:
+            removed = p[-rng.randint(1, len(p)):][::-1]  # tail first, as evictions come
+        elif rng.random() < 0.5:
+            removed = [rng.choice(p) for _ in range(rng.randint(1, 30))]  # repeats too
+        idx.apply_device(node, stored, removed)
+        for h in removed:
+            state.get(h, {}).get(node, set()).discard("device")
+        for h in stored:
+            state.setdefault(h, {}).setdefault(node, set()).add("device")
+        if step % 4 == 0:
+            allowed = (None, frozenset(rng.sample(names, 30)), frozenset())[step % 3]
+            q = rng.choice(prompts)
+            q = q[rng.choice((0, 0, 3)):]
+            got = idx.lookup_now(q, allowed)
+            want = plain_walk(state, q, allowed)
+            assert got.num_blocks == want.num_blocks and got.nodes == want.nodes, step
+            assert list(got.nodes) == sorted(got.nodes, key=lambda n: (
+                len(got.nodes[n]), idx._bit[n])), step  # by run length, then node number
+    assert idx.num_entries() == sum(1 for h in state.values() for t in h.values() if t)
+    every = {h for p in prompts for h in p}
+    assert run_sync(idx.holders(sorted(every))) == {
+        h: frozenset(n for n, t in state.get(h, {}).items() if t) for h in every}
