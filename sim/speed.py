@@ -8,6 +8,11 @@ It also times the gateway's routing of one request on the cluster the run left b
 (the production Locality and Router; the in-process index standing in for Redis): the
 next `--route-sample` requests of the trace, each looked up, filled and routed (nothing
 is sent), in microseconds per request.
+
+`--breakdown` splits the run's wall time (sim/accounting.py): the production engines'
+and gateway's code, the in-process index, the simulator's own. The first two are a floor
+under any simulator that runs them: their share alone, projected to a million requests,
+says how far the target is from the code the simulator must run.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import cast
 
+from sim.accounting import Accounting
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.gateway import run_sync
@@ -46,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="> 1: the approximate mode (up to this many decode iterations a step)")
     p.add_argument("--trace", default=MOONCAKE_TRACE)
     p.add_argument("--profile", action="store_true", help="cProfile the run")
+    p.add_argument("--breakdown", action="store_true",
+                   help="split the wall time: engine, gateway, index, simulator "
+                        "(sim/accounting.py; ~1 us per wrapped call)")
     p.add_argument("--route-sample", type=int, default=500,
                    help="requests routed again after the run to time routing (0: skip)")
     p.add_argument("--json", default=None)
@@ -93,10 +102,15 @@ def run(args: argparse.Namespace) -> int:
     specs = itertools.islice(trace, args.requests)  # streamed: a million specs are not kept
     sim = Simulator(cfg, prof)
     prof_run = cProfile.Profile() if args.profile else None
+    acct = Accounting().install(sim) if args.breakdown else None
     t0 = time.perf_counter()
     if prof_run is not None:
         prof_run.enable()
+    if acct is not None:
+        acct.start()
     results = sim.run(specs)
+    if acct is not None:
+        acct.stop()
     if prof_run is not None:
         prof_run.disable()
     wall = time.perf_counter() - t0
@@ -115,6 +129,15 @@ def run(args: argparse.Namespace) -> int:
           f"{out['events_per_s']} events/s")
     print(f"projected for {TARGET_REQUESTS:,} requests at this rate: {projected:.0f} s "
           f"(target {TARGET_S:.0f} s on {TARGET_WORKERS} workers)")
+    if acct is not None:
+        out["breakdown_us"] = split = acct.per_request_us(len(results))
+        floor = (split["engine"] + split["gateway"]) * 1e-6 * TARGET_REQUESTS
+        out["production_1M_s"] = round(floor, 1)
+        print("wall time per request: " + ", ".join(
+            f"{k} {v:.0f} us ({v / max(1e-9, sum(split.values())) * 100:.0f} %)"
+            for k, v in split.items()))
+        print(f"the production code alone (engine + gateway) projects to {floor:.0f} s for "
+              f"{TARGET_REQUESTS:,} requests (target {TARGET_S:.0f} s)")
     sample = list(trace)
     if sample:
         out["route_us"] = route_cost(sim, sample)

@@ -63,19 +63,27 @@ class PrefixLocalityScorer:
             return out
         # Per holder at C speed: its row, its run's total, its trust. The holders' runs
         # repeat (a shared prefix; the in-process index hands out one object per run
-        # length): one sum per distinct run.
+        # length): one total per distinct object, and per distinct value among those
+        # (Redis lookups give each node its own tuple; hashing a long tuple is what the
+        # first step spares).
         rows = candidates.rows_of(locality.keys(), len(locality))
         runs = list(locality.values())
-        _, first, inverse = np.unique(np.fromiter(map(id, runs), np.uint64, len(runs)),
-                                      return_index=True, return_inverse=True)
-        totals: dict[tuple[str, ...], float] = {}
+        objects = dict(zip(map(id, runs), runs, strict=True))  # distinct objects, C speed
+        by_value: dict[tuple[str, ...], float] = {}
+        by_object: dict[int, float] = {}
         other = itertools.repeat(self.weights["other"])
-        for i in first.tolist():
-            tiers = runs[i]
-            if tiers not in totals:
-                totals[tiers] = sum(map(self.weights.get, tiers, other)) \
+        for key, tiers in objects.items():
+            t = by_value.get(tiers)
+            if t is None:
+                t = by_value[tiers] = sum(map(self.weights.get, tiers, other)) \
                     + max(0, req.indexed_blocks - len(tiers)) * peer
-        total = np.array([totals[runs[i]] for i in first.tolist()])[inverse]
+            by_object[key] = t
+        total: np.ndarray | float
+        if len(by_value) == 1:  # the same elementwise arithmetic as an array of it
+            total = next(iter(by_value.values()))
+        else:
+            total = np.fromiter(map(by_object.__getitem__, map(id, runs)), np.float64,
+                                len(runs))
         trust = np.fromiter(map(req.locality_trust.get, locality.keys(), itertools.repeat(1.0)),
                             np.float64, len(locality))
         held = rows >= 0

@@ -25,3 +25,60 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     cost = got["route_us"]
     assert set(cost) == {"lookup", "fill", "route", "total"} and cost["route"] > 0
     assert abs(cost["total"] - (cost["lookup"] + cost["fill"] + cost["route"])) < 0.5
+
+
+def test_breakdown_splits_the_wall_time_and_changes_nothing(tmp_path: Path) -> None:
+    """`--breakdown` accounts the whole run to engine, gateway, index and simulator,
+    and wrapping the entry points leaves the simulated results as they were."""
+    from sim.accounting import Accounting
+    from sim.cluster import Simulator
+    from tests.unit.sim.test_simulator import CONFIGS, key, profile, trace_specs
+
+    specs = trace_specs(tmp_path, repeat=3)
+    plain = Simulator(CONFIGS["disaggregated"], profile())
+    want = key(plain.run(specs))
+    sim = Simulator(CONFIGS["disaggregated"], profile())
+    acct = Accounting().install(sim)
+    acct.start()
+    got = key(sim.run(specs))
+    acct.stop()
+    assert got == want
+    split = acct.per_request_us(len(specs))
+    assert set(split) == {"engine", "gateway", "index", "simulator"}
+    assert all(v > 0 for v in split.values()), split
+
+
+def test_accounting_charges_each_call_its_own_time() -> None:
+    """A wrapped call that calls another is charged without the inner call's time; the
+    time outside every wrapped call is the simulator's."""
+    from sim.accounting import Accounting
+
+    now = [0.0]
+
+    def tick(dt: float) -> None:
+        now[0] += dt
+
+    class Index:
+        def lookup_now(self) -> None:
+            tick(2.0)
+
+    class Gateway:
+        def __init__(self, index: Index) -> None:
+            self.index = index
+
+        def route(self) -> None:
+            tick(1.0)
+            self.index.lookup_now()
+            tick(0.5)
+
+    acct = Accounting(clock=lambda: now[0])
+    index = Index()
+    gw = Gateway(index)
+    acct._wrap(index, ("lookup_now",), "index")
+    acct._wrap(gw, ("route",), "gateway")
+    acct.start()
+    tick(4.0)
+    gw.route()
+    tick(0.25)
+    acct.stop()
+    assert acct.seconds == {"engine": 0.0, "gateway": 1.5, "index": 2.0, "simulator": 4.25}
