@@ -11,7 +11,8 @@ Speed: at 512 workers the pools hold millions of blocks, a request stores and ev
 hundreds and a lookup walks hundreds, and a dict probe per block misses the CPU caches
 (~200 ns each, what this index cost per block before). Hashes are ints laid out as
 `segment << SEGMENT_SHIFT | block's number in the segment` (sim/workload.py: a segment
-is one Mooncake hash id's tokens, 32 blocks of 16 tokens), so the device tier is kept
+is one Mooncake hash id's tokens, 32 blocks of 16 tokens; a longer one is numbered in
+parts of 32, each a segment here), so the device tier is kept
 per segment: per node a bitmap of the segment's blocks it holds, and the bitmap of the
 nodes holding all of them. An event applies a run of consecutive blocks as one OR /
 AND per segment; a lookup walks segment by segment, one AND over the nodes holding
@@ -32,7 +33,11 @@ import numpy as np
 
 from kvtransfer.index import TIERS, IndexLookup
 
-SEGMENT_SHIFT = 21  # a hash (an int: sim/workload.py's) = segment << this | block number
+# A hash (an int: sim/workload.py's) = segment << this | block number. Small, so that
+# the segment is in a hash's low bits: CPython's dicts (the block pools' prefix maps)
+# start probing at hash & (size - 1), and with 21 bits of block number every key of a
+# map started in the same 32 slots (3-4 probes, each a cache miss, per lookup).
+SEGMENT_SHIFT = 5
 _LOW = (1 << SEGMENT_SHIFT) - 1
 _NUMPY_FROM = 16  # events of at least this many hashes go to runs through numpy
 

@@ -11,7 +11,8 @@ give equal hashes and anything else differs, the property engine/block_hash.py g
 real tokens. Hashes are ints (dict keys in the block pool and the index; nothing leaves
 the process): `chain << SEGMENT_SHIFT | block's number in the segment`, so a segment's
 blocks are consecutive ints, which the in-process index keeps as one bitmap per node
-(sim/index.py).
+(sim/index.py). A segment longer than 2**SEGMENT_SHIFT blocks is numbered in parts,
+each part a chain of its own.
 
 Sources: `from_bench` (any bench dataset and load shape, token ids as one-token
 segments: the validation path), `mooncake` (the trace, streamed, with bench's length
@@ -36,6 +37,9 @@ from bench.datasets import (
 )
 from bench.load import LoadSpec, start_offsets, units
 from sim.index import SEGMENT_SHIFT
+
+_PART = 1 << SEGMENT_SHIFT  # blocks a segment (or part of one) numbers
+_NEXT_PART = -1  # the chain key of a segment's next part (content keys are >= 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +87,17 @@ class BlockHasher:
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
             if stop >= first:
                 count = (stop - first) // bs + 1
-                if count >> SEGMENT_SHIFT:
-                    raise ValueError(f"a segment of {n} tokens: over {1 << SEGMENT_SHIFT} "
-                                     "blocks")
-                base = chain << SEGMENT_SHIFT
-                out.extend(range(base, base + count))
+                part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
+                for done in range(0, count, _PART):  # chained on the one before
+                    if done:
+                        part = self._chain(part, _NEXT_PART)
+                    base = part << SEGMENT_SHIFT
+                    out.extend(range(base, base + min(_PART, count - done)))
             start += n
-        if n_full > n_shared:
+        for done in range(0, n_full - n_shared, _PART):
             self._fresh += 1
             base = -self._fresh << SEGMENT_SHIFT
-            out.extend(range(base, base + n_full - n_shared))
+            out.extend(range(base, base + min(_PART, n_full - n_shared - done)))
         return out
 
 
