@@ -56,6 +56,32 @@ def test_mooncake_matches_the_bench_loader(tmp_path: Path) -> None:
     assert trace_rate(path) == 4 / 1.0
 
 
+def test_segments_longer_than_a_part_share_what_token_ids_share(tmp_path: Path) -> None:
+    """A trace hash id of 512 tokens at 4-token blocks is 128 blocks, numbered in parts of
+    2**SEGMENT_SHIFT (sim/index.py): sharing is still exactly the token ids', each part
+    is a run of consecutive ints, and sampled blocks past a part are shared by nothing."""
+    from sim.index import SEGMENT_SHIFT
+
+    path = write(tmp_path)
+    pool = TokenPool(list(range(10, 500)), seed=3)
+    bench = bench_mooncake(path, pool, block_tokens=512)
+    sim = list(mooncake(path, block_tokens=512))
+    h_seg, h_tok = BlockHasher(4), BlockHasher(4)
+    seg = [h_seg.hashes(s, s.prompt_len + 40 * 4) for s in sim]  # 40 sampled blocks each
+    tok = [h_tok.hashes(s, s.prompt_len + 40 * 4)
+           for s in from_bench(bench, LoadSpec("trace"))]
+    assert max(s.prompt_len for s in sim) // 4 > 3 << SEGMENT_SHIFT
+    for i in range(len(sim)):
+        assert len(set(seg[i])) == len(seg[i])
+        for j in range(len(sim)):
+            assert shared_blocks(seg[i], seg[j]) == shared_blocks(tok[i], tok[j]), (i, j)
+    sampled = [set(h[s.prompt_len // 4:]) for h, s in zip(seg, sim, strict=True)]
+    every = [x for h in seg for x in h]
+    assert all(every.count(x) == 1 for part in sampled for x in part)
+    part = seg[3][:1 << SEGMENT_SHIFT]  # the first part of a prompt: consecutive ints
+    assert part == list(range(part[0], part[0] + len(part)))
+
+
 def test_repeat_replays_with_fresh_conversations(tmp_path: Path) -> None:
     path = write(tmp_path)
     specs = list(mooncake(path, block_tokens=16, limit=12, repeat=0))
