@@ -288,3 +288,22 @@ def test_stale_queue_entries_are_skipped_and_unget_of_a_touched_block():
     pool.check_integrity()
     assert [b.block_id for b in pool.get_new_blocks(4)] == [3, 0, 2, 1]
     pool.check_integrity()
+
+
+def test_a_compiled_pool_older_than_its_source_is_refused(tmp_path):
+    """`make` compiles the pool (mypyc); a build older than block_pool.py would shadow
+    the source with old code, so importing the engine refuses it, naming the fix."""
+    import os
+
+    import engine
+
+    src = tmp_path / "block_pool.py"
+    so = tmp_path / "block_pool.cpython-311-x86_64-linux-gnu.so"
+    src.write_text("")
+    so.write_bytes(b"")
+    os.utime(so, (1000, 1000))
+    os.utime(src, (2000, 2000))
+    with pytest.raises(ImportError, match="make deps"):
+        engine._refuse_stale_builds(str(tmp_path))
+    os.utime(so, (3000, 3000))
+    engine._refuse_stale_builds(str(tmp_path))  # a build newer than its source: fine
