@@ -333,24 +333,28 @@ class Simulator:
                 w.version += 1
                 self.at(end, self._step_done, (w, w.current, w.version))
 
-    def _evictions(self, w: SimWorker, step: Step) -> None:
+    def _evictions(self, w: SimWorker, step: Step, j: int = -1) -> None:
         """A decode window's evictions, each at the start of the iteration that takes
-        the block (the first iteration's went out with the window's start)."""
+        the block (the first iteration's went out with the window's start): the next
+        one due from `takes[j]` on (-1: the second iteration's), one event at a time, so
+        that a cut window leaves at most one behind."""
         assert step.window is not None and step.ends is not None
-        takes = step.window.takes
-        j, n = bisect_right(takes, 1), len(takes)
-        while j < n:
-            i = takes[j]
-            e = bisect_right(takes, i, j)
-            hashes = [h for h in step.window.hashes[j:e] if h is not None]
-            if hashes:
-                self.at(step.ends[i - 2], self._evict, (w, step, i, hashes))
+        takes, hashes = step.window.takes, step.window.hashes
+        j, n = bisect_right(takes, 1) if j < 0 else j, len(takes)
+        while j < n and takes[j] <= step.done:
+            e = bisect_right(takes, takes[j], j)
+            if any(h is not None for h in hashes[j:e]):
+                self.at(step.ends[takes[j] - 2], self._evict, (w, step, j, e))
+                return
             j = e
 
-    def _evict(self, arg: tuple[SimWorker, Step, int, list[Any]]) -> None:
-        w, step, i, hashes = arg
-        if w.current is step and i <= step.done:  # not given back by a cut
-            self.index.apply_device(w.worker_id, (), hashes)
+    def _evict(self, arg: tuple[SimWorker, Step, int, int]) -> None:
+        w, step, j, e = arg
+        assert step.window is not None
+        if w.current is step and step.window.takes[j] <= step.done:  # not cut before it
+            self.index.apply_device(w.worker_id, (), [h for h in step.window.hashes[j:e]
+                                                      if h is not None])
+            self._evictions(w, step, e)
 
     def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:
         w, step, version = arg
