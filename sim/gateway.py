@@ -11,7 +11,10 @@ load_interval_ms), this gateway's in-flight counts at once, as in the gateway.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from itertools import repeat
 from typing import Any
+
+import numpy as np
 
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
@@ -46,6 +49,12 @@ class SimGateway:
         self.clock = clock
         self.report_interval_s = report_interval_s
         self._inflight: dict[str, int] = dict.fromkeys(workers, 0)
+        # what a load report repeats: who, in which role, of what size
+        self._workers = list(workers.values())
+        self._ids = [w.worker_id for w in self._workers]
+        self._roles = [w.role for w in self._workers]
+        self._ready = np.ones(len(self._workers), np.bool_)
+        self._sizes = np.array([w.kv.pool.num_blocks for w in self._workers], np.int64)
         self._cands = CandidateSet()
         self._reported = -1e30
 
@@ -66,15 +75,14 @@ class SimGateway:
 
     def _report(self, now: float) -> CandidateSet:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""
-        ws = list(self.workers.values())
-        ids = [w.worker_id for w in ws]
-        sizes = [w.kv.pool.num_blocks for w in ws]
-        free = [w.free_blocks_at(now) for w in ws]  # a decode window took blocks ahead
+        ws, n = self._workers, len(self._workers)
+        free = np.fromiter(map(SimWorker.free_blocks_at, ws, repeat(now)), np.int64, n)
         return CandidateSet.from_columns(
-            ids, ids, [w.role for w in ws], [True] * len(ws),
-            [len(w.scheduler.waiting) for w in ws], [len(w.scheduler.running) for w in ws],
-            [1.0 - f / n for f, n in zip(free, sizes, strict=True)], free, sizes,
-            [self._inflight[w] for w in ids])
+            self._ids, self._ids, self._roles, self._ready,
+            np.fromiter((len(w.scheduler.waiting) for w in ws), np.int64, n),
+            np.fromiter((len(w.scheduler.running) for w in ws), np.int64, n),
+            1.0 - free / self._sizes, free, self._sizes,
+            np.fromiter(map(self._inflight.__getitem__, self._ids), np.int64, n))
 
     def add_inflight(self, worker_id: str, delta: int) -> None:
         self._inflight[worker_id] += delta

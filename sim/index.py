@@ -106,10 +106,18 @@ def _runs(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int, i
     a = np.fromiter(hashes, np.int64, n)
     if not ordered:
         a.sort()
-    cut = np.flatnonzero((np.diff(a) != 1) | ((a[1:] & _LOW) == 0)) + 1
-    starts = a[np.concatenate(([0], cut))].tolist()
-    counts = np.diff(np.concatenate(([0], cut, [len(a)]))).tolist()
-    return [(h >> SEGMENT_SHIFT, h & _LOW, m) for h, m in zip(starts, counts, strict=True)]
+    first = np.empty(n, np.bool_)  # where a run starts: not one past the last, or block 0
+    first[0] = True
+    b = a[1:]
+    np.not_equal(b, a[:-1] + 1, out=first[1:])
+    first[1:] |= (b & _LOW) == 0
+    at = first.nonzero()[0]
+    starts = a[at]
+    counts = np.empty(len(at), np.int64)
+    counts[:-1] = at[1:] - at[:-1]
+    counts[-1] = n - at[-1]
+    return list(zip((starts >> SEGMENT_SHIFT).tolist(), (starts & _LOW).tolist(),
+                    counts.tolist()))
 
 
 class InProcessBlockIndex:

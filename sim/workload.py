@@ -49,6 +49,10 @@ class SimRequestSpec:
     output_len: int
     segments: tuple[tuple[int, int], ...]  # (content key, tokens); cover >= prompt_len
     tag: str = ""
+    # Specs arrive in epoch order, and no content key of an epoch recurs in a later one
+    # (the trace replayed again with fresh hash ids): BlockHasher forgets an epoch's
+    # prefixes once the next starts, so a million requests do not keep them all.
+    epoch: int = 0
 
 
 class BlockHasher:
@@ -58,15 +62,25 @@ class BlockHasher:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._chains: dict[tuple[int, int], int] = {}
+        self._chains: dict[tuple[int, int], int] = {}  # (parent chain, key) -> chain
+        self._last_chain = 0  # chain ids are never reused, also once forgotten
+        self._epoch = 0
         self._fresh = 0
 
     def _chain(self, parent: int, key: int) -> int:
         k = (parent, key)
         c = self._chains.get(k)
         if c is None:
-            c = self._chains[k] = len(self._chains) + 1
+            self._last_chain = c = self._chains[k] = self._last_chain + 1
         return c
+
+    def _enter(self, epoch: int) -> None:
+        """A spec of `epoch` arrives: an earlier epoch's prefixes are never seen again."""
+        if epoch < self._epoch:
+            raise ValueError(f"a spec of epoch {epoch} after epoch {self._epoch}: the "
+                             "hasher has forgotten its prefixes (specs go in epoch order)")
+        self._chains.clear()
+        self._epoch = epoch
 
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
         """One hash per full block of `total_len` tokens (prompt + output). A block of
@@ -74,6 +88,8 @@ class BlockHasher:
         its number among the blocks ending in that segment (one range per segment).
         Blocks of sampled tokens are never shared: a fresh (negative) chain of their
         own per call."""
+        if spec.epoch != self._epoch:
+            self._enter(spec.epoch)
         bs = self.block_size
         n_full = total_len // bs
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
@@ -163,7 +179,7 @@ def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_B
             last = (rec.timestamp_ms - t0) / 1000.0 * time_scale
             segs = tuple(((k << 40) | h, block_tokens) for h in rec.hash_ids)
             n += 1
-            yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace")
+            yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace", k)
         span += last
 
 

@@ -4,7 +4,10 @@ exactly what the token ids bench would send share."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from bench.datasets import TokenPool
 from bench.datasets import mooncake as bench_mooncake
@@ -89,6 +92,28 @@ def test_repeat_replays_with_fresh_conversations(tmp_path: Path) -> None:
     h = BlockHasher(16)
     first, again = h.hashes(specs[0], 32), h.hashes(specs[5], 32)
     assert first and not set(first) & set(again)  # the second pass shares nothing
+
+
+def test_hasher_forgets_an_epoch_once_the_next_starts(tmp_path: Path) -> None:
+    """A replay's prefixes are dropped when the next replay starts (bounded memory on a
+    million requests); within an epoch prefixes still share, chain ids are never reused,
+    and a spec of an earlier epoch afterwards is an error, not a silent miss."""
+    path = write(tmp_path)
+    specs = list(mooncake(path, block_tokens=16, limit=10, repeat=0))
+    assert [s.epoch for s in specs] == [0] * 5 + [1] * 5
+    h, keep = BlockHasher(16), BlockHasher(16)
+    seen: set[int] = set()
+    for s in specs:
+        got = h.hashes(s, s.prompt_len)
+        # what a hasher that forgets nothing gives (every spec in epoch 0)
+        assert got == keep.hashes(replace(s, epoch=0), s.prompt_len)
+        if s.epoch == 0:
+            seen |= set(got)
+        else:
+            assert not seen & set(got)
+    assert 0 < len(h._chains) < len(keep._chains)
+    with pytest.raises(ValueError, match="epoch 0 after epoch 1"):
+        h.hashes(specs[0], 32)
 
 
 def test_index_lookup_runs_and_tiers() -> None:
