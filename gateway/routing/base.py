@@ -231,7 +231,7 @@ def predicted_cached(req: RouteRequest, decode: Candidate, kv_peer_blocks: int) 
 
 def clamp01(x: np.ndarray) -> np.ndarray:
     """Scores clamped to [0, 1], NaN -> 0 (as min(1, max(0, x)) would)."""
-    return np.where(x >= 0.0, np.where(x <= 1.0, x, 1.0), 0.0)
+    return np.minimum(np.where(x >= 0.0, x, 0.0), 1.0)
 
 
 class Filter(Protocol):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from typing import Any
 
 import numpy as np
@@ -63,27 +64,32 @@ class PrefixLocalityScorer:
             return out
         # Per holder at C speed: its row, its run's total, its trust. The holders' runs
         # repeat (a shared prefix; the in-process index hands out one object per run
-        # length): one total per distinct object, and per distinct value among those
-        # (Redis lookups give each node its own tuple; hashing a long tuple is what the
-        # first step spares).
+        # length, the holders of one next to each other): a total per stretch of one
+        # object, once per distinct value (Redis lookups give each node its own tuple;
+        # hashing a long tuple is what the stretches spare).
         rows = candidates.rows_of(locality.keys(), len(locality))
         runs = list(locality.values())
-        objects = dict(zip(map(id, runs), runs, strict=True))  # distinct objects, C speed
+        starts = [0, *itertools.compress(itertools.count(1),
+                                         map(operator.is_not, runs[1:], runs))]
         by_value: dict[tuple[str, ...], float] = {}
         by_object: dict[int, float] = {}
         other = itertools.repeat(self.weights["other"])
-        for key, tiers in objects.items():
-            t = by_value.get(tiers)
+        totals = []
+        for i in starts:
+            tiers = runs[i]
+            t = by_object.get(id(tiers))
             if t is None:
-                t = by_value[tiers] = sum(map(self.weights.get, tiers, other)) \
-                    + max(0, req.indexed_blocks - len(tiers)) * peer
-            by_object[key] = t
+                t = by_value.get(tiers)
+                if t is None:
+                    t = by_value[tiers] = sum(map(self.weights.get, tiers, other)) \
+                        + max(0, req.indexed_blocks - len(tiers)) * peer
+                by_object[id(tiers)] = t
+            totals.append(t)
         total: np.ndarray | float
         if len(by_value) == 1:  # the same elementwise arithmetic as an array of it
-            total = next(iter(by_value.values()))
+            total = totals[0]
         else:
-            total = np.fromiter(map(by_object.__getitem__, map(id, runs)), np.float64,
-                                len(runs))
+            total = np.repeat(totals, np.diff([*starts, len(runs)]))
         trust = np.fromiter(map(req.locality_trust.get, locality.keys(), itertools.repeat(1.0)),
                             np.float64, len(locality))
         held = rows >= 0
