@@ -325,6 +325,7 @@ class Simulator:
         w.version += 1
         self.at(step.end, self._step_done, (w, step, w.version))
         if step.window is not None:
+            self.gateway.windows.add(w)
             self._evictions(w, step)
 
     def _sync(self, w: SimWorker) -> None:
@@ -364,6 +365,7 @@ class Simulator:
         if version != w.version:
             return  # the step was cut short; its new end is another event
         w.busy = False
+        self.gateway.windows.discard(w)
         got = w.finish_step(step)
         out = step.out
         ends = step.ends[:step.done] if step.ends is not None else None

@@ -11,7 +11,7 @@ load_interval_ms), this gateway's in-flight counts at once, as in the gateway.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,11 @@ from gateway.routing.base import CandidateSet, RouteDecision, RouteRequest
 from gateway.routing.profile import Router, RoutingProfile
 from sim.index import InProcessBlockIndex
 from sim.worker import SimWorker
+
+
+_FREE = attrgetter("num_free_blocks")
+_WAITING = attrgetter("waiting")
+_RUNNING = attrgetter("running")
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
@@ -54,6 +59,12 @@ class SimGateway:
         self._ids = [w.worker_id for w in self._workers]
         self._roles = [w.role for w in self._workers]
         self._ready = np.ones(len(self._workers), np.bool_)
+        self._row = {w: i for i, w in enumerate(self._ids)}
+        self._pools = [w.kv.pool for w in self._workers]
+        self._schedulers = [w.scheduler for w in self._workers]
+        # the workers whose step in progress is a decode window (the simulator keeps it):
+        # the only ones whose free blocks in a report differ from their pool's count now
+        self.windows: set[SimWorker] = set()
         self._sizes = np.array([w.kv.pool.num_blocks for w in self._workers], np.int64)
         self._cands = CandidateSet()
         self._reported = -1e30
@@ -75,12 +86,14 @@ class SimGateway:
 
     def _report(self, now: float) -> CandidateSet:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""
-        ws, n = self._workers, len(self._workers)
-        free = np.fromiter(map(SimWorker.free_blocks_at, ws, repeat(now)), np.int64, n)
+        n = len(self._workers)
+        free = np.fromiter(map(_FREE, self._pools), np.int64, n)
+        for w in self.windows:  # a decode window took its later iterations' blocks ahead
+            free[self._row[w.worker_id]] = w.free_blocks_at(now)
         return CandidateSet.from_columns(
             self._ids, self._ids, self._roles, self._ready,
-            np.fromiter((len(w.scheduler.waiting) for w in ws), np.int64, n),
-            np.fromiter((len(w.scheduler.running) for w in ws), np.int64, n),
+            np.fromiter(map(len, map(_WAITING, self._schedulers)), np.int64, n),
+            np.fromiter(map(len, map(_RUNNING, self._schedulers)), np.int64, n),
             1.0 - free / self._sizes, free, self._sizes,
             np.fromiter(map(self._inflight.__getitem__, self._ids), np.int64, n))
 

@@ -95,14 +95,23 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
+        chains = self._chains
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
                 break
-            chain = self._chain(chain, key)
+            c = chains.get((chain, key))  # self._chain(chain, key), inlined
+            if c is None:
+                self._last_chain = c = chains[chain, key] = self._last_chain + 1
+            chain = c
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
             if stop >= first:
                 count = (stop - first) // bs + 1
+                if count <= _PART:  # one part
+                    base = chain << SEGMENT_SHIFT
+                    out += range(base, base + count)
+                    start += n
+                    continue
                 part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
                 for done in range(0, count, _PART):  # chained on the one before
                     if done:
@@ -161,23 +170,33 @@ def mooncake(path: str, limit: int | None = None, block_tokens: int = MOONCAKE_B
             or (repeat == 0 and limit is None):
         raise BenchError("need block_tokens >= 1, time_scale >= 0, output_scale > 0, "
                          "repeat >= 0 (0 only with a limit)")
-    n = 0
-    span = 0.0
-    for k in itertools.count() if repeat == 0 else range(repeat):
-        if k and n == 0:
-            raise BenchError(f"{path}: no usable records")
+    kept: list[tuple[float, int, int, list[int]]] = []  # the replays read the first's
+
+    def first() -> Iterator[tuple[float, int, int, list[int]]]:
         t0: float | None = None
-        last = 0.0
         for rec in mooncake_records(path):
-            if limit is not None and n >= limit:
-                return
             n_prompt, _ = trace_prompt_len(len(rec.hash_ids), rec.input_length, block_tokens)
             if max_input_len is not None:
                 n_prompt = min(n_prompt, max_input_len)
             n_out = scaled_output_len(rec.output_length, output_scale, max_output_len)
             t0 = rec.timestamp_ms if t0 is None else t0
-            last = (rec.timestamp_ms - t0) / 1000.0 * time_scale
-            segs = tuple(((k << 40) | h, block_tokens) for h in rec.hash_ids)
+            item = ((rec.timestamp_ms - t0) / 1000.0 * time_scale, n_prompt, n_out,
+                    rec.hash_ids)
+            if repeat != 1:
+                kept.append(item)
+            yield item
+
+    n = 0
+    span = 0.0
+    for k in itertools.count() if repeat == 0 else range(repeat):
+        if k and n == 0:
+            raise BenchError(f"{path}: no usable records")
+        last = 0.0
+        fresh = k << 40  # this replay's hash ids
+        for last, n_prompt, n_out, ids in first() if k == 0 else kept:
+            if limit is not None and n >= limit:
+                return
+            segs = tuple(zip(map(fresh.__or__, ids), itertools.repeat(block_tokens)))
             n += 1
             yield SimRequestSpec(span + last, n_prompt, n_out, segs, "trace", k)
         span += last
