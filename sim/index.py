@@ -120,6 +120,23 @@ def _runs(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int, i
                     counts.tolist()))
 
 
+def _runs_lazily(hashes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """`_runs(hashes)` one run at a time, for a walk that may stop after a few: a run
+    as long as its segment allows is checked against its range in one comparison."""
+    i, n = 0, len(hashes)
+    while i < n:
+        h = hashes[i]
+        j = h & _LOW
+        m = min(_LOW + 1 - j, n - i)  # the longest run here: to its segment's end
+        if m > 1 and (hashes[i + m - 1] != h + m - 1
+                      or hashes[i:i + m] != list(range(h, h + m))):
+            m = 1  # shorter: block by block
+            while i + m < n and hashes[i + m] == h + m and (h + m) & _LOW:
+                m += 1
+        yield h >> SEGMENT_SHIFT, j, m
+        i += m
+
+
 class InProcessBlockIndex:
     """segment -> _Segment (the device tier); the other tiers: block hash ->
     {node: bitmask of those tiers} and the bitmap of those nodes."""
@@ -263,7 +280,7 @@ class InProcessBlockIndex:
         ends: dict[int, int] = {}
         alive = 0  # nodes holding every block so far
         depth = 0
-        for c, j, m in _runs(hashes):
+        for c, j, m in _runs_lazily(hashes):
             s = segments.get(c)
             if s is None:
                 break
@@ -301,7 +318,7 @@ class InProcessBlockIndex:
 
     def _walk_on(self, hashes: Sequence[int], depth: int, allowed: int) -> int:
         """From `depth` on, the blocks some allowed node holds, one after the other."""
-        for c, j, m in _runs(hashes[depth:]):
+        for c, j, m in _runs_lazily(hashes[depth:]):
             s = self._segments.get(c)
             if s is None:
                 break
@@ -354,7 +371,11 @@ class InProcessBlockIndex:
         runs: dict[str, tuple[str, ...]] = {}
         for depth in sorted(ends):
             bits = ends[depth]
-            runs.update(dict.fromkeys(self._nodes_of(bits & ~tiered), self._device_run(depth)))
+            device = dict.fromkeys(self._nodes_of(bits & ~tiered), self._device_run(depth))
+            if runs:
+                runs.update(device)
+            else:
+                runs = device
             if bits & tiered:
                 for node in self._nodes_of(bits & tiered):
                     runs[node] = tuple(self._best(h, node) for h in hashes[:depth])

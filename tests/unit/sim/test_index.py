@@ -8,7 +8,7 @@ import random
 
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
 from sim.gateway import run_sync
-from sim.index import SEGMENT_SHIFT, InProcessBlockIndex
+from sim.index import SEGMENT_SHIFT, InProcessBlockIndex, _runs, _runs_lazily
 
 
 def plain_walk(state: dict[int, dict[str, set[str]]], hashes: list[int],
@@ -156,3 +156,22 @@ def test_segment_walk_matches_the_plain_walk() -> None:
     every = {h for p in prompts for h in p}
     assert run_sync(idx.holders(sorted(every))) == {
         h: frozenset(n for n, t in state.get(h, {}).items() if t) for h in every}
+
+
+def test_lazy_runs_are_the_runs() -> None:
+    """The walk's runs, found one at a time (a whole segment's range in one comparison),
+    are _runs' on any list: consecutive or not, negative, long, broken mid-segment."""
+    rng = random.Random(3)
+    for t in range(4000):
+        hashes: list[int] = []
+        if t % 3 == 0:
+            hashes = [rng.randrange(-100, 100) for _ in range(rng.randrange(40))]
+        else:
+            for _ in range(rng.randrange(6)):
+                base = rng.randrange(-50, 50) << SEGMENT_SHIFT | rng.randrange(32)
+                hashes += range(base, base + rng.randrange(1, 70))
+            for _ in range(t % 3 * rng.randrange(3)):  # a block off by one here and there
+                if hashes:
+                    i = rng.randrange(len(hashes))
+                    hashes[i] += rng.choice((-1, 1))
+        assert list(_runs_lazily(hashes)) == _runs(hashes), hashes
