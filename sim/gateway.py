@@ -23,7 +23,6 @@ from gateway.routing.profile import Router, RoutingProfile
 from sim.index import InProcessBlockIndex
 from sim.worker import SimWorker
 
-
 _FREE = attrgetter("num_free_blocks")
 _WAITING = attrgetter("waiting")
 _RUNNING = attrgetter("running")

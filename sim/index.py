@@ -117,7 +117,7 @@ def _runs(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int, i
     counts[:-1] = at[1:] - at[:-1]
     counts[-1] = n - at[-1]
     return list(zip((starts >> SEGMENT_SHIFT).tolist(), (starts & _LOW).tolist(),
-                    counts.tolist()))
+                    counts.tolist(), strict=True))
 
 
 def _runs_lazily(hashes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
