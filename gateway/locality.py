@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from engine.block_hash import BlockHash
 from gateway.metrics import GatewayMetrics
@@ -36,7 +37,11 @@ class Locality:
         self.alpha = alpha
         self.min_trust = min_trust
         self._accuracy: dict[str, float] = {}  # worker id -> EWMA of accuracy
-        self._trust: dict[str, float] = {}  # worker id -> its floored accuracy (1: unseen)
+        # worker id -> its floored accuracy, for the workers below 1: one the index never
+        # misled is left out (RouteRequest.locality_trust reads a missing worker as 1),
+        # so a request copies, and the scorer reads, only the workers it misled
+        self._trust: dict[str, float] = {}
+        self._children: dict[str, tuple[Any, Any, Any]] = {}  # worker id -> its metrics
         self._errors_seen = 0
 
     async def lookup(self, hashes: Sequence[BlockHash], nodes: set[str]) -> IndexLookup | None:
@@ -73,11 +78,19 @@ class Locality:
         prev = self._accuracy.get(worker_id, 1.0)
         ewma = (1 - self.alpha) * prev + self.alpha * accuracy
         self._accuracy[worker_id] = ewma
-        self._trust[worker_id] = self.trust(worker_id)
-        m = self.metrics
-        m.predicted_cached.labels(worker_id).inc(predicted)
-        m.actual_cached.labels(worker_id).inc(actual)
-        m.index_accuracy.labels(worker_id).set(ewma)
+        if (trust := self.trust(worker_id)) < 1.0:
+            self._trust[worker_id] = trust
+        else:
+            self._trust.pop(worker_id, None)
+        children = self._children.get(worker_id)
+        if children is None:  # labels() looks the child up under a lock: once per worker
+            m = self.metrics
+            children = self._children[worker_id] = (
+                m.predicted_cached.labels(worker_id), m.actual_cached.labels(worker_id),
+                m.index_accuracy.labels(worker_id))
+        children[0].inc(predicted)
+        children[1].inc(actual)
+        children[2].set(ewma)
         if accuracy < 0.5:
             log.info("event=index_mispredict worker=%s predicted=%d actual=%d trust=%.2f",
                      worker_id, predicted, actual, self.trust(worker_id))

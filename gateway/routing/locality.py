@@ -90,10 +90,19 @@ class PrefixLocalityScorer:
             total = totals[0]
         else:
             total = np.repeat(totals, np.diff([*starts, len(runs)]))
-        trust = np.fromiter(map(req.locality_trust.get, locality.keys(), itertools.repeat(1.0)),
-                            np.float64, len(locality))
         held = rows >= 0
-        out[rows[held]] = clamp01(trust * total / scale)[held]
+        at = rows[held]
+        if isinstance(total, np.ndarray):
+            total = total[held]
+        trust: np.ndarray | float = 1.0  # no worker misled (x * 1.0 is x, to the bit)
+        if misled := req.locality_trust:  # per candidate row, then the holders' rows
+            per_row = np.ones(len(candidates))
+            where = candidates.rows_of(misled.keys(), len(misled))
+            known = where >= 0
+            per_row[where[known]] = np.fromiter(misled.values(), np.float64,
+                                                len(misled))[known]
+            trust = per_row[at]
+        out[at] = clamp01(np.asarray(trust * total / scale))  # one for all when both are
         return out
 
 

@@ -47,6 +47,10 @@ def test_scorer_weights_tiers_and_peers() -> None:
     assert s.score(r, cands).tolist() == pytest.approx([0.2, 0.5 * 2.2 / 4, 0.2])
     trusted = req({"a": ("device",) * 4}, 4, trust={"a": 0.25})
     assert s.score(trusted, cands)[0] == pytest.approx(0.25)
+    # no worker misled: the same scores, to the bit, as every holder's trust 1 spelled out
+    runs = {"a": ("device",) * 4, "b": ("device", "host"), "c": ("host",)}
+    assert s.score(req(runs, 4), cands).tolist() == \
+        s.score(req(runs, 4, trust={"a": 1.0, "b": 1.0, "c": 1.0}), cands).tolist()
     for bad in ({"device": 2}, {"Bad Tier": 0.5}, {"host": "x"}, "device"):
         with pytest.raises(ValueError):
             PrefixLocalityScorer(tiers=bad)  # type: ignore[arg-type]
@@ -92,6 +96,9 @@ def test_prediction_is_capped_and_trust_follows_accuracy() -> None:
         loc.observe("a", 48, 0)
     assert loc.trust("a") == 0.1  # floored
     assert loc.fill(base, IndexLookup(1, {"a": ("device",)})).locality_trust == {"a": 0.1}
+    loc.observe("b", 32, 32)  # never misled: trust 1, not copied into each request
+    assert loc.trust("b") == 1.0
+    assert loc.fill(base, IndexLookup(1, {"b": ("device",)})).locality_trust == {"a": 0.1}
     text = _metrics_text(loc.metrics)
     assert 'splitserve:index_accuracy{worker="a"}' in text
     assert 'splitserve:predicted_cached_tokens_total{worker="a"} 624.0' in text
