@@ -78,7 +78,7 @@ class CandidateSet:
 
     @classmethod
     def from_columns(cls, ids: list[str], addresses: list[str], roles: list[str],
-                     *columns: Sequence[Any]) -> CandidateSet:
+                     *columns: Sequence[Any] | np.ndarray) -> CandidateSet:
         """A set from its columns, in COLUMNS' order (no Candidate is made)."""
         if len(columns) != len(cls.COLUMNS):
             raise ValueError(f"need the columns {cls.COLUMNS}")
@@ -88,7 +88,7 @@ class CandidateSet:
         return out
 
     def _set(self, ids: list[str], addresses: list[str], roles: list[str],
-             *columns: Sequence[Any]) -> None:
+             *columns: Sequence[Any] | np.ndarray) -> None:
         self.ids, self.addresses, self.roles = ids, addresses, roles
         self.role_code = np.array([ROLE_CODES.get(r, -1) for r in roles], np.int8)
         for name, dtype, col in zip(self.COLUMNS, self._DTYPES, columns, strict=True):
