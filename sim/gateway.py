@@ -58,13 +58,13 @@ class SimGateway:
         self._ids = [w.worker_id for w in self._workers]
         self._roles = [w.role for w in self._workers]
         self._ready = np.ones(len(self._workers), np.bool_)
+        self._sizes = np.array([w.kv.pool.num_blocks for w in self._workers], np.int64)
         self._row = {w: i for i, w in enumerate(self._ids)}
         self._pools = [w.kv.pool for w in self._workers]
         self._schedulers = [w.scheduler for w in self._workers]
         # the workers whose step in progress is a decode window (the simulator keeps it):
         # the only ones whose free blocks in a report differ from their pool's count now
         self.windows: set[SimWorker] = set()
-        self._sizes = np.array([w.kv.pool.num_blocks for w in self._workers], np.int64)
         self._cands = CandidateSet()
         self._reported = -1e30
 

@@ -95,23 +95,14 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
-        chains = self._chains
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
                 break
-            c = chains.get((chain, key))  # self._chain(chain, key), inlined
-            if c is None:
-                self._last_chain = c = chains[chain, key] = self._last_chain + 1
-            chain = c
+            chain = self._chain(chain, key)
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
             if stop >= first:
                 count = (stop - first) // bs + 1
-                if count <= _PART:  # one part
-                    base = chain << SEGMENT_SHIFT
-                    out += range(base, base + count)
-                    start += n
-                    continue
                 part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
                 for done in range(0, count, _PART):  # chained on the one before
                     if done:
