@@ -132,6 +132,9 @@ class Scheduler:
                 self.fair.charge_prompt(req, n)
                 budget -= n
                 i += 1
+        if not self.waiting:  # most steps: only running requests, nothing left waiting
+            self._left_waiting.clear()
+            return out
         if not out.preempted:
             self._admit_waiting(out, budget, yielded, now)
         running = Counter(r.tenant for r in self.running)

@@ -22,6 +22,11 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
     assert got["requests"] == got["completed"] == 12 and got["sim_requests_per_s"] > 0
+    # a rate per tenth of the arrivals; the projection takes the slower of the run's and
+    # the last tenth's (the rate falls as a run ages)
+    assert len(got["rate_by_tenth"]) == 10 and min(got["rate_by_tenth"]) > 0
+    slowest = min(got["sim_requests_per_s"], got["rate_by_tenth"][-2])
+    assert abs(got["projected_1M_s"] - 1e6 / slowest) <= 1e-3 * got["projected_1M_s"]  # rounded
     cost = got["route_us"]
     assert set(cost) == {"lookup", "fill", "route", "total"} and cost["route"] > 0
     assert abs(cost["total"] - (cost["lookup"] + cost["fill"] + cost["route"])) < 0.5
