@@ -63,6 +63,9 @@ class BlockHasher:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._chains: dict[tuple[int, int], int] = {}  # (parent chain, key) -> chain
+        # part -> its blocks' hashes, one int object each for every request: a prefix
+        # map's key is then the very object looked up (found by identity, no compare)
+        self._parts: dict[int, tuple[int, ...]] = {}
         self._last_chain = 0  # chain ids are never reused, also once forgotten
         self._epoch = 0
         self._fresh = 0
@@ -80,6 +83,7 @@ class BlockHasher:
             raise ValueError(f"a spec of epoch {epoch} after epoch {self._epoch}: the "
                              "hasher has forgotten its prefixes (specs go in epoch order)")
         self._chains.clear()
+        self._parts.clear()
         self._epoch = epoch
 
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
@@ -95,6 +99,7 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
+        parts = self._parts
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
@@ -107,8 +112,12 @@ class BlockHasher:
                 for done in range(0, count, _PART):  # chained on the one before
                     if done:
                         part = self._chain(part, _NEXT_PART)
-                    base = part << SEGMENT_SHIFT
-                    out.extend(range(base, base + min(_PART, count - done)))
+                    m = min(_PART, count - done)
+                    got = parts.get(part)
+                    if got is None or len(got) < m:
+                        base = part << SEGMENT_SHIFT
+                        got = parts[part] = tuple(range(base, base + m))
+                    out.extend(got if len(got) == m else got[:m])
             start += n
         for done in range(0, n_full - n_shared, _PART):
             self._fresh += 1
