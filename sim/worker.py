@@ -13,10 +13,8 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, cast
-
-import numpy as np
 
 from engine.block_pool import BlockRemoved, BlockStored, KVBlock
 from engine.config import SchedulerConfig
@@ -237,8 +235,8 @@ class SimWorker:
             dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
         start = self.clock()
         # the one-iteration steps' clock: each ends at the last end + dt (a sequential
-        # running sum, as those steps add)
-        ends = cast(list[float], np.cumsum([start, *dts])[1:].tolist())
+        # running sum of floats, as those steps add)
+        ends = list(accumulate(dts, initial=start))[1:]
         t = ends[-1]
         window = Window([i for i, _ in takes], taken, hashes,
                         [rows[row].request_id for _, row in takes], len(takes))
