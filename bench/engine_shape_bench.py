@@ -38,6 +38,7 @@ from bench.engine_roofline import (
 from engine.config import ModelConfig
 
 WORKLOADS = ("a", "b", "c", "d")
+STEP_FIELDS = ("seconds", "tokens", "sampled", "attn_pairs", "kv_tokens_read", "decode_only")
 PREFILL_LEN = 8192
 
 
@@ -272,7 +273,11 @@ def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
         "describe": w.describe(), "requests": len(w.prompts),
         "prompt_tokens": sum(map(len, w.prompts)),
         "output_tokens": sum(w.out_lens), "temperature": w.temperature,
-        "ours": {"seconds": ours_s, **phases},
+        "ours": {"seconds": ours_s, **phases,
+                 # every step, for `sim calibrate --engine-json` to fit a profile from
+                 "step_fields": list(STEP_FIELDS),
+                 "steps": [[round(s.seconds, 7), s.tokens, s.sampled, s.attn_pairs,
+                            s.kv_tokens_read, int(s.decode_only)] for s in steps]},
         "hf": {"seconds": hf[0], "batch_size": hf[1]} if hf else None,
     }
 

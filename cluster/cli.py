@@ -37,7 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 # `splitserve sim NAME`: the discrete-event simulator (sim/).
 SIMS: dict[str, tuple[str, str]] = {
     "run": ("sim.run_cli", "one workload on a simulated cluster (bench run's report)"),
-    "calibrate": ("sim.calibrate", "fit the CPU hardware profile from engine + serving runs"),
+    "calibrate": ("sim.calibrate", "fit a hardware profile: the CPU engine here, or bench engine --device cuda runs"),
     "bench": ("sim.speed", "the simulator's own speed (simulated requests/s)"),
     "experiment": ("sim.experiments", "routing, pd-ratio, tiers at cluster scale"),
 }

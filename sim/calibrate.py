@@ -48,6 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the cluster run (serving overheads stay 0)")
     p.add_argument("--serving-requests", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("a GPU profile from `bench engine --device cuda --json` files")
+    g.add_argument("--engine-json", nargs="+", default=None, metavar="PATH",
+                   help="fit from these runs' step records instead of running the CPU "
+                        "engine here (links and serving overheads: --like's)")
+    g.add_argument("--like", default="h100", help="profile whose links and serving "
+                   "overheads the fitted one keeps")
+    g.add_argument("--peak-flop-s", type=float, default=None,
+                   help="another device of the same chip: its own measured peaks and KV "
+                        "pool, with the efficiencies and fixed costs fitted from the files")
+    g.add_argument("--bandwidth-bytes-s", type=float, default=None)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--note", action="append", default=[], help="a note kept in the file")
 
 
 def fit_steps(rows: list[tuple[float, int, float, float]]) -> tuple[list[float], float]:
@@ -76,6 +88,109 @@ def fit_steps(rows: list[tuple[float, int, float, float]]) -> tuple[list[float],
     assert best is not None  # the constant column alone is non-negative
     coef = best[1] / scale
     return [float(c) for c in coef], best[0]
+
+
+def fit_roofline(rows: list[tuple[float, int, float, float]], max_iter: int = 50,
+                 ) -> tuple[list[float], float, int]:
+    """The GPU's step model, `seconds ~ a + b * seqs + max(c * flops, d * bytes)` (a
+    device overlaps its matmuls with its memory traffic): each row is held against the
+    term that bounds it under the current fit, the linear fit of `fit_steps` is redone on
+    that split, until the split stops changing. Rows are (seconds, seqs, flops, bytes).
+    Returns (coefficients, relative RMS error, iterations)."""
+    coef, err = fit_steps(rows)  # start: the split the additive fit implies
+    c, d = coef[2], coef[3]
+    ridge = d / c if c > 0 and d > 0 else 100.0  # FLOPs per byte where the bounds cross
+    bound = [f >= ridge * m for _, _, f, m in rows]
+    for it in range(1, max_iter + 1):
+        split = [(t, s, f if b else 0.0, 0.0 if b else m)
+                 for (t, s, f, m), b in zip(rows, bound, strict=True)]
+        coef, err = fit_steps(split)
+        c, d = coef[2], coef[3]
+        new = [c * f >= d * m for _, _, f, m in rows]
+        if new == bound:
+            return coef, err, it
+        bound = new
+    return coef, err, max_iter
+
+
+def engine_json_rows(paths: list[str]) -> tuple[list[tuple[float, int, float, float]],
+                                                 dict[str, Any], list[dict[str, Any]]]:
+    """The steps every `bench engine --device cuda --json` file recorded, as fit rows
+    (seconds, sampled rows, FLOPs, bytes) by bench/engine_roofline.py's cost model;
+    returns (rows, the first file's config, every file's limits)."""
+    from bench.engine_roofline import ModelCost
+    from engine.config import ModelConfig
+    from engine.model_shapes import model_shape_dir
+
+    rows: list[tuple[float, int, float, float]] = []
+    config: dict[str, Any] = {}
+    limits = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        c = data["config"]
+        if config and (c["model_shape"], c["dtype"]) != (config["model_shape"],
+                                                         config["dtype"]):
+            raise ValueError(f"{path}: another model shape or dtype than {paths[0]}")
+        config = config or c
+        limits.append(data["limits"])
+        cost = ModelCost.from_config(ModelConfig.from_model_dir(
+            model_shape_dir(c["model_shape"])), 2 if c["dtype"] != "float32" else 4)
+        for w in data["workloads"].values():
+            steps = w["ours"].get("steps")
+            if steps is None:
+                raise ValueError(f"{path} has no step records (bench engine before they "
+                                 "were kept): run it again")
+            for sec, tokens, sampled, pairs, kv, _ in steps:
+                rows.append((sec, max(1, sampled), float(cost.step_flops(tokens, sampled, pairs)),
+                             float(cost.step_bytes(kv))))
+    return rows, config, limits
+
+
+def device_profile(name: str, paths: list[str], like: HardwareProfile,
+                   outlier: float = 2.0) -> tuple[HardwareProfile, list[str]]:
+    """A GPU profile fitted from `bench engine --device cuda --json` files: peaks as
+    measured in those runs (the best of them), efficiencies and fixed costs by
+    `fit_roofline`, the KV pool and batch limits as the engine sized them. Steps slower
+    than `outlier` x the first fit (Triton compiling a kernel specialization on first
+    use, ~0.5 s) are dropped and the fit redone. Links and serving overheads are not
+    measured by `bench engine`: they stay `like`'s."""
+    from dataclasses import replace
+
+    rows, config, limits = engine_json_rows(paths)
+    coef, _, _ = fit_roofline(rows)
+    model = [coef[0] + coef[1] * s + max(coef[2] * f, coef[3] * m) for _, s, f, m in rows]
+    kept = [r for r, t in zip(rows, model, strict=True) if r[0] <= outlier * t]
+    (a, b, c, d), err, iters = fit_roofline(kept)
+    peak = max(lim["matmul_flop_s"] for lim in limits)
+    bw = max(lim["bandwidth_bytes_s"] for lim in limits)
+    eng = config["engine"]
+    prof = replace(
+        like, name=name, peak_flop_s=peak, bandwidth_bytes_s=bw,
+        compute_efficiency=1.0 / (c * peak) if c > 0 else 1e6,
+        memory_efficiency=1.0 / (d * bw) if d > 0 else 1e6,
+        step_overhead_s=a, seq_overhead_s=b, combine="max", dtype=config["dtype"],
+        model={}, model_shape=config["model_shape"], num_blocks=eng["num_kv_blocks"],
+        block_size=eng["block_size"], max_num_seqs=eng["max_num_seqs"],
+        max_num_batched_tokens=eng["max_num_batched_tokens"],
+        source=f"splitserve sim calibrate --engine-json: bench engine --device cuda on "
+               f"{limits[0]['device']}",
+        fit={"steps": len(rows), "outliers_dropped": len(rows) - len(kept),
+             "relative_rms_error": round(err, 4), "iterations": iters,
+             "limits": limits[0], "engine": eng, "torch": config.get("torch"),
+             "files": [os.path.basename(p) for p in paths],
+             "calibrated_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    notes = [f"Fitted by `splitserve sim calibrate --engine-json` from {len(kept)} of "
+             f"{len(rows)} engine steps of `bench engine --device cuda --model-shape "
+             f"{config['model_shape']}` ({config['dtype']}, {eng['attention_backend']} "
+             f"attention, CUDA graphs {'on' if eng['cuda_graphs'] else 'off'}) on "
+             f"{limits[0]['device']}; {len(rows) - len(kept)} steps over {outlier:g}x the "
+             f"first fit dropped (Triton compiling a kernel specialization on first use).",
+             "Peaks: the same runs' device-to-device copy and bf16 GEMM "
+             f"({bw / 1e12:.3g} TB/s, {peak / 1e12:.3g} TFLOP/s); combine max (roofline).",
+             f"Links, request_overhead_s and token_overhead_s are {like.name}'s "
+             "(bench engine does not measure them)."]
+    return prof, notes
 
 
 def measure_engine(model_dir: str, seed: int) -> tuple[dict[str, Any], Any, list[Any], dict]:
@@ -233,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.cli import resolve_model
 
+    if args.engine_json:
+        return run_device(args)
     model_dir = resolve_model(args.model)
     print("measuring the engine's steps...", file=sys.stderr)
     cfg, limits, steps, settings = measure_engine(model_dir, args.seed)
@@ -257,4 +374,28 @@ def run(args: argparse.Namespace) -> int:
           f"memory eff {prof.memory_efficiency:.3g} (fit error {f['relative_rms_error']:.1%} "
           f"over {f['steps']} steps); request overhead {prof.request_overhead_s * 1e3:.2f} ms, "
           f"token overhead {prof.token_overhead_s * 1e3:.2f} ms")
+    return 0
+
+
+def run_device(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from sim.profile import load_profile
+
+    prof, notes = device_profile(args.name, args.engine_json, load_profile(args.like))
+    over = {k: v for k, v in (("peak_flop_s", args.peak_flop_s),
+                              ("bandwidth_bytes_s", args.bandwidth_bytes_s),
+                              ("num_blocks", args.num_blocks)) if v is not None}
+    if over:
+        prof = replace(prof, **over, source=prof.source + f"; {args.name}'s own " +
+                       ", ".join(over) + " (--" + " --".join(k.replace("_", "-")
+                                                          for k in over) + ")")
+    save_profile(prof, args.out, notes + list(args.note))
+    f = prof.fit
+    print(f"wrote {args.out}: step {prof.step_overhead_s * 1e3:.3f} ms + "
+          f"{prof.seq_overhead_s * 1e3:.3f} ms/seq, compute eff {prof.compute_efficiency:.3g} "
+          f"of {prof.peak_flop_s / 1e12:.4g} TFLOP/s, memory eff {prof.memory_efficiency:.3g} "
+          f"of {prof.bandwidth_bytes_s / 1e12:.4g} TB/s (fit error "
+          f"{f['relative_rms_error']:.1%} over {f['steps'] - f['outliers_dropped']} steps, "
+          f"{f['outliers_dropped']} dropped)")
     return 0

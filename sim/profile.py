@@ -1,5 +1,7 @@
 """Hardware profiles: what one simulated worker's device can do, as fitted by
-`splitserve sim calibrate` (cpu.json) or taken from published specs (h100.json).
+`splitserve sim calibrate`: cpu.json from this machine's CPU engine, h200.json from
+`bench engine --device cuda` on an H200, h100.json from the same fit with an H100's
+measured peaks.
 
 A profile is a checked-in JSON file, never hand-typed constants in code: the roofline's
 peaks, the efficiency factors and fixed costs fitted from measured engine steps, the
@@ -17,7 +19,7 @@ from typing import Any
 from engine.config import ModelConfig
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
-HARDWARE = ("cpu", "h100")
+HARDWARE = ("cpu", "h100", "h200")
 COMBINE = ("sum", "max")
 
 
@@ -126,7 +128,7 @@ def profile_path(name: str) -> str:
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """`cpu`, `h100` (the checked-in files) or the path of a profile JSON."""
+    """`cpu`, `h100`, `h200` (the checked-in files) or the path of a profile JSON."""
     path = profile_path(name_or_path) if name_or_path in HARDWARE else name_or_path
     if not os.path.isfile(path):
         raise ValueError(f"no hardware profile {name_or_path!r} (known: {HARDWARE}, or a "

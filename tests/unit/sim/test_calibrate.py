@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.calibrate import fit_steps
+from sim.calibrate import fit_roofline, fit_steps
 from sim.latency import LatencyModel
 from sim.profile import load_profile, save_profile
 
@@ -23,8 +23,63 @@ def test_fit_recovers_known_costs() -> None:
         assert got == pytest.approx(want, rel=1e-3)
 
 
+def test_roofline_fit_recovers_known_costs() -> None:
+    """Steps timed as a + b * seqs + max(c * flops, d * bytes): decode steps bound by
+    bytes, prefill steps by FLOPs, some near the ridge."""
+    a, b, c, d = 1e-4, 5e-5, 1.0 / 560e12, 1.0 / 3.0e12
+    shapes = [(1, 2e10, 1.6e10), (8, 1.5e11, 1.62e10), (64, 1.1e12, 1.7e10),
+              (256, 4.2e12, 2.5e10), (1, 1.3e14, 1.7e10), (32, 2.6e14, 2e10),
+              (4, 8e12, 1.65e10), (128, 1e13, 3e10), (16, 3e13, 1.8e10)]
+    rows = [(a + b * s + max(c * f, d * m), s, f, m) for s, f, m in shapes]
+    (fa, fb, fc, fd), err, _ = fit_roofline(rows)
+    assert err < 1e-6
+    for got, want in ((fa, a), (fb, b), (fc, c), (fd, d)):
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-9)
+
+
+def test_device_profile_from_bench_engine_json(tmp_path: Path) -> None:
+    """A `bench engine --device cuda --json` file whose steps follow known efficiencies,
+    plus one step 20x slow (a kernel compiling): the profile recovers the efficiencies
+    against the file's measured peaks, drops the slow step, keeps --like's links."""
+    import json
+
+    from bench.engine_roofline import ModelCost
+    from engine.config import ModelConfig
+    from engine.model_shapes import model_shape_dir
+    from sim.calibrate import device_profile
+
+    peak, bw, ce, me, per_seq = 800e12, 4.0e12, 0.7, 0.75, 5e-5
+    cost = ModelCost.from_config(ModelConfig.from_model_dir(model_shape_dir("llama3-8b")), 2)
+    steps = []
+    for tokens, sampled, pairs, kv in [(1, 1, 600, 600), (64, 64, 40000, 40000),
+                                       (256, 256, 400000, 400000), (8192, 1, 33550336, 8192),
+                                       (4096, 8, 2e6, 4096), (16384, 32, 4.2e6, 16384),
+                                       (32, 32, 30000, 30000), (2048, 4, 600000, 2048)]:
+        t = per_seq * sampled + max(cost.step_flops(tokens, sampled, int(pairs)) / (peak * ce),
+                                    cost.step_bytes(kv) / (bw * me))
+        steps.append([t, tokens, sampled, int(pairs), kv, int(tokens == sampled)])
+    steps.append([20 * steps[1][0], *steps[1][1:]])
+    data = {"config": {"model_shape": "llama3-8b", "dtype": "bfloat16", "torch": "x",
+                       "engine": {"num_kv_blocks": 5000, "block_size": 16, "max_num_seqs": 256,
+                                  "max_num_batched_tokens": 16384,
+                                  "attention_backend": "triton", "cuda_graphs": True}},
+            "limits": {"device": "GPU", "matmul_flop_s": peak, "bandwidth_bytes_s": bw},
+            "workloads": {"x": {"ours": {"steps": steps}}}}
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps(data))
+    like = load_profile("h100")
+    prof, notes = device_profile("gpu", [str(path)], like)
+    assert prof.fit["outliers_dropped"] == 1 and prof.fit["relative_rms_error"] < 1e-6
+    assert prof.compute_efficiency == pytest.approx(ce, rel=1e-3)
+    assert prof.memory_efficiency == pytest.approx(me, rel=1e-3)
+    assert prof.seq_overhead_s == pytest.approx(per_seq, rel=1e-3)
+    assert (prof.peak_flop_s, prof.bandwidth_bytes_s, prof.num_blocks) == (peak, bw, 5000)
+    assert prof.combine == "max" and prof.links == like.links
+    assert "1 steps over" in notes[0]
+
+
 def test_checked_in_profiles_load_and_time_steps(tmp_path: Path) -> None:
-    for name in ("cpu", "h100"):
+    for name in ("cpu", "h100", "h200"):
         prof = load_profile(name)
         lat = LatencyModel(prof)
         decode = lat.seconds(1, 1, 1000, 1000, 1)
@@ -33,7 +88,7 @@ def test_checked_in_profiles_load_and_time_steps(tmp_path: Path) -> None:
         save_profile(prof, str(tmp_path / f"{name}.json"), ["note"])
         assert load_profile(str(tmp_path / f"{name}.json")) == prof
     h100 = load_profile("h100")
-    assert "not measured" in h100.source
+    assert "bench engine --device cuda" in h100.source  # fitted, not typed in
     # llama3-8b on an H100 at batch 1: ~16 GB of weights per decode step.
     assert 0.004 < LatencyModel(h100).seconds(1, 1, 100, 100, 1) < 0.02
     with pytest.raises(ValueError):

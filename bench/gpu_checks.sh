@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# What a session with a GPU machine runs first (../shared/GPU.md): the GPU tests, the
+# engine on a Llama-3-8B shape (our steps recorded for `sim calibrate --engine-json`,
+# then transformers beside us), and the KV hand-off between two processes on the GPU.
+# Every step has its own time limit and its whole log under $OUT, so one that hangs or
+# fails leaves the others' figures. Run from the repository root on the device machine,
+# with the wheels GPU.md lists in .whl/ (and redis' Debian packages in .whl/deb/):
+#
+#   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
+#   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of: engine tests transfer engine_hf
+set -u
+STEPS=${STEPS:-engine tests transfer engine_hf}
+OUT=${OUT:-/tmp/gpu-checks}
+mkdir -p "$OUT"
+SHAPE=${SHAPE:-llama3-8b}
+T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
+T_HF=${T_HF:-150}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
+if ls .whl/deb/*.deb > /dev/null 2>&1; then
+  for f in .whl/deb/*.deb; do dpkg -x "$f" /tmp/r; done
+  export PATH=/tmp/r/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/r/usr/lib/x86_64-linux-gnu
+fi
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+
+step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc, $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+  tail -n 25 "$OUT/$name.log"
+}
+
+# 1. our engine alone on every workload: the step records sim calibrate fits from
+step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
+  --model-shape "$SHAPE" --skip-hf --json "$OUT/engine.json"
+# 2. correctness on the GPU: every architecture, graphs on and off, the transports
+step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
+# 3. prompt hand-offs between two processes on the GPU vs the device copy
+step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda \
+  --json "$OUT/transfer.json"
+# 4. transformers beside us on the latency and prefill workloads
+step engine_hf "$T_HF" python3 -m cluster.cli bench engine --device cuda \
+  --model-shape "$SHAPE" --workloads a,b,d --json "$OUT/engine_hf.json"
+grep "^== " "$OUT/gpu.txt"
