@@ -11,6 +11,7 @@ profiled forward pass of the largest batch.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -83,7 +84,19 @@ class ModelRunner:
                 self.graphs.capture()
 
     def _make_graphs(self, capture: bool) -> DecodeGraphs:
-        return DecodeGraphs(self._forward_logits, self.config.scheduler.max_num_seqs,
+        # The graphs call back into the runner that owns them through a weak reference:
+        # a cycle would keep a dropped engine's KV cache, weights and graph pool on the
+        # GPU until the cycle collector happened to run.
+        runner = weakref.ref(self)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+            owner = runner()
+            if owner is None:
+                raise RuntimeError("the model runner that owned these CUDA graphs is gone")
+            return owner._forward_logits(input_ids, positions, meta)
+
+        return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                             cdiv(self.max_model_len, self.block_size), self.device,
                             self.model_cfg.sliding_window, capture=capture)
 

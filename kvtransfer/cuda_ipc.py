@@ -34,13 +34,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import threading
 import time
 from typing import Any, Protocol
 
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, RegisteredKV, wait_ready
+from kvtransfer.memory import Ready, RegisteredKV, producer_event, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -64,26 +65,52 @@ class Mover(Protocol):
     def open(self, exported: dict[str, Any]) -> Any:
         """Sender: map a receiver's exported cache; returns the destination handle."""
 
+    def prepare(self, kv: RegisteredKV) -> None:
+        """Sender, in a worker thread, before the first copy: set up what a first copy
+        would (streams, the kernel loaded), so that no copy waits for the device."""
+
     async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
                    deadline: float, ready: Ready | None) -> None:
         """Copy (src offset, dst offset, nbytes) regions from `kv` into `dst`, none
         before `ready` completed; return once the bytes are in place. Start nothing
-        after `deadline`."""
+        after `deadline`. Never blocks the event loop."""
 
-    def close(self, dst: Any) -> None:
-        """Sender: unmap a destination."""
+    def close(self, held: list[Any]) -> None:
+        """Sender, in a worker thread: unmap the destination `held` holds (its only
+        reference: the release may wait for the device)."""
 
 
 class CudaMover:
+    """The export is a CUDA IPC handle of the cache's allocation, made with torch's
+    `_share_cuda_` on a storage that aliases the cache without owning it. torch parks a
+    shared storage in its "limbo" until every consumer has decremented the export's
+    reference count, which a sender killed while mapped never does; shared directly, the
+    cache would then stay allocated after the engine dropped it. Shared through the
+    alias, only the alias waits there (no memory) and the cache is freed with the
+    tensor: the engine must keep it (it owns it) until `close()` returned, as for every
+    transport; a killed sender's mapping goes with its process.
+
+    Sender side, nothing here waits for the GPU on the event loop: launches run in a
+    worker thread (a first launch can load the kernel, and loading waits for the work
+    already queued on the device, e.g. the next chunk's forward), and `prepare()` has
+    made them at connect time, before any compute is queued behind a chunk."""
+
     kind = "cuda"
 
     def __init__(self) -> None:
         self._stream: Any = None
+        self._prepared = False
+        self._launch = threading.Lock()  # one launch at a time (Triton's cache, the stream)
 
     def export(self, kv: RegisteredKV) -> dict[str, Any]:
+        import torch
+
         t = kv.tensor
+        storage = t.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(
+            storage.data_ptr(), t.device, storage.nbytes())
         (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-         event_sync) = t.untyped_storage()._share_cuda_()
+         event_sync) = alias._share_cuda_()  # type: ignore[attr-defined]
         return {"device": int(device), "handle": bytes(handle).hex(), "size": int(size),
                 "offset": int(offset), "ref_handle": bytes(ref_handle).hex(),
                 "ref_offset": int(ref_offset),
@@ -103,41 +130,59 @@ class CudaMover:
         flat.set_(storage, e["tensor_offset"], (e["nbytes"],), (1,))
         return flat
 
-    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float, ready: Ready | None) -> None:
+    def prepare(self, kv: RegisteredKV) -> None:
+        """One real launch of the copy kernel, into a scratch word: loads the variant
+        every later copy uses (see `scatter_copy`), allocates on the copy stream."""
         import torch
 
         from kvtransfer.scatter_copy import scatter_copy
 
         device = kv.tensor.device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        produced = self.producer_event(device, ready)
-        if time.monotonic() >= deadline:
-            raise TransferTimeout("cuda_ipc grant expired before the copy")
-        self._stream.wait_event(produced)
-        with torch.cuda.stream(self._stream):
-            scatter_copy(kv.bytes, dst, regions)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
+        word = next(w for w in (8, 4, 2, 1) if kv.layout.block_bytes % w == 0)
+        with self._launch, torch.cuda.device(device):
+            if self._prepared:
+                return
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(self._stream):
+                scratch = torch.empty(word, dtype=torch.uint8, device=device)
+                scatter_copy(kv.bytes, scratch, [(0, 0, word)])
+            self._stream.synchronize()
+            self._prepared = True
+
+    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+                   deadline: float, ready: Ready | None) -> None:
+        # The producer event is taken here: the compute stream is this thread's.
+        produced = producer_event(kv.tensor.device, ready)
+        copied = await asyncio.to_thread(self._launch_copy, kv, dst, regions, deadline,
+                                         produced)
         if not copied.query():
             await asyncio.to_thread(copied.synchronize)
 
-    @staticmethod
-    def producer_event(device: Any, ready: Ready | None) -> Any:
-        """The CUDA event the copy stream waits on: `ready` itself when it is one (the
-        chunk's forward, not the forwards queued after it); without one, an event
-        after all work queued so far on the compute stream (e.g. cached blocks)."""
+    def _launch_copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+                     deadline: float, produced: Any) -> Any:
+        """Queue the copy on the copy stream, after `produced`; returns the event after it."""
         import torch
 
-        if isinstance(ready, torch.cuda.Event):
-            return ready
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
+        from kvtransfer.scatter_copy import scatter_copy
 
-    def close(self, dst: Any) -> None:
-        del dst  # the IPC mapping goes with the last reference to its storage
+        device = kv.tensor.device
+        with self._launch, torch.cuda.device(device):
+            if time.monotonic() >= deadline:
+                raise TransferTimeout("cuda_ipc grant expired before the copy")
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            self._stream.wait_event(produced)
+            with torch.cuda.stream(self._stream):
+                scatter_copy(kv.bytes, dst, regions)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
+        return copied
+
+    def close(self, held: list[Any]) -> None:
+        # The IPC mapping goes with the last reference to its storage; torch's release
+        # synchronizes this thread's current stream first (hence not the event loop's).
+        held.clear()
 
 
 class _IoVec(ctypes.Structure):
@@ -160,6 +205,9 @@ class HostMover:
     def open(self, exported: dict[str, Any]) -> Any:
         return (int(exported["pid"]), int(exported["address"]))
 
+    def prepare(self, kv: RegisteredKV) -> None:
+        pass
+
     async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
                    deadline: float, ready: Ready | None) -> None:
         await wait_ready(ready)
@@ -180,8 +228,8 @@ class HostMover:
                 raise PeerUnavailable(f"process_vm_writev to {pid}: {done}/{want} bytes "
                                       f"({os.strerror(err) if done < 0 else 'short'})")
 
-    def close(self, dst: Any) -> None:
-        pass
+    def close(self, held: list[Any]) -> None:
+        held.clear()
 
 
 def mover_for(kv: RegisteredKV) -> Mover:
@@ -233,6 +281,7 @@ class CudaIpcSender(InPlaceSender):
                                 f" memory, this sender's in {self._mover.kind} memory; run "
                                 "both workers with one --device, or use --transport ucx")
         peer.state = self._mover.open(exported)
+        await asyncio.to_thread(self._mover.prepare, self.kv)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> None:
@@ -246,9 +295,9 @@ class CudaIpcSender(InPlaceSender):
         await self._mover.copy(kv, peer.state, regions, deadline, ready)
 
     async def _on_disconnected(self, peer: Peer) -> None:
-        if peer.state is not None and self._mover is not None:
-            self._mover.close(peer.state)
-        peer.state = None
+        held, peer.state = [peer.state], None
+        if held[0] is not None and self._mover is not None:
+            await asyncio.to_thread(self._mover.close, held)
 
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaMover", "HostMover", "boot_id"]

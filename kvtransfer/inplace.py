@@ -29,7 +29,7 @@ from typing import Any
 from kvtransfer import wire
 from kvtransfer.errors import ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready
+from kvtransfer.memory import Ready, producer_event
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
@@ -141,11 +141,19 @@ class InPlaceSender(SenderBase):
         await self._copy(peer, pairs, deadline, ready)
         if time.monotonic() >= deadline:  # too late to count: the receiver reclaims them
             raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
-        sums = None if not checksum else [
-            self.kv.checksum(src) if self.kv.is_cuda else compute_checksum(self.kv.view(src))
-            for src, _ in pairs]
+        sums = None if not checksum else await self._checksums(pairs, ready)
         await self._send_frame(peer, wire.pack_json(Frame.WRITTEN, {"req": req,
                                                                     "checksums": sums}))
+
+    async def _checksums(self, pairs: list[tuple[Region, Region]],
+                         ready: Ready | None) -> list[int]:
+        assert self.kv is not None
+        if not self.kv.is_cuda:
+            return [compute_checksum(self.kv.view(src)) for src, _ in pairs]
+        # Read after `ready`, in a worker thread: not behind (nor blocking the event loop
+        # on) the compute queued after the chunk.
+        after = producer_event(self.kv.tensor.device, ready)
+        return await asyncio.to_thread(self.kv.device_checksums, [s for s, _ in pairs], after)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> None:

@@ -77,8 +77,21 @@ class RegisteredKV:
         return self.bytes[off:off + n]
 
     def checksum(self, region: Region) -> int:
+        """On CUDA: copied to the host on this thread's current stream, behind the work
+        queued there (a sender uses `device_checksums`)."""
         return checksum(self.view(region)) if self._host is not None else \
             checksum(host_bytes(self.device_slice(region).cpu()))
+
+    def device_checksums(self, regions: list[Region], after: Any) -> list[int]:
+        """Checksums of CUDA regions read on a side stream once the CUDA event `after`
+        completed, not behind later work on the compute stream. Blocks until the bytes
+        are on the host: call it from a worker thread."""
+        device = self.tensor.device
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_event(after)
+            with torch.cuda.stream(stream):
+                return [checksum(host_bytes(self.device_slice(r).cpu())) for r in regions]
 
 
 class Ready(Protocol):
@@ -95,6 +108,17 @@ async def wait_ready(ready: Ready | None) -> None:
     """Return once `ready` has completed, without blocking the event loop."""
     if ready is not None and not ready.query():
         await asyncio.to_thread(ready.synchronize)
+
+
+def producer_event(device: torch.device, ready: Ready | None) -> Any:
+    """The CUDA event a side stream waits on before reading a write's source bytes:
+    `ready` when it is one, else an event after the work queued so far on `device`'s
+    current stream (this thread's: take it on the thread that queued the work)."""
+    if isinstance(ready, torch.cuda.Event):
+        return ready
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 async def device_ready(device: torch.device, ready: Ready | None = None) -> None:

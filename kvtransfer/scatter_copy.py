@@ -48,8 +48,12 @@ def scatter_copy(src: torch.Tensor, dst: torch.Tensor,
         raise ValueError("scatter_copy takes flat uint8 tensors on one device")
     word = _word_size(src, dst, regions)
     dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-    table = torch.tensor([[s // word, d // word, n // word] for s, d, n in regions],
-                         dtype=torch.int64).T.contiguous()
+    # An even number of columns, the pad copying nothing (size 0, past the grid): every
+    # row then starts 16-byte aligned, so Triton compiles (and a process loads) one
+    # variant of the kernel, not one per parity of len(regions). A variant loaded while
+    # the GPU computes waits for it (see `CudaMover.prepare`).
+    rows = [[s // word, d // word, n // word] for s, d, n in regions]
+    table = torch.tensor(rows + [[0, 0, 0]] * (len(rows) % 2), dtype=torch.int64).T.contiguous()
     if src.is_cuda:
         table = table.to(src.device, non_blocking=True)
     longest = int(table[2].max()) if not src.is_cuda else max(n for *_, n in regions) // word

@@ -9,6 +9,15 @@ from typing import Any
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 _CACHE = os.path.join(os.environ.get("SPLITSERVE_TEST_CACHE", "/tmp/splitserve-test-models"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child process that imports the project: the repo
+    root is put first on PYTHONPATH, in front of whatever was already there (a machine whose
+    packages live on PYTHONPATH, as a device machine's do, keeps them), plus `extra`."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": _ROOT + (os.pathsep + path if path else ""), **extra}
 
 
 def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = False,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvtransfer import KVLayout, TransferConfig, make_receiver, make_sender
+from tests.factories import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "cluster-secret"
@@ -50,7 +51,7 @@ class PeerProcess:
         self.spec = spec
 
     async def start(self) -> PeerProcess:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = child_env()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.integration.kvtransfer_peer", json.dumps(self.spec),
             stdout=subprocess.PIPE, env=env, cwd=str(ROOT))

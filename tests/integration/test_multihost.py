@@ -33,7 +33,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.factories import tiny_model_dir
+from tests.factories import child_env, tiny_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREFIX = "ssmh"
@@ -109,7 +109,7 @@ class NetLab:
         """`argv` in `role`'s network namespace and a PID namespace of its own. Without the
         PID namespace UCX sees a same-host peer and moves the KV by cross-memory attach:
         the decode's veth then receives ~9 KB for ~340 KB of KV and the rx check fails."""
-        env = dict(os.environ, PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false")
+        env = child_env(TOKENIZERS_PARALLELISM="false")
         log = open(os.path.join(self.tmp, f"{name}.log"), "wb")
         p = subprocess.Popen(["ip", "netns", "exec", self.ns[role], "unshare", "--pid",
                               "--fork", *argv], stdout=log, stderr=subprocess.STDOUT,

@@ -11,12 +11,12 @@ import sys
 import time
 
 from cluster.launcher import ROOT, free_port
-from tests.factories import tiny_model_dir
+from tests.factories import child_env, tiny_model_dir
 from tests.integration.serving_util import port_refused
 
 
 def _run_up(*args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = child_env(PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", *args], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -20,7 +20,7 @@ from engine import strategies as st
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.auth import RpcSecurity
-from tests.factories import tiny_model_dir
+from tests.factories import child_env, tiny_model_dir
 from tests.integration.serving_util import metric, port_refused, wait_for
 from tests.redis_server import RedisServer
 
@@ -37,7 +37,7 @@ class Worker:
              "--port", str(self.port), "--metrics-port", str(self.metrics), "--redis",
              redis_url, "--num-blocks", "64", "--scheduling-policy", "vtc",
              "--drain-timeout", "2"],
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL,
+            cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True)
         wait_for(self.ready, 90, "the worker to load its model")
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from cluster.launcher import ROOT, free_port
-from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.factories import child_env, hf_greedy, hf_model, tiny_model_dir
 from tests.integration.serving_util import call_http, grpc_generate, port_refused, wait_for
 
 pytestmark = pytest.mark.skipif(not any(
@@ -42,7 +42,7 @@ class Up:
 
     def __init__(self, *args: str) -> None:
         self.http = free_port()
-        env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+        env = child_env(PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "up", "--model", tiny_model_dir("llama"),
              "--num-blocks", "64", "--http-port", str(self.http), "--grpc-port",
