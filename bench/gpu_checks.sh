@@ -7,14 +7,14 @@
 # with the wheels GPU.md lists in .whl/ (and redis' Debian packages in .whl/deb/):
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
-#   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of: engine tests transfer engine_hf
+#   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 set -u
-STEPS=${STEPS:-engine tests transfer engine_hf}
+STEPS=${STEPS:-engine tests transfer engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
-T_HF=${T_HF:-150}
+T_HF=${T_HF:-150} T_EXP=${T_EXP:-300}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -48,4 +48,7 @@ step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda 
 # 4. transformers beside us on the latency and prefill workloads
 step engine_hf "$T_HF" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads a,b,d --json "$OUT/engine_hf.json"
+# 5. TTFT of 8k-token prompts: 1P1D over cuda_ipc and ucx against a colocated worker
+step transports "$T_EXP" python3 -m cluster.cli bench experiment transports --device cuda \
+  --out-dir /tmp/gpu-checks-exp --json "$OUT/transports.json" --no-progress
 grep "^== " "$OUT/gpu.txt"
