@@ -90,10 +90,13 @@ class CudaMover:
     tensor: the engine must keep it (it owns it) until `close()` returned, as for every
     transport; a killed sender's mapping goes with its process.
 
-    Sender side, nothing here waits for the GPU on the event loop: launches run in a
-    worker thread (a first launch can load the kernel, and loading waits for the work
-    already queued on the device, e.g. the next chunk's forward), and `prepare()` has
-    made them at connect time, before any compute is queued behind a chunk."""
+    Sender side, nothing here waits for the GPU on the event loop: `prepare()` has made
+    a first launch at connect time in a worker thread, before any compute is queued (a
+    first launch loads the kernel, and loading waits for the work already queued on the
+    device, e.g. the next chunk's forward); a copy's launch then queues on the event loop
+    without waiting (its region table goes up before the copy stream waits on the
+    chunk's event: `scatter_copy(after=...)`), and only its completion is awaited in a
+    thread."""
 
     kind = "cuda"
 
@@ -154,8 +157,7 @@ class CudaMover:
                    deadline: float, ready: Ready | None) -> None:
         # The producer event is taken here: the compute stream is this thread's.
         produced = producer_event(kv.tensor.device, ready)
-        copied = await asyncio.to_thread(self._launch_copy, kv, dst, regions, deadline,
-                                         produced)
+        copied = self._launch_copy(kv, dst, regions, deadline, produced)
         if not copied.query():
             await asyncio.to_thread(copied.synchronize)
 
@@ -172,9 +174,8 @@ class CudaMover:
                 raise TransferTimeout("cuda_ipc grant expired before the copy")
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
-            self._stream.wait_event(produced)
             with torch.cuda.stream(self._stream):
-                scatter_copy(kv.bytes, dst, regions)
+                scatter_copy(kv.bytes, dst, regions, after=produced)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
         return copied

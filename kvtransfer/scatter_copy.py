@@ -10,6 +10,7 @@ Triton's interpreter, which is how the CPU tests check it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,9 +40,12 @@ _KERNEL: list[object] = []  # compiled lazily, once per process (triton is heavy
 
 
 def scatter_copy(src: torch.Tensor, dst: torch.Tensor,
-                 regions: Sequence[tuple[int, int, int]]) -> None:
+                 regions: Sequence[tuple[int, int, int]], after: Any = None) -> None:
     """dst[d:d+n] = src[s:s+n] for every (s, d, n) in bytes, in one launch on the
-    current stream. `src` and `dst` are flat uint8 tensors on the same device."""
+    current stream. `src` and `dst` are flat uint8 tensors on the same device. With
+    `after` (a CUDA event), the launch waits for it on the device; the region table goes
+    up before that wait (a copy from pageable memory synchronizes its stream first: after
+    the wait, the calling thread would block until `after` completed)."""
     if not regions:
         return
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
@@ -56,6 +60,8 @@ def scatter_copy(src: torch.Tensor, dst: torch.Tensor,
     table = torch.tensor(rows + [[0, 0, 0]] * (len(rows) % 2), dtype=torch.int64).T.contiguous()
     if src.is_cuda:
         table = table.to(src.device, non_blocking=True)
+        if after is not None:
+            torch.cuda.current_stream(src.device).wait_event(after)
     longest = int(table[2].max()) if not src.is_cuda else max(n for *_, n in regions) // word
     if not _KERNEL:
         _KERNEL.append(_kernel())
