@@ -273,10 +273,16 @@ class Simulator:
             return t, computed
         nbytes = (end - first) * self.latency.kv_block_bytes
         landed = peer.link(t + self._rpc, nbytes)
-        self.at(landed, lambda b: peer.unpin(b), blocks)
+        self.at(landed, self._unpin, (peer, blocks))
         self.stats.add_bytes("peer", nbytes)
         self.stats.peer_fetches += 1
         return landed, end * bs
+
+    def _unpin(self, arg: tuple[SimWorker, list[Any]]) -> None:
+        """The pulled blocks have landed: the peer lets its pins go."""
+        peer, blocks = arg
+        self._sync(peer)
+        peer.unpin(blocks)
 
     def _on_prefill(self, flight: Flight) -> None:
         """The prefill peer's Prefill: the prompt as a producer (prefill/service.py)."""
@@ -306,6 +312,7 @@ class Simulator:
         assert d is not None
         w = self.workers[d.decode.worker_id]
         req = flight.req
+        self._sync(w)  # the landed blocks are cached now: a window gives back first
         w.scheduler.remote_kv_ready(req, first_token, computed)
         if first_token is not None:
             self._token(w, flight)
