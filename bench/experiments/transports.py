@@ -45,9 +45,16 @@ def routing_yaml(cfg: ExperimentConfig, threshold: int) -> str:
 
 
 def _workload(cfg: ExperimentConfig) -> tuple[int, int, int]:
-    """(prompts, prompt tokens, output tokens)."""
+    """(prompts, prompt tokens, output tokens). On a GPU an 8k context: the prompt and
+    its output tokens within the model's positions (the gateway refuses a request past
+    them, 400: the llama3-8b shape's 8192 take 8188 prompt tokens and 4 out)."""
     if cfg.device.startswith("cuda"):
-        return (2, 1024, 2) if cfg.quick else (8, 8192, 4)
+        if cfg.quick:
+            return (2, 1024, 2)
+        from engine.config import ModelConfig
+
+        ctx = ModelConfig.from_model_dir(cfg.model_dir).max_position_embeddings
+        return (8, min(8192, ctx) - 4, 4)
     return (3, 256, 2) if cfg.quick else (24, 1024, 4)
 
 
