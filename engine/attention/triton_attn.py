@@ -115,7 +115,14 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
     return acc, m_new, l_i
 
 
-@triton.jit
+# Integers that change from step to step (the batch's sequence count, its block-table
+# width). Triton would otherwise compile a variant per value class (1, a multiple of 16,
+# other) of each: on an H200 a cold process spent 0.4-0.95 s in a step that met a new
+# class, mid-serving. Unspecialized, each kernel configuration compiles once.
+_PER_STEP = ["num_seqs", "bt_st"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP)
 def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
                     num_seqs: tl.int32, scale_log2, window,
                     q_st, q_sh, q_sd, o_st, o_sh, o_sd,
@@ -168,7 +175,7 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_st"])  # see _PER_STEP (its grid carries the count)
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                          qsl_ptr, num_heads, scale_log2, window,
                          q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
