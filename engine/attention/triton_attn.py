@@ -117,8 +117,8 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
 
 # Integers that change from step to step (the batch's sequence count, its block-table
 # width). Triton would otherwise compile a variant per value class (1, a multiple of 16,
-# other) of each: on an H200 a cold process spent 0.4-0.95 s in a step that met a new
-# class, mid-serving. Unspecialized, each kernel configuration compiles once.
+# other) of each, ~0.5 s mid-serving (a cold process on an H200 stalled 0.4-0.95 s in
+# such steps). Unspecialized, each kernel configuration compiles once.
 _PER_STEP = ["num_seqs", "bt_st"]
 
 
