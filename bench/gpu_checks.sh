@@ -4,7 +4,7 @@
 # then transformers beside us), and the KV hand-off between two processes on the GPU.
 # Every step has its own time limit and its whole log under $OUT, so one that hangs or
 # fails leaves the others' figures. Run from the repository root on the device machine,
-# with the wheels GPU.md lists in .whl/ (and redis' Debian packages in .whl/deb/):
+# with .whl/ filled here first by bench/gpu_wheels.sh (carry [".whl"]):
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
