@@ -9,12 +9,12 @@
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 set -u
-STEPS=${STEPS:-engine tests transfer engine_hf transports}
+STEPS=${STEPS:-engine tests ipc_first transfer engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
-T_HF=${T_HF:-150} T_EXP=${T_EXP:-300}
+T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -42,6 +42,15 @@ step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --skip-hf --json "$OUT/engine.json"
 # 2. correctness on the GPU: every architecture, graphs on and off, the transports
 step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
+# 2b. the two cuda_ipc tests that found their receiver's cache (64 KiB) still allocated
+# when each ran first in a fresh process (in file order both pass): each alone, its
+# failure message listing the allocated blocks with their allocation stacks and the live
+# CUDA tensors with what refers to them (tests/gpu/cuda_memory.py)
+IPC=tests/gpu/test_cuda_transfer.py
+step ipc_first "$T_IPC" bash -c "for t in \
+  '$IPC::test_wrong_token_late_write_and_killed_sender_on_the_gpu[cuda_ipc]' \
+  '$IPC::test_copy_waits_on_its_chunk_only_and_close_leaves_nothing[cuda_ipc]'; do
+  python3 -m pytest -q -rfE -p no:cacheprovider \"\$t\"; done"
 # 3. prompt hand-offs between two processes on the GPU vs the device copy
 step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda \
   --json "$OUT/transfer.json"

@@ -355,7 +355,7 @@ class Simulator:
         while j < n and takes[j] <= step.done:
             e = bisect_right(takes, takes[j], j)
             if any(h is not None for h in hashes[j:e]):
-                self.at(step.ends[takes[j] - 2], self._evict, (w, step, j, e))
+                self.at(step.window.starts[j], self._evict, (w, step, j, e))
                 return
             j = e
 

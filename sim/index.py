@@ -69,7 +69,7 @@ class _Segment:
     def refit(self) -> None:
         """`length` down to the blocks held, `full` again (after the last full node
         lost a block: keeps a segment's lone holder on the walk's fast path)."""
-        length = max(m.bit_length() for m in self.masks.values())
+        length = max(map(int.bit_length, self.masks.values()))
         whole = (1 << length) - 1
         self.length = length
         self.full = sum(b for b, m in self.masks.items() if m == whole)

@@ -29,6 +29,7 @@ from sim.profile import HardwareProfile
 from sim.request import SimRequest
 from sim.tiers import SimTiers
 
+_INF = float("inf")
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
 
 
@@ -67,9 +68,12 @@ class Step:
 class Window:
     """The blocks a decode window takes, in the order the one-iteration steps would
     take them: `blocks[j]` (which held `hashes[j]`, evicted then) goes to `owners[j]` at
-    the start of iteration `takes[j]` (sorted); `kept` of them stand (fewer once cut)."""
+    the start of iteration `takes[j]` (sorted), at the time `starts[j]` (the end of the
+    iteration before it; -inf for the first iteration's); `kept` of them stand (fewer
+    once cut)."""
 
     takes: list[int]
+    starts: list[float]
     blocks: list[KVBlock]
     hashes: list[Any]
     owners: list[str]
@@ -238,7 +242,9 @@ class SimWorker:
         # running sum of floats, as those steps add)
         ends = list(accumulate(dts, initial=start))[1:]
         t = ends[-1]
-        window = Window([i for i, _ in takes], taken, hashes,
+        # iteration i > 1 starts at the end of i - 1
+        window = Window([i for i, _ in takes],
+                        [ends[i - 2] if i > 1 else -_INF for i, _ in takes], taken, hashes,
                         [rows[row].request_id for _, row in takes], len(takes))
         if takes and takes[0][0] == 1:
             self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
@@ -324,9 +330,11 @@ class SimWorker:
         decode window has taken its later iterations' blocks already."""
         free = self.kv.pool.num_free_blocks
         step = self.current
-        if self.busy and step is not None and step.window is not None and step.ends:
-            running = min(bisect_left(step.ends, now) + 1, step.done)
-            free += step.window.kept - bisect_right(step.window.takes, running)
+        if self.busy and step is not None and step.window is not None:
+            # the takes of iterations started by `now` (iteration i runs from the end of
+            # i - 1, exclusive, to its own, inclusive); a cut kept those up to `done`
+            w = step.window
+            free += max(0, w.kept - bisect_left(w.starts, now))
         return free
 
     def restore_seconds(self) -> float:

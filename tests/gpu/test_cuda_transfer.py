@@ -26,6 +26,7 @@ from kvtransfer import (
     make_sender,
     whole_blocks,
 )
+from tests.gpu.cuda_memory import holders, record
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     PeerProcess,
@@ -131,12 +132,13 @@ def test_wrong_token_late_write_and_killed_sender_on_the_gpu(transport: str) -> 
         # Nothing left mapped or allocated by the transports in this process.
         torch.cuda.synchronize()
 
+    record()
     before = torch.cuda.memory_allocated()
     asyncio.run(main())
     # The killed sender never let go of its mapping: the receiver's cache is freed all
     # the same (torch keeps a storage it shared until every consumer has let go).
     gc.collect()  # the receiver and its futures may sit in reference cycles
-    assert torch.cuda.memory_allocated() <= before
+    assert torch.cuda.memory_allocated() <= before, holders()
 
 
 @pytest.mark.timeout(120)
@@ -152,6 +154,7 @@ def test_copy_waits_on_its_chunk_only_and_close_leaves_nothing(transport: str) -
              "overlap_s": 3.0}]
     torch.cuda.synchronize()
     torch.cuda.ipc_collect()
+    record()
     before = torch.cuda.memory_allocated()
 
     async def main() -> None:
@@ -176,7 +179,8 @@ def test_copy_waits_on_its_chunk_only_and_close_leaves_nothing(transport: str) -
             gc.collect()
             torch.cuda.synchronize()
             torch.cuda.ipc_collect()  # drops the export records consumers let go of
-            assert torch.cuda.memory_allocated() <= before, "an IPC export is still held"
+            assert torch.cuda.memory_allocated() <= before, \
+                f"an IPC export is still held:\n{holders()}"
         finally:
             await peer.aclose()
 
