@@ -123,6 +123,18 @@ def at_speed(profile: HardwareProfile, speed: float) -> HardwareProfile:
                    seq_overhead_s=profile.seq_overhead_s * speed)
 
 
+def with_block_size(profile: HardwareProfile, block_size: int) -> HardwareProfile:
+    """`profile` with `block_size`-token KV blocks in the same device memory: its pool
+    holds as many tokens (num_blocks scaled, rounded down), as an engine sizing its
+    cache from free memory would (engine/config.py)."""
+    from dataclasses import replace
+
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    tokens = profile.num_blocks * profile.block_size
+    return replace(profile, block_size=block_size, num_blocks=max(1, tokens // block_size))
+
+
 def profile_path(name: str) -> str:
     return os.path.join(PROFILE_DIR, f"{name}.json")
 

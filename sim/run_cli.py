@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
-from sim.profile import HardwareProfile, load_profile
+from sim.profile import HardwareProfile, load_profile, with_block_size
 from sim.workload import SimRequestSpec, mooncake, shared_prefix, synthetic
 
 MOONCAKE_TRACE = "/work/shared/data/mooncake/conversation_trace.jsonl"
@@ -43,7 +44,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=0,
                    help="the gateway's limit (0: its default, 32 per decode/colocated "
                         "worker and at least 256; -1: none)")
-    p.add_argument("--block-size", type=int, default=0, help="override the profile's")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--decode-stride", type=int, default=1,
                    help="> 1: up to this many decode iterations per simulated step (faster, "
                         "approximate; see sim/cluster.py)")
@@ -72,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
     p.add_argument("--out-dir", default="sim-results")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (arrivals replayed, simulated time) on stderr")
 
 
 def routing_profile(name: str, seed: int) -> RoutingProfile:
@@ -84,10 +88,8 @@ def routing_profile(name: str, seed: int) -> RoutingProfile:
 
 
 def hardware(args: argparse.Namespace) -> HardwareProfile:
-    from dataclasses import replace
-
     prof = load_profile(args.hardware)
-    return replace(prof, block_size=args.block_size) if args.block_size else prof
+    return with_block_size(prof, args.block_size) if args.block_size else prof
 
 
 def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
@@ -148,14 +150,33 @@ def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
 
 def simulate(config: ClusterConfig, profile: HardwareProfile, specs: Iterable[SimRequestSpec],
              name: str, slo: dict[str, float] | None = None,
-             params: dict[str, Any] | None = None, label: str = "") -> SimRun:
-    """Runs one phase; the simulator (its pools, its index) is dropped afterwards."""
+             params: dict[str, Any] | None = None, label: str = "",
+             progress: int | None = None) -> SimRun:
+    """Runs one phase; the simulator (its pools, its index) is dropped afterwards.
+    `progress`: a bar on stderr over that many arrivals (None: no bar)."""
     sim = Simulator(config, profile)
     t0 = time.perf_counter()
+    if progress is not None:
+        specs = _with_progress(sim, specs, progress, name)
     results = sim.run(specs)
     wall = time.perf_counter() - t0
     phase = phase_of(results, name, slo, params, label)
     return SimRun(phase, sim_extras(sim, phase, wall), wall)
+
+
+def _with_progress(sim: Simulator, specs: Iterable[SimRequestSpec], total: int,
+                   name: str) -> Iterator[SimRequestSpec]:
+    """`specs` as the simulator draws them (one arrival at a time), counted on a bar
+    that shows the simulated clock too; what is in flight at the end finishes after it."""
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=name, unit="req", file=sys.stderr,
+              mininterval=1.0) as bar:
+        for i, spec in enumerate(specs):
+            if i % 1000 == 0:
+                bar.set_postfix_str(f"simulated {sim.now:.0f} s", refresh=False)
+            bar.update(1)
+            yield spec
 
 
 def phase_of(results: list[RequestResult], name: str, slo: dict[str, float] | None,
@@ -175,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         prof = hardware(args)
         cfg = cluster_config(args)
         slo = parse_slo(args.slo) if args.slo else None
-        res = simulate(cfg, prof, workload(args), "sim", slo)
+        res = simulate(cfg, prof, workload(args), "sim", slo,
+                       progress=None if args.no_progress else args.requests)
     except (BenchError, ValueError) as e:
         print(f"error: {e}")
         return 2

@@ -28,14 +28,13 @@ import json
 import pstats
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import cast
 
 from sim.accounting import Accounting
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.gateway import run_sync
-from sim.profile import load_profile
+from sim.profile import load_profile, with_block_size
 from sim.request import Tokens
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
 from sim.workload import SimRequestSpec, mooncake, trace_rate
@@ -50,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of workers in the prefill pool (0: all colocated)")
     p.add_argument("--rate-per-worker", type=float, default=0.5, help="req/s per worker")
     p.add_argument("--hardware", default="h100")
-    p.add_argument("--block-size", type=int, default=0, help="override the profile's")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--routing", default="cache_aware")
     p.add_argument("--decode-stride", type=int, default=1,
                    help="> 1: the approximate mode (up to this many decode iterations a step)")
@@ -94,7 +94,7 @@ def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     prof = load_profile(args.hardware)
     if args.block_size:
-        prof = replace(prof, block_size=args.block_size)
+        prof = with_block_size(prof, args.block_size)
     n_p = round(args.workers * args.prefill_share)
     cfg = ClusterConfig(prefill=n_p, decode=args.workers - n_p if n_p else 0,
                         colocated=0 if n_p else args.workers,

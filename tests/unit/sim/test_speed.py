@@ -87,3 +87,43 @@ def test_accounting_charges_each_call_its_own_time() -> None:
     tick(0.25)
     acct.stop()
     assert acct.seconds == {"engine": 0.0, "gateway": 1.5, "index": 2.0, "simulator": 4.25}
+
+
+def test_a_block_size_override_keeps_the_pool_s_tokens(tmp_path: Path) -> None:
+    """`--block-size` keeps the profile's KV memory: 4x the block size, a quarter the
+    blocks (as an engine sizing its cache from free memory), in `sim run` and `sim bench`
+    alike; every request of the small trace still completes."""
+    from sim import run_cli
+    from sim.cluster import Simulator
+    from sim.profile import load_profile, with_block_size
+
+    h100 = load_profile("h100")
+    big = with_block_size(h100, 64)
+    assert (big.block_size, big.num_blocks) == (64, h100.num_blocks * 16 // 64)
+    assert with_block_size(h100, 16) == h100
+    p = argparse.ArgumentParser()
+    run_cli.add_arguments(p)
+    args = p.parse_args(["--hardware", "h100", "--block-size", "64"])
+    assert run_cli.hardware(args) == big
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    sim = Simulator(run_cli.cluster_config(args), run_cli.hardware(args))
+    assert {w.kv.pool.num_blocks for w in sim.workers.values()} == {big.num_blocks}
+    results = sim.run(run_cli.workload(p.parse_args(
+        ["--hardware", "h100", "--block-size", "64", "--trace", str(trace),
+         "--requests", "12"])))
+    assert len(results) == 12 and all(r.ok for r in results)
+    sim.check_integrity()
+
+
+def test_the_progress_bar_changes_nothing(tmp_path: Path, capsys) -> None:
+    """`sim run`'s bar counts the arrivals as the simulator draws them (and shows the
+    simulated clock); the phase it reports is the one without it."""
+    from sim.run_cli import simulate
+    from tests.unit.sim.test_simulator import CONFIGS, key, profile, trace_specs
+
+    specs = trace_specs(tmp_path, repeat=3)
+    plain = simulate(CONFIGS["disaggregated"], profile(), specs, "p")
+    shown = simulate(CONFIGS["disaggregated"], profile(), specs, "p", progress=len(specs))
+    assert key(shown.phase.results) == key(plain.phase.results)
+    assert f"{len(specs)}/{len(specs)}" in capsys.readouterr().err
