@@ -47,8 +47,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=0,
                    help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--decode-stride", type=int, default=1,
-                   help="> 1: up to this many decode iterations per simulated step (faster, "
-                        "approximate; see sim/cluster.py)")
+                   help="> 1: up to this many decode iterations per simulated step "
+                        "(approximate; faster only with host/disk tiers, where the exact "
+                        "decode windows do not apply: sim/config.py)")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--routing", default="cache_aware")
     p.add_argument("--decode-stride", type=int, default=1,
-                   help="> 1: the approximate mode (up to this many decode iterations a step)")
+                   help="> 1: the approximate mode (up to this many decode iterations a "
+                        "step; slower than the exact decode windows without tiers)")
     p.add_argument("--trace", default=MOONCAKE_TRACE)
     p.add_argument("--profile", action="store_true", help="cProfile the run")
     p.add_argument("--breakdown", action="store_true",
