@@ -33,7 +33,7 @@ from bench.routing_bench import sample_trace
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
 from sim.config import ClusterConfig
-from sim.profile import HardwareProfile, load_profile
+from sim.profile import HardwareProfile, load_profile, with_block_size
 from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
 from sim.workload import mooncake, trace_rate
 
@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
     p.add_argument("--decode-stride", type=int, default=1, help="see sim run")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="the profile's KV memory in blocks of this many tokens (coarser: "
+                        "faster; under memory pressure the answers differ: docs/results.md)")
     p.add_argument("--max-in-flight", type=int, default=0,
                    help="the gateway's limit, 429 beyond (0: its default, 32 per "
                         "decode/colocated worker and at least 256; -1: none)")
@@ -63,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prof = load_profile(args.hardware)
+    if args.block_size:
+        prof = with_block_size(prof, args.block_size)
     slo = parse_slo(args.slo)
     rates = [float(r) for r in args.rates.split(",") if r] or DEFAULT_RATES[args.name]
     t0 = time.perf_counter()

@@ -35,3 +35,27 @@ def test_experiment_report_is_the_same_serial_and_parallel(tmp_path: Path) -> No
         f"{r} @ 2/GPU" for r in ("round_robin", "least_loaded", "cache_aware")]
     assert all(ph["summary"]["completed"] == ph["summary"]["requests"] == 20
                for ph in got[1]["phases"])
+
+
+def test_tiers_experiment_at_another_block_size_keeps_the_memory(tmp_path: Path) -> None:
+    """`--block-size` scales every pool the experiment sizes from the profile (the
+    device cache fractions, their host and disk tiers) to the same tokens."""
+    from sim.profile import load_profile
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE * 3))
+    p = argparse.ArgumentParser()
+    experiments.add_arguments(p)
+    out = tmp_path / "bs64"
+    args = p.parse_args(["tiers", "--workers", "4", "--requests", "12", "--sample", "1",
+                         "--rates", "2", "--trace", str(trace), "--out-dir", str(out),
+                         "--jobs", "1", "--block-size", "64"])
+    assert experiments.run(args) == 0
+    got = json.loads((out / "sim-tiers-4gpu.json").read_text())
+    assert got["config"]["block_size"] == 64
+    assert all(ph["summary"]["completed"] == ph["summary"]["requests"] == 12
+               for ph in got["phases"])
+    h100 = load_profile("h100")
+    pool = h100.num_blocks * h100.block_size // 64  # an H100's cache in 64-token blocks
+    assert [ph["params"]["device_blocks"] for ph in got["phases"]] == \
+        [pool // frac for frac in (8, 4, 2) for _ in range(3)] + [pool // 8] * 2
