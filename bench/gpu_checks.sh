@@ -12,7 +12,7 @@ set -u
 STEPS=${STEPS:-engine tests ipc_first transfer engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
-SHAPE=${SHAPE:-llama3-8b}
+SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150}
 
@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
 
 # 1. our engine alone on every workload: the step records sim calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
-  --model-shape "$SHAPE" --skip-hf --json "$OUT/engine.json"
+  --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
 # 2. correctness on the GPU: every architecture, graphs on and off, the transports
 step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
 # 2b. the two cuda_ipc tests that found their receiver's cache (64 KiB) still allocated

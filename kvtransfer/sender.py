@@ -220,6 +220,7 @@ class SenderBase:
         for peer in list(self._peers):
             await self.disconnect(peer)
         self._close_memory()
+        self.kv = None  # nothing that still refers to this sender keeps the cache alive
 
     # ----- transport hooks ----------------------------------------------------------
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],

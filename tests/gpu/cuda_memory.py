@@ -2,7 +2,7 @@
 
 `record()` turns on torch's allocation history (a stack per allocation); `holders()`
 then lists every block still allocated with where it was allocated, and every live CUDA
-tensor with the types of what refers to it. A block with no live tensor over it is held
+tensor with the chains of referrers that keep it alive. A block with no live tensor over it is held
 by torch itself: a storage shared over CUDA IPC waits in torch's "limbo" until each
 consumer has let go of it (kvtransfer/cuda_ipc.py)."""
 
@@ -37,18 +37,46 @@ def _name(obj: Any) -> str:
     return type(obj).__name__
 
 
-def _referrers(obj: Any, skip: set[int], depth: int = 2) -> list[str]:
-    """What refers to `obj`, and (for dicts, lists, tuples and cells: an object's
-    attributes, a container) what refers to those, `depth` levels up."""
-    out = []
-    for r in gc.get_referrers(obj):
-        if id(r) in skip:
+def _label(holder: Any, obj: Any) -> str:
+    """`holder`'s type, and where in it `obj` sits (a dict's key, an object's attribute)."""
+    name = _name(holder)
+    if isinstance(holder, dict):
+        keys = [k for k, v in holder.items() if v is obj][:2]
+        name += f"[{', '.join(map(repr, keys))}]" if keys else ""
+    elif hasattr(holder, "__dict__") and not isinstance(holder, type):
+        attrs = [k for k, v in vars(holder).items() if v is obj][:2]
+        name += f".{'/'.join(attrs)}" if attrs else ""
+    return name
+
+
+def _chains(obj: Any, skip: set[int], depth: int = 7, width: int = 6) -> list[str]:
+    """Who keeps `obj` alive: paths of referrers up to a root (a module's dict,
+    a class, something not tracked by gc) or `depth` levels, at most `width` of them."""
+    out: list[str] = []
+    stack: list[tuple[Any, list[str], set[int]]] = [(obj, [], {id(obj)})]
+    mine = set(skip) | {id(stack), id(sys._getframe())}  # this search's own lists
+    while stack and len(out) < width:
+        item = stack.pop()
+        cur, path, seen = item
+        found = gc.get_referrers(cur)
+        mine |= {id(item), id(found)}
+        refs = [r for r in found if id(r) not in mine and id(r) not in seen]
+        mine.add(id(refs))
+        del found
+        if not refs or len(path) >= depth:
+            out.append(" <- ".join(path) or "(no referrer)")
             continue
-        name = _name(r)
-        if depth > 1 and isinstance(r, (dict, list, tuple, types.CellType)):
-            name += f" <- {_referrers(r, skip | {id(r)}, depth - 1)}"
-        out.append(name)
-    return sorted(set(out))[:8]
+        for r in refs[:width]:
+            label = _label(r, cur)
+            root = isinstance(r, (type, types.ModuleType)) or (
+                isinstance(r, dict) and "__name__" in r and "__builtins__" in r)
+            if root:
+                out.append(" <- ".join(path + [label]))
+            else:
+                pushed = (r, path + [label], seen | {id(r)})
+                mine.add(id(pushed))
+                stack.append(pushed)
+    return out[:width]
 
 
 def holders(limit: int = 12) -> str:
@@ -66,11 +94,12 @@ def holders(limit: int = 12) -> str:
     except Exception as e:
         out.append(f"no allocator snapshot: {e}")
     tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda]
-    skip = {id(tensors), id(sys._getframe())}
-    for t in tensors[:limit]:
+    shown = tensors[:limit]
+    skip = {id(tensors), id(shown), id(sys._getframe())}
+    for t in shown:
         out.append(f"tensor {tuple(t.shape)} {t.dtype} at {t.data_ptr():#x} "
-                   f"({t.untyped_storage().nbytes()} B storage), referred to by "
-                   f"{_referrers(t, skip)}")
+                   f"({t.untyped_storage().nbytes()} B storage), kept by:")
+        out.extend(f"  {chain}" for chain in _chains(t, skip))
     if not tensors:
         out.append("no live CUDA tensor: what is allocated is held by torch itself "
                    "(e.g. an IPC-shared storage in its limbo)")

@@ -6,12 +6,13 @@ import asyncio
 import gc
 import importlib.util
 import random
+import weakref
 from typing import Any
 
 import pytest
 import torch
 
-from kvtransfer import KVLayout
+from kvtransfer import KVLayout, make_sender
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     LAYOUT_F32,
@@ -148,6 +149,36 @@ def test_wrong_token_and_layout_are_refused(transport: str, no_leaks: None) -> N
             await receiver.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "shm"])
+def test_close_lets_go_of_the_cache(transport: str, no_leaks: None) -> None:
+    """What still refers to a closed receiver or sender (here the traceback of a failed
+    transfer and the objects themselves) does not keep the engine's KV tensor alive: on
+    the GPU such references held a closed receiver's cache (README, tests/gpu).
+    (shm's cache is the transport's own shared memory, freed by close.)"""
+    from kvtransfer import TransferCancelled
+
+    async def main() -> tuple[Any, Any, BaseException, list[weakref.ref[Any]]]:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_F32, 16)
+        sender = make_sender(config)
+        sender.register(make_kv(LAYOUT_F32, 8, seed=1), LAYOUT_F32)
+        caches = [weakref.ref(receiver.kv.tensor), weakref.ref(sender.kv.tensor)]
+        future = receiver.expect("x", [_r([0])], 1)
+        receiver.cancel("x", "aborted")
+        with pytest.raises(TransferCancelled) as failed:
+            await future
+        await receiver.close()
+        await sender.close()
+        return receiver, sender, failed.value, caches
+
+    receiver, sender, error, caches = asyncio.run(main())
+    assert error.__traceback__ is not None  # its frames refer to the receiver
+    gc.collect()
+    assert receiver.kv is None and sender.kv is None
+    assert [ref() for ref in caches] == [None, None], "a closed transport keeps its cache"
 
 
 def _r(item: list[int]) -> Any:
