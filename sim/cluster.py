@@ -16,8 +16,9 @@ Time: each worker steps when it has work; a step lasts what the latency model sa
 worker whose requests all decode runs the iterations up to the first that ends one of
 them as one scheduler step, each timed as its own (an exact decode window, sim/worker.py):
 the blocks its iterations take are evicted in the index at those iterations' starts,
-and anything that touches the worker first cuts the window at the iteration running
-then (`_sync`), which gives back the blocks later iterations took. Transfers take a worker's egress link (sim/worker.py). The
+with offload tiers the blocks they fill are saved at their ends, and anything that
+touches the worker first cuts the window at the iteration running then (`_sync`), which
+gives back the blocks later iterations took. Transfers take a worker's egress link (sim/worker.py). The
 gateway's part (routing, the registry's view, in-flight counts) is sim/gateway.py.
 """
 
@@ -45,6 +46,8 @@ from sim.profile import HardwareProfile
 from sim.request import SimRequest, Tokens, make_request
 from sim.worker import SimWorker, Step, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
+
+_INF = float("inf")
 
 
 @contextmanager
@@ -333,7 +336,7 @@ class Simulator:
         self.at(step.end, self._step_done, (w, step, w.version))
         if step.window is not None:
             self.gateway.windows.add(w)
-            self._evictions(w, step)
+            self._window_events(w, step)
 
     def _sync(self, w: SimWorker) -> None:
         """Before anything touches a busy worker's scheduler or pool: its step ends with
@@ -344,28 +347,52 @@ class Simulator:
                 w.version += 1
                 self.at(end, self._step_done, (w, w.current, w.version))
 
-    def _evictions(self, w: SimWorker, step: Step, j: int = -1) -> None:
-        """A decode window's evictions, each at the start of the iteration that takes
-        the block (the first iteration's went out with the window's start): the next
-        one due from `takes[j]` on (-1: the second iteration's), one event at a time, so
-        that a cut window leaves at most one behind."""
-        assert step.window is not None and step.ends is not None
-        takes, hashes = step.window.takes, step.window.hashes
-        j, n = bisect_right(takes, 1) if j < 0 else j, len(takes)
-        while j < n and takes[j] <= step.done:
+    def _window_events(self, w: SimWorker, step: Step) -> None:
+        """Schedules a decode window's next publication: the cached blocks an iteration
+        takes are evicted at its start (the first iteration's went out with the window's
+        start), and with tiers the blocks an iteration fills are saved at its end (the
+        last iteration's with the step's end). One event at a time, so that a cut window
+        leaves at most one behind."""
+        win = step.window
+        assert win is not None and step.ends is not None
+        takes, hashes, done = win.takes, win.hashes, step.done
+        j, n = win.evicted, len(takes)
+        while j < n and takes[j] <= done:  # skip iterations that take no cached block
             e = bisect_right(takes, takes[j], j)
             if any(h is not None for h in hashes[j:e]):
-                self.at(step.window.starts[j], self._evict, (w, step, j, e))
-                return
+                break
             j = e
+        win.evicted = j
+        t = win.starts[j] if j < n and takes[j] <= done else _INF
+        s = win.saved
+        if s < len(win.save_iters) and win.save_iters[s] < done:
+            t = min(t, step.ends[win.save_iters[s] - 1])
+        if t < _INF:
+            self.at(t, self._window_due, (w, step))
 
-    def _evict(self, arg: tuple[SimWorker, Step, int, int]) -> None:
-        w, step, j, e = arg
-        assert step.window is not None
-        if w.current is step and step.window.takes[j] <= step.done:  # not cut before it
-            self.index.apply_device(w.worker_id, (), [h for h in step.window.hashes[j:e]
-                                                      if h is not None])
-            self._evictions(w, step, e)
+    def _window_due(self, arg: tuple[SimWorker, Step]) -> None:
+        w, step = arg
+        win = step.window
+        if w.current is not step or win is None or step.ends is None:
+            return  # a later step's
+        now, done = self.now, step.done
+        # as the one-iteration steps do at an iteration's end: its step saves what it
+        # filled, then the next takes its blocks
+        iters, s = win.save_iters, win.saved
+        while s < len(iters) and iters[s] < done and step.ends[iters[s] - 1] <= now:
+            s += 1
+        if s > win.saved:
+            w.save_window(win, iters[s - 1])
+        takes, j, n = win.takes, win.evicted, len(win.takes)
+        gone: list[Any] = []
+        while j < n and takes[j] <= done and win.starts[j] <= now:
+            e = bisect_right(takes, takes[j], j)
+            gone += [h for h in win.hashes[j:e] if h is not None]
+            j = e
+        win.evicted = j
+        if gone:
+            self.index.apply_device(w.worker_id, (), gone)
+        self._window_events(w, step)
 
     def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:
         w, step, version = arg

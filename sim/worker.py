@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 from typing import Any, cast
 
@@ -70,7 +70,12 @@ class Window:
     take them: `blocks[j]` (which held `hashes[j]`, evicted then) goes to `owners[j]` at
     the start of iteration `takes[j]` (sorted), at the time `starts[j]` (the end of the
     iteration before it; -inf for the first iteration's); `kept` of them stand (fewer
-    once cut)."""
+    once cut); the evictions of the first `evicted` are published.
+
+    With offload tiers, the blocks its iterations fill: `save_blocks[j]` (holding
+    `save_hashes[j]`) is full at the end of iteration `save_iters[j]` (sorted; within
+    one, in the scheduler's row order), when the one-iteration steps would cache it and
+    save it to the tiers; the first `saved` of them are saved."""
 
     takes: list[int]
     starts: list[float]
@@ -78,6 +83,11 @@ class Window:
     hashes: list[Any]
     owners: list[str]
     kept: int
+    evicted: int = 0
+    save_iters: list[int] = field(default_factory=list)
+    save_blocks: list[KVBlock] = field(default_factory=list)
+    save_hashes: list[Any] = field(default_factory=list)
+    saved: int = 0
 
     def evictions(self, first: int, last: int) -> list[Any]:
         """The cached hashes the window's iterations first..last evict."""
@@ -173,9 +183,10 @@ class SimWorker:
         then (`cut`), as it would wait for that iteration's end; until then nothing
         another worker or the gateway reads differs from the one-iteration steps (the
         evictions are published at their iterations' starts, sim/cluster.py; load
-        reports count blocks as of now, `free_blocks_at`)."""
+        reports count blocks as of now, `free_blocks_at`). With offload tiers, the blocks
+        the iterations fill are saved at those iterations' ends (`save_window`)."""
         s = self.scheduler
-        if not self.windows or self.stride > 1 or self.offload is not None or not s.running \
+        if not self.windows or self.stride > 1 or not s.running \
                 or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV for r in s.waiting):
             return 1, []
         bs = self.profile.block_size
@@ -232,7 +243,8 @@ class SimWorker:
                 raise RuntimeError("decode window: the scheduler took other blocks")
             table[h:] = m
         # the evictions: published per iteration instead (Window.evictions)
-        if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()):
+        if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()) or (
+                self.offload is not None and self.offload.loads):
             raise RuntimeError("decode window: the scheduler did more than take blocks")
         dts = self.latency.decode_iterations(computed, k)
         if self.profile.token_overhead_s:
@@ -245,10 +257,50 @@ class SimWorker:
         # iteration i > 1 starts at the end of i - 1
         window = Window([i for i, _ in takes],
                         [ends[i - 2] if i > 1 else -_INF for i, _ in takes], taken, hashes,
-                        [rows[row].request_id for _, row in takes], len(takes))
+                        [rows[row].request_id for _, row in takes], len(takes),
+                        bisect_right(takes, (1, len(rows))))
         if takes and takes[0][0] == 1:
             self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
+        if self.offload is not None:
+            self._plan_saves(window, out, k)
         return Step(out, start, t - start, t, k, ends, dts, k, window)
+
+    def _plan_saves(self, w: Window, out: SchedulerOutput, k: int) -> None:
+        """The blocks the window's iterations fill (Window): a row that has computed c
+        tokens fills a block at the end of iteration i when c + i is a multiple of the
+        block size."""
+        bs = self.profile.block_size
+        fills = []
+        for row, x in enumerate(out.scheduled):
+            r = x.request
+            c = r.num_computed_tokens
+            table = self.kv.req_blocks[r.request_id]
+            for i in range(bs - c % bs, k + 1, bs):
+                n = (c + i) // bs - 1
+                fills.append((i, row, table[n], r.block_hashes[n]))
+        fills.sort(key=lambda f: (f[0], f[1]))
+        w.save_iters = [f[0] for f in fills]
+        w.save_blocks = [f[2] for f in fills]
+        w.save_hashes = [f[3] for f in fills]
+
+    def save_window(self, w: Window, last: int) -> None:
+        """Saves to the tiers what the window's iterations up to `last` filled (those
+        not saved yet), one batch per iteration, as each one-iteration step's end does
+        (OffloadConnector.save_new of what update_from_output cached)."""
+        iters, lo = w.save_iters, w.saved
+        hi = bisect_right(iters, last, lo)
+        while lo < hi:
+            e = bisect_right(iters, iters[lo], lo, hi)
+            self._save(w.save_blocks[lo:e], w.save_hashes[lo:e])
+            lo = e
+        w.saved = hi
+
+    def _save(self, blocks: Sequence[KVBlock], hashes: Sequence[Any]) -> None:
+        """OffloadConnector.save_new's hand-off of newly cached blocks to the tiers."""
+        assert self.offload is not None
+        if self.offload.offload.save(hashes, [b.block_id for b in blocks], NO_KV):
+            # SimTiers' saves complete at once (sim/tiers.py): nothing to hold
+            raise RuntimeError("decode window: a tier holds device blocks to copy")
 
     def start_step(self) -> Step | None:
         """Schedules one step (or an exact decode window); None when idle."""
@@ -379,9 +431,31 @@ class SimWorker:
                 else:
                     fair.charge_output(r, extra)
         if self.offload is not None:
+            if step.window is not None:
+                self._save_window_end(step.window, step.done)
             self.offload.save_new(self.kv.pool, NO_KV)
             self.offload.reap(self.kv.pool)
         return got
+
+    def _save_window_end(self, w: Window, done: int) -> None:
+        """The save at a window's last iteration's end. update_from_output cached every
+        iteration's fills now; those of the earlier iterations went to the tiers at their
+        ends (sim/cluster.py). The one-iteration step's batch is the rest, in the pool's
+        order: what was cached while that iteration ran (a remote prefill's landed
+        blocks, which cut the window), then the iteration's own fills."""
+        earlier = bisect_left(w.save_iters, done)
+        if w.saved != earlier:
+            raise RuntimeError("decode window: an iteration's save was missed")
+        new = self.kv.pool.take_new_cached()
+        saved = set(w.save_hashes[:earlier])
+        rest = [b for b in new if b.block_hash not in saved]
+        last = w.save_hashes[earlier:bisect_right(w.save_iters, done)]
+        tail = [b.block_hash for b in rest[len(rest) - len(last):]]
+        if len(new) - len(rest) != earlier or tail != last:
+            raise RuntimeError("decode window: it cached other blocks than planned")
+        if rest:
+            self._save(rest, [b.block_hash for b in rest])
+        w.saved += len(last)
 
     def validate(self, prompt_len: int, max_tokens: int) -> str | None:
         """LLMEngine.validate's length checks: why this engine would answer 400, or None."""

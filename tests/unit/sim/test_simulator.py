@@ -201,7 +201,9 @@ def test_same_seed_same_output_across_processes(tmp_path: Path) -> None:
 def full_key(sim, results):
     """Everything a run reports: per request, per worker, transfers, the index."""
     workers = [(w.worker_id, w.steps, w.tokens_computed, w.requests_done, w.busy_s,
-                w.kv.prefix_hits, w.kv.pool.num_free_blocks) for w in sim.workers.values()]
+                w.kv.prefix_hits, w.kv.pool.num_free_blocks,
+                [(name, list(slots)) for name, slots in w.tiers.tiers] if w.tiers else None)
+               for w in sim.workers.values()]  # a tier's hashes in LRU order
     st = sim.stats
     return (key(results), [r.error for r in results], workers,
             sorted(st.transfer_bytes.items()), st.remote_prefills, st.peer_fetches,
@@ -209,15 +211,22 @@ def full_key(sim, results):
             sorted(sim.gateway.locality._accuracy.items()))
 
 
-@pytest.mark.parametrize("name", ["colocated", "disaggregated", "preempting"])
+@pytest.mark.parametrize("name", ["colocated", "disaggregated", "preempting", "tiers",
+                                  "disaggregated-tiers"])
 def test_decode_windows_are_exact(tmp_path: Path, name: str) -> None:
     """A decode window (several decode iterations as one scheduler step) changes
     nothing: the same requests, token times, ITL gaps, worker figures and index as one
     scheduler step per iteration, here too when pools run dry and requests are
-    preempted, and when new work cuts windows short."""
+    preempted, when new work cuts windows short, and with offload tiers (the blocks the
+    iterations fill saved at their ends: the same tier contents in the same LRU order,
+    also where a remote prefill's blocks land mid-window)."""
     if name == "preempting":
         specs = list(synthetic(60, 50.0, LengthDist(mean=100), LengthDist(mean=60), seed=3))
         cfg = ClusterConfig(colocated=2, num_blocks=40)
+    elif name == "disaggregated-tiers":
+        specs = trace_specs(tmp_path, repeat=6, scale=0.1)
+        cfg = replace(CONFIGS["disaggregated"], num_blocks=400, host_blocks=60,
+                      disk_blocks=300)
     else:
         specs, cfg = trace_specs(tmp_path, repeat=6, scale=0.1), CONFIGS[name]
     sim, res = run(cfg, specs)
