@@ -122,7 +122,7 @@ class Simulator:
         with _long_lived_heap():
             self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
                                                    config.max_model_len, self.clock,
-                                                   config.decode_stride, config.decode_windows)
+                                                   config.decode_windows)
                             for s in specs}
         routing = config.routing
         self.gateway = SimGateway(
@@ -443,7 +443,7 @@ class Simulator:
             assert flight.decision is not None
             self.gateway.observe(flight.decision, flight.route, flight.req.num_cached_tokens or 0)
         elif flight.itl is not None:
-            n = flight.req.num_output_tokens - flight.delivered  # > 1 with a decode stride
+            n = flight.req.num_output_tokens - flight.delivered  # > 1 after a window
             if ends is not None and len(ends) == n:
                 last = flight.last
                 for e in ends:
@@ -458,12 +458,6 @@ class Simulator:
             w.scheduler.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
             w.requests_done += 1
             self._complete(w, flight)
-        elif self.config.decode_stride > 1:
-            # | sampled now | handed out ahead (computed next step) | the last: sampled |
-            extra = min(self.config.decode_stride - 1,
-                        flight.spec.output_len - req.num_output_tokens - 1)
-            for _ in range(extra):
-                req.append_token(0)
 
     def _complete(self, w: SimWorker, flight: Flight) -> None:
         del self._flights[flight.req.request_id]

@@ -1,6 +1,6 @@
 """What a simulated cluster is made of (`splitserve sim run`'s options): the worker
 pools, their KV capacity and tiers, the gateway's routing and limits, and the exactness
-switches (decode stride, decode windows)."""
+switch (decode windows)."""
 
 from __future__ import annotations
 
@@ -26,18 +26,13 @@ class ClusterConfig:
     salt: int = 0  # bench's per-phase cache_salt: a fresh chain of block hashes
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
     seed: int = 0  # the pickers' randomness when the routing profile sets none
-    # > 1: an approximation for speed. A decoding request is handed this many tokens at
-    # once, so one engine step stands for up to that many decode iterations; new work
-    # cuts such a step at the running iteration, a step that prefills is one iteration.
-    # 1: exact. It turns decode windows (below) off, and they are faster where they
-    # apply: a stride of 4 ran 512 workers at half the requests per second of the exact
-    # mode (2026-11-26); it pays where windows do not apply (host/disk tiers: 64 tiered
-    # workers 150 -> 278 req/s).
-    decode_stride: int = 1
     # Exact either way: a worker whose requests all decode runs the iterations until
     # one of them ends as one scheduler step (sim/worker.py decode_window), cut short
     # by new work. False: one scheduler step per iteration
-    # (the reference the tests hold the windows against).
+    # (the reference the tests hold the windows against). (An approximate "decode
+    # stride", k decode tokens per step, was removed on 2026-11-26: once windows also
+    # ran with offload tiers it was slower everywhere measured, e.g. 64 tiered workers
+    # 332 req/s at stride 4 vs 537 exact, 512 workers 404 vs 827 without tiers.)
     decode_windows: bool = True
 
     def __post_init__(self) -> None:
@@ -47,9 +42,9 @@ class ClusterConfig:
             raise ValueError("need at least one decode or colocated worker")
         if min(self.prefill, self.decode, self.colocated, self.num_blocks, self.host_blocks,
                self.disk_blocks) < 0 or self.itl_every < 1 or self.report_interval_s < 0 \
-                or self.decode_stride < 1 or self.max_in_flight < -1:
-            raise ValueError("counts must be >= 0, itl_every and decode_stride >= 1, report "
-                             "interval >= 0, max_in_flight >= -1")
+                or self.max_in_flight < -1:
+            raise ValueError("counts must be >= 0, itl_every >= 1, report interval >= 0, "
+                             "max_in_flight >= -1")
 
     @property
     def in_flight_limit(self) -> int:

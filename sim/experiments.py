@@ -52,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", type=int, default=10,
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
-    p.add_argument("--decode-stride", type=int, default=1, help="see sim run")
     p.add_argument("--block-size", type=int, default=0,
                    help="the profile's KV memory in blocks of this many tokens (coarser: "
                         "faster; under memory pressure the answers differ: docs/results.md)")
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 "workers": args.workers, "requests_per_phase": args.requests,
                 "trace_sample": f"every {args.sample}th conversation",
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
-                "block_size": prof.block_size, "decode_stride": args.decode_stride,
+                "block_size": prof.block_size,
                 "max_in_flight": args.max_in_flight or "the gateway's default (32 per "
                                  "decode/colocated worker, at least 256)",
                 "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
@@ -145,7 +144,7 @@ def _run(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
     name = f"{job.config} @ {job.rate:g}/GPU"
     print(f"  {name}...", flush=True)
     return simulate(replace(job.cfg, seed=args.seed, itl_every=10,
-                            max_in_flight=args.max_in_flight, decode_stride=args.decode_stride),
+                            max_in_flight=args.max_in_flight),
                     prof, _trace(args, job.rate), name, slo,
                     {"rate": job.rate * args.workers, **job.params}, job.config)
 

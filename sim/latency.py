@@ -38,16 +38,15 @@ class LatencyModel:
         return self._kv_token * self.profile.block_size
 
     def seconds(self, tokens: int, sampled: int, pairs: int, kv_read: int,
-                seqs: int, iterations: int = 1) -> float:
+                seqs: int) -> float:
         """One step computing `tokens` (of which `sampled` rows go through the lm_head),
-        `pairs` causal (query, key) pairs, reading `kv_read` cached tokens; a step of
-        `iterations` decode iterations (the decode stride) reads the weights and pays
-        the fixed costs that many times."""
+        `pairs` causal (query, key) pairs, reading the weights once and `kv_read` cached
+        tokens."""
         c = (tokens * self._flop_token + sampled * self._flop_sampled
              + pairs * self._flop_pair) * self._s_per_flop
-        m = (self._weights * iterations + kv_read * self._kv_token) * self._s_per_byte
+        m = (self._weights + kv_read * self._kv_token) * self._s_per_byte
         p = self.profile
-        return (p.step_overhead_s + p.seq_overhead_s * seqs) * iterations + (
+        return p.step_overhead_s + p.seq_overhead_s * seqs + (
             (c if c > m else m) if self._max else c + m)
 
     def decode_iterations(self, computed: Sequence[int], k: int) -> list[float]:
@@ -62,16 +61,14 @@ class LatencyModel:
         flops = rows * self._flop_token + rows * self._flop_sampled
         pairs = base + rows * np.arange(1, k + 1, dtype=np.int64)
         c = (flops + pairs * self._flop_pair) * self._s_per_flop
-        m = (self._weights * 1 + pairs * self._kv_token) * self._s_per_byte
-        return cast(list[float], (fixed * 1 + (np.maximum(c, m) if self._max else c + m))
+        m = (self._weights + pairs * self._kv_token) * self._s_per_byte
+        return cast(list[float], (fixed + (np.maximum(c, m) if self._max else c + m))
                     .tolist())
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
-        """The step's time, read off the scheduler's output before it is applied. A row
-        past its prompt with k > 1 new tokens is k decode iterations (decode stride):
-        it reads its KV k times, once per token."""
+        """The step's time, read off the scheduler's output before it is applied: each
+        row's chunk of new tokens in one pass, reading its KV once."""
         tokens = sampled = pairs = kv = 0
-        iterations = 1
         for s in scheduled:
             r = s.request
             n = s.num_new_tokens
@@ -80,12 +77,6 @@ class LatencyModel:
             tokens += n
             if b >= len(r.all_token_ids):
                 sampled += 1
-            pr = (b * (b + 1) - a * (a + 1)) >> 1
-            pairs += pr
-            if n > 1 and a >= len(r.prompt_token_ids):
-                kv += pr
-                if n > iterations:
-                    iterations = n
-            else:
-                kv += b
-        return self.seconds(tokens, sampled, pairs, kv, len(scheduled), iterations)
+            pairs += (b * (b + 1) - a * (a + 1)) >> 1
+            kv += b
+        return self.seconds(tokens, sampled, pairs, kv, len(scheduled))

@@ -46,10 +46,6 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                         "worker and at least 256; -1: none)")
     p.add_argument("--block-size", type=int, default=0,
                    help="override the profile's (its pool keeps as many tokens)")
-    p.add_argument("--decode-stride", type=int, default=1,
-                   help="> 1: up to this many decode iterations per simulated step "
-                        "(approximate; faster only with host/disk tiers, where the exact "
-                        "decode windows do not apply: sim/config.py)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -100,7 +96,7 @@ def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
         prefill=args.prefill, decode=args.decode, colocated=colocated,
         num_blocks=args.num_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
         routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight,
-        decode_stride=args.decode_stride, seed=args.seed,
+        seed=args.seed,
         itl_every=max(1, args.requests // 20000))  # bounded memory on long runs
     kw.update(over)
     return ClusterConfig(**kw)

@@ -52,9 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=0,
                    help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--routing", default="cache_aware")
-    p.add_argument("--decode-stride", type=int, default=1,
-                   help="> 1: the approximate mode (up to this many decode iterations a "
-                        "step; slower than the exact decode windows without tiers)")
     p.add_argument("--trace", default=MOONCAKE_TRACE)
     p.add_argument("--profile", action="store_true", help="cProfile the run")
     p.add_argument("--breakdown", action="store_true",
@@ -99,8 +96,7 @@ def run(args: argparse.Namespace) -> int:
     n_p = round(args.workers * args.prefill_share)
     cfg = ClusterConfig(prefill=n_p, decode=args.workers - n_p if n_p else 0,
                         colocated=0 if n_p else args.workers,
-                        routing=routing_profile(args.routing, 0), itl_every=100,
-                        decode_stride=args.decode_stride)
+                        routing=routing_profile(args.routing, 0), itl_every=100)
     scale = trace_rate(args.trace) / (args.rate_per_worker * args.workers)
     trace = mooncake(args.trace, limit=args.requests + args.route_sample, time_scale=scale,
                      repeat=0)
@@ -142,13 +138,12 @@ def run(args: argparse.Namespace) -> int:
     ok = sum(r.ok for r in results)
     out = {"requests": len(results), "completed": ok, "workers": args.workers,
            "prefill_workers": n_p, "block_size": prof.block_size, "hardware": prof.name,
-           "decode_stride": args.decode_stride,
            "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
            "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
            "rate_by_tenth": tenths, "projected_1M_s": round(projected, 1),
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
-          f"(block size {prof.block_size}, decode stride {args.decode_stride}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
+          f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
           f"{out['events_per_s']} events/s")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "

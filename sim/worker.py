@@ -33,23 +33,11 @@ _INF = float("inf")
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
 
 
-def _iterations(out: SchedulerOutput) -> int:
-    """Decode iterations a step stands for: its longest decoding row (decode stride)."""
-    n = 1
-    for s in out.scheduled:
-        if s.num_new_tokens > n and s.request.num_computed_tokens >= \
-                s.request.num_prompt_tokens:
-            n = s.num_new_tokens
-    return n
-
-
 @dataclass(slots=True)
 class Step:
     """A step in progress: what the scheduler scheduled, from `start` to `end`.
 
-    A stride step (sim/cluster.py, decode_stride > 1) stands for `iterations` decode
-    iterations of equal length. A decode window (`ends` set) stands for several decode
-    iterations exactly: `ends[i]` is when iteration i + 1 ends, as the one-iteration
+    A decode window (`ends` set) stands for several decode iterations exactly: `ends[i]` is when iteration i + 1 ends, as the one-iteration
     steps would have timed it, and `done` of them stand (fewer once new work cut it).
     `window` holds the blocks the window's iterations take (Window)."""
 
@@ -57,7 +45,6 @@ class Step:
     start: float
     dt: float
     end: float
-    iterations: int = 1
     ends: list[float] | None = None
     dts: list[float] | None = None
     done: int = 1
@@ -107,7 +94,7 @@ class WorkerSpec:
 class SimWorker:
     def __init__(self, spec: WorkerSpec, profile: HardwareProfile, latency: LatencyModel,
                  index: InProcessBlockIndex, max_model_len: int,
-                 clock: Callable[[], float], stride: int = 1, windows: bool = True) -> None:
+                 clock: Callable[[], float], windows: bool = True) -> None:
         self.spec = spec
         self.worker_id = spec.worker_id
         self.role = spec.role
@@ -129,7 +116,6 @@ class SimWorker:
             max_num_seqs=profile.max_num_seqs,
             max_num_batched_tokens=profile.max_num_batched_tokens), self.kv, offload,
             clock=clock)
-        self.stride = stride  # the cluster's decode stride (sim/cluster.py)
         self.windows = windows  # exact decode windows (decode_window)
         self.clock = clock
         self.busy = False
@@ -186,7 +172,7 @@ class SimWorker:
         reports count blocks as of now, `free_blocks_at`). With offload tiers, the blocks
         the iterations fill are saved at those iterations' ends (`save_window`)."""
         s = self.scheduler
-        if not self.windows or self.stride > 1 or not s.running \
+        if not self.windows or not s.running \
                 or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV for r in s.waiting):
             return 1, []
         bs = self.profile.block_size
@@ -263,7 +249,7 @@ class SimWorker:
             self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
         if self.offload is not None:
             self._plan_saves(window, out, k)
-        return Step(out, start, t - start, t, k, ends, dts, k, window)
+        return Step(out, start, t - start, t, ends, dts, k, window)
 
     def _plan_saves(self, w: Window, out: SchedulerOutput, k: int) -> None:
         """The blocks the window's iterations fill (Window): a row that has computed c
@@ -312,15 +298,6 @@ class SimWorker:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return None
-        if self.stride > 1 and any(s.num_new_tokens > 1 for s in out.scheduled) and any(
-                s.request.num_computed_tokens < s.request.num_prompt_tokens
-                for s in out.scheduled):
-            # Decode stride: a step that prefills is one iteration (its decoding rows
-            # take one of their tokens), so a new prompt's first token is not held
-            # back by a stride of decode iterations.
-            for s in out.scheduled:
-                if s.request.num_computed_tokens >= s.request.num_prompt_tokens:
-                    s.num_new_tokens = 1
         dt = self.latency.step(out.scheduled) + self.restore_seconds()
         if self.profile.token_overhead_s:
             dt += self.profile.token_overhead_s * sum(
@@ -330,7 +307,7 @@ class SimWorker:
         self.busy_s += dt
         self.tokens_computed += out.num_tokens
         now = self.clock()
-        return Step(out, now, dt, now + dt, _iterations(out))
+        return Step(out, now, dt, now + dt)
 
     def cut(self, now: float) -> float | None:
         """New work at `now` for this busy worker: the step in progress ends with the
@@ -338,30 +315,17 @@ class SimWorker:
         Returns the step's new end, or None when it ends then anyway."""
         step = self.current
         assert step is not None
-        if step.ends is not None:  # a decode window: exactly as the steps it stands for
-            done = min(bisect_left(step.ends, now) + 1, step.done)
-            if done >= step.done:
-                return None
-            step.done = done
-            step.end = step.ends[done - 1]
-            if step.window is not None:
-                self._untake(step.window, done)
-            return step.end
-        # A decode stride step: its decoding rows keep only the tokens computed by then.
-        iters = step.iterations
-        if iters <= 1:
+        if step.ends is None:  # one iteration: it ends when it ends
             return None
-        per = step.dt / iters
-        done = min(iters, int((now - step.start) / per) + 1)
-        if done >= iters:
+        # a decode window: exactly as the one-iteration steps it stands for
+        done = min(bisect_left(step.ends, now) + 1, step.done)
+        if done >= step.done:
             return None
-        for s in step.out.scheduled:
-            if s.num_new_tokens > done and s.request.num_computed_tokens >= \
-                    s.request.num_prompt_tokens:
-                s.num_new_tokens = done
-        self.busy_s -= (iters - done) * per
-        self.current = Step(step.out, step.start, done * per, step.start + done * per, done)
-        return self.current.end
+        step.done = done
+        step.end = step.ends[done - 1]
+        if step.window is not None:
+            self._untake(step.window, done)
+        return step.end
 
     def _untake(self, w: Window, done: int) -> None:
         """Gives back the blocks of the window's iterations past `done`: nothing wrote
