@@ -37,9 +37,10 @@ NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no b
 class Step:
     """A step in progress: what the scheduler scheduled, from `start` to `end`.
 
-    A decode window (`ends` set) stands for several decode iterations exactly: `ends[i]` is when iteration i + 1 ends, as the one-iteration
-    steps would have timed it, and `done` of them stand (fewer once new work cut it).
-    `window` holds the blocks the window's iterations take (Window)."""
+    A decode window (`ends` set) stands for several decode iterations exactly:
+    `ends[i]` is when iteration i + 1 ends, as the one-iteration steps would have timed
+    it, and `done` of them stand (fewer once new work cut it). `window` holds the blocks
+    the window's iterations take and fill (Window)."""
 
     out: SchedulerOutput
     start: float
