@@ -99,6 +99,7 @@ class SimStats:
     stalled: int = 0
     invalid: int = 0  # refused by the worker (too long for its context or KV pool)
     events: int = 0
+    windows: int = 0  # decode windows run (several decode iterations as one step)
 
     def add_bytes(self, kind: str, n: int) -> None:
         self.transfer_bytes[kind] = self.transfer_bytes.get(kind, 0) + n
@@ -335,6 +336,7 @@ class Simulator:
         w.version += 1
         self.at(step.end, self._step_done, (w, step, w.version))
         if step.window is not None:
+            self.stats.windows += 1
             self.gateway.windows.add(w)
             self._window_events(w, step)
 

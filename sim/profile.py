@@ -1,7 +1,6 @@
 """Hardware profiles: what one simulated worker's device can do, as fitted by
-`splitserve sim calibrate`: cpu.json from this machine's CPU engine, h200.json from
-`bench engine --device cuda` on an H200, h100.json from the same fit with an H100's
-measured peaks.
+`splitserve sim calibrate`: cpu.json from this machine's CPU engine, h200.json and
+h100.json from `bench engine --device cuda` on an H200 and on an H100.
 
 A profile is a checked-in JSON file, never hand-typed constants in code: the roofline's
 peaks, the efficiency factors and fixed costs fitted from measured engine steps, the
