@@ -1,7 +1,7 @@
 """`splitserve sim experiment NAME`: the questions a 2-core machine cannot answer by
 running the cluster, answered on simulated H100s (sim/profiles/h100.json: the roofline
-fitted from `bench engine --device cuda` on an H200, at an H100's measured peaks; links
-assumed) serving llama3-8b, the Mooncake conversation trace as load.
+fitted from `bench engine --device cuda` on an H100; links assumed) serving llama3-8b,
+the Mooncake conversation trace as load.
 
 - `routing`: round-robin vs least-loaded vs cache-aware (bench/profiles) as the load
   rises to saturation: TTFT, goodput under the SLO, prefix hit rate.
