@@ -26,8 +26,9 @@ from typing import Any
 
 CATEGORIES = ("engine", "gateway", "index", "simulator")
 
-# The entry points per object: what sim/cluster.py, sim/worker.py and sim/gateway.py
-# call on the production objects (and on the index, the stand-in for Redis).
+# The entry points per object: what sim/cluster.py, sim/worker.py, sim/window.py and
+# sim/gateway.py call on the production objects (and on the index, the stand-in for
+# Redis).
 _SCHEDULER = ("add_request", "schedule", "update_from_output", "finish", "allocate_remote",
               "remote_kv_ready", "release")
 _POOL = ("peek_free", "unget", "take_events")  # the rest runs inside the scheduler

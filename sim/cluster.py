@@ -14,11 +14,12 @@ decode/remote.py, prefill/service.py):
 
 Time: each worker steps when it has work; a step lasts what the latency model says. A
 worker whose requests all decode runs the iterations up to the first that ends one of
-them as one scheduler step, each timed as its own (an exact decode window, sim/worker.py):
+them as one scheduler step, each timed as its own (an exact decode window, sim/window.py):
 the blocks its iterations take are evicted in the index at those iterations' starts,
 with offload tiers the blocks they fill are saved at their ends, and anything that
 touches the worker first cuts the window at the iteration running then (`_sync`), which
-gives back the blocks later iterations took. Transfers take a worker's egress link (sim/worker.py). The
+gives back the blocks later iterations took. Transfers take a worker's egress link
+(sim/worker.py). The
 gateway's part (routing, the registry's view, in-flight counts) is sim/gateway.py.
 """
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import gc
 import heapq
 import itertools
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -44,7 +44,8 @@ from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest, Tokens, make_request
-from sim.worker import SimWorker, Step, WorkerSpec
+from sim.window import Step
+from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
 
 _INF = float("inf")
@@ -350,50 +351,16 @@ class Simulator:
                 self.at(end, self._step_done, (w, w.current, w.version))
 
     def _window_events(self, w: SimWorker, step: Step) -> None:
-        """Schedules a decode window's next publication: the cached blocks an iteration
-        takes are evicted at its start (the first iteration's went out with the window's
-        start), and with tiers the blocks an iteration fills are saved at its end (the
-        last iteration's with the step's end). One event at a time, so that a cut window
-        leaves at most one behind."""
-        win = step.window
-        assert win is not None and step.ends is not None
-        takes, hashes, done = win.takes, win.hashes, step.done
-        j, n = win.evicted, len(takes)
-        while j < n and takes[j] <= done:  # skip iterations that take no cached block
-            e = bisect_right(takes, takes[j], j)
-            if any(h is not None for h in hashes[j:e]):
-                break
-            j = e
-        win.evicted = j
-        t = win.starts[j] if j < n and takes[j] <= done else _INF
-        s = win.saved
-        if s < len(win.save_iters) and win.save_iters[s] < done:
-            t = min(t, step.ends[win.save_iters[s] - 1])
+        """Schedules a decode window's next publication (sim/window.py)."""
+        t = w.next_window_event(step)
         if t < _INF:
             self.at(t, self._window_due, (w, step))
 
     def _window_due(self, arg: tuple[SimWorker, Step]) -> None:
         w, step = arg
-        win = step.window
-        if w.current is not step or win is None or step.ends is None:
+        if w.current is not step or step.window is None or step.ends is None:
             return  # a later step's
-        now, done = self.now, step.done
-        # as the one-iteration steps do at an iteration's end: its step saves what it
-        # filled, then the next takes its blocks
-        iters, s = win.save_iters, win.saved
-        while s < len(iters) and iters[s] < done and step.ends[iters[s] - 1] <= now:
-            s += 1
-        if s > win.saved:
-            w.save_window(win, iters[s - 1])
-        takes, j, n = win.takes, win.evicted, len(win.takes)
-        gone: list[Any] = []
-        while j < n and takes[j] <= done and win.starts[j] <= now:
-            e = bisect_right(takes, takes[j], j)
-            gone += [h for h in win.hashes[j:e] if h is not None]
-            j = e
-        win.evicted = j
-        if gone:
-            self.index.apply_device(w.worker_id, (), gone)
+        w.window_due(step, self.now)
         self._window_events(w, step)
 
     def _step_done(self, arg: tuple[SimWorker, Step, int]) -> None:

@@ -27,7 +27,7 @@ class ClusterConfig:
     itl_every: int = 1  # keep ITL gaps of every n-th request (memory on long runs)
     seed: int = 0  # the pickers' randomness when the routing profile sets none
     # Exact either way: a worker whose requests all decode runs the iterations until
-    # one of them ends as one scheduler step (sim/worker.py decode_window), cut short
+    # one of them ends as one scheduler step (sim/window.py decode_window), cut short
     # by new work. False: one scheduler step per iteration
     # (the reference the tests hold the windows against). (An approximate "decode
     # stride", k decode tokens per step, was removed on 2026-11-26: once windows also

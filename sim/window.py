@@ -1,0 +1,341 @@
+"""A step in progress, and the exact decode windows: one scheduler step that stands for
+several decode iterations of a worker whose requests all decode, exactly as the
+one-iteration steps it replaces (the same blocks taken in the same order, evictions
+published and tier saves made at their iterations' starts and ends on the simulated
+clock, load reports as of now). New work, or anything that touches the worker's pool,
+cuts a window at the iteration running then, which gives the later iterations' blocks
+back. SimWorker (sim/worker.py) runs the steps; the simulator (sim/cluster.py) schedules
+a window's publications one event at a time (`next_window_event`, `window_due`).
+
+A window is an optimization only: `ClusterConfig.decode_windows=False` steps one
+iteration at a time, and tests/unit/sim/test_simulator.py holds the two to the same
+results, worker figures, index and tier contents.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any, cast
+
+from engine.block_pool import BlockRemoved, KVBlock
+from engine.kv_cache_manager import KVCacheManager
+from engine.offload import OffloadConnector
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+from sim.index import InProcessBlockIndex
+from sim.latency import LatencyModel
+from sim.profile import HardwareProfile
+from sim.request import SimRequest
+
+INF = float("inf")
+NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
+
+
+@dataclass(slots=True)
+class Step:
+    """A step in progress: what the scheduler scheduled, from `start` to `end`.
+
+    A decode window (`ends` set) stands for several decode iterations exactly:
+    `ends[i]` is when iteration i + 1 ends, as the one-iteration steps would have timed
+    it, and `done` of them stand (fewer once new work cut it). `window` holds the blocks
+    the window's iterations take and fill (Window)."""
+
+    out: SchedulerOutput
+    start: float
+    dt: float
+    end: float
+    ends: list[float] | None = None
+    dts: list[float] | None = None
+    done: int = 1
+    window: Window | None = None
+
+
+@dataclass(slots=True)
+class Window:
+    """The blocks a decode window takes, in the order the one-iteration steps would
+    take them: `blocks[j]` (which held `hashes[j]`, evicted then) goes to `owners[j]` at
+    the start of iteration `takes[j]` (sorted), at the time `starts[j]` (the end of the
+    iteration before it; -inf for the first iteration's); `kept` of them stand (fewer
+    once cut); the evictions of the first `evicted` are published.
+
+    With offload tiers, the blocks its iterations fill: `save_blocks[j]` (holding
+    `save_hashes[j]`) is full at the end of iteration `save_iters[j]` (sorted; within
+    one, in the scheduler's row order), when the one-iteration steps would cache it and
+    save it to the tiers; the first `saved` of them are saved."""
+
+    takes: list[int]
+    starts: list[float]
+    blocks: list[KVBlock]
+    hashes: list[Any]
+    owners: list[str]
+    kept: int
+    evicted: int = 0
+    save_iters: list[int] = field(default_factory=list)
+    save_blocks: list[KVBlock] = field(default_factory=list)
+    save_hashes: list[Any] = field(default_factory=list)
+    saved: int = 0
+
+    def evictions(self, first: int, last: int) -> list[Any]:
+        """The cached hashes the window's iterations first..last evict."""
+        lo, hi = bisect_left(self.takes, first), bisect_right(self.takes, last)
+        return [h for h in self.hashes[lo:hi] if h is not None]
+
+
+class DecodeWindows:
+    """SimWorker's decode windows (what they use of the worker is declared here)."""
+
+    kv: KVCacheManager
+    scheduler: Scheduler
+    offload: OffloadConnector | None
+    index: InProcessBlockIndex
+    latency: LatencyModel
+    profile: HardwareProfile
+    worker_id: str
+    max_model_len: int
+    windows: bool
+    busy: bool
+    current: Step | None
+    clock: Callable[[], float]
+    publish_events: Callable[[], None]
+
+    def decode_window(self) -> tuple[int, list[tuple[int, int]]]:
+        """How many decode iterations the next step can stand for exactly (1: just the
+        next), and the blocks they take: (iteration, row) per block, in the order the
+        one-iteration steps would take them. Every running request decodes and none
+        waits to be admitted; for the next k iterations none of them ends and the free
+        queue holds every block they take (nothing is preempted). New work, or anything
+        else that touches this worker's pool, cuts the window at the iteration running
+        then (`cut`), as it would wait for that iteration's end; until then nothing
+        another worker or the gateway reads differs from the one-iteration steps (the
+        evictions are published at their iterations' starts, `window_due`; load
+        reports count blocks as of now, `free_blocks_at`). With offload tiers, the blocks
+        the iterations fill are saved at those iterations' ends (`save_window`)."""
+        s = self.scheduler
+        if not self.windows or not s.running \
+                or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV for r in s.waiting):
+            return 1, []
+        bs = self.profile.block_size
+        blocks = self.kv.req_blocks
+        k = s.config.max_num_batched_tokens // len(s.running)
+        for r in s.running:
+            if r.num_tokens - r.num_computed_tokens != 1 or r.hold_kv:
+                return 1, []
+            k = min(k, cast(SimRequest, r).max_output - r.num_output_tokens,
+                    self.max_model_len - r.num_tokens)
+        if k <= 1:
+            return 1, []
+        # Iteration i computes token c + i - 1 of a request that has computed c: it
+        # takes a block when that token starts one past the blocks the request holds.
+        takes = []
+        for row, r in enumerate(s.running):
+            first = len(blocks[r.request_id]) * bs - r.num_computed_tokens + 1
+            takes += [(i, row) for i in range(first, k + 1, bs)]
+        free = self.kv.pool.num_free_blocks
+        if len(takes) > free:
+            takes.sort()
+            k = takes[free][0] - 1  # the first iteration that would preempt: not in
+            if k <= 1:
+                return 1, []
+            takes = takes[:bisect_right(takes, (k, len(s.running)))]
+        elif len(takes) > 1:
+            takes.sort()
+        return k, takes
+
+    def _start_window(self, k: int, takes: list[tuple[int, int]]) -> Step:
+        s = self.scheduler
+        pool = self.kv.pool
+        self.publish_events()  # what came before: the window's own events go per iteration
+        rows = list(s.running)
+        computed = [r.num_computed_tokens for r in rows]
+        held = [len(self.kv.req_blocks[r.request_id]) for r in rows]
+        taken = pool.peek_free(len(takes))
+        hashes = [b.block_hash for b in taken]
+        for r in rows:
+            cast(SimRequest, r).hand_ahead(k - 1)
+        out = s.schedule()
+        if out.preempted or len(out.scheduled) != len(rows) or any(
+                x.num_new_tokens != k for x in out.scheduled):
+            raise RuntimeError("decode window: the scheduler did not run every decoding "
+                               f"request {k} tokens")
+        # The scheduler took the blocks request by request; hand them out as the
+        # one-iteration steps would (iteration by iteration), so the pool is theirs.
+        mine: list[list[KVBlock]] = [[] for _ in rows]
+        for (_, row), b in zip(takes, taken, strict=True):
+            mine[row].append(b)
+        for r, h, m in zip(rows, held, mine, strict=True):
+            table = self.kv.req_blocks[r.request_id]
+            if len(table) - h != len(m):
+                raise RuntimeError("decode window: the scheduler took other blocks")
+            table[h:] = m
+        # the evictions: published per iteration instead (Window.evictions)
+        if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()) or (
+                self.offload is not None and self.offload.loads):
+            raise RuntimeError("decode window: the scheduler did more than take blocks")
+        dts = self.latency.decode_iterations(computed, k)
+        if self.profile.token_overhead_s:
+            dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
+        start = self.clock()
+        # the one-iteration steps' clock: each ends at the last end + dt (a sequential
+        # running sum of floats, as those steps add)
+        ends = list(accumulate(dts, initial=start))[1:]
+        t = ends[-1]
+        # iteration i > 1 starts at the end of i - 1
+        window = Window([i for i, _ in takes],
+                        [ends[i - 2] if i > 1 else -INF for i, _ in takes], taken, hashes,
+                        [rows[row].request_id for _, row in takes], len(takes),
+                        bisect_right(takes, (1, len(rows))))
+        if takes and takes[0][0] == 1:
+            self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
+        if self.offload is not None:
+            self._plan_saves(window, out, k)
+        return Step(out, start, t - start, t, ends, dts, k, window)
+
+    def _plan_saves(self, w: Window, out: SchedulerOutput, k: int) -> None:
+        """The blocks the window's iterations fill (Window): a row that has computed c
+        tokens fills a block at the end of iteration i when c + i is a multiple of the
+        block size."""
+        bs = self.profile.block_size
+        fills = []
+        for row, x in enumerate(out.scheduled):
+            r = x.request
+            c = r.num_computed_tokens
+            table = self.kv.req_blocks[r.request_id]
+            for i in range(bs - c % bs, k + 1, bs):
+                n = (c + i) // bs - 1
+                fills.append((i, row, table[n], r.block_hashes[n]))
+        fills.sort(key=lambda f: (f[0], f[1]))
+        w.save_iters = [f[0] for f in fills]
+        w.save_blocks = [f[2] for f in fills]
+        w.save_hashes = [f[3] for f in fills]
+
+    def save_window(self, w: Window, last: int) -> None:
+        """Saves to the tiers what the window's iterations up to `last` filled (those
+        not saved yet), one batch per iteration, as each one-iteration step's end does
+        (OffloadConnector.save_new of what update_from_output cached)."""
+        iters, lo = w.save_iters, w.saved
+        hi = bisect_right(iters, last, lo)
+        while lo < hi:
+            e = bisect_right(iters, iters[lo], lo, hi)
+            self._save(w.save_blocks[lo:e], w.save_hashes[lo:e])
+            lo = e
+        w.saved = hi
+
+    def _save(self, blocks: Sequence[KVBlock], hashes: Sequence[Any]) -> None:
+        """OffloadConnector.save_new's hand-off of newly cached blocks to the tiers."""
+        assert self.offload is not None
+        if self.offload.offload.save(hashes, [b.block_id for b in blocks], NO_KV):
+            # SimTiers' saves complete at once (sim/tiers.py): nothing to hold
+            raise RuntimeError("decode window: a tier holds device blocks to copy")
+
+    def cut(self, now: float) -> float | None:
+        """New work at `now` for this busy worker: the step in progress ends with the
+        iteration running now, as an engine picks new work up at its next iteration.
+        Returns the step's new end, or None when it ends then anyway."""
+        step = self.current
+        assert step is not None
+        if step.ends is None:  # one iteration: it ends when it ends
+            return None
+        # a decode window: exactly as the one-iteration steps it stands for
+        done = min(bisect_left(step.ends, now) + 1, step.done)
+        if done >= step.done:
+            return None
+        step.done = done
+        step.end = step.ends[done - 1]
+        if step.window is not None:
+            self._untake(step.window, done)
+        return step.end
+
+    def _untake(self, w: Window, done: int) -> None:
+        """Gives back the blocks of the window's iterations past `done`: nothing wrote
+        them, so they return to the free queue's head with the hashes they held, as the
+        one-iteration steps would never have taken them."""
+        keep = bisect_right(w.takes, done)
+        if keep >= w.kept:
+            return
+        tables = self.kv.req_blocks
+        for j in range(w.kept - 1, keep - 1, -1):  # each owner's latest blocks first
+            if tables[w.owners[j]].pop() is not w.blocks[j]:
+                raise RuntimeError("decode window: a block table changed under the window")
+        self.kv.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
+        w.kept = keep
+
+    def free_blocks_at(self, now: float) -> int:
+        """The pool's free blocks as the one-iteration steps have them at `now`: a
+        decode window has taken its later iterations' blocks already."""
+        free = self.kv.pool.num_free_blocks
+        step = self.current
+        if self.busy and step is not None and step.window is not None:
+            # the takes of iterations started by `now` (iteration i runs from the end of
+            # i - 1, exclusive, to its own, inclusive); a cut kept those up to `done`
+            w = step.window
+            free += max(0, w.kept - bisect_left(w.starts, now))
+        return free
+
+    def _save_window_end(self, w: Window, done: int) -> None:
+        """The save at a window's last iteration's end. update_from_output cached every
+        iteration's fills now; those of the earlier iterations went to the tiers at their
+        ends (`window_due`). The one-iteration step's batch is the rest, in the pool's
+        order: what was cached while that iteration ran (a remote prefill's landed
+        blocks, which cut the window), then the iteration's own fills."""
+        earlier = bisect_left(w.save_iters, done)
+        if w.saved != earlier:
+            raise RuntimeError("decode window: an iteration's save was missed")
+        new = self.kv.pool.take_new_cached()
+        saved = set(w.save_hashes[:earlier])
+        rest = [b for b in new if b.block_hash not in saved]
+        last = w.save_hashes[earlier:bisect_right(w.save_iters, done)]
+        tail = [b.block_hash for b in rest[len(rest) - len(last):]]
+        if len(new) - len(rest) != earlier or tail != last:
+            raise RuntimeError("decode window: it cached other blocks than planned")
+        if rest:
+            self._save(rest, [b.block_hash for b in rest])
+        w.saved += len(last)
+
+    # -- a window's publications (events on the simulated clock, sim/cluster.py) --------
+    def next_window_event(self, step: Step) -> float:
+        """When the window's next publication is due (INF: none before its end): the
+        cached blocks an iteration takes are evicted at its start (the first
+        iteration's went out with the window's start), and with tiers the blocks an
+        iteration fills are saved at its end (the last iteration's with the step's end).
+        The simulator schedules one at a time, so that a cut window leaves at most one
+        behind."""
+        win = step.window
+        assert win is not None and step.ends is not None
+        takes, hashes, done = win.takes, win.hashes, step.done
+        j, n = win.evicted, len(takes)
+        while j < n and takes[j] <= done:  # skip iterations that take no cached block
+            e = bisect_right(takes, takes[j], j)
+            if any(h is not None for h in hashes[j:e]):
+                break
+            j = e
+        win.evicted = j
+        t = win.starts[j] if j < n and takes[j] <= done else INF
+        s = win.saved
+        if s < len(win.save_iters) and win.save_iters[s] < done:
+            t = min(t, step.ends[win.save_iters[s] - 1])
+        return t
+
+    def window_due(self, step: Step, now: float) -> None:
+        """What the window's iterations have done by `now`, published: as the
+        one-iteration steps do at an iteration's end, its step saves what it filled,
+        then the next takes its blocks (their evictions)."""
+        win = step.window
+        assert win is not None and step.ends is not None
+        done = step.done
+        iters, s = win.save_iters, win.saved
+        while s < len(iters) and iters[s] < done and step.ends[iters[s] - 1] <= now:
+            s += 1
+        if s > win.saved:
+            self.save_window(win, iters[s - 1])
+        takes, j, n = win.takes, win.evicted, len(win.takes)
+        gone: list[Any] = []
+        while j < n and takes[j] <= done and win.starts[j] <= now:
+            e = bisect_right(takes, takes[j], j)
+            gone += [h for h in win.hashes[j:e] if h is not None]
+            j = e
+        win.evicted = j
+        if gone:
+            self.index.apply_device(self.worker_id, (), gone)
