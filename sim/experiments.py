@@ -73,19 +73,26 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         args.sampled = sample_trace(args.trace, args.sample, args.requests,
                                     os.path.join(tmp, "trace.jsonl"))
+        with open(args.sampled) as f:
+            kept = sum(1 for _ in f)
+        whole = args.sample == 1 and kept < args.requests  # every record of the trace
+        args.requests = kept
         runs = run_jobs(args, prof, slo, RUNNERS[args.name](args, prof, rates))
     wall = time.perf_counter() - t0
     phases = [r.phase for r in runs]
     summary = HEADLINES[args.name](runs)
     n = sum(len(p.results) for p in phases)
-    # one report per scale: the default 8 GPUs keep the plain name
-    name = f"sim-{args.name}" + (f"-{args.workers}gpu" if args.workers != 8 else "")
+    sample = "the whole trace" if whole else \
+        f"{args.requests} records of every {_nth(args.sample)} conversation, all its turns"
+    # one report per scale (the default 8 GPUs keep the plain name) and for the whole trace
+    name = f"sim-{args.name}" + (f"-{args.workers}gpu" if args.workers != 8 else "") \
+        + ("-full" if whole else "")
     report = Report(
         name, TITLES[args.name].format(w=args.workers, hw=prof.name), phases,
         summary=summary,
         config={"hardware": prof.name, "model": prof.model_shape if not prof.model else "",
                 "workers": args.workers, "requests_per_phase": args.requests,
-                "trace_sample": f"every {args.sample}th conversation",
+                "trace_sample": sample,
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
                 "block_size": prof.block_size,
                 "max_in_flight": args.max_in_flight or "the gateway's default (32 per "
@@ -93,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                 "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
                            for p, r in zip(phases, runs, strict=True)}},
         notes=[f"Simulated ({prof.name} profile: {prof.source}); {n} requests in "
-               f"{wall:.0f} s of wall time.", *NOTES[args.name]])
+               f"{wall:.0f} s of wall time.",
+               *(note.format(sample=sample) for note in NOTES[args.name])])
     paths = write_report(report, args.out_dir)
     extra = metric_plot(phases, os.path.join(args.out_dir, f"{name}-goodput.png"),
                         report.title)
@@ -317,6 +325,12 @@ def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
     return path
 
 
+def _nth(n: int) -> str:
+    if n == 1:
+        return "single"
+    return f"{n}" + ("th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th"))
+
+
 DEFAULT_RATES = {"routing": [0.5, 1.0, 2.0, 3.0, 4.0], "pd-ratio": [1.0, 2.0],
                  "tiers": [1.0]}
 RUNNERS: dict[str, Callable[..., list[Job]]] = {
@@ -327,8 +341,8 @@ TITLES = {"routing": "Simulated routing profiles on {w} {hw} GPUs, Mooncake trac
           "pd-ratio": "Simulated prefill:decode splits of {w} {hw} GPUs, Mooncake trace",
           "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace"}
 NOTES = {
-    "routing": ["Rates are the whole cluster's; each phase replays the same trace sample "
-                "(every 10th conversation, all its turns), time-scaled to that mean rate.",
+    "routing": ["Rates are the whole cluster's; each phase replays the same records "
+                "({sample}), time-scaled to that mean rate.",
                 "goodput: fraction of requests meeting TTFT <= 2 s and TPOT <= 80 ms "
                 "(429s count as misses); hit_rate: cached prompt tokens / prompt tokens."],
     "pd-ratio": ["Disaggregated configs use the gateway's default routing (prefix locality, "

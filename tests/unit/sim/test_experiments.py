@@ -59,3 +59,22 @@ def test_tiers_experiment_at_another_block_size_keeps_the_memory(tmp_path: Path)
     pool = h100.num_blocks * h100.block_size // 64  # an H100's cache in 64-token blocks
     assert [ph["params"]["device_blocks"] for ph in got["phases"]] == \
         [pool // frac for frac in (8, 4, 2) for _ in range(3)] + [pool // 8] * 2
+
+
+def test_the_whole_trace_is_its_own_report(tmp_path: Path) -> None:
+    """Every record of the trace (`--sample 1`, more requests than it has): the report
+    is named for it, says so, and counts the records a phase replayed."""
+    records = [json.dumps(r) + "\n" for r in TRACE * 2]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(records))
+    p = argparse.ArgumentParser()
+    experiments.add_arguments(p)
+    args = p.parse_args(["routing", "--workers", "4", "--requests", "100000", "--sample",
+                         "1", "--rates", "2", "--trace", str(trace), "--out-dir",
+                         str(tmp_path), "--jobs", "1"])
+    assert experiments.run(args) == 0
+    got = json.loads((tmp_path / "sim-routing-4gpu-full.json").read_text())
+    assert got["config"]["trace_sample"] == "the whole trace"
+    assert got["config"]["requests_per_phase"] == len(records)
+    assert "(the whole trace)" in got["notes"][1]
+    assert all(ph["summary"]["requests"] == len(records) for ph in got["phases"])
