@@ -181,12 +181,13 @@ def routing(args: argparse.Namespace, prof: HardwareProfile, rates: list[float])
 
 # -- pd-ratio ----------------------------------------------------------------------------
 def pd_ratio(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -> list[Job]:
+    """All-colocated, then every prefill:decode split (past 8 GPUs: in eighths)."""
     w = args.workers
     out = []
     routing = RoutingProfile(seed=args.seed)
     for rate in rates:
         out.append(_job(ClusterConfig(colocated=w, routing=routing), rate, f"colocated {w}"))
-        for p in range(1, w):
+        for p in range(max(1, w // 8), w, max(1, w // 8)):
             cfg = ClusterConfig(prefill=p, decode=w - p, colocated=0, routing=routing)
             out.append(_job(cfg, rate, f"{p}P:{w - p}D", prefill=p))
     return out
