@@ -19,8 +19,8 @@ the blocks its iterations take are evicted in the index at those iterations' sta
 with offload tiers the blocks they fill are saved at their ends, and anything that
 touches the worker first cuts the window at the iteration running then (`_sync`), which
 gives back the blocks later iterations took. Transfers take a worker's egress link
-(sim/worker.py). The
-gateway's part (routing, the registry's view, in-flight counts) is sim/gateway.py.
+(sim/worker.py). The gateway's part (routing, the registry's view, in-flight counts) is
+sim/gateway.py.
 """
 
 from __future__ import annotations
