@@ -3,7 +3,8 @@ OffloadConnector, over simulated tiers), with the latency model in place of the 
 runner. The LLMEngine calls it makes are the ones engine/llm_engine.py makes, in the
 same order: schedule -> (restores) -> forward -> update_from_output -> stop checks ->
 finish; allocate_remote / remote_kv_ready for disaggregated requests; pin / unpin of
-cached blocks for peers.
+cached blocks for peers. A step may be an exact decode window, several decode
+iterations as one scheduler step (sim/window.py, DecodeWindows).
 
 Requests carry no token ids (sim/request.py).
 """
