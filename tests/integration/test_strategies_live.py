@@ -15,13 +15,14 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from cluster.health import is_ready
 from cluster.launcher import ROOT, free_port
 from engine import strategies as st
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.auth import RpcSecurity
 from tests.factories import child_env, tiny_model_dir
-from tests.integration.serving_util import metric, port_refused, wait_for
+from tests.integration.serving_util import metric, wait_for
 from tests.redis_server import RedisServer
 
 MODEL = "tiny"
@@ -42,12 +43,11 @@ class Worker:
         wait_for(self.ready, 90, "the worker to load its model")
 
     def ready(self) -> bool:
+        """The worker's own readiness (grpc.health.v1, as the launcher waits for it): it
+        turns SERVING after the first read of the strategies. The gRPC port opens and
+        the gauge appears before that, with version 0."""
         assert self.proc.poll() is None, "worker exited"
-        try:  # the gauge appears once the engine exists
-            text = _scrape(self.metrics)
-        except OSError:
-            return False
-        return f"{VERSION}{{" in text and not port_refused(self.port)
+        return is_ready(f"127.0.0.1:{self.port}")
 
     def version(self) -> float:
         return metric(self.metrics, VERSION)
@@ -60,13 +60,6 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-
-
-def _scrape(port: int) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        return str(r.read().decode())
 
 
 def store(url: str, doc: dict[str, object]) -> int:
