@@ -112,7 +112,7 @@ class Simulator:
         self.config = config
         self.profile = profile
         self.latency = latency or LatencyModel(profile)
-        self.index = InProcessBlockIndex()
+        self.index = InProcessBlockIndex(self.clock)
         self.hasher = BlockHasher(profile.block_size)
         nb = config.num_blocks or profile.num_blocks
         specs = [WorkerSpec(f"prefill-{i}", "prefill", nb, config.host_blocks,

@@ -14,10 +14,10 @@ hundreds and a lookup walks hundreds, and a dict probe per block misses the CPU 
 is one Mooncake hash id's tokens, 32 blocks of 16 tokens; a longer one is numbered in
 parts of 32, each a segment here), so the device tier is kept
 per segment: per node a bitmap of the segment's blocks it holds, and the bitmap of the
-nodes holding all of them. An event applies a run of consecutive blocks as one OR /
-AND per segment; a lookup walks segment by segment, one AND over the nodes holding
-the whole segment, block bits only for the few holding part of it. Any int is a valid
-hash: other layouts are exact too, one segment per block at worst.
+nodes holding all of them (sim/segments.py). An event applies a run of consecutive
+blocks as one OR / AND per segment; a lookup walks segment by segment, one AND over the
+nodes holding the whole segment, block bits only for the few holding part of it. Any
+int is a valid hash: other layouts are exact too, one segment per block at worst.
 
 The other tiers (host, disk) are rare and kept apart, per block: each node's bitmask of
 those tiers and a bitmap of the nodes holding it there; a lookup that may meet them
@@ -26,123 +26,48 @@ walks block by block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 
-import numpy as np
-
 from kvtransfer.index import TIERS, IndexLookup
-
-# A hash (an int: sim/workload.py's) = segment << this | block number. Small, so that
-# the segment is in a hash's low bits: CPython's dicts (the block pools' prefix maps)
-# start probing at hash & (size - 1), and with 21 bits of block number every key of a
-# map started in the same 32 slots (3-4 probes, each a cache miss, per lookup).
-SEGMENT_SHIFT = 5
-_LOW = (1 << SEGMENT_SHIFT) - 1
-_NUMPY_FROM = 16  # events of at least this many hashes go to runs through numpy
+from sim.segments import LOW, SEGMENT_SHIFT, Segment, runs_of, runs_of_lazily, set_bits
 
 _BIT = {t: 1 << i for i, t in enumerate(TIERS)}
 _BEST = [""] + [next(t for t in TIERS if m & _BIT[t]) for m in range(1, 1 << len(TIERS))]
 _ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
 
 
-def _bits(x: int) -> Iterator[int]:
-    """The set bits of `x`, lowest first, each as an int with that bit alone."""
-    while x:
-        low = x & -x
-        yield low
-        x ^= low
+class Deferred:
+    """Removals of one node's device blocks that take effect at given simulated times:
+    `hashes[i]` at `due[i]` (nondecreasing), the first `gone` of them applied; per
+    segment, the positions of those not yet applied (a read of the segment applies the
+    due ones first)."""
 
+    __slots__ = ("node", "hashes", "due", "gone", "by_seg")
 
-class _Segment:
-    """The nodes holding blocks of one segment on the device. `full` holds the nodes
-    holding its blocks [0, length); every node holds blocks below `length` only."""
-
-    __slots__ = ("any", "full", "length", "masks")
-
-    def __init__(self) -> None:
-        self.any = 0  # nodes holding some of its blocks
-        self.full = 0
-        self.length = 0
-        self.masks: dict[int, int] = {}  # node bit -> its blocks' bitmap
-
-    def refit(self) -> None:
-        """`length` down to the blocks held, `full` again (after the last full node
-        lost a block: keeps a segment's lone holder on the walk's fast path)."""
-        length = max(map(int.bit_length, self.masks.values()))
-        whole = (1 << length) - 1
-        self.length = length
-        self.full = sum(b for b, m in self.masks.items() if m == whole)
-
-    def held(self, allowed: int) -> int:
-        """The bitmap of the blocks some node of `allowed` holds."""
-        if self.full & allowed:
-            return (1 << self.length) - 1
-        out = 0
-        for b, m in self.masks.items():
-            if b & allowed:
-                out |= m
-        return out
-
-
-def _runs(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int, int]]:
-    """`hashes` as runs of consecutive blocks of one segment: (segment, first block,
-    count), in order, or (not `ordered`: a set of blocks, e.g. evictions, which come
-    tail first) sorted, a repeat as a run of its own."""
-    n = len(hashes)
-    if n < _NUMPY_FROM:
-        if not ordered:
-            hashes = sorted(hashes)
-        out: list[tuple[int, int, int]] = []
-        prev = None
-        for h in hashes:
-            if prev is not None and h == prev + 1 and h & _LOW:
-                c, j, m = out[-1]
-                out[-1] = (c, j, m + 1)
-            else:
-                out.append((h >> SEGMENT_SHIFT, h & _LOW, 1))
-            prev = h
-        return out
-    a = np.fromiter(hashes, np.int64, n)
-    if not ordered:
-        a.sort()
-    first = np.empty(n, np.bool_)  # where a run starts: not one past the last, or block 0
-    first[0] = True
-    b = a[1:]
-    np.not_equal(b, a[:-1] + 1, out=first[1:])
-    first[1:] |= (b & _LOW) == 0
-    at = first.nonzero()[0]
-    starts = a[at]
-    counts = np.empty(len(at), np.int64)
-    counts[:-1] = at[1:] - at[:-1]
-    counts[-1] = n - at[-1]
-    return list(zip((starts >> SEGMENT_SHIFT).tolist(), (starts & _LOW).tolist(),
-                    counts.tolist(), strict=True))
-
-
-def _runs_lazily(hashes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
-    """`_runs(hashes)` one run at a time, for a walk that may stop after a few: a run
-    as long as its segment allows is checked against its range in one comparison."""
-    i, n = 0, len(hashes)
-    while i < n:
-        h = hashes[i]
-        j = h & _LOW
-        m = min(_LOW + 1 - j, n - i)  # the longest run here: to its segment's end
-        if m > 1 and (hashes[i + m - 1] != h + m - 1
-                      or hashes[i:i + m] != list(range(h, h + m))):
-            m = 1  # shorter: block by block
-            while i + m < n and hashes[i + m] == h + m and (h + m) & _LOW:
-                m += 1
-        yield h >> SEGMENT_SHIFT, j, m
-        i += m
+    def __init__(self, node: str, hashes: list[int], due: list[float]) -> None:
+        self.node = node
+        self.hashes = hashes
+        self.due = due
+        self.gone = bytearray(len(hashes))
+        self.by_seg: dict[int, list[int]] = {}
 
 
 class InProcessBlockIndex:
-    """segment -> _Segment (the device tier); the other tiers: block hash ->
-    {node: bitmask of those tiers} and the bitmap of those nodes."""
+    """segment -> Segment (the device tier); the other tiers: block hash ->
+    {node: bitmask of those tiers} and the bitmap of those nodes.
 
-    def __init__(self) -> None:
-        self._segments: dict[int, _Segment] = {}
+    Deferred removals (`defer`, a decode window's evictions at its iterations' starts,
+    sim/window.py): every read applies those due by `clock()` in the segments it reads
+    before it reads them, so it sees what removals published at their times would show;
+    `settle` applies the rest of a batch at once (the window ends) or drops them (it was
+    cut before their iterations)."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock
+        self._deferred: dict[int, list[Deferred]] = {}  # segment -> batches with some there
+        self._segments: dict[int, Segment] = {}
         self._other: dict[int, dict[str, int]] = {}
         self._other_bits: dict[int, int] = {}
         self._bit: dict[str, int] = {}  # node -> 1 << its number
@@ -167,7 +92,7 @@ class InProcessBlockIndex:
         bit = self._node_bit(node)
         removed = removed if isinstance(removed, (list, tuple)) else list(removed)
         if removed:
-            for c, j, m in _runs(removed, ordered=False):
+            for c, j, m in runs_of(removed, ordered=False):
                 s = segments.get(c)
                 old = s.masks.get(bit, 0) if s is not None else 0
                 new = old & ~(((1 << m) - 1) << j)
@@ -188,10 +113,10 @@ class InProcessBlockIndex:
                         s.refit()
         stored = stored if isinstance(stored, (list, tuple)) else list(stored)
         if stored:
-            for c, j, m in _runs(stored):
+            for c, j, m in runs_of(stored):
                 s = segments.get(c)
                 if s is None:
-                    s = segments[c] = _Segment()
+                    s = segments[c] = Segment()
                 old = s.masks.get(bit, 0)
                 new = old | ((1 << m) - 1) << j
                 if new == old:
@@ -230,6 +155,63 @@ class InProcessBlockIndex:
                 holders[node] = holders.get(node, 0) | _BIT[tier]
                 other_bits[h] = other_bits.get(h, 0) | bit
 
+    # -- deferred removals ---------------------------------------------------------------
+    def defer(self, node: str, hashes: list[int], due: list[float]) -> Deferred:
+        """Removes `hashes[i]` from `node`'s device tier at the time `due[i]`."""
+        d = Deferred(node, hashes, due)
+        for i, h in enumerate(hashes):
+            c = h >> SEGMENT_SHIFT
+            at = d.by_seg.get(c)
+            if at is None:
+                d.by_seg[c] = [i]
+                self._deferred.setdefault(c, []).append(d)
+            else:
+                at.append(i)
+        return d
+
+    def settle(self, d: Deferred, until: float) -> None:
+        """The batch's removals due by `until` take effect now (those not yet); the
+        others never do."""
+        keep = bisect_right(d.due, until)
+        gone = [h for h, g in zip(d.hashes[:keep], d.gone[:keep], strict=True) if not g]
+        d.hashes, d.due = [], []
+        deferred = self._deferred
+        for c in d.by_seg:
+            batches = deferred[c]
+            batches.remove(d)
+            if not batches:
+                del deferred[c]
+        d.by_seg.clear()
+        if gone:
+            self.apply_device(d.node, (), gone)
+
+    def _due(self, c: int) -> None:
+        """Applies the deferred removals in segment `c` due by now."""
+        assert self.clock is not None
+        now = self.clock()
+        batches = self._deferred[c]
+        for d in list(batches):
+            at = d.by_seg[c]
+            due = d.due
+            n = bisect_right(at, now, key=due.__getitem__)
+            if not n:
+                continue
+            for i in at[:n]:
+                d.gone[i] = 1
+            if n < len(at):
+                d.by_seg[c] = at[n:]
+            else:
+                del d.by_seg[c]
+                batches.remove(d)
+                if not batches:
+                    del self._deferred[c]
+            self.apply_device(d.node, (), [d.hashes[i] for i in at[:n]])
+
+    def _all_due(self) -> None:
+        for c in list(self._deferred):
+            if c in self._deferred:
+                self._due(c)
+
     # -- reads --------------------------------------------------------------------------
     def _allowed_bits(self, nodes: set[str] | frozenset[str] | None) -> int:
         """The bitmap of `nodes` (-1: any); a frozenset's is kept for the next call."""
@@ -256,12 +238,15 @@ class InProcessBlockIndex:
 
     def _device_bits(self, h: int) -> int:
         """The bitmap of the nodes holding `h` on the device."""
-        s = self._segments.get(h >> SEGMENT_SHIFT)
+        c = h >> SEGMENT_SHIFT
+        if c in self._deferred:
+            self._due(c)
+        s = self._segments.get(c)
         if s is None:
             return 0
-        j = h & _LOW
+        j = h & LOW
         bits = s.full if j < s.length else 0
-        for b in _bits(s.any & ~s.full):
+        for b in set_bits(s.any & ~s.full):
             if s.masks[b] >> j & 1:
                 bits |= b
         return bits
@@ -276,11 +261,13 @@ class InProcessBlockIndex:
                        ) -> tuple[int, dict[int, int]]:
         """The device-only walk: (blocks some allowed node holds from the start, depth ->
         the nodes whose run ends there)."""
-        segments = self._segments
+        segments, deferred = self._segments, self._deferred
         ends: dict[int, int] = {}
         alive = 0  # nodes holding every block so far
         depth = 0
-        for c, j, m in _runs_lazily(hashes):
+        for c, j, m in runs_of_lazily(hashes):
+            if c in deferred:
+                self._due(c)
             s = segments.get(c)
             if s is None:
                 break
@@ -292,7 +279,7 @@ class InProcessBlockIndex:
                 pool = s.any & allowed
             keep = pool & s.full if j + m <= s.length else 0
             whole = (1 << m) - 1
-            for b in _bits(pool & ~keep):
+            for b in set_bits(pool & ~keep):
                 x = s.masks[b] >> j & whole
                 if x == whole:
                     keep |= b
@@ -318,7 +305,9 @@ class InProcessBlockIndex:
 
     def _walk_on(self, hashes: Sequence[int], depth: int, allowed: int) -> int:
         """From `depth` on, the blocks some allowed node holds, one after the other."""
-        for c, j, m in _runs_lazily(hashes[depth:]):
+        for c, j, m in runs_of_lazily(hashes[depth:]):
+            if c in self._deferred:
+                self._due(c)
             s = self._segments.get(c)
             if s is None:
                 break
@@ -392,6 +381,7 @@ class InProcessBlockIndex:
 
     def num_entries(self) -> int:
         """(block, node) pairs held in some tier."""
+        self._all_due()
         n = sum(m.bit_count() for s in self._segments.values() for m in s.masks.values())
         for h, holders in self._other.items():
             d = self._device_bits(h)

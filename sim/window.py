@@ -4,8 +4,10 @@ one-iteration steps it replaces (the same blocks taken in the same order, evicti
 published and tier saves made at their iterations' starts and ends on the simulated
 clock, load reports as of now). New work, or anything that touches the worker's pool,
 cuts a window at the iteration running then, which gives the later iterations' blocks
-back. SimWorker (sim/worker.py) runs the steps; the simulator (sim/cluster.py) schedules
-a window's publications one event at a time (`next_window_event`, `window_due`).
+back. SimWorker (sim/worker.py) runs the steps. The evictions are the index's deferred
+removals (InProcessBlockIndex.defer: a read applies those due by its time; the window's
+end or cut settles the rest); the simulator (sim/cluster.py) schedules a window's tier
+saves one event at a time (`next_window_event`, `window_due`).
 
 A window is an optimization only: `ClusterConfig.decode_windows=False` steps one
 iteration at a time, and tests/unit/sim/test_simulator.py holds the two to the same
@@ -25,7 +27,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
-from sim.index import InProcessBlockIndex
+from sim.index import Deferred, InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
@@ -59,7 +61,8 @@ class Window:
     take them: `blocks[j]` (which held `hashes[j]`, evicted then) goes to `owners[j]` at
     the start of iteration `takes[j]` (sorted), at the time `starts[j]` (the end of the
     iteration before it; -inf for the first iteration's); `kept` of them stand (fewer
-    once cut); the evictions of the first `evicted` are published.
+    once cut). The evictions of the first iteration's are published at the window's
+    start, the later ones are the index's `deferred` removals at their times.
 
     With offload tiers, the blocks its iterations fill: `save_blocks[j]` (holding
     `save_hashes[j]`) is full at the end of iteration `save_iters[j]` (sorted; within
@@ -72,7 +75,7 @@ class Window:
     hashes: list[Any]
     owners: list[str]
     kept: int
-    evicted: int = 0
+    deferred: Deferred | None = None
     save_iters: list[int] = field(default_factory=list)
     save_blocks: list[KVBlock] = field(default_factory=list)
     save_hashes: list[Any] = field(default_factory=list)
@@ -185,10 +188,16 @@ class DecodeWindows:
         # iteration i > 1 starts at the end of i - 1
         window = Window([i for i, _ in takes],
                         [ends[i - 2] if i > 1 else -INF for i, _ in takes], taken, hashes,
-                        [rows[row].request_id for _, row in takes], len(takes),
-                        bisect_right(takes, (1, len(rows))))
-        if takes and takes[0][0] == 1:
+                        [rows[row].request_id for _, row in takes], len(takes))
+        first = bisect_right(takes, (1, len(rows)))
+        if first:
             self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
+        # the later iterations' evictions: the index applies each at its time
+        later = [j for j in range(first, len(takes)) if hashes[j] is not None]
+        if later:
+            gone = [cast(int, hashes[j]) for j in later]
+            window.deferred = self.index.defer(self.worker_id, gone,
+                                               [window.starts[j] for j in later])
         if self.offload is not None:
             self._plan_saves(window, out, k)
         return Step(out, start, t - start, t, ends, dts, k, window)
@@ -240,13 +249,27 @@ class DecodeWindows:
             return None
         # a decode window: exactly as the one-iteration steps it stands for
         done = min(bisect_left(step.ends, now) + 1, step.done)
-        if done >= step.done:
+        shorter = done < step.done
+        if shorter:
+            step.done = done
+            step.end = step.ends[done - 1]
+        # before anything touches the pool: the evictions of the iterations that stand
+        # (all started by now) in the index, those of the others never
+        self.settle_evictions(step)
+        if not shorter:
             return None
-        step.done = done
-        step.end = step.ends[done - 1]
         if step.window is not None:
             self._untake(step.window, done)
         return step.end
+
+    def settle_evictions(self, step: Step) -> None:
+        """The window's deferred evictions (InProcessBlockIndex.defer): those of its
+        standing iterations take effect now (the ones not applied yet), the rest never."""
+        w = step.window
+        if w is not None and w.deferred is not None:
+            assert step.ends is not None
+            self.index.settle(w.deferred, step.ends[step.done - 2] if step.done > 1 else -INF)
+            w.deferred = None
 
     def _untake(self, w: Window, done: int) -> None:
         """Gives back the blocks of the window's iterations past `done`: nothing wrote
@@ -294,34 +317,23 @@ class DecodeWindows:
             self._save(rest, [b.block_hash for b in rest])
         w.saved += len(last)
 
-    # -- a window's publications (events on the simulated clock, sim/cluster.py) --------
+    # -- a window's saves (events on the simulated clock, sim/cluster.py) ---------------
     def next_window_event(self, step: Step) -> float:
-        """When the window's next publication is due (INF: none before its end): the
-        cached blocks an iteration takes are evicted at its start (the first
-        iteration's went out with the window's start), and with tiers the blocks an
-        iteration fills are saved at its end (the last iteration's with the step's end).
-        The simulator schedules one at a time, so that a cut window leaves at most one
-        behind."""
+        """When the window's next save is due (INF: none before its end): with tiers,
+        the blocks an iteration fills are saved at its end (the last iteration's with
+        the step's end). The simulator schedules one at a time, so that a cut window
+        leaves at most one behind. (Its evictions need no event: the index applies
+        them at their times, `InProcessBlockIndex.defer`.)"""
         win = step.window
         assert win is not None and step.ends is not None
-        takes, hashes, done = win.takes, win.hashes, step.done
-        j, n = win.evicted, len(takes)
-        while j < n and takes[j] <= done:  # skip iterations that take no cached block
-            e = bisect_right(takes, takes[j], j)
-            if any(h is not None for h in hashes[j:e]):
-                break
-            j = e
-        win.evicted = j
-        t = win.starts[j] if j < n and takes[j] <= done else INF
         s = win.saved
-        if s < len(win.save_iters) and win.save_iters[s] < done:
-            t = min(t, step.ends[win.save_iters[s] - 1])
-        return t
+        if s < len(win.save_iters) and win.save_iters[s] < step.done:
+            return step.ends[win.save_iters[s] - 1]
+        return INF
 
     def window_due(self, step: Step, now: float) -> None:
-        """What the window's iterations have done by `now`, published: as the
-        one-iteration steps do at an iteration's end, its step saves what it filled,
-        then the next takes its blocks (their evictions)."""
+        """What the window's iterations have filled by `now`, saved: as the
+        one-iteration steps do at an iteration's end."""
         win = step.window
         assert win is not None and step.ends is not None
         done = step.done
@@ -330,12 +342,3 @@ class DecodeWindows:
             s += 1
         if s > win.saved:
             self.save_window(win, iters[s - 1])
-        takes, j, n = win.takes, win.evicted, len(win.takes)
-        gone: list[Any] = []
-        while j < n and takes[j] <= done and win.starts[j] <= now:
-            e = bisect_right(takes, takes[j], j)
-            gone += [h for h in win.hashes[j:e] if h is not None]
-            j = e
-        win.evicted = j
-        if gone:
-            self.index.apply_device(self.worker_id, (), gone)

@@ -147,6 +147,7 @@ class SimWorker(DecodeWindows):
         the requests that got a token."""
         out = step.out
         if step.dts is not None:
+            self.settle_evictions(step)
             k, j = len(step.dts), step.done
             for x in out.scheduled:
                 if j < k:  # cut: the tokens handed ahead past iteration j are not sampled

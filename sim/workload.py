@@ -11,7 +11,7 @@ give equal hashes and anything else differs, the property engine/block_hash.py g
 real tokens. Hashes are ints (dict keys in the block pool and the index; nothing leaves
 the process): `chain << SEGMENT_SHIFT | block's number in the segment`, so a segment's
 blocks are consecutive ints, which the in-process index keeps as one bitmap per node
-(sim/index.py). A segment longer than 2**SEGMENT_SHIFT blocks is numbered in parts,
+(sim/index.py, sim/segments.py). A segment longer than 2**SEGMENT_SHIFT blocks is numbered in parts,
 each part a chain of its own.
 
 Sources: `from_bench` (any bench dataset and load shape, token ids as one-token
@@ -36,7 +36,7 @@ from bench.datasets import (
     scaled_output_len,
 )
 from bench.load import LoadSpec, start_offsets, units
-from sim.index import SEGMENT_SHIFT
+from sim.segments import SEGMENT_SHIFT
 
 _PART = 1 << SEGMENT_SHIFT  # blocks a segment (or part of one) numbers
 _NEXT_PART = -1  # the chain key of a segment's next part (content keys are >= 0)

@@ -8,7 +8,8 @@ import random
 
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
 from sim.gateway import run_sync
-from sim.index import SEGMENT_SHIFT, InProcessBlockIndex, _runs, _runs_lazily
+from sim.index import InProcessBlockIndex
+from sim.segments import SEGMENT_SHIFT, runs_of, runs_of_lazily
 
 
 def plain_walk(state: dict[int, dict[str, set[str]]], hashes: list[int],
@@ -160,7 +161,7 @@ def test_segment_walk_matches_the_plain_walk() -> None:
 
 def test_lazy_runs_are_the_runs() -> None:
     """The walk's runs, found one at a time (a whole segment's range in one comparison),
-    are _runs' on any list: consecutive or not, negative, long, broken mid-segment."""
+    are runs_of' on any list: consecutive or not, negative, long, broken mid-segment."""
     rng = random.Random(3)
     for t in range(4000):
         hashes: list[int] = []
@@ -174,4 +175,39 @@ def test_lazy_runs_are_the_runs() -> None:
                 if hashes:
                     i = rng.randrange(len(hashes))
                     hashes[i] += rng.choice((-1, 1))
-        assert list(_runs_lazily(hashes)) == _runs(hashes), hashes
+        assert list(runs_of_lazily(hashes)) == runs_of(hashes), hashes
+
+
+def test_deferred_removals_take_effect_at_their_times() -> None:
+    """A decode window's evictions deferred to its iterations' starts: every read (the
+    walk, holders, the entry count) sees them exactly from their times on, as removals
+    applied then would show; `settle` applies the due ones the reads left and drops the
+    later ones (the window was cut before their iterations)."""
+    now = [0.0]
+    idx, twin = InProcessBlockIndex(lambda: now[0]), InProcessBlockIndex()
+    seg = [1 << SEGMENT_SHIFT | j for j in range(8)] + [2 << SEGMENT_SHIFT | j for j in range(4)]
+    for i in (idx, twin):
+        i.apply_device("a", seg)
+        i.apply_device("b", seg[:6])
+    # "a" loses blocks 9, 2 and 5 at 1.0, 2.0 and 3.0; "b" block 4 at 2.5
+    da = idx.defer("a", [seg[9], seg[2], seg[5]], [1.0, 2.0, 3.0])
+    db = idx.defer("b", [seg[4]], [2.5])
+    for t, gone in ((0.5, []), (1.0, [("a", 9)]), (2.2, [("a", 2)]), (2.7, [("b", 4)])):
+        now[0] = t
+        for node, j in gone:
+            twin.apply_device(node, (), [seg[j]])
+        for start in (0, 3, 8):
+            assert idx.lookup_now(seg[start:]) == twin.lookup_now(seg[start:]), (t, start)
+        assert run_sync(idx.holders(seg)) == run_sync(twin.holders(seg))
+    assert idx.num_entries() == twin.num_entries()
+    idx.settle(db, 2.7)  # already applied by the reads: nothing more
+    idx.settle(da, 2.7)  # cut before 3.0: block 5 stays with "a"
+    now[0] = 9.0
+    assert idx.lookup_now(seg) == twin.lookup_now(seg)
+    assert idx.num_entries() == twin.num_entries() and not idx._deferred
+    # settled before any read: the due ones at once
+    d = idx.defer("b", [seg[0], seg[1]], [5.0, 20.0])
+    idx.settle(d, 9.0)
+    twin.apply_device("b", (), [seg[0]])
+    assert idx.lookup_now(seg) == twin.lookup_now(seg)
+    assert idx.num_entries() == twin.num_entries()
