@@ -53,6 +53,23 @@ class LatencyModel:
         """The times of k successive one-token decode steps of rows that have computed
         `computed` tokens: what `step` gives each of them (the same integer counts, so
         the same floats)."""
+        return cast(list[float], self._iterations(computed, k).tolist())
+
+    def window_times(self, computed: Sequence[int], k: int, start: float,
+                     extra: float = 0.0) -> tuple[list[float], list[float]]:
+        """A decode window's iterations: their times (`decode_iterations`, plus `extra`
+        each) and when each ends, from `start` on, as the one-iteration steps' clock adds
+        them (one after the other: a cumulative sum is sequential, to the bit)."""
+        t = np.empty(k + 1)
+        t[0] = start
+        t[1:] = self._iterations(computed, k)
+        if extra:
+            t[1:] += extra
+        dts = cast(list[float], t[1:].tolist())
+        np.cumsum(t, out=t)
+        return dts, cast(list[float], t[1:].tolist())
+
+    def _iterations(self, computed: Sequence[int], k: int) -> np.ndarray:
         rows, base = len(computed), sum(computed)
         # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined (the same
         # operations in the same order, elementwise in float64: IEEE, no fused ops)
@@ -62,8 +79,7 @@ class LatencyModel:
         pairs = base + rows * np.arange(1, k + 1, dtype=np.int64)
         c = (flops + pairs * self._flop_pair) * self._s_per_flop
         m = (self._weights + pairs * self._kv_token) * self._s_per_byte
-        return cast(list[float], (fixed + (np.maximum(c, m) if self._max else c + m))
-                    .tolist())
+        return cast(np.ndarray, fixed + (np.maximum(c, m) if self._max else c + m))
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied: each

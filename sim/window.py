@@ -19,7 +19,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any, cast
 
 from engine.block_pool import BlockRemoved, KVBlock
@@ -177,13 +176,11 @@ class DecodeWindows:
         if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()) or (
                 self.offload is not None and self.offload.loads):
             raise RuntimeError("decode window: the scheduler did more than take blocks")
-        dts = self.latency.decode_iterations(computed, k)
-        if self.profile.token_overhead_s:
-            dts = [d + self.profile.token_overhead_s * len(rows) for d in dts]
         start = self.clock()
         # the one-iteration steps' clock: each ends at the last end + dt (a sequential
         # running sum of floats, as those steps add)
-        ends = list(accumulate(dts, initial=start))[1:]
+        dts, ends = self.latency.window_times(computed, k, start,
+                                              self.profile.token_overhead_s * len(rows))
         t = ends[-1]
         # iteration i > 1 starts at the end of i - 1
         window = Window([i for i, _ in takes],

@@ -4,6 +4,7 @@ a scorer changes the simulated outcome)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -224,7 +225,8 @@ def test_decode_windows_are_exact(tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize("combine", ["max", "sum"])
 def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
     """LatencyModel.decode_iterations gives each iteration of a decode window exactly
-    (to the bit) what `seconds` gives that iteration as a one-token step."""
+    (to the bit) what `seconds` gives that iteration as a one-token step, and
+    window_times the clock those steps keep."""
     from sim.latency import LatencyModel
 
     lat = LatencyModel(replace(load_profile("h100"), combine=combine))
@@ -233,6 +235,10 @@ def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
         want = [lat.seconds(rows, rows, base + rows * j, base + rows * j, rows)
                 for j in range(1, 65)]
         assert lat.decode_iterations(computed, 64) == want
+        # a window's clock: the steps' sequential sums, to the bit
+        dts, ends = lat.window_times(computed, 64, 1234.5678, 3e-5)
+        assert dts == [d + 3e-5 for d in want]
+        assert ends == list(itertools.accumulate(dts, initial=1234.5678))[1:]
 
 
 def test_remote_kv_landing_cuts_the_decode_window_first(tmp_path: Path) -> None:
