@@ -138,6 +138,7 @@ class Simulator:
         self.stats = SimStats()
         self._arrivals: Iterator[SimRequestSpec] = iter(())
         self._rpc = profile.request_overhead_s / 2  # each way
+        self._in_flight_limit = config.in_flight_limit
 
     # -- the clock ----------------------------------------------------------------------
     def clock(self) -> float:
@@ -203,7 +204,7 @@ class Simulator:
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
                              cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
         flight = Flight(i, spec, req, route)
-        if 0 <= self.config.in_flight_limit <= len(self._flights):
+        if 0 <= self._in_flight_limit <= len(self._flights):
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
         try:
@@ -338,7 +339,8 @@ class Simulator:
         self.at(step.end, self._step_done, (w, step, w.version))
         if step.window is not None:
             self.stats.windows += 1
-            self.gateway.windows.add(w)
+            if step.window.kept:  # it took blocks ahead: the load reports must see
+                self.gateway.windows.add(w)
             self._window_events(w, step)
 
     def _sync(self, w: SimWorker) -> None:

@@ -62,8 +62,9 @@ class SimGateway:
         self._row = {w: i for i, w in enumerate(self._ids)}
         self._pools = [w.kv.pool for w in self._workers]
         self._schedulers = [w.scheduler for w in self._workers]
-        # the workers whose step in progress is a decode window (the simulator keeps it):
-        # the only ones whose free blocks in a report differ from their pool's count now
+        # the workers whose step in progress is a decode window that took blocks ahead
+        # (the simulator keeps it): the only ones whose free blocks in a report differ
+        # from their pool's count now
         self.windows: set[SimWorker] = set()
         self._cands = CandidateSet()
         self._reported = -1e30
