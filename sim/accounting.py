@@ -36,7 +36,7 @@ _PINS = ("pin", "unpin")
 _OFFLOAD = ("save_new", "reap", "run_loads")
 _FAIR = ("charge_output",)
 _GATEWAY = ("route", "observe")  # the glue around Locality and Router
-_INDEX = ("lookup_now", "apply_device", "apply")
+_INDEX = ("lookup_now", "apply_device", "apply", "defer", "settle")
 
 
 class Accounting:
