@@ -40,9 +40,9 @@ _ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
 
 class Deferred:
     """Removals of one node's device blocks that take effect at given simulated times:
-    `hashes[i]` at `due[i]` (nondecreasing), the first `gone` of them applied; per
-    segment, the positions of those not yet applied (a read of the segment applies the
-    due ones first)."""
+    `hashes[i]` at `due[i]` (nondecreasing), `gone[i]` once applied; per segment, the
+    positions of those not applied yet (a read of the segment applies the due ones
+    first)."""
 
     __slots__ = ("node", "hashes", "due", "gone", "by_seg")
 
@@ -208,6 +208,7 @@ class InProcessBlockIndex:
             self.apply_device(d.node, (), [d.hashes[i] for i in at[:n]])
 
     def _all_due(self) -> None:
+        """Applies every deferred removal due by now (a read of the whole index)."""
         for c in list(self._deferred):
             if c in self._deferred:
                 self._due(c)
