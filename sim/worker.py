@@ -88,6 +88,11 @@ class SimWorker(DecodeWindows):
     def publish_events(self) -> None:
         """The block pool's stores and evictions since the last call, as the worker's KV
         event publisher sends them (tier "device")."""
+        step = self.current
+        if self.busy and step is not None and step.window is not None \
+                and step.window.deferred is not None:
+            # its stores would go in before evictions due earlier (Simulator._sync first)
+            raise RuntimeError("decode window: the pool changed with its evictions unsettled")
         events = self.kv.pool.take_events()
         if not events:
             return
