@@ -172,7 +172,7 @@ class DecodeWindows:
             if len(table) - h != len(m):
                 raise RuntimeError("decode window: the scheduler took other blocks")
             table[h:] = m
-        # the evictions: published per iteration instead (Window.evictions)
+        # the evictions: each at its iteration's start instead (below)
         if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()) or (
                 self.offload is not None and self.offload.loads):
             raise RuntimeError("decode window: the scheduler did more than take blocks")
