@@ -80,11 +80,6 @@ class Window:
     save_hashes: list[Any] = field(default_factory=list)
     saved: int = 0
 
-    def evictions(self, first: int, last: int) -> list[Any]:
-        """The cached hashes the window's iterations first..last evict."""
-        lo, hi = bisect_left(self.takes, first), bisect_right(self.takes, last)
-        return [h for h in self.hashes[lo:hi] if h is not None]
-
 
 class DecodeWindows:
     """SimWorker's decode windows (what they use of the worker is declared here)."""
@@ -186,9 +181,10 @@ class DecodeWindows:
         window = Window([i for i, _ in takes],
                         [ends[i - 2] if i > 1 else -INF for i, _ in takes], taken, hashes,
                         [rows[row].request_id for _, row in takes], len(takes))
-        first = bisect_right(takes, (1, len(rows)))
+        first = bisect_right(takes, (1, len(rows)))  # the first iteration's takes
         if first:
-            self.index.apply_device(self.worker_id, (), window.evictions(1, 1))
+            self.index.apply_device(self.worker_id, (),
+                                    [h for h in hashes[:first] if h is not None])
         # the later iterations' evictions: the index applies each at its time
         later = [j for j in range(first, len(takes)) if hashes[j] is not None]
         if later:
