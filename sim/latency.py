@@ -56,16 +56,16 @@ class LatencyModel:
         return cast(list[float], self._iterations(computed, k).tolist())
 
     def window_times(self, computed: Sequence[int], k: int, start: float,
-                     extra: float = 0.0) -> tuple[list[float], list[float]]:
+                     extra: float = 0.0) -> tuple[np.ndarray, list[float]]:
         """A decode window's iterations: their times (`decode_iterations`, plus `extra`
-        each) and when each ends, from `start` on, as the one-iteration steps' clock adds
-        them (one after the other: a cumulative sum is sequential, to the bit)."""
+        each; an array) and when each ends, from `start` on, as the one-iteration steps'
+        clock adds them (one after the other: a cumulative sum is sequential, to the bit)."""
+        dts = self._iterations(computed, k)
+        if extra:
+            dts += extra
         t = np.empty(k + 1)
         t[0] = start
-        t[1:] = self._iterations(computed, k)
-        if extra:
-            t[1:] += extra
-        dts = cast(list[float], t[1:].tolist())
+        t[1:] = dts
         np.cumsum(t, out=t)
         return dts, cast(list[float], t[1:].tolist())
 
@@ -96,3 +96,12 @@ class LatencyModel:
             pairs += (b * (b + 1) - a * (a + 1)) >> 1
             kv += b
         return self.seconds(tokens, sampled, pairs, kv, len(scheduled))
+
+
+def running_sum(total: float, dts: np.ndarray) -> float:
+    """`total` + dts[0] + dts[1] + ..., added one after the other as one-iteration steps
+    add their times (a cumulative sum is sequential: the same float, to the bit)."""
+    acc = np.empty(len(dts) + 1)
+    acc[0] = total
+    acc[1:] = dts
+    return float(np.cumsum(acc, out=acc)[-1])

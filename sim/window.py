@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
+
 from engine.block_pool import BlockRemoved, KVBlock
 from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
@@ -49,7 +51,7 @@ class Step:
     dt: float
     end: float
     ends: list[float] | None = None
-    dts: list[float] | None = None
+    dts: np.ndarray | None = None  # a decode window's iterations' times
     done: int = 1
     window: Window | None = None
 

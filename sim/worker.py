@@ -24,7 +24,7 @@ from engine.pins import Pins
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from sim.index import InProcessBlockIndex
-from sim.latency import LatencyModel
+from sim.latency import LatencyModel, running_sum
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 from sim.tiers import SimTiers
@@ -158,8 +158,7 @@ class SimWorker(DecodeWindows):
                 if j < k:  # cut: the tokens handed ahead past iteration j are not sampled
                     cast(SimRequest, x.request).hand_ahead(j - k)
                     x.num_new_tokens = j
-            for d in step.dts[:j]:
-                self.busy_s += d
+            self.busy_s = running_sum(self.busy_s, step.dts[:j])
             self.steps += j
             self.tokens_computed += len(out.scheduled) * j
         sampled = {s.request.request_id: (0, None) for s in out.scheduled

@@ -227,7 +227,7 @@ def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
     """LatencyModel.decode_iterations gives each iteration of a decode window exactly
     (to the bit) what `seconds` gives that iteration as a one-token step, and
     window_times the clock those steps keep."""
-    from sim.latency import LatencyModel
+    from sim.latency import LatencyModel, running_sum
 
     lat = LatencyModel(replace(load_profile("h100"), combine=combine))
     for computed in ([7], [130, 4000, 77], list(range(1, 400, 13))):
@@ -237,8 +237,11 @@ def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
         assert lat.decode_iterations(computed, 64) == want
         # a window's clock: the steps' sequential sums, to the bit
         dts, ends = lat.window_times(computed, 64, 1234.5678, 3e-5)
-        assert dts == [d + 3e-5 for d in want]
-        assert ends == list(itertools.accumulate(dts, initial=1234.5678))[1:]
+        assert dts.tolist() == [d + 3e-5 for d in want]
+        assert ends == list(itertools.accumulate(dts.tolist(), initial=1234.5678))[1:]
+        # and a worker's busy time, summed as the steps would
+        assert running_sum(0.25, dts[:40]) == list(
+            itertools.accumulate(dts.tolist()[:40], initial=0.25))[-1]
 
 
 def test_remote_kv_landing_cuts_the_decode_window_first(tmp_path: Path) -> None:
