@@ -66,9 +66,6 @@ class BlockHasher:
         # part -> its blocks' hashes, one int object each for every request: a prefix
         # map's key is then the very object looked up (found by identity, no compare)
         self._parts: dict[int, tuple[int, ...]] = {}
-        # (chain, key, tokens) -> (its chain, its blocks' hashes): a segment of whole
-        # prompt blocks, as `_segment` made it the first time
-        self._whole: dict[tuple[int, int, int], tuple[int, tuple[int, ...]]] = {}
         self._last_chain = 0  # chain ids are never reused, also once forgotten
         self._epoch = 0
         self._fresh = 0
@@ -87,7 +84,6 @@ class BlockHasher:
                              "hasher has forgotten its prefixes (specs go in epoch order)")
         self._chains.clear()
         self._parts.clear()
-        self._whole.clear()
         self._epoch = epoch
 
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
@@ -103,50 +99,31 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
-        whole = self._whole
+        parts = self._parts
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
                 break
-            if start + n <= last and not start % bs and not n % bs:
-                # whole blocks of prompt: what they are depends on (chain, key, n) alone
-                got = whole.get((chain, key, n))
-                if got is None:
-                    got = whole[chain, key, n] = self._segment(chain, key, start, n, last)
-                chain, blocks = got
-            else:
-                chain, blocks = self._segment(chain, key, start, n, last)
-            out.extend(blocks)
+            chain = self._chain(chain, key)
+            first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
+            if stop >= first:
+                count = (stop - first) // bs + 1
+                part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
+                for done in range(0, count, _PART):  # chained on the one before
+                    if done:
+                        part = self._chain(part, _NEXT_PART)
+                    m = min(_PART, count - done)
+                    got = parts.get(part)
+                    if got is None or len(got) < m:
+                        base = part << SEGMENT_SHIFT
+                        got = parts[part] = tuple(range(base, base + m))
+                    out.extend(got if len(got) == m else got[:m])
             start += n
         for done in range(0, n_full - n_shared, _PART):
             self._fresh += 1
             base = -self._fresh << SEGMENT_SHIFT
             out.extend(range(base, base + min(_PART, n_full - n_shared - done)))
         return out
-
-    def _segment(self, parent: int, key: int, start: int, n: int, last: int
-                 ) -> tuple[int, tuple[int, ...]]:
-        """The chain of segment `key` (`n` tokens from `start`) after `parent`, and the
-        hashes of the prompt blocks ending in it (before `last`)."""
-        bs = self.block_size
-        chain = self._chain(parent, key)
-        first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
-        if stop < first:
-            return chain, ()
-        out: list[int] = []
-        parts = self._parts
-        count = (stop - first) // bs + 1
-        part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
-        for done in range(0, count, _PART):  # chained on the one before
-            if done:
-                part = self._chain(part, _NEXT_PART)
-            m = min(_PART, count - done)
-            got = parts.get(part)
-            if got is None or len(got) < m:
-                base = part << SEGMENT_SHIFT
-                got = parts[part] = tuple(range(base, base + m))
-            out.extend(got if len(got) == m else got[:m])
-        return chain, tuple(out)
 
 
 def from_bench(requests: Sequence[BenchRequest], load: LoadSpec) -> list[SimRequestSpec]:
