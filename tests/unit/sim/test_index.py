@@ -9,7 +9,7 @@ import random
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
 from sim.gateway import run_sync
 from sim.index import InProcessBlockIndex
-from sim.segments import SEGMENT_SHIFT, runs_of, runs_of_lazily
+from sim.segments import SEGMENT_SHIFT, _runs_numpy, runs_of, runs_of_lazily
 
 
 def plain_walk(state: dict[int, dict[str, set[str]]], hashes: list[int],
@@ -161,7 +161,8 @@ def test_segment_walk_matches_the_plain_walk() -> None:
 
 def test_lazy_runs_are_the_runs() -> None:
     """The walk's runs, found one at a time (a whole segment's range in one comparison),
-    are runs_of' on any list: consecutive or not, negative, long, broken mid-segment."""
+    are runs_of' on any list: consecutive or not, negative, long, broken mid-segment;
+    and runs_of's two ways (a Python loop, numpy for long runs) agree."""
     rng = random.Random(3)
     for t in range(4000):
         hashes: list[int] = []
@@ -176,6 +177,9 @@ def test_lazy_runs_are_the_runs() -> None:
                     i = rng.randrange(len(hashes))
                     hashes[i] += rng.choice((-1, 1))
         assert list(runs_of_lazily(hashes)) == runs_of(hashes), hashes
+        if hashes:  # numpy's runs (long events) are the Python loop's, sorted or not
+            for ordered in (True, False):
+                assert _runs_numpy(hashes, ordered) == runs_of(hashes, ordered), hashes
 
 
 def test_deferred_removals_take_effect_at_their_times() -> None:
