@@ -63,8 +63,8 @@ class SimGateway:
         self._pools = [w.kv.pool for w in self._workers]
         self._schedulers = [w.scheduler for w in self._workers]
         # the workers whose step in progress is a decode window that took blocks ahead
-        # (the simulator keeps it): the only ones whose free blocks in a report differ
-        # from their pool's count now
+        # (the simulator adds them; a report drops those with none ahead any more): the
+        # only ones whose free blocks in a report differ from their pool's count now
         self.windows: set[SimWorker] = set()
         self._cands = CandidateSet()
         self._reported = -1e30
@@ -88,8 +88,13 @@ class SimGateway:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""
         n = len(self._workers)
         free = np.fromiter(map(_FREE, self._pools), np.int64, n)
+        done = []
         for w in self.windows:  # a decode window took its later iterations' blocks ahead
-            free[self._row[w.worker_id]] = w.free_blocks_at(now)
+            if ahead := w.blocks_ahead(now):
+                free[self._row[w.worker_id]] += ahead
+            else:  # and none past now: the window's report is its pool's from now on
+                done.append(w)
+        self.windows.difference_update(done)
         return CandidateSet.from_columns(
             self._ids, self._ids, self._roles, self._ready,
             np.fromiter(map(len, map(_WAITING, self._schedulers)), np.int64, n),

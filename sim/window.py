@@ -110,7 +110,7 @@ class DecodeWindows:
         then (`cut`), as it would wait for that iteration's end; until then nothing
         another worker or the gateway reads differs from the one-iteration steps (the
         evictions are published at their iterations' starts, `window_due`; load
-        reports count blocks as of now, `free_blocks_at`). With offload tiers, the blocks
+        reports count blocks as of now, `blocks_ahead`). With offload tiers, the blocks
         the iterations fill are saved at those iterations' ends (`save_window`)."""
         s = self.scheduler
         if not self.windows or not s.running \
@@ -280,17 +280,17 @@ class DecodeWindows:
         self.kv.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
         w.kept = keep
 
-    def free_blocks_at(self, now: float) -> int:
-        """The pool's free blocks as the one-iteration steps have them at `now`: a
-        decode window has taken its later iterations' blocks already."""
-        free = self.kv.pool.num_free_blocks
+    def blocks_ahead(self, now: float) -> int:
+        """The blocks a decode window in progress took for iterations not started by
+        `now` (iteration i runs from the end of i - 1, exclusive, to its own, inclusive;
+        a cut kept those up to `done`): free in the pool as the one-iteration steps have
+        it at `now`. Once 0 it stays 0 for the window (a later cut keeps every iteration
+        started by then)."""
         step = self.current
         if self.busy and step is not None and step.window is not None:
-            # the takes of iterations started by `now` (iteration i runs from the end of
-            # i - 1, exclusive, to its own, inclusive); a cut kept those up to `done`
             w = step.window
-            free += max(0, w.kept - bisect_left(w.starts, now))
-        return free
+            return max(0, w.kept - bisect_left(w.starts, now))
+        return 0
 
     def _save_window_end(self, w: Window, done: int) -> None:
         """The save at a window's last iteration's end. update_from_output cached every
