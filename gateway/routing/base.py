@@ -229,9 +229,10 @@ def predicted_cached(req: RouteRequest, decode: Candidate, kv_peer_blocks: int) 
     return max(own, min(kv_peer_blocks, req.max_cached_blocks) * req.block_size)
 
 
-def clamp01(x: np.ndarray) -> np.ndarray:
-    """Scores clamped to [0, 1], NaN -> 0 (as min(1, max(0, x)) would)."""
-    return np.minimum(np.where(x >= 0.0, x, 0.0), 1.0)
+def clamp01(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Scores clamped to [0, 1], NaN -> 0 (as min(1, max(0, x)) would: fmax takes the
+    number of a NaN and a number); into `out` when given."""
+    return np.minimum(np.fmax(x, 0.0, out=out), 1.0, out=out)
 
 
 class Filter(Protocol):

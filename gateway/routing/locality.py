@@ -69,8 +69,11 @@ class PrefixLocalityScorer:
         # hashing a long tuple is what the stretches spare).
         rows = candidates.rows_of(locality.keys(), len(locality))
         runs = list(locality.values())
-        starts = [0, *itertools.compress(itertools.count(1),
-                                         map(operator.is_not, runs[1:], runs))]
+        if runs.count(runs[0]) == len(runs):  # one run for all (identity is checked
+            starts = [0]                       # first: one object costs no compares)
+        else:
+            starts = [0, *itertools.compress(itertools.count(1),
+                                             map(operator.is_not, runs[1:], runs))]
         by_value: dict[tuple[str, ...], float] = {}
         by_object: dict[int, float] = {}
         other = itertools.repeat(self.weights["other"])

@@ -167,15 +167,20 @@ class Router:
         self._decode_filter = FILTERS.create("ready_role", roles=DECODE_ROLES)
         self._prefill_filter = FILTERS.create("ready_role", roles=("prefill",))
         self._scorers = [(s.create(), s.weight) for s in profile.scorers]
+        self._weights = sum(w for _, w in self._scorers)
         self._picker = PICKERS.create(profile.picker, seed=profile.seed)
         self._decider = DECIDERS.create(profile.decider, threshold=profile.decider_threshold)
 
     def _weighted(self, req: RouteRequest, cands: CandidateSet) -> np.ndarray:
         total = np.zeros(len(cands))
+        part = np.empty(len(cands))
         for scorer, weight in self._scorers:
             # a plugin may return a list: as an array (no copy when it is one)
-            total = total + weight * clamp01(np.asarray(scorer.score(req, cands), np.float64))
-        return total / sum(w for _, w in self._scorers)
+            clamp01(np.asarray(scorer.score(req, cands), np.float64), out=part)
+            part *= weight
+            total += part
+        total /= self._weights
+        return total
 
     def route(self, req: RouteRequest,
               workers: CandidateSet | Sequence[Candidate]) -> RouteDecision:

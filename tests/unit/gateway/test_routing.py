@@ -7,7 +7,14 @@ import collections
 import numpy as np
 import pytest
 
-from gateway.routing.base import PICKERS, SCORERS, Candidate, CandidateSet, RouteRequest
+from gateway.routing.base import (
+    PICKERS,
+    SCORERS,
+    Candidate,
+    CandidateSet,
+    RouteRequest,
+    clamp01,
+)
 from gateway.routing.plugins import (
     KVUsageScorer,
     MaxScorePicker,
@@ -62,6 +69,14 @@ def test_scorers_are_in_unit_range_and_prefer_idle() -> None:
     assert kv[0] < kv[1] and kv[2] == 0.0 and all(0 <= s <= 1 for s in kv)
     assert kv[3] == 0.0 and kv[4] == 0.0  # out of range and NaN clamp to [0, 1]
 
+
+
+def test_clamp01_maps_nan_to_0_in_place_too() -> None:
+    x = np.array([np.nan, -1.0, 0.5, 2.0, np.inf, -np.inf, 0.0])
+    want = [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0]
+    assert clamp01(x).tolist() == want and np.isnan(x[0])  # a new array by default
+    out = np.empty(len(x))
+    assert clamp01(x, out=out) is out and out.tolist() == want
 
 def test_pickers() -> None:
     cs = CandidateSet([cand("a"), cand("b"), cand("c")])
