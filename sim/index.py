@@ -36,6 +36,7 @@ from sim.segments import LOW, SEGMENT_SHIFT, Segment, runs_of, runs_of_lazily, s
 _BIT = {t: 1 << i for i, t in enumerate(TIERS)}
 _BEST = [""] + [next(t for t in TIERS if m & _BIT[t]) for m in range(1, 1 << len(TIERS))]
 _ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
+_KEEP_HOLDERS, _KEPT = 64, 8  # lookups keep the last 8 sets of at least 64 holders
 
 
 class Deferred:
@@ -73,6 +74,7 @@ class InProcessBlockIndex:
         self._bit: dict[str, int] = {}  # node -> 1 << its number
         self._names: list[str] = []  # number -> node
         self._device_runs: dict[int, tuple[str, ...]] = {}  # depth -> ("device",) * depth
+        self._holders: dict[tuple[int, int], dict[str, tuple[str, ...]]] = {}
         self._allowed: tuple[frozenset[str] | None, int, int] = (None, 0, -1)
         self.errors = 0  # RedisBlockIndex's counter of failed calls (never here)
         self.lookups = 0
@@ -237,6 +239,21 @@ class InProcessBlockIndex:
             run = self._device_runs[depth] = ("device",) * depth
         return run
 
+    def _device_holders(self, bits: int, depth: int) -> dict[str, tuple[str, ...]]:
+        """node -> its run of `depth` device blocks, for the nodes of `bits`: a new dict.
+        The large ones are kept for the next lookups (most prompts of a trace start with
+        one shared prefix that most nodes hold: the same nodes, run after run)."""
+        key = (bits, depth)
+        got = self._holders.get(key)
+        if got is None:
+            got = dict.fromkeys(self._nodes_of(bits), self._device_run(depth))
+            if len(got) < _KEEP_HOLDERS:
+                return got
+            if len(self._holders) >= _KEPT:
+                del self._holders[next(iter(self._holders))]  # the oldest
+            self._holders[key] = got
+        return got.copy()
+
     def _device_bits(self, h: int) -> int:
         """The bitmap of the nodes holding `h` on the device."""
         c = h >> SEGMENT_SHIFT
@@ -361,7 +378,7 @@ class InProcessBlockIndex:
         runs: dict[str, tuple[str, ...]] = {}
         for depth in sorted(ends):
             bits = ends[depth]
-            device = dict.fromkeys(self._nodes_of(bits & ~tiered), self._device_run(depth))
+            device = self._device_holders(bits & ~tiered, depth)
             if runs:
                 runs.update(device)
             else:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+import sim.index
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
 from sim.gateway import run_sync
 from sim.index import InProcessBlockIndex
@@ -59,11 +62,14 @@ def test_bitmap_walk_matches_the_plain_walk() -> None:
     assert idx.num_entries() == sum(1 for h in state.values() for t in h.values() if t)
 
 
-def test_device_walk_matches_the_general_walk() -> None:
+@pytest.mark.parametrize("keep", [64, 1])
+def test_device_walk_matches_the_general_walk(keep: int, monkeypatch) -> None:
     """An index with the device tier alone (the walk skips the other tiers) against a
     twin that also holds one unrelated block on the host (the walk checks them). Same events
     (hashes listed twice, in both lists of one call, generators): the same lookups,
-    to the order of the runs (routing iterates it), and the plain walk's answer."""
+    to the order of the runs (routing iterates it), and the plain walk's answer. Also
+    with every set of holders kept for the next lookups (`keep` 1; 64 by default)."""
+    monkeypatch.setattr(sim.index, "_KEEP_HOLDERS", keep)
     rng = random.Random(11)
     names = [f"w{i}" for i in range(70)]
     fast, general = InProcessBlockIndex(), InProcessBlockIndex()
@@ -111,11 +117,14 @@ def test_device_walk_matches_the_general_walk() -> None:
     assert fast.num_entries() + 1 == general.num_entries()
 
 
-def test_segment_walk_matches_the_plain_walk() -> None:
+@pytest.mark.parametrize("keep", [64, 1])
+def test_segment_walk_matches_the_plain_walk(keep: int, monkeypatch) -> None:
     """Hashes laid out as the simulator's (sim/workload.py: a segment's blocks are
     consecutive ints): prompts of shared and own segments, stored as a pool stores
     them (prefixes), evicted tail first or at random, in batches long enough for the
-    vectorized runs and short ones; every lookup is the plain walk's answer."""
+    vectorized runs and short ones; every lookup is the plain walk's answer (also with
+    every set of holders kept for the next lookups: `keep` 1)."""
+    monkeypatch.setattr(sim.index, "_KEEP_HOLDERS", keep)
     rng = random.Random(5)
     names = [f"w{i}" for i in range(70)]
     idx = InProcessBlockIndex()
