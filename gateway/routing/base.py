@@ -43,6 +43,7 @@ class Candidate:
 
 
 ROLE_CODES = {"prefill": 0, "decode": 1, "colocated": 2}
+_KEEP_ROWS, _KEPT_ROWS = 64, 16  # rows_of keeps the last 16 lists of at least 64 ids
 
 
 class CandidateSet:
@@ -57,7 +58,7 @@ class CandidateSet:
     _DTYPES = (bool, np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)
 
     __slots__ = ("ids", "addresses", "roles", "role_code", *COLUMNS, "_items", "_pos",
-                 "_selected")
+                 "_selected", "_rows")
     ids: list[str]
     addresses: list[str]
     roles: list[str]
@@ -95,6 +96,7 @@ class CandidateSet:
             setattr(self, name, np.asarray(col, dtype))
         self._pos: dict[str, int] | None = None
         self._selected: dict[tuple[str, ...], CandidateSet] = {}
+        self._rows: dict[tuple[str, ...], np.ndarray] = {}
 
     @classmethod
     def of(cls, candidates: CandidateSet | Sequence[Candidate]) -> CandidateSet:
@@ -121,10 +123,22 @@ class CandidateSet:
             self._pos = {w: i for i, w in enumerate(self.ids)}
         return self._pos
 
-    def rows_of(self, worker_ids: Iterable[str], count: int = -1) -> np.ndarray:
-        """The row of each of `worker_ids` (-1: not a candidate), at C speed."""
-        return np.fromiter(map(self.pos.get, worker_ids, itertools.repeat(-1)), np.int64,
-                           count)
+    def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
+        """The row of each of `worker_ids` (-1: not a candidate), at C speed. Long lists'
+        rows are kept for the set's next calls (read-only arrays, the last few): routes
+        ask for the same holders again and again (the workers holding the prefix most
+        prompts start with), and the same misled workers."""
+        ids = tuple(worker_ids)
+        rows = self._rows.get(ids) if len(ids) >= _KEEP_ROWS else None
+        if rows is None:
+            rows = np.fromiter(map(self.pos.get, ids, itertools.repeat(-1)), np.int64,
+                               len(ids))
+            if len(ids) >= _KEEP_ROWS:
+                rows.flags.writeable = False
+                if len(self._rows) >= _KEPT_ROWS:
+                    del self._rows[next(iter(self._rows))]  # the oldest
+                self._rows[ids] = rows
+        return rows
 
     def ready_in(self, roles: tuple[str, ...]) -> CandidateSet:
         """The ready candidates whose role is one of `roles` (this set itself when all

@@ -67,7 +67,7 @@ class PrefixLocalityScorer:
         # length, the holders of one next to each other): a total per stretch of one
         # object, once per distinct value (Redis lookups give each node its own tuple;
         # hashing a long tuple is what the stretches spare).
-        rows = candidates.rows_of(locality.keys(), len(locality))
+        rows = candidates.rows_of(locality.keys())
         runs = list(locality.values())
         if runs.count(runs[0]) == len(runs):  # one run for all (identity is checked
             starts = [0]                       # first: one object costs no compares)
@@ -100,7 +100,7 @@ class PrefixLocalityScorer:
         trust: np.ndarray | float = 1.0  # no worker misled (x * 1.0 is x, to the bit)
         if misled := req.locality_trust:  # per candidate row, then the holders' rows
             per_row = np.ones(len(candidates))
-            where = candidates.rows_of(misled.keys(), len(misled))
+            where = candidates.rows_of(misled.keys())
             known = where >= 0
             per_row[where[known]] = np.fromiter(misled.values(), np.float64,
                                                 len(misled))[known]

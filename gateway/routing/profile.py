@@ -216,7 +216,7 @@ class Router:
         able = workers.ready_in(("decode", "prefill"))
         if not len(able):
             return None, 0
-        rows = able.rows_of(locality.keys(), len(locality))
+        rows = able.rows_of(locality.keys())
         found = rows >= 0
         held = np.zeros(len(able), np.int64)  # leading blocks per row
         held[rows[found]] = np.fromiter(map(len, locality.values()), np.int64,
