@@ -49,17 +49,13 @@ class LatencyModel:
         return p.step_overhead_s + p.seq_overhead_s * seqs + (
             (c if c > m else m) if self._max else c + m)
 
-    def decode_iterations(self, computed: Sequence[int], k: int) -> list[float]:
-        """The times of k successive one-token decode steps of rows that have computed
-        `computed` tokens: what `step` gives each of them (the same integer counts, so
-        the same floats)."""
-        return cast(list[float], self._iterations(computed, k).tolist())
-
     def window_times(self, computed: Sequence[int], k: int, start: float,
                      extra: float = 0.0) -> tuple[np.ndarray, list[float]]:
-        """A decode window's iterations: their times (`decode_iterations`, plus `extra`
-        each; an array) and when each ends, from `start` on, as the one-iteration steps'
-        clock adds them (one after the other: a cumulative sum is sequential, to the bit)."""
+        """A decode window's k iterations of rows that have computed `computed` tokens:
+        their times (an array: what `step` gives each as a one-token step, the same
+        integer counts so the same floats, plus `extra` each) and when each ends, from
+        `start` on, as the one-iteration steps' clock adds them (one after the other: a
+        cumulative sum is sequential, to the bit)."""
         dts = self._iterations(computed, k)
         if extra:
             dts += extra

@@ -224,9 +224,9 @@ def test_decode_windows_are_exact(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("combine", ["max", "sum"])
 def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
-    """LatencyModel.decode_iterations gives each iteration of a decode window exactly
-    (to the bit) what `seconds` gives that iteration as a one-token step, and
-    window_times the clock those steps keep."""
+    """LatencyModel.window_times gives each iteration of a decode window exactly (to
+    the bit) what `seconds` gives that iteration as a one-token step, and the clock
+    those steps keep."""
     from sim.latency import LatencyModel, running_sum
 
     lat = LatencyModel(replace(load_profile("h100"), combine=combine))
@@ -234,7 +234,7 @@ def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
         rows, base = len(computed), sum(computed)
         want = [lat.seconds(rows, rows, base + rows * j, base + rows * j, rows)
                 for j in range(1, 65)]
-        assert lat.decode_iterations(computed, 64) == want
+        assert lat.window_times(computed, 64, 0.0)[0].tolist() == want
         # a window's clock: the steps' sequential sums, to the bit
         dts, ends = lat.window_times(computed, 64, 1234.5678, 3e-5)
         assert dts.tolist() == [d + 3e-5 for d in want]
