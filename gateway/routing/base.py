@@ -95,7 +95,7 @@ class CandidateSet:
         for name, dtype, col in zip(self.COLUMNS, self._DTYPES, columns, strict=True):
             setattr(self, name, np.asarray(col, dtype))
         self._pos: dict[str, int] | None = None
-        self._selected: dict[tuple[str, ...], CandidateSet] = {}
+        self._selected: dict[tuple[str, ...], CandidateSet | None] = {}
         self._rows: dict[tuple[str, ...], np.ndarray] = {}
 
     @classmethod
@@ -143,12 +143,15 @@ class CandidateSet:
     def ready_in(self, roles: tuple[str, ...]) -> CandidateSet:
         """The ready candidates whose role is one of `roles` (this set itself when all
         are); a subset is kept until the set changes."""
-        got = self._selected.get(roles)
-        if got is None:
+        if roles in self._selected:
+            got = self._selected[roles]
+        else:
             keep = self.ready & np.isin(self.role_code, [ROLE_CODES.get(r, -2) for r in roles])
-            got = self if keep.all() else self.take(np.flatnonzero(keep).tolist())
-            self._selected[roles] = got
-        return got
+            # None for the set itself: a reference to it would make a cycle, garbage only
+            # the cyclic collector frees (the simulator runs with it off)
+            got = self._selected[roles] = None if keep.all() \
+                else self.take(np.flatnonzero(keep).tolist())
+        return self if got is None else got
 
     def take(self, rows: Sequence[int]) -> CandidateSet:
         """The rows `rows` as a new set."""
@@ -166,7 +169,7 @@ class CandidateSet:
             self.inflight[i] = n
             self._items[i] = None
             # a subset holds its own copy of the column: made again on next use
-            self._selected = {k: v for k, v in self._selected.items() if v is self}
+            self._selected = {k: v for k, v in self._selected.items() if v is None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 
 import numpy as np
 import pytest
@@ -54,6 +55,23 @@ def test_candidate_set_inflight_update_reaches_its_subsets() -> None:
     assert cs.inflight.tolist() == [0, 0, 4] and cs[2].inflight == 4
     assert cs.ready_in(("decode",)).inflight.tolist() == [4]
     assert cs.rows_of(["d", "x", "a"]).tolist() == [2, -1, 0]
+
+
+def test_a_set_selecting_all_of_itself_is_freed_without_the_cyclic_collector() -> None:
+    """ready_in keeps a subset per roles; when the subset is the whole set, keeping it
+    must not be a reference to itself: a cycle is freed only by the cyclic collector,
+    which the simulator turns off (each load report's set would stay until the end)."""
+    cs = CandidateSet([cand("a"), cand("d", "decode")])
+    before = sys.getrefcount(cs)
+    assert cs.ready_in(("colocated", "decode")) is cs
+    assert cs.ready_in(("colocated", "decode")) is cs  # kept, not computed again
+    assert sys.getrefcount(cs) == before
+    part = cs.ready_in(("decode",))
+    assert part is not cs and part.ids == ["d"] and cs.ready_in(("decode",)) is part
+    assert sys.getrefcount(cs) == before
+    cs.set_inflight("d", 2)  # the subset (a copy of the column) goes; the whole set stays
+    assert cs.ready_in(("decode",)).inflight.tolist() == [2]
+    assert cs.ready_in(("colocated", "decode")) is cs
 
 
 def test_long_lists_rows_are_kept_read_only() -> None:
