@@ -26,6 +26,7 @@ import io
 import itertools
 import json
 import pstats
+import resource
 import time
 from collections.abc import Iterator
 from typing import cast
@@ -141,10 +142,13 @@ def run(args: argparse.Namespace) -> int:
            "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
            "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
            "rate_by_tenth": tenths, "projected_1M_s": round(projected, 1),
+           # the process's peak so far (Linux: KiB): the cluster's pools and the run's
+           # state; a million requests must fit the machine too
+           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
           f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
-          f"{out['events_per_s']} events/s")
+          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "
           f"{projected:.0f} s (target {TARGET_S:.0f} s on {TARGET_WORKERS} workers; the "
