@@ -115,6 +115,16 @@ def test_a_run_makes_no_cyclic_garbage(tmp_path: Path, name: str) -> None:
     assert sim.stats.events > len(specs) and not kinds, kinds
 
 
+def test_a_run_leaves_what_it_keeps_in_the_oldest_generation(tmp_path: Path) -> None:
+    """The collector is back on after a run, and what the run made and kept (its
+    results, index entries) is in the oldest generation: left young, the first young
+    collection walked all of it (0.36 s after 40,000 requests at 512 workers)."""
+    sim, res = run(CONFIGS["colocated"], trace_specs(tmp_path))
+    assert gc.isenabled() and gc.is_tracked(res[0])
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert all(id(r) in oldest for r in res)
+
+
 def test_a_request_the_engine_refuses_fails_alone() -> None:
     """A prompt longer than the worker's KV pool gets the engine's 400 and does not hold
     up the queue behind it (head-of-line forever)."""
