@@ -25,11 +25,9 @@ sim/gateway.py.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -38,6 +36,7 @@ from engine.kv_cache_manager import cdiv
 from engine.request import RequestStatus
 from gateway.routing.base import RouteDecision, RouteRequest
 from gateway.routing.profile import NoCandidates
+from sim.collector import long_lived_heap
 from sim.config import ClusterConfig
 from sim.gateway import SimGateway
 from sim.index import InProcessBlockIndex
@@ -49,30 +48,6 @@ from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
 
 _INF = float("inf")
-
-
-@contextmanager
-def _long_lived_heap() -> Iterator[None]:
-    """No cyclic GC while building and running a cluster: what exists when it starts
-    (above all the pools' blocks, ~13 M objects at 512 workers) is frozen, and the
-    collector is off. A run makes no cyclic garbage (tested: colocated, disaggregated and
-    tiered; anything it did would stay until the run ends), so collections only
-    scanned the objects it keeps (requests, results, index entries): 4 % of a
-    40,000-request run at 512 workers even with young collections every 100,000
-    allocations, 8 % with the default 700, and building that cluster took 9.3 s
-    instead of 5.8. Restored (enabled, thawed) on exit, with what the run made and
-    kept in the oldest generation: left young, it was all walked by the collector's
-    first collection (0.36 s after 40,000 requests at 512 workers)."""
-    enabled = gc.isenabled()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.freeze()  # every generation's objects, the run's too, to the frozen set
-        gc.unfreeze()  # and all of it to the oldest generation, unscanned
-        if enabled:
-            gc.enable()
 
 
 @dataclass(slots=True)
@@ -124,7 +99,7 @@ class Simulator:
                              config.disk_blocks) for i in range(config.decode)]
         specs += [WorkerSpec(f"colocated-{i}", "colocated", nb, config.host_blocks,
                              config.disk_blocks) for i in range(config.colocated)]
-        with _long_lived_heap():
+        with long_lived_heap():
             self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
                                                    config.max_model_len, self.clock,
                                                    config.decode_windows)
@@ -158,7 +133,7 @@ class Simulator:
         heap = self._heap
         pop = heapq.heappop
         n = 0
-        with _long_lived_heap():
+        with long_lived_heap():
             while heap:
                 t, _, fn, arg = pop(heap)
                 self.now = t

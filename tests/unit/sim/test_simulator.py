@@ -89,7 +89,7 @@ def test_conservation(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_run_makes_no_cyclic_garbage(tmp_path: Path, name: str) -> None:
-    """A run has the cyclic collector off (sim/cluster.py): what it leaves in reference
+    """A run has the cyclic collector off (sim/collector.py): what it leaves in reference
     cycles stays until it ends (before: each load report's candidate set, ~5 KB a
     request at 512 workers). Counted: the garbage of this project's types made by the
     run (earlier tests may leave cycles of their own, e.g. matplotlib's figures)."""
