@@ -9,6 +9,9 @@ the Mooncake conversation trace as load.
   goodput under a TTFT/TPOT SLO (DistServe's question), as the load rises.
 - `tiers`: by device cache size, the hit rate and TTFT with host and disk tiers behind
   the device, and the value of peer fetch between decode workers.
+- `block-size`: the same cluster and load with the KV memory in blocks of 16 to 512
+  tokens (the same tokens each): what coarser blocks change in the answers, against
+  how much faster they simulate (a scale run's choice: sim bench, docs/results.md).
 
 Each writes `sim-NAME.{json,md}` and plots (bench/report.py's format) into --out-dir.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
+from bench.base import BenchError
 from bench.metrics import parse_slo
 from bench.report import Report, write_report
 from bench.routing_bench import sample_trace
@@ -37,7 +41,9 @@ from sim.profile import HardwareProfile, load_profile, with_block_size
 from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
 from sim.workload import mooncake, trace_rate
 
-EXPERIMENTS = ("routing", "pd-ratio", "tiers")
+EXPERIMENTS = ("routing", "pd-ratio", "tiers", "block-size")
+BLOCK_SIZES = (16, 32, 64, 128, 256, 512)  # the first: the reference the others are held to
+RESEEDS = 2  # the reference again with other seeds: the spread of chance
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     prof = load_profile(args.hardware)
     if args.block_size:
+        if args.name == "block-size":
+            raise BenchError("the block-size experiment sets the block size of each phase: "
+                             "drop --block-size")
         prof = with_block_size(prof, args.block_size)
     slo = parse_slo(args.slo)
     rates = [float(r) for r in args.rates.split(",") if r] or DEFAULT_RATES[args.name]
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 "workers": args.workers, "requests_per_phase": args.requests,
                 "trace_sample": sample,
                 "rates_per_gpu": rates, "slo": slo, "trace": os.path.basename(args.trace),
-                "block_size": prof.block_size,
+                "block_size": "per phase" if args.name == "block-size" else prof.block_size,
                 "max_in_flight": args.max_in_flight or "the gateway's default (32 per "
                                  "decode/colocated worker, at least 256)",
                 "phases": {p.name: {k: v for k, v in r.extras.items() if k != "workers"}
@@ -141,16 +150,20 @@ class Job:
     rate: float
     config: str
     params: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 0  # the profile's KV memory in blocks of this many tokens (0: as is)
 
 
-def _job(cfg: ClusterConfig, rate: float, config: str, **params: Any) -> Job:
-    return Job(cfg, rate, config, params)
+def _job(cfg: ClusterConfig, rate: float, config: str, block_size: int = 0,
+         **params: Any) -> Job:
+    return Job(cfg, rate, config, params, block_size)
 
 
 def _run(args: argparse.Namespace, prof: HardwareProfile, slo: dict[str, float],
          job: Job) -> SimRun:
     name = f"{job.config} @ {job.rate:g}/GPU"
     print(f"  {name}...", flush=True)
+    if job.block_size:
+        prof = with_block_size(prof, job.block_size)
     return simulate(replace(job.cfg, seed=args.seed, itl_every=10,
                             max_in_flight=args.max_in_flight),
                     prof, _trace(args, job.rate), name, slo,
@@ -214,6 +227,29 @@ def tiers(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -
         cfg = ClusterConfig(prefill=w // 4, decode=w - w // 4, colocated=0, num_blocks=nb,
                             routing=replace(pd, peer_fetch_min_blocks=need))
         out.append(_job(cfg, rate, f"{label} 1/8", device_blocks=nb))
+    return out
+
+
+# -- block-size --------------------------------------------------------------------------
+def block_size(args: argparse.Namespace, prof: HardwareProfile,
+               rates: list[float]) -> list[Job]:
+    """Colocated, cache-aware; per rate, one phase per block size (the same tokens of KV
+    memory: with_block_size), then the reference size again with the pickers reseeded
+    (their ties broken otherwise): how far an answer moves for no reason of the model's,
+    the yardstick of the other sizes' moves."""
+    out = []
+    for rate in rates:
+        for bs in BLOCK_SIZES:
+            cfg = ClusterConfig(colocated=args.workers,
+                                routing=routing_profile("cache_aware", args.seed))
+            out.append(_job(cfg, rate, f"{bs}-token blocks", block_size=bs,
+                            block_tokens=bs, reseeded=0))
+        for k in range(1, RESEEDS + 1):
+            cfg = ClusterConfig(colocated=args.workers,
+                                routing=routing_profile("cache_aware", args.seed + k))
+            out.append(_job(cfg, rate, f"{BLOCK_SIZES[0]}-token blocks, seed +{k}",
+                            block_size=BLOCK_SIZES[0], block_tokens=BLOCK_SIZES[0],
+                            reseeded=k))
     return out
 
 
@@ -295,6 +331,50 @@ def tiers_headline(runs: list[SimRun]) -> dict[str, Any]:
     return out
 
 
+_HELD = (("hit_rate", "cached_ratio", None), ("ttft_p50", "ttft_s", "p50"),
+         ("ttft_p99", "ttft_s", "p99"), ("tpot_p50", "tpot_s", "p50"),
+         ("tpot_p99", "tpot_s", "p99"), ("itl_p99", "itl_s", "p99"),
+         ("goodput", "goodput_fraction", None), ("throughput", "request_throughput", None))
+
+
+def block_size_headline(runs: list[SimRun]) -> dict[str, Any]:
+    """Per rate and block size: each answer, and how far it moved from the first block
+    size's (the reference), next to how far the reseeded references moved; the
+    simulator's speed against the reference's."""
+    def value(r: SimRun, metric: str, q: str | None) -> float | None:
+        v = r.phase.summary.get(metric)
+        if q is not None:
+            v = (v or {}).get(q)
+        return None if v is None else float(v)
+
+    def moved(runs: list[SimRun], ref: SimRun, metric: str, q: str | None) -> str:
+        base = value(ref, metric, q)
+        out = []
+        for r in runs:
+            v = value(r, metric, q)
+            out.append("-" if v is None or not base else f"{100 * (v / base - 1):+.1f} %")
+        return " / ".join(out)
+
+    out: dict[str, Any] = {"order": " / ".join(str(b) for b in BLOCK_SIZES) + " tokens"}
+    ref_bs = BLOCK_SIZES[0]
+    for rate in _rates(runs):
+        at = [r for r in runs if r.phase.params["rate"] == rate]
+        sizes = sorted((r for r in at if not r.phase.params["reseeded"]),
+                       key=lambda r: r.phase.params["block_tokens"])
+        reseeded = [r for r in at if r.phase.params["reseeded"]]
+        ref = sizes[0]
+        for label, metric, q in _HELD:
+            out[f"{label} @ {rate:g} req/s"] = _row(sizes, metric, q)
+            out[f"{label} vs {ref_bs} @ {rate:g} req/s"] = moved(sizes[1:], ref, metric, q)
+            if reseeded:
+                out[f"{label} {ref_bs} reseeded @ {rate:g} req/s"] = \
+                    moved(reseeded, ref, metric, q)
+        speed = [r.extras["sim_requests_per_s"] for r in sizes]
+        out[f"simulated req/s @ {rate:g} req/s"] = " / ".join(
+            f"{s:g} ({s / speed[0]:.2f}x)" for s in speed)
+    return out
+
+
 def metric_plot(phases: list[Phase], path: str, title: str) -> str | None:
     """Goodput and hit rate per phase, grouped by config, against the request rate."""
     from bench.plots import _plt
@@ -333,14 +413,16 @@ def _nth(n: int) -> str:
 
 
 DEFAULT_RATES = {"routing": [0.5, 1.0, 2.0, 3.0, 4.0], "pd-ratio": [1.0, 2.0],
-                 "tiers": [1.0]}
+                 "tiers": [1.0], "block-size": [1.0, 2.0]}
 RUNNERS: dict[str, Callable[..., list[Job]]] = {
-    "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers}
+    "routing": routing, "pd-ratio": pd_ratio, "tiers": tiers, "block-size": block_size}
 HEADLINES: dict[str, Callable[[list[SimRun]], dict[str, Any]]] = {
-    "routing": routing_headline, "pd-ratio": pd_headline, "tiers": tiers_headline}
+    "routing": routing_headline, "pd-ratio": pd_headline, "tiers": tiers_headline,
+    "block-size": block_size_headline}
 TITLES = {"routing": "Simulated routing profiles on {w} {hw} GPUs, Mooncake trace",
           "pd-ratio": "Simulated prefill:decode splits of {w} {hw} GPUs, Mooncake trace",
-          "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace"}
+          "tiers": "Simulated KV tiers and peer fetch on {w} {hw} GPUs, Mooncake trace",
+          "block-size": "Simulated KV block sizes on {w} {hw} GPUs, Mooncake trace"}
 NOTES = {
     "routing": ["Rates are the whole cluster's; each phase replays the same records "
                 "({sample}), time-scaled to that mean rate.",
@@ -357,4 +439,13 @@ NOTES = {
     "tiers": ["Device cache sizes are fractions of the profile's KV blocks per GPU, so that "
               "the trace's reuse outgrows the device; a prompt that needs more blocks than "
               "the device has is refused (400), as the engine refuses it."],
+    "block-size": ["Each block size keeps the profile's KV memory (as many tokens: the pool "
+                   "in blocks of that size), colocated workers, cache-aware routing; the "
+                   "trace's prefixes are shared in its 512-token hash blocks at every size.",
+                   "`vs 16`: how far each answer moved from the 16-token phase's (the "
+                   "engine's block size); `16 reseeded`: how far it moved at 16-token "
+                   "blocks with the pickers' seed changed (ties broken otherwise): a move "
+                   "of that size is chance, not the block size. Simulated req/s: the "
+                   "simulator's own speed (the phases run --jobs at a time on this "
+                   "machine), against the 16-token phase's."],
 }

@@ -141,6 +141,9 @@ def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
             "peer_fetches": st.peer_fetches, "peer_misses": st.peer_misses,
             "rejected": st.rejected, "stalled": st.stalled, "invalid": st.invalid,
             "events": st.events,
+            # the KV geometry (the block-size experiment varies it)
+            "block_size": sim.profile.block_size,
+            "blocks_per_worker": next(iter(sim.workers.values())).kv.pool.num_blocks,
             "wall_s": round(wall_s, 3),
             "sim_requests_per_s": round(len(phase.results) / wall_s, 1), "workers": workers}
 
