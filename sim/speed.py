@@ -12,6 +12,13 @@ It also times the gateway's routing of one request on the cluster the run left b
 next `--route-sample` requests of the trace, each looked up, filled and routed (nothing
 is sent), in microseconds per request.
 
+`--pool-churn` holds the per-block work to its machine limit: the engine's block pool
+taking a prompt's worth of blocks (each evicting a cached one), caching and freeing
+them, per block, in one pool (its memory in the CPU's caches) and in as many full pools
+as the run had workers, a random one each time (the run's case: every prompt goes to a
+pool whose memory the CPU has not touched for a while). The ratio is what the memory's
+latency adds to each block; the run does that work for every block of every prompt.
+
 `--breakdown` splits the run's wall time (sim/accounting.py): the production engines'
 and gateway's code, the in-process index, the simulator's own. The first two are a floor
 under any simulator that runs them: their share alone, projected to a million requests,
@@ -60,7 +67,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(sim/accounting.py; ~1 us per wrapped call)")
     p.add_argument("--route-sample", type=int, default=500,
                    help="requests routed again after the run to time routing (0: skip)")
+    p.add_argument("--pool-churn", action="store_true",
+                   help="after the run: the block pool's per-block cost in one pool vs in "
+                        "the run's pools (memory latency's share)")
     p.add_argument("--json", default=None)
+
+
+def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
+               seed: int = 0) -> float:
+    """Nanoseconds per block for `requests` prompts of `per_request` blocks, each taken
+    from a random one of `pools` full pools of `num_blocks` cached blocks (evicting as
+    many), cached under new hashes and freed, as the simulated workers' pools do."""
+    import random
+
+    from engine.block_pool import BlockPool
+
+    if not 0 < per_request <= num_blocks:
+        raise ValueError(f"per_request must be in 1..{num_blocks}, got {per_request}")
+    rng = random.Random(seed)
+    next_hash = 0
+
+    def prompt(pool: BlockPool, n: int) -> None:
+        nonlocal next_hash
+        blocks = pool.get_new_blocks(n)
+        assert blocks is not None
+        pool.cache_full_blocks(blocks, list(range(next_hash, next_hash + n)), None)
+        next_hash += n
+        pool.free(reversed(blocks))
+        pool.take_events()
+
+    full = []
+    for _ in range(pools):
+        pool = BlockPool(num_blocks)
+        prompt(pool, num_blocks)  # every block cached: each later take evicts
+        full.append(pool)
+    t0 = time.perf_counter()
+    for _ in range(requests):
+        prompt(full[rng.randrange(pools)], per_request)
+    return (time.perf_counter() - t0) / (requests * per_request) * 1e9
 
 
 def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
@@ -167,6 +211,20 @@ def run(args: argparse.Namespace) -> int:
         out["route_us"] = route_cost(sim, sample)
         print(f"gateway routing per request on the final state ({len(sample)} requests): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in out["route_us"].items()))
+    if args.pool_churn:
+        per_request = max(1, round(sum(r.prompt_len + (r.output_len or 0) for r in results)
+                                   / max(1, len(results)) / prof.block_size))
+        sim_blocks = next(iter(sim.workers.values())).kv.pool.num_blocks
+        per_request = min(per_request, sim_blocks)
+        n = max(1, 5_000_000 // per_request)  # 5M blocks: seconds
+        hot = pool_churn(1, sim_blocks, per_request, n)
+        cold = pool_churn(args.workers, sim_blocks, per_request, n)
+        out["pool_churn_ns"] = {"blocks_per_request": per_request, "one_pool": round(hot, 1),
+                                "run_pools": round(cold, 1)}
+        print(f"the block pool's work per block (a prompt's {per_request} blocks taken, "
+              f"evicting, cached, freed): {hot:.0f} ns in one pool, {cold:.0f} ns in "
+              f"{args.workers} pools of {sim_blocks:,} ({cold / hot:.2f}x: memory latency); "
+              f"{cold * per_request / 1000:.0f} us a prompt")
     if prof_run is not None:
         buf = io.StringIO()
         pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)

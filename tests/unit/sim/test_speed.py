@@ -128,3 +128,37 @@ def test_the_progress_bar_changes_nothing(tmp_path: Path, capsys) -> None:
     shown = simulate(CONFIGS["disaggregated"], profile(), specs, "p", progress=len(specs))
     assert key(shown.phase.results) == key(plain.phase.results)
     assert f"{len(specs)}/{len(specs)}" in capsys.readouterr().err
+
+
+def test_pool_churn_times_the_engines_pool_in_one_and_in_many(tmp_path: Path) -> None:
+    """`--pool-churn`: the engine's block pool taking, caching and freeing a prompt's
+    blocks, per block, in one pool and in the run's pools; each take evicts (the pools
+    start full of cached blocks), and a prompt longer than a pool is refused."""
+    import pytest
+
+    from engine.block_pool import BlockPool
+
+    assert speed.pool_churn(3, 50, 20, 10) > 0
+    with pytest.raises(ValueError, match="per_request"):
+        speed.pool_churn(1, 10, 11, 1)
+    # what it times evicts: a full pool, then a prompt's worth taken
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(8)
+    assert blocks is not None
+    pool.cache_full_blocks(blocks, list(range(8)), None)
+    pool.free(reversed(blocks))
+    pool.take_events()
+    again = pool.get_new_blocks(3)
+    assert again is not None and pool.num_cached_blocks == 5
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    p = argparse.ArgumentParser()
+    speed.add_arguments(p)
+    out = tmp_path / "bench.json"
+    args = p.parse_args(["--workers", "3", "--requests", "8", "--route-sample", "0",
+                         "--trace", str(trace), "--block-size", "64", "--pool-churn",
+                         "--json", str(out)])
+    assert speed.run(args) == 0
+    churn = json.loads(out.read_text())["pool_churn_ns"]
+    assert churn["blocks_per_request"] >= 1
+    assert churn["one_pool"] > 0 and churn["run_pools"] > 0
