@@ -77,33 +77,56 @@ def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
                seed: int = 0) -> float:
     """Nanoseconds per block for `requests` prompts of `per_request` blocks, each taken
     from a random one of `pools` full pools of `num_blocks` cached blocks (evicting as
-    many), cached under new hashes and freed, as the simulated workers' pools do."""
+    many), cached under new hashes and freed, as the simulated workers' pools do. With
+    many pools the three steps of a prompt are apart (other prompts' in between, as
+    other workers' events come between a step's start, its end and the request's),
+    so each finds its blocks where the memory left them; one pool does them back to back."""
     import random
+    from collections import deque
 
-    from engine.block_pool import BlockPool
+    from engine.block_pool import BlockPool, KVBlock
 
     if not 0 < per_request <= num_blocks:
         raise ValueError(f"per_request must be in 1..{num_blocks}, got {per_request}")
     rng = random.Random(seed)
-    next_hash = 0
+    lag = min(32, pools // 8)  # prompts between a prompt's take and its caching, and
+    next_hash = 0              # between its caching and its free
 
-    def prompt(pool: BlockPool, n: int) -> None:
-        nonlocal next_hash
+    def take(pool: BlockPool, n: int) -> tuple[BlockPool, list[KVBlock]]:
         blocks = pool.get_new_blocks(n)
-        assert blocks is not None
-        pool.cache_full_blocks(blocks, list(range(next_hash, next_hash + n)), None)
-        next_hash += n
+        if blocks is None:
+            raise RuntimeError("pool churn: a pool ran dry (too many prompts in flight)")
+        return pool, blocks
+
+    def cache(pool: BlockPool, blocks: list[KVBlock]) -> None:
+        nonlocal next_hash
+        pool.cache_full_blocks(blocks, list(range(next_hash, next_hash + len(blocks))), None)
+        next_hash += len(blocks)
+
+    def free(pool: BlockPool, blocks: list[KVBlock]) -> None:
         pool.free(reversed(blocks))
         pool.take_events()
 
     full = []
     for _ in range(pools):
-        pool = BlockPool(num_blocks)
-        prompt(pool, num_blocks)  # every block cached: each later take evicts
+        pool, blocks = take(BlockPool(num_blocks), num_blocks)
+        cache(pool, blocks)  # every block cached: each later take evicts
+        free(pool, blocks)
         full.append(pool)
+    taken: deque[tuple[BlockPool, list[KVBlock]]] = deque()
+    cached: deque[tuple[BlockPool, list[KVBlock]]] = deque()
     t0 = time.perf_counter()
     for _ in range(requests):
-        prompt(full[rng.randrange(pools)], per_request)
+        taken.append(take(full[rng.randrange(pools)], per_request))
+        if len(taken) > lag:
+            cache(*taken[0])
+            cached.append(taken.popleft())
+        if len(cached) > lag:
+            free(*cached.popleft())
+    for prompt in taken:
+        cache(*prompt)
+    for prompt in (*cached, *taken):
+        free(*prompt)
     return (time.perf_counter() - t0) / (requests * per_request) * 1e9
 
 
