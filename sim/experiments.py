@@ -237,20 +237,13 @@ def block_size(args: argparse.Namespace, prof: HardwareProfile,
     memory: with_block_size), then the reference size again with the pickers reseeded
     (their ties broken otherwise): how far an answer moves for no reason of the model's,
     the yardstick of the other sizes' moves."""
-    out = []
-    for rate in rates:
-        for bs in BLOCK_SIZES:
-            cfg = ClusterConfig(colocated=args.workers,
-                                routing=routing_profile("cache_aware", args.seed))
-            out.append(_job(cfg, rate, f"{bs}-token blocks", block_size=bs,
-                            block_tokens=bs, reseeded=0))
-        for k in range(1, RESEEDS + 1):
-            cfg = ClusterConfig(colocated=args.workers,
-                                routing=routing_profile("cache_aware", args.seed + k))
-            out.append(_job(cfg, rate, f"{BLOCK_SIZES[0]}-token blocks, seed +{k}",
-                            block_size=BLOCK_SIZES[0], block_tokens=BLOCK_SIZES[0],
-                            reseeded=k))
-    return out
+    phases = [(bs, 0) for bs in BLOCK_SIZES] \
+        + [(BLOCK_SIZES[0], k) for k in range(1, RESEEDS + 1)]
+    return [_job(ClusterConfig(colocated=args.workers,
+                               routing=routing_profile("cache_aware", args.seed + k)),
+                 rate, f"{bs}-token blocks" + (f", seed +{k}" if k else ""),
+                 block_size=bs, block_tokens=bs, reseeded=k)
+            for rate in rates for bs, k in phases]
 
 
 # -- summaries and plots -------------------------------------------------------------------

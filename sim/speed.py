@@ -89,8 +89,10 @@ def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
     if not 0 < per_request <= num_blocks:
         raise ValueError(f"per_request must be in 1..{num_blocks}, got {per_request}")
     rng = random.Random(seed)
-    lag = min(32, pools // 8)  # prompts between a prompt's take and its caching, and
-    next_hash = 0              # between its caching and its free
+    # prompts between a prompt's take and its caching, and between its caching and its
+    # free: at most as many as one pool can hold at once (all of them in one pool)
+    lag = min(32, pools // 8, num_blocks // (2 * per_request))
+    next_hash = 0
 
     def take(pool: BlockPool, n: int) -> tuple[BlockPool, list[KVBlock]]:
         blocks = pool.get_new_blocks(n)
