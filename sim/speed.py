@@ -14,10 +14,12 @@ is sent), in microseconds per request.
 
 `--pool-churn` holds the per-block work to its machine limit: the engine's block pool
 taking a prompt's worth of blocks (each evicting a cached one), caching and freeing
-them, per block, in one pool (its memory in the CPU's caches) and in as many full pools
-as the run had workers, a random one each time (the run's case: every prompt goes to a
-pool whose memory the CPU has not touched for a while). The ratio is what the memory's
-latency adds to each block; the run does that work for every block of every prompt.
+them, per block and step, in one pool (its memory in the CPU's caches), in as many full
+pools as the run had workers, a random one each time (every prompt goes to a pool whose
+memory the CPU has not touched for a while), and the same steps timed inside the run
+(the run wraps its workers' KVCacheManager calls for it). Against one pool, the second
+is what the pools' own memory adds; the third, what the rest of the run adds (its
+working set evicts a pool's lines between a prompt's steps).
 
 `--breakdown` splits the run's wall time (sim/accounting.py): the production engines'
 and gateway's code, the in-process index, the simulator's own. The first two are a floor
@@ -35,9 +37,10 @@ import json
 import pstats
 import resource
 import time
-from collections.abc import Iterator
-from typing import cast
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
+from engine.kv_cache_manager import KVCacheManager
 from sim.accounting import Accounting
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
@@ -73,14 +76,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None)
 
 
+STEPS = ("take", "cache", "free")  # a prompt's blocks through the pool, in order
+
+
 def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
-               seed: int = 0) -> float:
-    """Nanoseconds per block for `requests` prompts of `per_request` blocks, each taken
-    from a random one of `pools` full pools of `num_blocks` cached blocks (evicting as
-    many), cached under new hashes and freed, as the simulated workers' pools do. With
-    many pools the three steps of a prompt are apart (other prompts' in between, as
-    other workers' events come between a step's start, its end and the request's),
-    so each finds its blocks where the memory left them; one pool does them back to back."""
+               seed: int = 0) -> dict[str, float]:
+    """Nanoseconds per block of each step (`STEPS`) for `requests` prompts of
+    `per_request` blocks, each taken from a random one of `pools` full pools of
+    `num_blocks` cached blocks (evicting as many), cached under new hashes and freed, as
+    the simulated workers' pools do. With many pools the three steps of a prompt are
+    apart (other prompts' in between, as other workers' events come between a step's
+    start, its end and the request's), so each finds its blocks where the memory left
+    them; one pool does them back to back.
+
+    Timed in the pools' steady state: the same churn first runs untimed until every
+    pool has cached twice its size anew. A prefix map (a dict) under churn compacts
+    itself every ~2x its size of new entries (its deletions leave holes); a pool new to
+    churn has not yet, and a run's pools do, a million requests over."""
     import random
     from collections import deque
 
@@ -93,21 +105,45 @@ def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
     # free: at most as many as one pool can hold at once (all of them in one pool)
     lag = min(32, pools // 8, num_blocks // (2 * per_request))
     next_hash = 0
+    spent = dict.fromkeys(STEPS, 0.0)
+    clock = time.perf_counter
 
     def take(pool: BlockPool, n: int) -> tuple[BlockPool, list[KVBlock]]:
+        t = clock()
         blocks = pool.get_new_blocks(n)
+        spent["take"] += clock() - t
         if blocks is None:
             raise RuntimeError("pool churn: a pool ran dry (too many prompts in flight)")
         return pool, blocks
 
     def cache(pool: BlockPool, blocks: list[KVBlock]) -> None:
         nonlocal next_hash
-        pool.cache_full_blocks(blocks, list(range(next_hash, next_hash + len(blocks))), None)
+        hashes = list(range(next_hash, next_hash + len(blocks)))
         next_hash += len(blocks)
+        t = clock()
+        pool.cache_full_blocks(blocks, hashes, None)
+        spent["cache"] += clock() - t
 
     def free(pool: BlockPool, blocks: list[KVBlock]) -> None:
+        t = clock()
         pool.free(reversed(blocks))
         pool.take_events()
+        spent["free"] += clock() - t
+
+    def churn(n: int) -> None:
+        taken: deque[tuple[BlockPool, list[KVBlock]]] = deque()
+        cached: deque[tuple[BlockPool, list[KVBlock]]] = deque()
+        for _ in range(n):
+            taken.append(take(full[rng.randrange(pools)], per_request))
+            if len(taken) > lag:
+                cache(*taken[0])
+                cached.append(taken.popleft())
+            if len(cached) > lag:
+                free(*cached.popleft())
+        for prompt in taken:
+            cache(*prompt)
+        for prompt in (*cached, *taken):
+            free(*prompt)
 
     full = []
     for _ in range(pools):
@@ -115,21 +151,67 @@ def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
         cache(pool, blocks)  # every block cached: each later take evicts
         free(pool, blocks)
         full.append(pool)
-    taken: deque[tuple[BlockPool, list[KVBlock]]] = deque()
-    cached: deque[tuple[BlockPool, list[KVBlock]]] = deque()
-    t0 = time.perf_counter()
-    for _ in range(requests):
-        taken.append(take(full[rng.randrange(pools)], per_request))
-        if len(taken) > lag:
-            cache(*taken[0])
-            cached.append(taken.popleft())
-        if len(cached) > lag:
-            free(*cached.popleft())
-    for prompt in taken:
-        cache(*prompt)
-    for prompt in (*cached, *taken):
-        free(*prompt)
-    return (time.perf_counter() - t0) / (requests * per_request) * 1e9
+    churn(-(-2 * pools * num_blocks // per_request))  # to the steady state, untimed
+    spent.update(dict.fromkeys(STEPS, 0.0))
+    churn(requests)
+    return {k: v / (requests * per_request) * 1e9 for k, v in spent.items()}
+
+
+def attrgetter_of(obj: Any, name: str) -> Callable[[], int]:
+    """A reader of `obj.name` now."""
+    return lambda: cast(int, getattr(obj, name))
+
+
+class RunPoolTimes:
+    """What the engine's pool steps cost per block inside a run: the simulated workers'
+    KVCacheManager calls that take a request's new blocks (allocate_slots; a prefix
+    hit's blocks are not counted), cache them (cache_blocks) and free them (free: the
+    blocks no other request holds), wrapped on each worker's instance (the pool is
+    compiled: its own methods cannot be). The wrapping adds ~1 us a call to the run."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(STEPS, 0.0)
+        self.blocks = dict.fromkeys(STEPS, 0)
+
+    def install(self, sim: Simulator) -> RunPoolTimes:
+        for w in sim.workers.values():
+            kv, pool = w.kv, w.kv.pool
+            kv.allocate_slots = self._allocate(kv, kv.allocate_slots)  # type: ignore[method-assign]
+            kv.cache_blocks = self._counted(  # type: ignore[method-assign]
+                kv.cache_blocks, "cache", attrgetter_of(pool, "num_cached_blocks"))
+            kv.free = self._counted(  # type: ignore[method-assign]
+                kv.free, "free", attrgetter_of(pool, "num_free_blocks"))
+        return self
+
+    def _allocate(self, kv: KVCacheManager, fn: Callable[..., bool]) -> Callable[..., bool]:
+        seconds, blocks, clock = self.seconds, self.blocks, time.perf_counter
+
+        def allocate_slots(request: Any, num_new_tokens: int,
+                           new_computed_blocks: list[Any] | None = None) -> bool:
+            before = len(kv.req_blocks.get(request.request_id, ()))
+            t = clock()
+            ok = fn(request, num_new_tokens, new_computed_blocks)
+            seconds["take"] += clock() - t
+            if ok:
+                blocks["take"] += len(kv.req_blocks[request.request_id]) - before \
+                    - len(new_computed_blocks or ())
+            return ok
+        return allocate_slots
+
+    def _counted(self, fn: Callable[..., None], step: str,
+                 count: Callable[[], int]) -> Callable[..., None]:
+        seconds, blocks, clock = self.seconds, self.blocks, time.perf_counter
+
+        def timed(*args: Any) -> None:
+            before = count()
+            t = clock()
+            fn(*args)
+            seconds[step] += clock() - t
+            blocks[step] += abs(count() - before)
+        return timed
+
+    def per_block_ns(self) -> dict[str, float]:
+        return {k: self.seconds[k] / max(1, self.blocks[k]) * 1e9 for k in STEPS}
 
 
 def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
@@ -184,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
     sim = Simulator(cfg, prof)
     prof_run = cProfile.Profile() if args.profile else None
     acct = Accounting().install(sim) if args.breakdown else None
+    in_run = RunPoolTimes().install(sim) if args.pool_churn else None
     t0 = time.perf_counter()
     if prof_run is not None:
         prof_run.enable()
@@ -236,20 +319,28 @@ def run(args: argparse.Namespace) -> int:
         out["route_us"] = route_cost(sim, sample)
         print(f"gateway routing per request on the final state ({len(sample)} requests): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in out["route_us"].items()))
-    if args.pool_churn:
+    if in_run is not None:
         per_request = max(1, round(sum(r.prompt_len + (r.output_len or 0) for r in results)
                                    / max(1, len(results)) / prof.block_size))
         sim_blocks = next(iter(sim.workers.values())).kv.pool.num_blocks
         per_request = min(per_request, sim_blocks)
         n = max(1, 5_000_000 // per_request)  # 5M blocks: seconds
-        hot = pool_churn(1, sim_blocks, per_request, n)
-        cold = pool_churn(args.workers, sim_blocks, per_request, n)
-        out["pool_churn_ns"] = {"blocks_per_request": per_request, "one_pool": round(hot, 1),
-                                "run_pools": round(cold, 1)}
-        print(f"the block pool's work per block (a prompt's {per_request} blocks taken, "
-              f"evicting, cached, freed): {hot:.0f} ns in one pool, {cold:.0f} ns in "
-              f"{args.workers} pools of {sim_blocks:,} ({cold / hot:.2f}x: memory latency); "
-              f"{cold * per_request / 1000:.0f} us a prompt")
+        cases = {"one_pool": pool_churn(1, sim_blocks, per_request, n),
+                 "run_pools": pool_churn(args.workers, sim_blocks, per_request, n),
+                 "in_run": in_run.per_block_ns()}
+        out["pool_churn_ns"] = {"blocks_per_request": per_request, **{
+            k: {step: round(v, 1) for step, v in c.items()} for k, c in cases.items()}}
+        print(f"the block pool's steps per block, ns (take (evicting) / cache / free; a "
+              f"prompt's {per_request} blocks, pools of {sim_blocks:,}):")
+        for name, label in (("one_pool", "one pool, back to back"),
+                            ("run_pools", f"{args.workers} pools, prompts between steps"),
+                            ("in_run", "in this run")):
+            c = cases[name]
+            print(f"  {label}: " + " / ".join(f"{c[k]:.0f}" for k in STEPS)
+                  + f" = {sum(c.values()):.0f} ns"
+                  + ("" if name == "one_pool" else
+                     f" ({sum(c.values()) / max(1e-9, sum(cases['one_pool'].values())):.1f}x"
+                     " one pool's)"))
     if prof_run is not None:
         buf = io.StringIO()
         pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)

@@ -54,6 +54,22 @@ def test_breakdown_splits_the_wall_time_and_changes_nothing(tmp_path: Path) -> N
     assert all(v > 0 for v in split.values()), split
 
 
+def test_timing_the_pools_in_the_run_changes_nothing(tmp_path: Path) -> None:
+    """`--pool-churn`'s in-run figures wrap every worker's KVCacheManager: the
+    simulated results stay as they were (a disaggregated cluster: remote prefills,
+    held and released producer blocks)."""
+    from sim.cluster import Simulator
+    from tests.unit.sim.test_simulator import CONFIGS, key, profile, trace_specs
+
+    specs = trace_specs(tmp_path, repeat=3)
+    want = key(Simulator(CONFIGS["disaggregated"], profile()).run(specs))
+    sim = Simulator(CONFIGS["disaggregated"], profile())
+    timed = speed.RunPoolTimes().install(sim)
+    assert key(sim.run(specs)) == want
+    assert min(timed.blocks.values()) > 0
+    assert all(v > 0 for v in timed.per_block_ns().values())
+
+
 def test_accounting_charges_each_call_its_own_time() -> None:
     """A wrapped call that calls another is charged without the inner call's time; the
     time outside every wrapped call is the simulator's."""
@@ -130,14 +146,18 @@ def test_the_progress_bar_changes_nothing(tmp_path: Path, capsys) -> None:
     assert f"{len(specs)}/{len(specs)}" in capsys.readouterr().err
 
 
-def test_pool_churn_times_the_engines_pool_in_one_and_in_many(tmp_path: Path) -> None:
+def test_pool_churn_times_the_engines_pool_in_one_in_many_and_in_the_run(
+        tmp_path: Path) -> None:
     """`--pool-churn`: the engine's block pool taking, caching and freeing a prompt's
-    blocks, per block, in one pool and in the run's pools; each take evicts (the pools
-    start full of cached blocks), and a prompt longer than a pool is refused."""
+    blocks, per block and step, in one pool, in the run's pools and inside the run
+    itself; each take evicts (the pools start full of cached blocks), and a prompt
+    longer than a pool is refused. The run's own figures count what its workers' pools
+    did."""
     import pytest
 
-    assert speed.pool_churn(3, 50, 20, 10) > 0
-    assert speed.pool_churn(64, 50, 20, 40) > 0  # prompts in flight between the steps
+    for pools, prompts in ((3, 10), (64, 40)):  # 64: prompts in flight between the steps
+        ns = speed.pool_churn(pools, 50, 20, prompts)
+        assert set(ns) == set(speed.STEPS) and all(v > 0 for v in ns.values())
     with pytest.raises(ValueError, match="per_request"):
         speed.pool_churn(1, 10, 11, 1)
     trace = tmp_path / "trace.jsonl"
@@ -148,7 +168,16 @@ def test_pool_churn_times_the_engines_pool_in_one_and_in_many(tmp_path: Path) ->
     args = p.parse_args(["--workers", "3", "--requests", "8", "--route-sample", "0",
                          "--trace", str(trace), "--block-size", "64", "--pool-churn",
                          "--json", str(out)])
-    assert speed.run(args) == 0
+    timed = speed.RunPoolTimes()
+    install = speed.RunPoolTimes.install
+    with pytest.MonkeyPatch.context() as mp:  # keep the run's instance to read its counts
+        mp.setattr(speed.RunPoolTimes, "install", lambda self, sim: install(timed, sim))
+        assert speed.run(args) == 0
     churn = json.loads(out.read_text())["pool_churn_ns"]
     assert churn["blocks_per_request"] >= 1
-    assert churn["one_pool"] > 0 and churn["run_pools"] > 0
+    for case in ("one_pool", "run_pools", "in_run"):
+        assert set(churn[case]) == set(speed.STEPS) and churn[case]["cache"] > 0
+    # every block cached was taken first (a decode window's unused blocks are given
+    # back and taken again: counted again); blocks were freed as requests ended
+    assert timed.blocks["take"] >= timed.blocks["cache"] > 0
+    assert timed.blocks["free"] > 0
