@@ -31,7 +31,19 @@ $(COMPILED): engine/block_pool.py $(STAMP)
 	  else echo "mypyc failed (.mypyc.log): engine/block_pool.py runs interpreted"; rm -f engine/block_pool.*.so; fi
 	@touch $@
 
-deps: $(STAMP) $(COMPILED)
+# The simulator's huge-page arenas (sim/arenas.py): a small C extension. Without a C
+# compiler the simulator runs on the default arenas.
+ARENAS := sim/.compiled-arenas
+$(ARENAS): sim/_arenas.c $(STAMP)
+	@rm -f sim/_arenas.*.so
+	@if cc -O2 -shared -fPIC -Wall -Werror \
+	    -I"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+	    sim/_arenas.c -o sim/_arenas$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') \
+	    >.arenas.log 2>&1; then echo "compiled sim/_arenas.c"; \
+	  else echo "cc failed (.arenas.log): the simulator runs on the default arenas"; fi
+	@touch $@
+
+deps: $(STAMP) $(COMPILED) $(ARENAS)
 
 # Debian packages later issues need (redis-server; iproute2 for the multi-host test's
 # network namespaces); installed only when missing.
@@ -60,4 +72,5 @@ bench-transfer: deps
 	$(BIN)/splitserve bench transfer --json bench-transfer.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build .mypyc.log $(COMPILED) engine/*.so
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build .mypyc.log .arenas.log $(COMPILED) engine/*.so \
+	  $(ARENAS) sim/*.so

@@ -68,6 +68,10 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["sim"]:  # before the simulator builds its heap (sim/arenas.py)
+        from sim.arenas import install
+
+        install()
     args = build_parser(args_list).parse_args(args_list)
     return int(importlib.import_module(args._module).run(args) or 0)
 

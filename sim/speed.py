@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from engine.kv_cache_manager import KVCacheManager
+from sim import arenas
 from sim.accounting import Accounting
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
@@ -297,10 +298,11 @@ def run(args: argparse.Namespace) -> int:
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           "heap": arenas.status(),  # what `splitserve sim` runs on (sim/arenas.py)
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
           f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
-          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB")
+          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB ({out['heap']})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "
           f"{projected:.0f} s (target {TARGET_S:.0f} s on {TARGET_WORKERS} workers; the "
