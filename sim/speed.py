@@ -158,11 +158,6 @@ def pool_churn(pools: int, num_blocks: int, per_request: int, requests: int,
     return {k: v / (requests * per_request) * 1e9 for k, v in spent.items()}
 
 
-def attrgetter_of(obj: Any, name: str) -> Callable[[], int]:
-    """A reader of `obj.name` now."""
-    return lambda: cast(int, getattr(obj, name))
-
-
 class RunPoolTimes:
     """What the engine's pool steps cost per block inside a run: the simulated workers'
     KVCacheManager calls that take a request's new blocks (allocate_slots; a prefix
@@ -176,12 +171,12 @@ class RunPoolTimes:
 
     def install(self, sim: Simulator) -> RunPoolTimes:
         for w in sim.workers.values():
-            kv, pool = w.kv, w.kv.pool
+            kv = w.kv
             kv.allocate_slots = self._allocate(kv, kv.allocate_slots)  # type: ignore[method-assign]
             kv.cache_blocks = self._counted(  # type: ignore[method-assign]
-                kv.cache_blocks, "cache", attrgetter_of(pool, "num_cached_blocks"))
+                kv.cache_blocks, "cache", kv.pool, "num_cached_blocks")
             kv.free = self._counted(  # type: ignore[method-assign]
-                kv.free, "free", attrgetter_of(pool, "num_free_blocks"))
+                kv.free, "free", kv.pool, "num_free_blocks")
         return self
 
     def _allocate(self, kv: KVCacheManager, fn: Callable[..., bool]) -> Callable[..., bool]:
@@ -199,16 +194,17 @@ class RunPoolTimes:
             return ok
         return allocate_slots
 
-    def _counted(self, fn: Callable[..., None], step: str,
-                 count: Callable[[], int]) -> Callable[..., None]:
+    def _counted(self, fn: Callable[..., None], step: str, pool: Any,
+                 count: str) -> Callable[..., None]:
+        """`fn` timed; its blocks: how far the pool's `count` moved."""
         seconds, blocks, clock = self.seconds, self.blocks, time.perf_counter
 
         def timed(*args: Any) -> None:
-            before = count()
+            before = getattr(pool, count)
             t = clock()
             fn(*args)
             seconds[step] += clock() - t
-            blocks[step] += abs(count() - before)
+            blocks[step] += abs(getattr(pool, count) - before)
         return timed
 
     def per_block_ns(self) -> dict[str, float]:
