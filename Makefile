@@ -43,7 +43,20 @@ $(ARENAS): sim/_arenas.c $(STAMP)
 	  else echo "cc failed (.arenas.log): the simulator runs on the default arenas"; fi
 	@touch $@
 
-deps: $(STAMP) $(COMPILED) $(ARENAS)
+# The simulator's hot modules compiled with mypyc (sim/native.py; sim/__init__.py
+# refuses a build older than its source). Without a C compiler they run as they are.
+SIM_NATIVE := sim/.compiled-native
+SIM_NATIVE_MODULES := segments index workload window latency worker cluster
+SIM_NATIVE_BUILDS := $(foreach m,$(SIM_NATIVE_MODULES),sim/$(m).*.so sim/$(m)__mypyc.*.so)
+$(SIM_NATIVE): $(SIM_NATIVE_MODULES:%=sim/%.py) sim/native.py $(STAMP)
+	@rm -f $(SIM_NATIVE_BUILDS)
+	@if $(BIN)/python -m sim.native $(SIM_NATIVE_MODULES) >.mypyc-sim.log 2>&1; then \
+	  echo "compiled sim/{$$(echo $(SIM_NATIVE_MODULES) | tr ' ' ,)}.py (mypyc)"; \
+	  else echo "mypyc failed (.mypyc-sim.log): the simulator runs interpreted"; \
+	  rm -f $(SIM_NATIVE_BUILDS); fi
+	@touch $@
+
+deps: $(STAMP) $(COMPILED) $(ARENAS) $(SIM_NATIVE)
 
 # Debian packages later issues need (redis-server; iproute2 for the multi-host test's
 # network namespaces); installed only when missing.
@@ -73,4 +86,4 @@ bench-transfer: deps
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build .mypyc.log .arenas.log $(COMPILED) engine/*.so \
-	  $(ARENAS) sim/*.so
+	  $(ARENAS) sim/*.so .mypyc-sim.log $(SIM_NATIVE)

@@ -30,6 +30,8 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 
+from mypy_extensions import mypyc_attr
+
 from kvtransfer.index import TIERS, IndexLookup
 from sim.segments import LOW, SEGMENT_SHIFT, Segment, runs_of, runs_of_lazily, set_bits
 
@@ -55,6 +57,7 @@ class Deferred:
         self.by_seg: dict[int, list[int]] = {}
 
 
+@mypyc_attr(native_class=False)  # sim/accounting.py wraps its methods on the instance
 class InProcessBlockIndex:
     """segment -> Segment (the device tier); the other tiers: block hash ->
     {node: bitmask of those tiers} and the bitmap of those nodes.

@@ -7,7 +7,7 @@ profile's efficiency factors and fixed costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class LatencyModel:
         row's chunk of new tokens in one pass, reading its KV once."""
         tokens = sampled = pairs = kv = 0
         for s in scheduled:
-            r = s.request
+            r: Any = s.request  # a SimRequest: its token lists are counters
             n = s.num_new_tokens
             a = r.num_computed_tokens
             b = a + n

@@ -46,6 +46,7 @@ from sim.accounting import Accounting
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.gateway import run_sync
+from sim.native import compiled_modules
 from sim.profile import load_profile, with_block_size
 from sim.request import Tokens
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
@@ -295,10 +296,12 @@ def run(args: argparse.Namespace) -> int:
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "heap": arenas.status(),  # what `splitserve sim` runs on (sim/arenas.py)
+           "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
           f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
-          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB ({out['heap']})")
+          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB ({out['heap']}; "
+          f"{'compiled: ' + ', '.join(out['compiled']) if out['compiled'] else 'interpreted'})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "
           f"{projected:.0f} s (target {TARGET_S:.0f} s on {TARGET_WORKERS} workers; the "

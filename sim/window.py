@@ -98,7 +98,9 @@ class DecodeWindows:
     busy: bool
     current: Step | None
     clock: Callable[[], float]
-    publish_events: Callable[[], None]
+
+    def publish_events(self) -> None:  # SimWorker's (a method: compiled, Makefile)
+        raise NotImplementedError
 
     def decode_window(self) -> tuple[int, list[tuple[int, int]]]:
         """How many decode iterations the next step can stand for exactly (1: just the
@@ -204,7 +206,7 @@ class DecodeWindows:
         bs = self.profile.block_size
         fills = []
         for row, x in enumerate(out.scheduled):
-            r = x.request
+            r: Any = x.request  # a SimRequest: its block hashes are ints
             c = r.num_computed_tokens
             table = self.kv.req_blocks[r.request_id]
             for i in range(bs - c % bs, k + 1, bs):

@@ -1,0 +1,77 @@
+"""The simulator's modules compiled with mypyc (sim/native.py, Makefile): a run on them
+computes exactly what one on their source does, and a build older than its source is
+refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sim
+from sim.native import compiled_modules
+
+ROOT = Path(__file__).resolve().parents[3]
+BUILT = compiled_modules()
+needs_build = pytest.mark.skipif(not BUILT, reason="the simulator's modules are not "
+                                 "compiled (`make deps`; no C compiler: they run as source)")
+
+# Runs the three test clusters; with SOURCE, sim's compiled modules load from their .py.
+RUN = """
+import dataclasses, importlib.util, json, sys
+from pathlib import Path
+if SOURCE:
+    class Source:  # found before the path finder, which prefers an extension
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.startswith("sim.") and name[4:] in MODULES:
+                return importlib.util.spec_from_file_location(name, f"sim/{name[4:]}.py")
+    sys.meta_path.insert(0, Source)
+from sim.cluster import Simulator
+from tests.unit.sim.test_simulator import CONFIGS, key, profile, trace_specs
+out = {"files": {m: Path(sys.modules["sim." + m].__file__).name for m in MODULES}}
+for name in sorted(CONFIGS):
+    s = Simulator(CONFIGS[name], profile())
+    got = key(s.run(trace_specs(Path(TMP))))
+    s.check_integrity()
+    out[name] = [[list(map(repr, r)) for r in got], repr(dataclasses.asdict(s.stats))]
+print(json.dumps(out))
+"""
+
+
+def _run(source: bool, tmp: Path) -> dict:
+    code = f"SOURCE = {source}\nMODULES = {BUILT!r}\nTMP = {str(tmp)!r}\n" + RUN
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@needs_build
+def test_compiled_and_source_runs_are_the_same(tmp_path: Path) -> None:
+    compiled, source = _run(False, tmp_path), _run(True, tmp_path)
+    assert all(f.endswith(".so") for f in compiled.pop("files").values())
+    assert all(f.endswith(".py") for f in source.pop("files").values())
+    assert set(compiled) == {"colocated", "disaggregated", "tiers"}
+    for name in compiled:
+        assert compiled[name] == source[name], name
+
+
+def test_a_build_older_than_its_source_is_refused(tmp_path: Path) -> None:
+    src = tmp_path / "window.py"
+    src.write_text("")
+    builds = [tmp_path / "window.cpython-311-x86_64-linux-gnu.so",
+              tmp_path / "window__mypyc.cpython-311-x86_64-linux-gnu.so"]
+    other = tmp_path / "_arenas.cpython-311-x86_64-linux-gnu.so"  # no .py: not checked
+    for so in [*builds, other]:
+        so.write_bytes(b"")
+        os.utime(so, (1, 1))
+    for so in builds:
+        with pytest.raises(ImportError, match="older than"):
+            sim._refuse_stale_builds(str(tmp_path))
+        so.unlink()
+    sim._refuse_stale_builds(str(tmp_path))  # the source alone, and a C extension's build
