@@ -16,7 +16,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   xgrammar apache-tvm-ffi \
   openai httpx2 httpcore2 truststore pydantic pydantic-core annotated-types \
   typing-inspection jiter distro sniffio \
-  jsonschema jsonschema-specifications referencing rpds-py
+  jsonschema jsonschema-specifications referencing rpds-py mypy-extensions
 # libucx: 42 MB as published; without *.a, ucx_perftest, io_demo and the perftest
 # CUDA module ~11 MB (GPU.md)
 w=$(ls .whl/libucx_cu12-*.whl)

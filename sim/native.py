@@ -7,7 +7,9 @@ A compiled module shadows its .py, so one older than its source would run old co
 sim/__init__.py refuses that before anything loads.
 
 What it bought (sim bench, 60,000 requests on 512 workers at 16-token blocks, this
-2-core machine, one after the other): 1,336 -> 1,479 simulated req/s. What it costs:
+2-core machine, one after the other): 1,336 -> 1,415-1,479 simulated req/s; the
+million there 948.2 -> 926.2 s (late in a run it waits on memory), at 512-token blocks
+476.9 -> 385.7 s (sessions apart). What it costs:
 ~20 s of `make deps`. mypy reads what the modules import for its types, except the
 heavy third-party packages the simulator never calls (torch alone took three minutes).
 A class other code wraps on the instance (sim/accounting.py) is declared
