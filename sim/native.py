@@ -4,7 +4,7 @@ interpreter, as the engine's block pool is. `make` removes the old builds and ru
 build (no C compiler), the source runs.
 
 A compiled module shadows its .py, so one older than its source would run old code:
-sim/__init__.py refuses that before anything loads.
+sim/__init__.py refuses that before anything loads (engine.refuse_stale_builds).
 
 What it bought (sim bench, 60,000 requests on 512 workers at 16-token blocks, this
 2-core machine, one after the other): 1,336 -> 1,415-1,479 simulated req/s; the
@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 
-from sim import source_of
+from engine import source_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _SKIPPED = ("torch", "transformers", "triton", "safetensors", "tokenizers", "xgrammar",

@@ -304,6 +304,17 @@ def test_a_compiled_pool_older_than_its_source_is_refused(tmp_path):
     os.utime(so, (1000, 1000))
     os.utime(src, (2000, 2000))
     with pytest.raises(ImportError, match="make deps"):
-        engine._refuse_stale_builds(str(tmp_path))
+        engine.refuse_stale_builds(str(tmp_path))
     os.utime(so, (3000, 3000))
-    engine._refuse_stale_builds(str(tmp_path))  # a build newer than its source: fine
+    engine.refuse_stale_builds(str(tmp_path))  # a build newer than its source: fine
+    # mypyc's library of a module (separate builds: the simulator's) is checked too; a C
+    # extension with no .py of its name (sim/_arenas.c's) is not
+    lib = tmp_path / "block_pool__mypyc.cpython-311-x86_64-linux-gnu.so"
+    other = tmp_path / "_arenas.cpython-311-x86_64-linux-gnu.so"
+    for f in (lib, other):
+        f.write_bytes(b"")
+        os.utime(f, (1000, 1000))
+    with pytest.raises(ImportError, match="block_pool__mypyc"):
+        engine.refuse_stale_builds(str(tmp_path))
+    lib.unlink()
+    engine.refuse_stale_builds(str(tmp_path))

@@ -1,19 +1,17 @@
 """The simulator's modules compiled with mypyc (sim/native.py, Makefile): a run on them
 computes exactly what one on their source does (colocated, disaggregated, tiers, peer
-fetch; decode windows and one-iteration steps), and a build older than its source is
-refused."""
+fetch; decode windows and one-iteration steps). A build older than its source is refused
+by engine.refuse_stale_builds (tests/unit/engine/test_block_pool.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import sim
 from sim.native import compiled_modules
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,19 +72,3 @@ def test_compiled_and_source_runs_are_the_same(tmp_path: Path) -> None:
     assert compiled["disaggregated"][1]["remote_prefills"] > 0
     for name in compiled:
         assert compiled[name] == source[name], name
-
-
-def test_a_build_older_than_its_source_is_refused(tmp_path: Path) -> None:
-    src = tmp_path / "window.py"
-    src.write_text("")
-    builds = [tmp_path / "window.cpython-311-x86_64-linux-gnu.so",
-              tmp_path / "window__mypyc.cpython-311-x86_64-linux-gnu.so"]
-    other = tmp_path / "_arenas.cpython-311-x86_64-linux-gnu.so"  # no .py: not checked
-    for so in [*builds, other]:
-        so.write_bytes(b"")
-        os.utime(so, (1, 1))
-    for so in builds:
-        with pytest.raises(ImportError, match="older than"):
-            sim._refuse_stale_builds(str(tmp_path))
-        so.unlink()
-    sim._refuse_stale_builds(str(tmp_path))  # the source alone, and a C extension's build
