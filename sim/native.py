@@ -9,9 +9,9 @@ sim/__init__.py refuses that before anything loads (engine.refuse_stale_builds).
 What it bought (sim bench, 60,000 requests on 512 workers at 16-token blocks, this
 2-core machine, one after the other): 1,336 -> 1,415-1,479 simulated req/s; the
 million there 948.2 -> 926.2 s (late in a run it waits on memory), at 512-token blocks
-476.9 -> 385.7 s (sessions apart). What it costs:
-~20 s of `make deps`. mypy reads what the modules import for its types, except the
-heavy third-party packages the simulator never calls (torch alone took three minutes).
+476.9 -> 385.7 s (sessions apart). What it costs: ~20 s of `make deps`. mypy reads
+what the modules import for its types, except the heavy third-party packages the
+simulator never calls (torch alone took three minutes).
 A class other code wraps on the instance (sim/accounting.py) is declared
 `mypyc_attr(native_class=False)`; a value whose engine type the simulator bends (a
 SimRequest's token counters and int hashes, sim/request.py) is read as Any.
@@ -38,7 +38,7 @@ def compiled_modules(here: str = HERE) -> list[str]:
                    if os.path.exists(source_of(so))})
 
 
-def build(modules: list[str], jobs: int | None = None) -> None:
+def build(modules: list[str]) -> None:
     """Compiles sim/MODULE.py for each of `modules` in place (from the repository root)."""
     from mypyc.build import mypycify
     from setuptools import setup
@@ -51,7 +51,7 @@ def build(modules: list[str], jobs: int | None = None) -> None:
         # a fresh cache: mypyc's incremental builds have crashed on a changed class
         options = [f"--config-file={config}", f"--cache-dir={os.path.join(tmp, 'cache')}"]
         setup(name="splitserve-sim-native",
-              script_args=["build_ext", "--inplace", "-j", str(jobs or os.cpu_count() or 1)],
+              script_args=["build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
               ext_modules=mypycify(options + [os.path.join("sim", f"{m}.py") for m in modules],
                                    opt_level="3", debug_level="0", separate=True))
     # the build copies a cached extension with the cache's time: make it newer than its
