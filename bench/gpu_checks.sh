@@ -9,12 +9,12 @@
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 set -u
-STEPS=${STEPS:-engine tests ipc_first transfer engine_hf transports}
+STEPS=${STEPS:-engine tests ipc_first transfer links engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
-T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150}
+T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -54,6 +54,10 @@ step ipc_first "$T_IPC" bash -c "for t in \
 # 3. prompt hand-offs between two processes on the GPU vs the device copy
 step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda \
   --json "$OUT/transfer.json"
+# 3b. the simulator's links on this device (`sim calibrate --links-json`): host and disk
+# tier restores into a KV cache here, kv fitted from step 3's ucx hand-offs
+step links "$T_LINKS" python3 -m cluster.cli sim links --device cuda --model-shape "$SHAPE" \
+  --transfer-json "$OUT/transfer.json" --out "$OUT/links.json"
 # 4. transformers beside us on the latency and prefill workloads
 step engine_hf "$T_HF" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads a,b,d --json "$OUT/engine_hf.json"

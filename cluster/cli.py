@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 SIMS: dict[str, tuple[str, str]] = {
     "run": ("sim.run_cli", "one workload on a simulated cluster (bench run's report)"),
     "calibrate": ("sim.calibrate", "fit a hardware profile: the CPU engine here, or bench engine --device cuda runs"),
+    "links": ("sim.links", "measure a profile's links: tier restores here, kv from bench transfer"),
     "bench": ("sim.speed", "the simulator's own speed (simulated requests/s)"),
     "experiment": ("sim.experiments", "routing, pd-ratio, tiers at cluster scale"),
 }

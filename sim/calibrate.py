@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pool, with the efficiencies and fixed costs fitted from the files")
     g.add_argument("--bandwidth-bytes-s", type=float, default=None)
     g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--links-json", default=None, metavar="PATH",
+                   help="a `splitserve sim links` file measured on this device: its links "
+                        "(those named by --links) replace --like's")
+    g.add_argument("--links", default="kv,host,disk",
+                   help="which of --links-json's links to take, comma-separated")
     g.add_argument("--note", action="append", default=[], help="a note kept in the file")
 
 
@@ -188,7 +193,7 @@ def device_profile(name: str, paths: list[str], like: HardwareProfile,
              f"first fit dropped (Triton compiling a kernel specialization on first use).",
              "Peaks: the same runs' device-to-device copy and bf16 GEMM "
              f"({bw / 1e12:.3g} TB/s, {peak / 1e12:.3g} TFLOP/s); combine max (roofline).",
-             f"Links, request_overhead_s and token_overhead_s are {like.name}'s "
+             f"request_overhead_s and token_overhead_s are {like.name}'s "
              "(bench engine does not measure them)."]
     return prof, notes
 
@@ -382,7 +387,19 @@ def run_device(args: argparse.Namespace) -> int:
 
     from sim.profile import load_profile
 
-    prof, notes = device_profile(args.name, args.engine_json, load_profile(args.like))
+    like = load_profile(args.like)
+    prof, notes = device_profile(args.name, args.engine_json, like)
+    measured: set[str] = set()
+    if args.links_json:
+        from sim.links import load_links
+
+        links, link_notes, fits = load_links(args.links_json, args.links.split(","))
+        measured = set(links)
+        prof = replace(prof, links={**prof.links, **links},
+                       fit={**prof.fit, "links": fits})
+        notes += link_notes
+    if kept := sorted(set(prof.links) - measured):
+        notes.append(f"Links {', '.join(kept)}: {like.name}'s (not measured on this device).")
     over = {k: v for k, v in (("peak_flop_s", args.peak_flop_s),
                               ("bandwidth_bytes_s", args.bandwidth_bytes_s),
                               ("num_blocks", args.num_blocks)) if v is not None}
