@@ -2,7 +2,8 @@
 
 - `openai`: POST /v1/completions with `stream: true` and
   `stream_options.include_usage` (token-id or text prompts) - splitserve's gateway,
-  vLLM, SGLang or any OpenAI-compatible server.
+  vLLM, SGLang or any OpenAI-compatible server. With `token_chunks` it also asks for the
+  sampled token's logprob, so every token makes a chunk, text or not (see there).
 - `openai-chat`: POST /v1/chat/completions (text prompts as one user message).
 - `grpc`: splitserve's `splitserve.v1.Generate` server stream.
 
@@ -62,7 +63,13 @@ class OpenAIClient:
     """Streaming OpenAI HTTP client over one aiohttp session (connection reuse)."""
 
     def __init__(self, url: str, model: str = "", chat: bool = False, api_key: str = "",
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, token_chunks: bool = False) -> None:
+        """`token_chunks`: ask for the sampled token's logprob (completions `logprobs: 0`,
+        chat `logprobs: true, top_logprobs: 0`). A server sends no chunk for a token
+        whose text is not complete yet, and a model shape's dummy weights sample ids the
+        embedded tokenizer (687 tokens) mostly has no text for: without it, TTFT there is
+        the first printable token's time (often the end of the stream). With it, a chunk
+        per token, so TTFT and ITL time tokens."""
         import aiohttp
 
         if not url.startswith(("http://", "https://")):
@@ -70,6 +77,7 @@ class OpenAIClient:
         self.name = "openai-chat" if chat else "openai"
         self.url = url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
         self.model, self.chat, self.timeout_s = model, chat, timeout_s
+        self.token_chunks = token_chunks
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s, connect=10.0),
@@ -88,6 +96,8 @@ class OpenAIClient:
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
             body["prompt"] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
+        if self.token_chunks:
+            body |= {"logprobs": True, "top_logprobs": 0} if self.chat else {"logprobs": 0}
         return body
 
     async def send(self, req: BenchRequest) -> RequestResult:

@@ -9,12 +9,13 @@
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 set -u
-STEPS=${STEPS:-engine tests ipc_first transfer links engine_hf transports}
+STEPS=${STEPS:-engine tests ipc_first transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
+T_SIMVAL=${T_SIMVAL:-300}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -58,6 +59,10 @@ step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda 
 # tier restores into a KV cache here, kv fitted from step 3's ucx hand-offs
 step links "$T_LINKS" python3 -m cluster.cli sim links --device cuda --model-shape "$SHAPE" \
   --transfer-json "$OUT/transfer.json" --out "$OUT/links.json"
+# 3c. the simulator's GPU profile against one real worker on this GPU (a Mooncake
+# sample); its figures are printed in the log, the real phases pickled under $OUT
+step simval "$T_SIMVAL" env SIM_VALIDATION_OUT="$OUT" python3 -m pytest -q -s -rfEs \
+  -p no:cacheprovider tests/gpu/test_sim_validation_gpu.py
 # 4. transformers beside us on the latency and prefill workloads
 step engine_hf "$T_HF" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads a,b,d --json "$OUT/engine_hf.json"

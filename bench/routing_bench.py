@@ -149,8 +149,9 @@ def build_workloads(bcfg: RoutingBenchConfig, cfg: ExperimentConfig,
 class SaltedClient(OpenAIClient):
     """The OpenAI client with a `cache_salt` on every request: a phase of its own."""
 
-    def __init__(self, url: str, salt: str, timeout_s: float) -> None:
-        super().__init__(url, timeout_s=timeout_s)
+    def __init__(self, url: str, salt: str, timeout_s: float, token_chunks: bool = False
+                 ) -> None:
+        super().__init__(url, timeout_s=timeout_s, token_chunks=token_chunks)
         self.salt = salt
 
     def body(self, req: BenchRequest) -> dict[str, Any]:

@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["openai", "openai-chat", "grpc"], default="openai")
     p.add_argument("--model", default="", help="model name to send (default: the served one)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""))
+    p.add_argument("--token-chunks", action="store_true",
+                   help="openai backends: ask for each token's logprob so every token makes "
+                        "a chunk (time tokens, not text: a model shape's dummy weights mostly "
+                        "sample ids without text)")
     add_dataset_arguments(p)
     g = p.add_argument_group("load")
     g.add_argument("--load", choices=KINDS, default=None,
@@ -136,7 +140,8 @@ async def measure(args: argparse.Namespace, requests: list[BenchRequest],
 
     client = make_client(args.backend, args.url, model=args.model,
                          timeout_s=args.request_timeout,
-                         **({"api_key": args.api_key} if args.backend != "grpc" else {}))
+                         **({"api_key": args.api_key, "token_chunks": args.token_chunks}
+                            if args.backend != "grpc" else {}))
     try:
         phases = []
         for spec in specs:

@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(those named by --links) replace --like's")
     g.add_argument("--links", default="kv,host,disk",
                    help="which of --links-json's links to take, comma-separated")
+    g.add_argument("--serving-json", default=None, metavar="PATH",
+                   help="the record of tests/gpu/test_sim_validation_gpu.py on this device "
+                        "(SIM_VALIDATION_OUT): request and token overheads fitted from its "
+                        "one-at-a-time requests, as the CPU calibration's serving step does")
     g.add_argument("--note", action="append", default=[], help="a note kept in the file")
 
 
@@ -382,6 +386,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def serving_json_results(path: str) -> tuple[list[Any], str]:
+    """The one-at-a-time requests ("before" and "after" phases) of a GPU validation
+    record, as `serving_overheads` reads them; and the device they ran on."""
+    from types import SimpleNamespace
+
+    with open(path) as f:
+        d = json.load(f)
+    try:
+        rows = [r for name in ("before", "after") for r in d["phases"][name]["requests"]]
+    except KeyError as e:
+        raise SystemExit(f"{path}: not a sim validation record (no {e} phase)") from e
+    return [SimpleNamespace(**r) for r in rows], d.get("device", "?")
+
+
 def run_device(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -398,6 +416,21 @@ def run_device(args: argparse.Namespace) -> int:
         prof = replace(prof, links={**prof.links, **links},
                        fit={**prof.fit, "links": fits})
         notes += link_notes
+    if args.serving_json:
+        results, device = serving_json_results(args.serving_json)
+        serving = serving_overheads(prof, results)
+        prof = replace(prof, request_overhead_s=serving["request_overhead_s"],
+                       token_overhead_s=serving["token_overhead_s"],
+                       fit={**prof.fit, "serving": {**serving, "device": device, "file":
+                                                    os.path.basename(args.serving_json)}})
+        notes = [n for n in notes if not n.startswith("request_overhead_s and token")]
+        notes.append(f"request_overhead_s {serving['request_overhead_s'] * 1e3:.2f} ms and "
+                     f"token_overhead_s {serving['token_overhead_s'] * 1e3:.2f} ms: medians of "
+                     f"measured minus modelled TTFT and TPOT of {len(results)} requests sent "
+                     f"one at a time to one real worker on {device} "
+                     f"({os.path.basename(args.serving_json)}, tests/gpu/"
+                     "test_sim_validation_gpu.py): the gateway, the RPC and what the "
+                     "roofline leaves out of a short prompt's eager prefill (kernel launches).")
     if kept := sorted(set(prof.links) - measured):
         notes.append(f"Links {', '.join(kept)}: {like.name}'s (not measured on this device).")
     over = {k: v for k, v in (("peak_flop_s", args.peak_flop_s),

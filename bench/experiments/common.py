@@ -152,7 +152,9 @@ def measure(cfg: ExperimentConfig, cluster: PinnedCluster,
     phases and how much each metric of `metrics_ports` grew during `body`."""
 
     async def main() -> tuple[list[Phase], dict[str, float]]:
-        client = OpenAIClient(cluster.url, timeout_s=cfg.request_timeout_s)
+        # dummy weights mostly sample ids without text: time tokens, not text
+        client = OpenAIClient(cluster.url, timeout_s=cfg.request_timeout_s,
+                              token_chunks=cfg.load_format == "dummy")
         try:
             pool = TokenPool.from_tokenizer_dir(cfg.model_dir, cfg.seed)
             n_warm = 2 * max(1, len(cluster.worker_metrics_ports()))

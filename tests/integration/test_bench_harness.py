@@ -58,6 +58,16 @@ def test_bench_run_http_sweep_and_grpc(tmp_path: Path) -> None:
                 "--out-dir", str(tmp_path / "grpc"), "--json", str(tmp_path / "grpc.json"),
                 "--no-progress"]
         assert splitserve(grpc) == 0
+        # --token-chunks: the gateway takes `logprobs: 0` and streams a chunk per token
+        chunks = ["bench", "run", "--url", f"http://127.0.0.1:{cluster.http_port}",
+                  "--tokenizer", model, "--dataset", "synthetic", "--num-prompts", "4",
+                  "--input-len", "16", "--output-len", "6", "--concurrency", "2",
+                  "--token-chunks", "--out-dir", str(tmp_path / "chunks"), "--json",
+                  str(tmp_path / "chunks.json"), "--no-progress"]
+        assert splitserve(chunks) == 0
+    c = json.loads((tmp_path / "chunks.json").read_text())["phases"][0]
+    assert (c["summary"]["completed"], c["summary"]["total_output_tokens"]) == (4, 24)
+    assert all(r["e2e_s"] > r["ttft_s"] > 0 for r in c["requests"])
     sweep = json.loads((tmp_path / "http.json").read_text())
     assert [p["params"]["rate"] for p in sweep["phases"]] == [20.0, 40.0]
     for p in sweep["phases"]:
