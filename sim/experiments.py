@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=0,
                    help="the gateway's limit, 429 beyond (0: its default, 32 per "
                         "decode/colocated worker and at least 256; -1: none)")
+    p.add_argument("--peer-rate", type=float, default=0.5,
+                   help="tiers: req/s per GPU of the peer-fetch phases (1:3 prefill:decode)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="phases simulated at once, one process each (default: one per CPU)")
@@ -209,24 +211,28 @@ def pd_ratio(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]
 # -- tiers -------------------------------------------------------------------------------
 def tiers(args: argparse.Namespace, prof: HardwareProfile, rates: list[float]) -> list[Job]:
     """Device caches of 1/8, 1/4 and 1/2 of an H100's; behind each: nothing, a host
-    tier of 4x the device, host + disk (16x). Then peer fetch on and off in a 2P:6D
-    split with the smallest device cache."""
+    tier of 4x the device, host + disk (16x). Then, at each of those caches, peer fetch
+    on and off in a 1:3 prefill:decode split at `--peer-rate` (below that split's
+    prefill saturation, where a fetch's saving can show: at 1 req/s per GPU its
+    TTFT p90 runs to tens of seconds on the Mooncake trace)."""
     w, rate = args.workers, rates[0]
     out = []
     routing = routing_profile("cache_aware", args.seed)
-    for frac in (8, 4, 2):
+    for frac in FRACTIONS:
         nb = prof.num_blocks // frac
         for label, host, disk in (("device", 0, 0), ("+host", 4 * nb, 0),
                                   ("+host+disk", 4 * nb, 16 * nb)):
             cfg = ClusterConfig(colocated=w, num_blocks=nb, host_blocks=host,
                                 disk_blocks=disk, routing=routing)
             out.append(_job(cfg, rate, f"{label} 1/{frac}", device_blocks=nb))
-    nb = prof.num_blocks // 8
     pd = RoutingProfile.from_dict({**RoutingProfile().to_dict(), "seed": args.seed})
-    for label, need in (("peer fetch", 2), ("no peer fetch", 0)):
-        cfg = ClusterConfig(prefill=w // 4, decode=w - w // 4, colocated=0, num_blocks=nb,
-                            routing=replace(pd, peer_fetch_min_blocks=need))
-        out.append(_job(cfg, rate, f"{label} 1/8", device_blocks=nb))
+    for frac in FRACTIONS:
+        nb = prof.num_blocks // frac
+        for label, need in (("peer fetch", 2), ("no peer fetch", 0)):
+            cfg = ClusterConfig(prefill=w // 4, decode=w - w // 4, colocated=0, num_blocks=nb,
+                                routing=replace(pd, peer_fetch_min_blocks=need))
+            out.append(_job(cfg, args.peer_rate, f"{label} 1/{frac}", device_blocks=nb,
+                            rate_per_gpu=args.peer_rate))
     return out
 
 
@@ -301,9 +307,12 @@ def pd_headline(runs: list[SimRun]) -> dict[str, Any]:
     return out
 
 
+FRACTIONS = (8, 4, 2)  # the tiers experiment's device caches: 1/8, 1/4, 1/2 of the profile's
+
+
 def tiers_headline(runs: list[SimRun]) -> dict[str, Any]:
-    """Per device cache size: hit rate and TTFT p50 with device only / +host /
-    +host+disk; peer fetch on / off."""
+    """Per device cache size: hit rate, TTFT p50 and goodput with device only / +host /
+    +host+disk; then per size, peer fetch on / off."""
     out: dict[str, Any] = {"order": "device / +host / +host+disk"}
     fracs = dict.fromkeys(r.phase.config.rsplit(" ", 1)[1] for r in runs
                           if "peer" not in r.phase.config)
@@ -316,11 +325,15 @@ def tiers_headline(runs: list[SimRun]) -> dict[str, Any]:
         out[f"goodput device {frac}"] = _row(at, "goodput_fraction")
     peer = [r for r in runs if "peer" in r.phase.config]
     if peer:
-        out["order (P:D = 1:3, device 1/8)"] = " / ".join(r.phase.config for r in peer)
-        out["hit_rate peer fetch"] = _row(peer, "cached_ratio")
-        out["ttft_p50 peer fetch"] = _row(peer, "ttft_s", "p50")
-        out["peer bytes"] = " / ".join(str(r.extras["transfer_bytes"].get("peer", 0))
-                                       for r in peer)
+        rate = peer[0].phase.params["rate_per_gpu"]
+        out[f"order (P:D = 1:3 @ {rate:g} req/s per GPU)"] = "peer fetch / no peer fetch"
+    for frac in dict.fromkeys(r.phase.config.rsplit(" ", 1)[1] for r in peer):
+        at = [r for r in peer if r.phase.config.endswith(" " + frac)]
+        out[f"hit_rate peer fetch {frac}"] = _row(at, "cached_ratio")
+        out[f"ttft_p50 peer fetch {frac}"] = _row(at, "ttft_s", "p50")
+        out[f"goodput peer fetch {frac}"] = _row(at, "goodput_fraction")
+        out[f"peer GiB {frac}"] = " / ".join(
+            f"{r.extras['transfer_bytes'].get('peer', 0) / (1 << 30):.0f}" for r in at)
     return out
 
 

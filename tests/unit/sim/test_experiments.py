@@ -58,7 +58,12 @@ def test_tiers_experiment_at_another_block_size_keeps_the_memory(tmp_path: Path)
     h100 = load_profile("h100")
     pool = h100.num_blocks * h100.block_size // 64  # an H100's cache in 64-token blocks
     assert [ph["params"]["device_blocks"] for ph in got["phases"]] == \
-        [pool // frac for frac in (8, 4, 2) for _ in range(3)] + [pool // 8] * 2
+        [pool // frac for frac in (8, 4, 2) for _ in range(3)] + \
+        [pool // frac for frac in (8, 4, 2) for _ in range(2)]
+    peer = [ph for ph in got["phases"] if "peer" in ph["config"]]
+    assert [ph["params"]["rate_per_gpu"] for ph in peer] == [0.5] * 6  # --peer-rate's default
+    assert set(got["summary"]) >= {f"{k} peer fetch 1/{f}" for k in ("hit_rate", "ttft_p50")
+                                   for f in (8, 4, 2)}
 
 
 def test_the_whole_trace_is_its_own_report(tmp_path: Path) -> None:
