@@ -407,6 +407,13 @@ def run_device(args: argparse.Namespace) -> int:
 
     like = load_profile(args.like)
     prof, notes = device_profile(args.name, args.engine_json, like)
+    over = {k: v for k, v in (("peak_flop_s", args.peak_flop_s),
+                              ("bandwidth_bytes_s", args.bandwidth_bytes_s),
+                              ("num_blocks", args.num_blocks)) if v is not None}
+    if over:
+        prof = replace(prof, **over, source=prof.source + f"; {args.name}'s own " +
+                       ", ".join(over) + " (--" + " --".join(k.replace("_", "-")
+                                                          for k in over) + ")")
     measured: set[str] = set()
     if args.links_json:
         from sim.links import load_links
@@ -418,7 +425,7 @@ def run_device(args: argparse.Namespace) -> int:
         notes += link_notes
     if args.serving_json:
         results, device = serving_json_results(args.serving_json)
-        serving = serving_overheads(prof, results)
+        serving = serving_overheads(prof, results)  # on this device's own step model
         prof = replace(prof, request_overhead_s=serving["request_overhead_s"],
                        token_overhead_s=serving["token_overhead_s"],
                        fit={**prof.fit, "serving": {**serving, "device": device, "file":
@@ -433,13 +440,6 @@ def run_device(args: argparse.Namespace) -> int:
                      "roofline leaves out of a short prompt's eager prefill (kernel launches).")
     if kept := sorted(set(prof.links) - measured):
         notes.append(f"Links {', '.join(kept)}: {like.name}'s (not measured on this device).")
-    over = {k: v for k, v in (("peak_flop_s", args.peak_flop_s),
-                              ("bandwidth_bytes_s", args.bandwidth_bytes_s),
-                              ("num_blocks", args.num_blocks)) if v is not None}
-    if over:
-        prof = replace(prof, **over, source=prof.source + f"; {args.name}'s own " +
-                       ", ".join(over) + " (--" + " --".join(k.replace("_", "-")
-                                                          for k in over) + ")")
     save_profile(prof, args.out, notes + list(args.note))
     f = prof.fit
     print(f"wrote {args.out}: step {prof.step_overhead_s * 1e3:.3f} ms + "
