@@ -96,11 +96,19 @@ def test_calibrate_takes_the_named_links(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     _cli("sim", "calibrate", "--name", "gpu", "--like", "h100", "--out", str(out),
          "--engine-json", str(GPU / "engine-h100-llama3-8b.json"),
-         "--links-json", str(GPU / "links-h200.json"), "--links", "kv,host")
+         "--links-json", str(GPU / "links-h200.json"), "--links", "kv,host",
+         "--serving-json", str(GPU / "sim-validation-h100.json"))
     prof = load_profile(str(out))
+    # the serving overheads: fitted from the record's one-at-a-time requests (on a step
+    # model fitted from one of h100.json's two engine runs: close to its figure)
+    assert prof.request_overhead_s == pytest.approx(load_profile("h100").request_overhead_s,
+                                                    rel=0.02)
+    assert prof.fit["serving"]["file"] == "sim-validation-h100.json"
     measured, _, _ = load_links(str(GPU / "links-h200.json"))
     assert prof.links["kv"] == measured["kv"] and prof.links["host"] == measured["host"]
     assert prof.links["disk"] == load_profile("h100").links["disk"]
     notes = json.loads(out.read_text())["notes"]
     assert any(n.startswith("Link kv:") and "transfer-h200.json" in n for n in notes)
     assert any(n.startswith("Links disk: h100's") for n in notes)
+    assert any(n.startswith("request_overhead_s 22.") for n in notes)
+    assert not any(n.startswith("request_overhead_s and token") for n in notes)
