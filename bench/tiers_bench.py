@@ -138,6 +138,8 @@ def restore(name: str, tiers: TieredCache, hashes: list[BlockHash], kv: torch.Te
     import torch
 
     kv.zero_()
+    if kv.is_cuda:  # the zeroing is queued: it must not count as the restore's
+        torch.cuda.synchronize(kv.device)
     t0 = time.perf_counter()
     n = tiers.lookup(hashes)
     got = tiers.load(hashes[:n], range(n), kv)
@@ -170,7 +172,7 @@ def measure_tiers(configs: list[tuple[str, TierConfig]], layout: KVLayout,
             times["memcpy"].append(copy_blocks(kv, data))
         results = {name: TierResult(name, len(hashes), nbytes, min(times[name]),
                                     statistics.median(times[name]), store_s,
-                                    tuple(times[name]), _note(tiers))
+                                    tuple(times[name]), tier_kind(tiers))
                    for name, (tiers, store_s) in opened.items()}
     results["memcpy"] = TierResult("memcpy", len(hashes), nbytes, min(times["memcpy"]),
                                    statistics.median(times["memcpy"]), 0.0,
@@ -188,7 +190,8 @@ def copy_blocks(kv: torch.Tensor, data: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def _note(tiers: Any) -> str:
+def tier_kind(tiers: Any) -> str:
+    """How a one-tier TieredCache holds its blocks (pinned or not, O_DIRECT or not)."""
     tier = tiers.tiers[0]
     if tier.name == "disk":
         return "O_DIRECT" if tier.direct_io else "buffered (no O_DIRECT here: page cache)"

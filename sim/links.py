@@ -35,8 +35,6 @@ import numpy as np
 from sim.profile import LinkSpec
 
 if TYPE_CHECKING:
-    import torch
-
     from kvtransfer.layout import KVLayout
 
 LINKS = ("kv", "host", "disk")
@@ -113,7 +111,7 @@ def measure_tiers(layout: KVLayout, device: str, sizes: list[int], repeats: int,
     restore size, restores interleaved across tiers and sizes."""
     import torch
 
-    from bench.tiers_bench import make_blocks
+    from bench.tiers_bench import make_blocks, restore, tier_kind
     from kvtransfer.tiers import TierConfig
     from kvtransfer.tiers.manager import TieredCache
 
@@ -134,40 +132,15 @@ def measure_tiers(layout: KVLayout, device: str, sizes: list[int], repeats: int,
         for _ in range(repeats):
             for name, tiers in opened.items():
                 for k in sizes:
-                    s = restore(name, tiers, hashes[:k], kv, data)
+                    # into the cache's first k blocks (views), checked bit-exact
+                    s = restore(name, tiers, hashes[:k], kv[:k], data[:k])
                     best[name][k] = min(best[name].get(k, s), s)
-        return {name: {"kind": _kind(tiers),
+        return {name: {"kind": tier_kind(tiers),
                        "points": [(k * layout.block_bytes, best[name][k]) for k in sizes]}
                 for name, tiers in opened.items()}
     finally:
         for tiers in opened.values():
             tiers.close()
-
-
-def restore(name: str, tiers: Any, hashes: list[Any], kv: torch.Tensor,
-            data: torch.Tensor) -> float:
-    """Seconds to restore `hashes` (the first len(hashes) blocks) into kv's first blocks,
-    synchronized as the engine's restore is; checked bit-exact."""
-    import torch
-
-    k = len(hashes)
-    kv[:k].zero_()
-    if kv.is_cuda:
-        torch.cuda.synchronize(kv.device)
-    t0 = time.perf_counter()
-    n = tiers.lookup(hashes)
-    got = tiers.load(hashes[:n], range(n), kv)
-    seconds = time.perf_counter() - t0
-    if got != k or not torch.equal(kv[:k], data[:k]):
-        raise SystemExit(f"tier {name}: restored {got} of {k} blocks, or not bit-exact")
-    return seconds
-
-
-def _kind(tiers: Any) -> str:
-    tier = tiers.tiers[0]
-    if tier.name == "disk":
-        return "O_DIRECT" if tier.direct_io else "buffered (page cache)"
-    return "pinned" if tier.pinned else "pageable"
 
 
 def device_name(device: str) -> str:
