@@ -46,7 +46,7 @@ def test_device_profile_from_bench_engine_json(tmp_path: Path) -> None:
     from bench.engine_roofline import ModelCost
     from engine.config import ModelConfig
     from engine.model_shapes import model_shape_dir
-    from sim.calibrate import device_profile
+    from sim.calibrate_gpu import device_profile
 
     peak, bw, ce, me, per_seq = 800e12, 4.0e12, 0.7, 0.75, 5e-5
     cost = ModelCost.from_config(ModelConfig.from_model_dir(model_shape_dir("llama3-8b")), 2)

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench.load import LoadSpec
-from sim.calibrate import serving_json_results, serving_overheads
+from sim.calibrate import serving_overheads
+from sim.calibrate_gpu import serving_json_results
 from sim.config import ClusterConfig
 from sim.profile import load_profile
 from sim.run_cli import simulate
