@@ -101,6 +101,12 @@ class Accounting:
     def start(self) -> None:
         self._started = self.clock()
 
+    def snapshot(self) -> dict[str, float]:
+        """The seconds so far, the simulator's included (call it outside wrapped calls)."""
+        out = dict(self.seconds)
+        out["simulator"] += max(0.0, self.clock() - self._started - sum(self.seconds.values()))
+        return out
+
     def stop(self) -> None:
         """Ends the run: time outside every wrapped call is the simulator's."""
         wall = self.clock() - self._started

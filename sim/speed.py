@@ -251,12 +251,15 @@ def run(args: argparse.Namespace) -> int:
     trace = mooncake(args.trace, limit=args.requests + args.route_sample, time_scale=scale,
                      repeat=0)
     marks: list[float] = []  # wall clock at each tenth of the requests' arrivals
+    splits: list[dict[str, float]] = []  # --breakdown: its seconds at those marks
     tenth = max(1, args.requests // 10)
 
     def timed(specs: Iterator[SimRequestSpec]) -> Iterator[SimRequestSpec]:
         for i, spec in enumerate(specs):
             if i % tenth == 0 and len(marks) < 10:
                 marks.append(time.perf_counter())
+                if acct is not None:
+                    splits.append(acct.snapshot())
             yield spec
 
     # streamed: a million specs are not kept
@@ -273,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
     results = sim.run(specs)
     if acct is not None:
         acct.stop()
+        splits.append(dict(acct.seconds))
     if prof_run is not None:
         prof_run.disable()
     end = time.perf_counter()
@@ -315,6 +319,12 @@ def run(args: argparse.Namespace) -> int:
             for k, v in split.items()))
         print(f"the production code alone (engine + gateway) projects to {floor:.0f} s for "
               f"{TARGET_REQUESTS:,} requests (target {TARGET_S:.0f} s)")
+        # per tenth: which part slows down as the run ages
+        out["breakdown_us_by_tenth"] = by_tenth = [
+            {k: round((b[k] - a[k]) / max(1, n) * 1e6, 1) for k in b}
+            for n, a, b in zip(counts, splits[:-1], splits[1:], strict=True)]
+        print("wall time per request by tenth (us), " + "/".join(split) + ": " + "  ".join(
+            "/".join(f"{t[k]:.0f}" for k in split) for t in by_tenth))
     sample = list(trace)
     if sample:
         out["route_us"] = route_cost(sim, sample)

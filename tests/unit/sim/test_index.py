@@ -12,7 +12,7 @@ import sim.index
 from kvtransfer.index import TIERS, IndexLookup, tier_rank
 from sim.gateway import run_sync
 from sim.index import InProcessBlockIndex
-from sim.segments import SEGMENT_SHIFT, _runs_numpy, runs_of, runs_of_lazily
+from sim.segments import LOW, SEGMENT_SHIFT, runs_of, runs_of_lazily
 
 
 def plain_walk(state: dict[int, dict[str, set[str]]], hashes: list[int],
@@ -168,10 +168,25 @@ def test_segment_walk_matches_the_plain_walk(keep: int, monkeypatch) -> None:
         h: frozenset(n for n, t in state.get(h, {}).items() if t) for h in every}
 
 
-def test_lazy_runs_are_the_runs() -> None:
-    """The walk's runs, found one at a time (a whole segment's range in one comparison),
-    are runs_of' on any list: consecutive or not, negative, long, broken mid-segment;
-    and runs_of's two ways (a Python loop, numpy for long runs) agree."""
+def _plain_runs(hashes: list[int]) -> list[tuple[int, int, int]]:
+    """Runs block by block: each hash one past the last and in its segment joins it."""
+    out: list[tuple[int, int, int]] = []
+    prev = None
+    for h in hashes:
+        if prev is not None and h == prev + 1 and h & LOW:
+            c, j, m = out[-1]
+            out[-1] = (c, j, m + 1)
+        else:
+            out.append((h >> SEGMENT_SHIFT, h & LOW, 1))
+        prev = h
+    return out
+
+
+def test_runs_are_the_plain_runs() -> None:
+    """runs_of, the walk's lazy runs (a whole segment's range in one comparison) and the
+    unordered runs (found up or down, then sorted) are the block-by-block runs on any
+    list: consecutive or not, going up or down, negative, long, broken mid-segment,
+    with repeats."""
     rng = random.Random(3)
     for t in range(4000):
         hashes: list[int] = []
@@ -180,15 +195,17 @@ def test_lazy_runs_are_the_runs() -> None:
         else:
             for _ in range(rng.randrange(6)):
                 base = rng.randrange(-50, 50) << SEGMENT_SHIFT | rng.randrange(32)
-                hashes += range(base, base + rng.randrange(1, 70))
+                run = list(range(base, base + rng.randrange(1, 70)))
+                hashes += run[::-1] if rng.random() < 0.5 else run  # freed tail first
             for _ in range(t % 3 * rng.randrange(3)):  # a block off by one here and there
                 if hashes:
                     i = rng.randrange(len(hashes))
                     hashes[i] += rng.choice((-1, 1))
-        assert list(runs_of_lazily(hashes)) == runs_of(hashes), hashes
-        if hashes:  # numpy's runs (long events) are the Python loop's, sorted or not
-            for ordered in (True, False):
-                assert _runs_numpy(hashes, ordered) == runs_of(hashes, ordered), hashes
+        want = _plain_runs(hashes)
+        assert runs_of(hashes) == want, hashes
+        assert runs_of(tuple(hashes)) == want, hashes
+        assert list(runs_of_lazily(hashes)) == want, hashes
+        assert runs_of(hashes, ordered=False) == _plain_runs(sorted(hashes)), hashes
 
 
 def test_deferred_removals_take_effect_at_their_times() -> None:
