@@ -29,7 +29,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from bench.base import RequestResult
 from engine.kv_cache_manager import cdiv
@@ -47,7 +47,7 @@ from sim.window import Step
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
 
-_INF = float("inf")
+_INF: Final = float("inf")
 
 
 @dataclass(slots=True)

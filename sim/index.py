@@ -29,16 +29,18 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
 from kvtransfer.index import TIERS, IndexLookup
 from sim.segments import LOW, SEGMENT_SHIFT, Segment, runs_of, runs_of_lazily, set_bits
 
-_BIT = {t: 1 << i for i, t in enumerate(TIERS)}
-_BEST = [""] + [next(t for t in TIERS if m & _BIT[t]) for m in range(1, 1 << len(TIERS))]
-_ONES = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
-_KEEP_HOLDERS, _KEPT = 64, 8  # lookups keep the last 8 sets of at least 64 holders
+_BIT: Final = {t: 1 << i for i, t in enumerate(TIERS)}
+_BEST: Final = [""] + [next(t for t in TIERS if m & _BIT[t]) for m in range(1, 1 << len(TIERS))]
+_ONES: Final = bytes.maketrans(b"01", b"\x00\x01")  # a binary string -> 0/1 selectors
+_KEEP_HOLDERS: Final = 64  # lookups keep the last 8 sets of at least 64 holders
+_KEPT: Final = 8
 
 
 class Deferred:

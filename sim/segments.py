@@ -7,13 +7,14 @@ consecutive blocks of one segment (`runs_of`, `runs_of_lazily`), one OR / AND pe
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Final
 
 # A hash (an int: sim/workload.py's) = segment << this | block number. Small, so that
 # the segment is in a hash's low bits: CPython's dicts (the block pools' prefix maps)
 # start probing at hash & (size - 1), and with 21 bits of block number every key of a
 # map started in the same 32 slots (3-4 probes, each a cache miss, per lookup).
-SEGMENT_SHIFT = 5
-LOW = (1 << SEGMENT_SHIFT) - 1
+SEGMENT_SHIFT: Final = 5
+LOW: Final = (1 << SEGMENT_SHIFT) - 1
 
 
 def set_bits(x: int) -> Iterator[int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 
-INF = float("inf")
+INF: Final = float("inf")
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
 
 

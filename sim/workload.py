@@ -27,6 +27,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from bench.base import BenchError, BenchRequest
 from bench.datasets import (
@@ -38,8 +39,8 @@ from bench.datasets import (
 from bench.load import LoadSpec, start_offsets, units
 from sim.segments import SEGMENT_SHIFT
 
-_PART = 1 << SEGMENT_SHIFT  # blocks a segment (or part of one) numbers
-_NEXT_PART = -1  # the chain key of a segment's next part (content keys are >= 0)
+_PART: Final = 1 << SEGMENT_SHIFT  # blocks a segment (or part of one) numbers
+_NEXT_PART: Final = -1  # the chain key of a segment's next part (content keys are >= 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,23 +107,25 @@ class BlockHasher:
                 break
             chain = self._chain(chain, key)
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
-            if stop >= first:
-                count = (stop - first) // bs + 1
-                part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
-                for done in range(0, count, _PART):  # chained on the one before
-                    if done:
-                        part = self._chain(part, _NEXT_PART)
-                    m = min(_PART, count - done)
-                    got = parts.get(part)
-                    if got is None or len(got) < m:
-                        base = part << SEGMENT_SHIFT
-                        got = parts[part] = tuple(range(base, base + m))
-                    out.extend(got if len(got) == m else got[:m])
+            count = (stop - first) // bs + 1 if stop >= first else 0
+            part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
+            while count > 0:  # chained on the one before
+                m = min(_PART, count)
+                got = parts.get(part)
+                if got is None or len(got) < m:
+                    base = part << SEGMENT_SHIFT
+                    got = parts[part] = tuple(range(base, base + m))
+                out.extend(got if len(got) == m else got[:m])
+                count -= m
+                if count:
+                    part = self._chain(part, _NEXT_PART)
             start += n
-        for done in range(0, n_full - n_shared, _PART):
+        left = n_full - n_shared
+        while left > 0:
             self._fresh += 1
             base = -self._fresh << SEGMENT_SHIFT
-            out.extend(range(base, base + min(_PART, n_full - n_shared - done)))
+            out.extend(range(base, base + min(_PART, left)))
+            left -= _PART
         return out
 
 
