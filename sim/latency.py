@@ -7,9 +7,7 @@ profile's efficiency factors and fixed costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
-
-import numpy as np
+from typing import Any
 
 from bench.engine_roofline import ModelCost
 from engine.config import ModelConfig
@@ -50,32 +48,21 @@ class LatencyModel:
             (c if c > m else m) if self._max else c + m)
 
     def window_times(self, computed: Sequence[int], k: int, start: float,
-                     extra: float = 0.0) -> tuple[np.ndarray, list[float]]:
+                     extra: float = 0.0) -> tuple[list[float], list[float]]:
         """A decode window's k iterations of rows that have computed `computed` tokens:
-        their times (an array: what `step` gives each as a one-token step, the same
-        integer counts so the same floats, plus `extra` each) and when each ends, from
-        `start` on, as the one-iteration steps' clock adds them (one after the other: a
-        cumulative sum is sequential, to the bit)."""
-        dts = self._iterations(computed, k)
-        if extra:
-            dts += extra
-        t = np.empty(k + 1)
-        t[0] = start
-        t[1:] = dts
-        np.cumsum(t, out=t)
-        return dts, cast(list[float], t[1:].tolist())
-
-    def _iterations(self, computed: Sequence[int], k: int) -> np.ndarray:
+        their times (what `step` gives each as a one-token step, plus `extra` each) and
+        when each ends, from `start` on, as the one-iteration steps' clock adds them."""
         rows, base = len(computed), sum(computed)
-        # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined (the same
-        # operations in the same order, elementwise in float64: IEEE, no fused ops)
-        p = self.profile
-        fixed = p.step_overhead_s + p.seq_overhead_s * rows
-        flops = rows * self._flop_token + rows * self._flop_sampled
-        pairs = base + rows * np.arange(1, k + 1, dtype=np.int64)
-        c = (flops + pairs * self._flop_pair) * self._s_per_flop
-        m = (self._weights + pairs * self._kv_token) * self._s_per_byte
-        return cast(np.ndarray, fixed + (np.maximum(c, m) if self._max else c + m))
+        dts: list[float] = []
+        ends: list[float] = []
+        t = start
+        for i in range(1, k + 1):
+            pairs = base + rows * i
+            dt = self.seconds(rows, rows, pairs, pairs, rows) + extra
+            dts.append(dt)
+            t += dt
+            ends.append(t)
+        return dts, ends
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied: each
@@ -94,10 +81,9 @@ class LatencyModel:
         return self.seconds(tokens, sampled, pairs, kv, len(scheduled))
 
 
-def running_sum(total: float, dts: np.ndarray) -> float:
+def running_sum(total: float, dts: Sequence[float]) -> float:
     """`total` + dts[0] + dts[1] + ..., added one after the other as one-iteration steps
-    add their times (a cumulative sum is sequential: the same float, to the bit)."""
-    acc = np.empty(len(dts) + 1)
-    acc[0] = total
-    acc[1:] = dts
-    return float(np.cumsum(acc, out=acc)[-1])
+    add their times."""
+    for dt in dts:
+        total += dt
+    return total

@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
-import numpy as np
-
 from engine.block_pool import BlockRemoved, KVBlock
 from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
@@ -51,7 +49,7 @@ class Step:
     dt: float
     end: float
     ends: list[float] | None = None
-    dts: np.ndarray | None = None  # a decode window's iterations' times
+    dts: list[float] | None = None  # a decode window's iterations' times
     done: int = 1
     window: Window | None = None
 

@@ -274,14 +274,14 @@ def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
         rows, base = len(computed), sum(computed)
         want = [lat.seconds(rows, rows, base + rows * j, base + rows * j, rows)
                 for j in range(1, 65)]
-        assert lat.window_times(computed, 64, 0.0)[0].tolist() == want
+        assert lat.window_times(computed, 64, 0.0)[0] == want
         # a window's clock: the steps' sequential sums, to the bit
         dts, ends = lat.window_times(computed, 64, 1234.5678, 3e-5)
-        assert dts.tolist() == [d + 3e-5 for d in want]
-        assert ends == list(itertools.accumulate(dts.tolist(), initial=1234.5678))[1:]
+        assert dts == [d + 3e-5 for d in want]
+        assert ends == list(itertools.accumulate(dts, initial=1234.5678))[1:]
         # and a worker's busy time, summed as the steps would
         assert running_sum(0.25, dts[:40]) == list(
-            itertools.accumulate(dts.tolist()[:40], initial=0.25))[-1]
+            itertools.accumulate(dts[:40], initial=0.25))[-1]
 
 
 def test_remote_kv_landing_cuts_the_decode_window_first(tmp_path: Path) -> None:
