@@ -53,12 +53,21 @@ class LatencyModel:
         their times (what `step` gives each as a one-token step, plus `extra` each) and
         when each ends, from `start` on, as the one-iteration steps' clock adds them."""
         rows, base = len(computed), sum(computed)
+        # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined: the same
+        # operations on the same numbers (exact ints, then the same float operations)
+        p = self.profile
+        fixed = p.step_overhead_s + p.seq_overhead_s * rows
+        flops = rows * self._flop_token + rows * self._flop_sampled
+        flop_pair, kv_token, weights = self._flop_pair, self._kv_token, self._weights
+        s_flop, s_byte, biggest = self._s_per_flop, self._s_per_byte, self._max
         dts: list[float] = []
         ends: list[float] = []
         t = start
         for i in range(1, k + 1):
             pairs = base + rows * i
-            dt = self.seconds(rows, rows, pairs, pairs, rows) + extra
+            c = (flops + pairs * flop_pair) * s_flop
+            m = (weights + pairs * kv_token) * s_byte
+            dt = fixed + ((c if c > m else m) if biggest else c + m) + extra
             dts.append(dt)
             t += dt
             ends.append(t)
