@@ -165,6 +165,15 @@ class BlockPool:
                 block.block_hash = h
                 self._cached[h] = block
 
+    def num_unreferenced(self, blocks: Iterable[KVBlock]) -> int:
+        """How many of `blocks` (cached) no request holds: touching them takes as many
+        off the free queue."""
+        n = 0
+        for block in blocks:
+            if not block.ref_cnt:
+                n += 1
+        return n
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Takes a reference on (cached) blocks, reviving them from the free queue."""
         revived = 0
@@ -221,10 +230,9 @@ class BlockPool:
         stored = []
         for block, h in zip(blocks, hashes, strict=True):
             # skip: already cached (a prefix hit), or another block holds this content
-            # (keep the first)
-            if block.block_hash is None and h not in cached:
+            # (keep the first; one probe of the map either way)
+            if block.block_hash is None and cached.setdefault(h, block) is block:
                 block.block_hash = h
-                cached[h] = block
                 stored.append(h)
                 if track:
                     self._new_cached.append((block, h))

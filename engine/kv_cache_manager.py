@@ -61,10 +61,7 @@ class KVCacheManager:
             + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cached blocks with no holder sit in the free queue: touching them uses them up.
-        num_revived = 0
-        for b in new_computed_blocks:
-            if not b.ref_cnt:
-                num_revived += 1
+        num_revived = self.pool.num_unreferenced(new_computed_blocks)
         if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
