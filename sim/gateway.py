@@ -87,14 +87,15 @@ class SimGateway:
     def _report(self, now: float) -> CandidateSet:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""
         n = len(self._workers)
-        free = np.fromiter(map(_FREE, self._pools), np.int64, n)
+        counts = list(map(_FREE, self._pools))
         done = []
         for w in self.windows:  # a decode window took its later iterations' blocks ahead
             if ahead := w.blocks_ahead(now):
-                free[self._row[w.worker_id]] += ahead
+                counts[self._row[w.worker_id]] += ahead
             else:  # and none past now: the window's report is its pool's from now on
                 done.append(w)
         self.windows.difference_update(done)
+        free = np.array(counts, np.int64)
         return CandidateSet.from_columns(
             self._ids, self._ids, self._roles, self._ready,
             np.fromiter(map(len, map(_WAITING, self._schedulers)), np.int64, n),

@@ -22,9 +22,10 @@ is what the pools' own memory adds; the third, what the rest of the run adds (it
 working set evicts a pool's lines between a prompt's steps).
 
 `--breakdown` splits the run's wall time (sim/accounting.py): the production engines'
-and gateway's code, the in-process index, the simulator's own. The first two are a floor
-under any simulator that runs them: their share alone, projected to a million requests,
-says how far the target is from the code the simulator must run.
+and gateway's code, the in-process index, the simulator's own, for the run and for each
+tenth of it (which part slows as the run ages). The first two are a floor under any
+simulator that runs them: their share alone, projected to a million requests, says how
+far the target is from the code the simulator must run.
 """
 
 from __future__ import annotations
