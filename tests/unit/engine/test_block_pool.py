@@ -43,8 +43,10 @@ def test_touch_revives_cached_block_and_double_free_is_an_error():
     h = hash_blocks([1, 2], 2)
     pool.cache_full_blocks([blk], h, None)
     pool.free([blk])
+    assert pool.num_unreferenced([blk]) == 1  # touching it takes it off the free queue
     pool.touch([pool.get_cached_block(h[0])])
     assert blk.ref_cnt == 1 and pool.num_free_blocks == 1
+    assert pool.num_unreferenced([blk]) == 0
     pool.free([blk])
     with pytest.raises(RuntimeError):
         pool.free([blk])

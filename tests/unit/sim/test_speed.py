@@ -54,6 +54,27 @@ def test_breakdown_splits_the_wall_time_and_changes_nothing(tmp_path: Path) -> N
     assert all(v > 0 for v in split.values()), split
 
 
+def test_breakdown_by_tenth_adds_up_to_the_run(tmp_path: Path) -> None:
+    """`sim bench --breakdown` splits each tenth of the run too: a part's per-request
+    figures over the tenths, weighted by their requests, are its figure for the run."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    p = argparse.ArgumentParser()
+    speed.add_arguments(p)
+    out = tmp_path / "bench.json"
+    args = p.parse_args(["--workers", "4", "--requests", "30", "--route-sample", "0",
+                         "--trace", str(trace), "--block-size", "64", "--breakdown",
+                         "--json", str(out)])
+    assert speed.run(args) == 0
+    got = json.loads(out.read_text())
+    tenths, whole = got["breakdown_us_by_tenth"], got["breakdown_us"]
+    assert len(tenths) == 10 and all(set(t) == set(whole) for t in tenths)
+    counts = [3] * 10  # 30 requests: 3 arrive in each tenth
+    for part, us in whole.items():
+        summed = sum(t[part] * n for t, n in zip(tenths, counts, strict=True)) / 30
+        assert abs(summed - us) <= 0.05 * us + 1.0, (part, summed, us)
+
+
 def test_timing_the_pools_in_the_run_changes_nothing(tmp_path: Path) -> None:
     """`--pool-churn`'s in-run figures wrap every worker's KVCacheManager: the
     simulated results stay as they were (a disaggregated cluster: remote prefills,
