@@ -11,14 +11,20 @@ from sim import speed
 from tests.unit.sim.test_simulator import TRACE
 
 
-def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
+def _bench_args(tmp_path: Path, *flags: str) -> tuple[argparse.Namespace, Path]:
+    """`sim bench` arguments on the small trace, and where its JSON goes."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
     p = argparse.ArgumentParser()
     speed.add_arguments(p)
     out = tmp_path / "bench.json"
-    args = p.parse_args(["--workers", "4", "--requests", "12", "--route-sample", "6",
-                         "--trace", str(trace), "--block-size", "64", "--json", str(out)])
+    return p.parse_args([*flags, "--trace", str(trace), "--block-size", "64",
+                         "--json", str(out)]), out
+
+
+def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
+    args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
+                            "--route-sample", "6")
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
     assert got["requests"] == got["completed"] == 12 and got["sim_requests_per_s"] > 0
@@ -57,14 +63,8 @@ def test_breakdown_splits_the_wall_time_and_changes_nothing(tmp_path: Path) -> N
 def test_breakdown_by_tenth_adds_up_to_the_run(tmp_path: Path) -> None:
     """`sim bench --breakdown` splits each tenth of the run too: a part's per-request
     figures over the tenths, weighted by their requests, are its figure for the run."""
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
-    p = argparse.ArgumentParser()
-    speed.add_arguments(p)
-    out = tmp_path / "bench.json"
-    args = p.parse_args(["--workers", "4", "--requests", "30", "--route-sample", "0",
-                         "--trace", str(trace), "--block-size", "64", "--breakdown",
-                         "--json", str(out)])
+    args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "30",
+                            "--route-sample", "0", "--breakdown")
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
     tenths, whole = got["breakdown_us_by_tenth"], got["breakdown_us"]
@@ -181,14 +181,8 @@ def test_pool_churn_times_the_engines_pool_in_one_in_many_and_in_the_run(
         assert set(ns) == set(speed.STEPS) and all(v > 0 for v in ns.values())
     with pytest.raises(ValueError, match="per_request"):
         speed.pool_churn(1, 10, 11, 1)
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
-    p = argparse.ArgumentParser()
-    speed.add_arguments(p)
-    out = tmp_path / "bench.json"
-    args = p.parse_args(["--workers", "3", "--requests", "8", "--route-sample", "0",
-                         "--trace", str(trace), "--block-size", "64", "--pool-churn",
-                         "--json", str(out)])
+    args, out = _bench_args(tmp_path, "--workers", "3", "--requests", "8",
+                            "--route-sample", "0", "--pool-churn")
     timed = speed.RunPoolTimes()
     install = speed.RunPoolTimes.install
     with pytest.MonkeyPatch.context() as mp:  # keep the run's instance to read its counts
