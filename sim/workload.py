@@ -25,8 +25,10 @@ import itertools
 import json
 import math
 import random
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from sys import getrefcount
 from typing import Final
 
 from bench.base import BenchError, BenchRequest
@@ -41,6 +43,10 @@ from sim.segments import SEGMENT_SHIFT
 
 _PART: Final = 1 << SEGMENT_SHIFT  # blocks a segment (or part of one) numbers
 _NEXT_PART: Final = -1  # the chain key of a segment's next part (content keys are >= 0)
+_PROBES: Final = 4  # named chains a new one looks at for recycling before more are made
+_BATCH: Final = 4096  # chains made at once
+_FIRST: Final = 1 + (256 >> SEGMENT_SHIFT)  # the first chain id: its ints are > 256
+_UNSHARED: Final = -1  # a chain's epoch when no epoch's `_chains` names it
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,23 +65,90 @@ class SimRequestSpec:
 class BlockHasher:
     """Prefix identities of full blocks. `chain` ids are shared by every request of a
     run (one per distinct prefix of segments); a `salt` starts a separate chain root
-    (bench's per-phase cache_salt)."""
+    (bench's per-phase cache_salt).
 
-    def __init__(self, block_size: int) -> None:
+    The hashes' int objects are made once per chain and kept for the run (`_slabs`):
+    chain c's blocks are the same objects every time, for every request (a prefix map's
+    key is then the very object looked up, found by identity), and a chain id is named
+    again (recycled, with its ints) once nothing but the hasher holds them: no pool,
+    tier, index batch, event, request or window (their references are what counts), and
+    not named in this epoch (`_chains` may name it again). So the ints of a million
+    requests' blocks are the ~2x of what the pools hold, made as the pools first fill,
+    next to each other, and never freed: made per request and freed as pools evict,
+    they came from wherever the allocator had room, and every pass over a prompt's
+    hashes (the pool's probes, the index's runs, the events) missed the caches per int
+    (`sim bench` at 16-token blocks: 11-17 % of the run). `recycle=False` names every
+    chain anew (what the tests hold the recycled runs to)."""
+
+    def __init__(self, block_size: int, recycle: bool = True, batch: int = _BATCH) -> None:
         self.block_size = block_size
+        self.recycle = recycle
+        self.batch = batch  # chains made at once
         self._chains: dict[tuple[int, int], int] = {}  # (parent chain, key) -> chain
-        # part -> its blocks' hashes, one int object each for every request: a prefix
-        # map's key is then the very object looked up (found by identity, no compare)
-        self._parts: dict[int, tuple[int, ...]] = {}
-        self._last_chain = 0  # chain ids are never reused, also once forgotten
+        # chain -> its blocks' hashes (chain << SEGMENT_SHIFT | i); the first chains'
+        # would be CPython's shared small ints: not used
+        self._slabs: list[tuple[int, ...]] = [()] * _FIRST
+        self._named: list[int] = [_UNSHARED] * _FIRST  # chain -> the epoch it was named in
+        self._ring: deque[int] = deque()  # the chains named, the least recently first
+        self._unnamed: deque[int] = deque()  # the chains made and never named, in order
+        self._width = 1  # the ints a chain is made with: the most one has needed
         self._epoch = 0
-        self._fresh = 0
+        self.recycled = 0  # chains named again
+        # what `_held` counts for an int the slab alone holds
+        self._free_refs = sum(map(getrefcount, tuple(range(1 << 40, (1 << 40) + 1))))
+
+    def _held(self, slab: tuple[int, ...]) -> bool:
+        """Whether anything but the slab holds one of its ints (the same expression as
+        `_free_refs`'s: an int's count there is the slab's reference and map's)."""
+        return sum(map(getrefcount, slab)) != self._free_refs * len(slab)
+
+    def _new_chain(self, shared: bool) -> int:
+        """A chain id no live hash uses: one made and never named, else the least
+        recently named one whose ints nothing but the hasher holds and that was not
+        named in this epoch (of the first `_PROBES`; held ones go to the back), else
+        one of `batch` made now. `shared`: named in `_chains` (a prefix others may
+        reach again in this epoch)."""
+        named, ring = self._named, self._ring
+        if not self._unnamed:
+            if self.recycle:
+                for _ in range(min(len(ring), _PROBES)):
+                    c = ring.popleft()
+                    ring.append(c)  # named now, or looked at again after the others
+                    if named[c] != self._epoch and not self._held(self._slabs[c]):
+                        named[c] = self._epoch if shared else _UNSHARED
+                        self.recycled += 1
+                        return c
+            self._make()
+        c = self._unnamed.popleft()
+        named[c] = self._epoch if shared else _UNSHARED
+        if self.recycle:
+            ring.append(c)
+        return c
+
+    def _make(self) -> None:
+        """`batch` chains more, their ints made in one go (next to each other)."""
+        w = self._width
+        first = len(self._slabs)
+        for c in range(first, first + self.batch):
+            base = c << SEGMENT_SHIFT
+            self._slabs.append(tuple(range(base, base + w)))
+            self._named.append(_UNSHARED)
+        self._unnamed.extend(range(first, first + self.batch))
+
+    def _slab(self, chain: int, m: int) -> tuple[int, ...]:
+        """`chain`'s first `m` hashes (made now if the chain never had that many)."""
+        got = self._slabs[chain]
+        if len(got) < m:
+            base = chain << SEGMENT_SHIFT
+            got = self._slabs[chain] = got + tuple(range(base + len(got), base + m))
+            self._width = max(self._width, m)  # the chains made next have as many
+        return got if len(got) == m else got[:m]
 
     def _chain(self, parent: int, key: int) -> int:
         k = (parent, key)
         c = self._chains.get(k)
         if c is None:
-            self._last_chain = c = self._chains[k] = self._last_chain + 1
+            c = self._chains[k] = self._new_chain(True)
         return c
 
     def _enter(self, epoch: int) -> None:
@@ -84,15 +157,13 @@ class BlockHasher:
             raise ValueError(f"a spec of epoch {epoch} after epoch {self._epoch}: the "
                              "hasher has forgotten its prefixes (specs go in epoch order)")
         self._chains.clear()
-        self._parts.clear()
         self._epoch = epoch
 
     def hashes(self, spec: SimRequestSpec, total_len: int, salt: int = 0) -> list[int]:
         """One hash per full block of `total_len` tokens (prompt + output). A block of
         prompt tokens is named by the chain of the segment holding its last token and
         its number among the blocks ending in that segment (one range per segment).
-        Blocks of sampled tokens are never shared: a fresh (negative) chain of their
-        own per call."""
+        Blocks of sampled tokens are never shared: a chain of their own per call."""
         if spec.epoch != self._epoch:
             self._enter(spec.epoch)
         bs = self.block_size
@@ -100,7 +171,6 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
-        parts = self._parts
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
@@ -111,20 +181,14 @@ class BlockHasher:
             part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
             while count > 0:  # chained on the one before
                 m = min(_PART, count)
-                got = parts.get(part)
-                if got is None or len(got) < m:
-                    base = part << SEGMENT_SHIFT
-                    got = parts[part] = tuple(range(base, base + m))
-                out.extend(got if len(got) == m else got[:m])
+                out.extend(self._slab(part, m))
                 count -= m
                 if count:
                     part = self._chain(part, _NEXT_PART)
             start += n
         left = n_full - n_shared
-        while left > 0:
-            self._fresh += 1
-            base = -self._fresh << SEGMENT_SHIFT
-            out.extend(range(base, base + min(_PART, left)))
+        while left > 0:  # sampled blocks: a chain of their own, shared by nothing
+            out.extend(self._slab(self._new_chain(False), min(_PART, left)))
             left -= _PART
         return out
 
