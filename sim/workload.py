@@ -83,6 +83,8 @@ class BlockHasher:
     what the tests hold recycling runs to)."""
 
     def __init__(self, block_size: int, recycle: bool = True, batch: int = _BATCH) -> None:
+        if block_size < 1 or batch < 1:
+            raise ValueError(f"need block_size >= 1 and batch >= 1, got {block_size}, {batch}")
         self.block_size = block_size
         self.recycle = recycle
         self.batch = batch  # chains made at once
