@@ -59,8 +59,13 @@ $(SIM_NATIVE): $(SIM_NATIVE_MODULES:%=sim/%.py) sim/native.py $(STAMP)
 deps: $(STAMP) $(COMPILED) $(ARENAS) $(SIM_NATIVE)
 
 # Debian packages later issues need (redis-server; iproute2 for the multi-host test's
-# network namespaces); installed only when missing.
+# network namespaces; TCMalloc, which `splitserve sim` runs on: sim/arenas.py);
+# installed only when missing.
 sysdeps:
+	@/sbin/ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; fi; } \
+	  || echo "libtcmalloc-minimal4 not installed: splitserve sim runs on the system's malloc"
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; fi; }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -67,9 +68,32 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _sim_on_tcmalloc(args: list[str]) -> None:
+    """Starts this `splitserve sim` process again with TCMalloc preloaded, when the
+    machine has it and it is not loaded yet (sim/arenas.py: the simulator's larger
+    allocations; PyTorch's CPU launcher does the same). SPLITSERVE_SIM_MALLOC=system
+    keeps the system's malloc."""
+    choice = os.environ.get("SPLITSERVE_SIM_MALLOC", "tcmalloc")
+    if choice not in ("tcmalloc", "system"):
+        sys.exit(f"SPLITSERVE_SIM_MALLOC must be tcmalloc or system, got {choice!r}")
+    from sim.arenas import malloc_in_use, malloc_library
+
+    preload = os.environ.get("LD_PRELOAD", "")
+    lib = malloc_library() if choice == "tcmalloc" else None
+    # a preload that ld.so refused shows in LD_PRELOAD but not in the process: no loop
+    if lib is None or malloc_in_use() == "tcmalloc" or lib in preload:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "cluster.cli", *args],
+              {**os.environ, "LD_PRELOAD": f"{preload} {lib}".strip()})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["sim"]:  # before the simulator builds its heap (sim/arenas.py)
+        if argv is None:  # the process's own command line: it may start again
+            _sim_on_tcmalloc(args_list)
         from sim.arenas import install
 
         install()

@@ -19,6 +19,7 @@ from bench.metrics import by_tag, parse_slo, summarize
 from bench.report import Report, write_report
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
+from sim import arenas
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.profile import HardwareProfile, load_profile, with_block_size
@@ -144,7 +145,7 @@ def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
             # the KV geometry (the block-size experiment varies it)
             "block_size": sim.profile.block_size,
             "blocks_per_worker": next(iter(sim.workers.values())).kv.pool.num_blocks,
-            "wall_s": round(wall_s, 3),
+            "wall_s": round(wall_s, 3), "heap": arenas.heap(),  # what the wall time ran on
             "sim_requests_per_s": round(len(phase.results) / wall_s, 1), "workers": workers}
 
 

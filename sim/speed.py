@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-           "heap": arenas.status(),  # what `splitserve sim` runs on (sim/arenas.py)
+           "heap": arenas.heap(),  # what `splitserve sim` runs on (sim/arenas.py)
            "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "

@@ -5,6 +5,7 @@ case runs in its own interpreter: an install lasts for the process."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,43 @@ from sim import arenas
 print(arenas.status(), arenas.stats())
 """, ROOT)
     assert out.strip() == "4 KiB pages (not installed) None"
+
+
+def _sim_run(tmp: Path, name: str, **env: str) -> dict:
+    """`splitserve sim run` as its own process (as a user starts it), its JSON report."""
+    out = tmp / f"{name}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "sim", "run", "--workload", "shared-prefix",
+         "--requests", "80", "--colocated", "2", "--no-progress",
+         "--out-dir", str(tmp / name), "--json", str(out)],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(arenas.malloc_library() is None,
+                    reason="no TCMalloc on this machine (`make sysdeps`)")
+def test_splitserve_sim_runs_on_tcmalloc_and_computes_the_same(tmp_path: Path) -> None:
+    on = _sim_run(tmp_path, "tcmalloc")
+    off = _sim_run(tmp_path, "system", SPLITSERVE_SIM_MALLOC="system")
+    assert on["config"]["sim"]["heap"].endswith(", tcmalloc")  # started again on it
+    assert off["config"]["sim"]["heap"].endswith(", system malloc")
+    [a], [b] = on["phases"], off["phases"]
+    assert a["requests"] == b["requests"] and len(a["requests"]) == 80
+    assert a["summary"] == b["summary"]
+
+
+def test_an_unknown_malloc_choice_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "cluster.cli", "sim", "run", "--requests", "1"],
+                          cwd=ROOT, env={**os.environ, "SPLITSERVE_SIM_MALLOC": "jemalloc"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "SPLITSERVE_SIM_MALLOC must be tcmalloc or system, got 'jemalloc'" in done.stderr
+
+
+def test_the_heap_names_the_malloc() -> None:
+    out = _python("""
+from sim import arenas
+print(arenas.heap())
+""", ROOT)
+    assert out.strip() == "4 KiB pages (not installed), system malloc"
