@@ -20,10 +20,12 @@ arrays and per-worker dicts, a decode window's times) bypass the arenas for mall
 request makes dozens, freed soon after; glibc's malloc serves them slower than TCMalloc
 (Debian's libtcmalloc-minimal4, `make sysdeps`), which vLLM's and PyTorch's CPU guides
 preload for the same reason. `splitserve sim` starts itself again with it preloaded
-when the library is there (cluster/cli.py; SPLITSERVE_SIM_MALLOC=system keeps glibc's):
-100,000 requests on 512 workers at 16-token blocks, this 2-core box, alternated,
-146.3 / 152.3 s -> 138.1 / 141.4 s (6-7 %); at 30,000, 8-25 %. (glibc tunables for its
-trim and mmap thresholds: 151.6 s, nothing. jemalloc and mimalloc: between the two.)
+when the library is there (cluster/cli.py; SPLITSERVE_SIM_MALLOC=system keeps glibc's; a
+library user's own process keeps its malloc unless it is started with LD_PRELOAD itself):
+`sim bench --workers 512`, this 2-core box, one after the other: 200,000 requests at
+16-token blocks 303.7 -> 262.9 s (13 %), 100,000 at 512-token blocks 97.3 -> 81.2 s
+(17 %); alternated, 100,000 at 16: 146.3 / 152.3 -> 138.1 / 141.4 s. (glibc's tunables
+for its trim and mmap thresholds: nothing. jemalloc and mimalloc: between the two.)
 """
 
 from __future__ import annotations
