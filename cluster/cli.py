@@ -78,10 +78,12 @@ def _sim_on_tcmalloc(args: list[str]) -> None:
         sys.exit(f"SPLITSERVE_SIM_MALLOC must be tcmalloc or system, got {choice!r}")
     from sim.arenas import malloc_in_use, malloc_library
 
+    if choice == "system" or malloc_in_use() == "tcmalloc":  # (started again: loaded)
+        return
     preload = os.environ.get("LD_PRELOAD", "")
-    lib = malloc_library() if choice == "tcmalloc" else None
+    lib = malloc_library()  # (asks ldconfig: only where it is not loaded yet)
     # a preload that ld.so refused shows in LD_PRELOAD but not in the process: no loop
-    if lib is None or malloc_in_use() == "tcmalloc" or lib in preload:
+    if lib is None or lib in preload:
         return
     sys.stdout.flush()
     sys.stderr.flush()
