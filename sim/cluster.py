@@ -338,7 +338,7 @@ class Simulator:
 
     def _window_due(self, arg: tuple[SimWorker, Step]) -> None:
         w, step = arg
-        if w.current is not step or step.window is None or step.ends is None:
+        if w.current is not step or step.window is None or step.clock is None:
             return  # a later step's
         w.window_due(step, self.now)
         self._window_events(w, step)
@@ -351,13 +351,16 @@ class Simulator:
         self.gateway.windows.discard(w)
         got = w.finish_step(step)
         out = step.out
-        ends = step.ends[:step.done] if step.ends is not None else None
+        ends = None  # a window's tokens' times, for the requests that keep theirs
         bs = self.profile.block_size
         for req in got:
             if req.hold_kv:
                 self._producer_done(w, req)
             else:
-                self._token(w, self._flights[req.request_id], ends)
+                flight = self._flights[req.request_id]
+                if ends is None and step.clock is not None and flight.itl is not None:
+                    ends = step.iteration_ends()[:step.done]
+                self._token(w, flight, ends)
         for s in out.scheduled:  # producers' finished chunks go out while the next computes
             r = s.request
             if r.hold_kv and r.status == RequestStatus.RUNNING:

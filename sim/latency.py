@@ -7,12 +7,14 @@ profile's efficiency factors and fixed costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from bench.engine_roofline import ModelCost
 from engine.config import ModelConfig
 from engine.scheduler import ScheduledRequest
 from sim.profile import HardwareProfile
+
+INF: Final = float("inf")
 
 
 class LatencyModel:
@@ -47,31 +49,11 @@ class LatencyModel:
         return p.step_overhead_s + p.seq_overhead_s * seqs + (
             (c if c > m else m) if self._max else c + m)
 
-    def window_times(self, computed: Sequence[int], k: int, start: float,
-                     extra: float = 0.0) -> tuple[list[float], list[float]]:
-        """A decode window's k iterations of rows that have computed `computed` tokens:
-        their times (what `step` gives each as a one-token step, plus `extra` each) and
-        when each ends, from `start` on, as the one-iteration steps' clock adds them."""
-        rows, base = len(computed), sum(computed)
-        # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined: the same
-        # operations on the same numbers (exact ints, then the same float operations)
-        p = self.profile
-        fixed = p.step_overhead_s + p.seq_overhead_s * rows
-        flops = rows * self._flop_token + rows * self._flop_sampled
-        flop_pair, kv_token, weights = self._flop_pair, self._kv_token, self._weights
-        s_flop, s_byte, biggest = self._s_per_flop, self._s_per_byte, self._max
-        dts: list[float] = []
-        ends: list[float] = []
-        t = start
-        for i in range(1, k + 1):
-            pairs = base + rows * i
-            c = (flops + pairs * flop_pair) * s_flop
-            m = (weights + pairs * kv_token) * s_byte
-            dt = fixed + ((c if c > m else m) if biggest else c + m) + extra
-            dts.append(dt)
-            t += dt
-            ends.append(t)
-        return dts, ends
+    def window_clock(self, computed: Sequence[int], start: float,
+                     extra: float = 0.0) -> WindowClock:
+        """The clock of a decode window of rows that have computed `computed` tokens,
+        from `start` on, with `extra` added to each iteration's time."""
+        return WindowClock(self, computed, start, extra)
 
     def step(self, scheduled: Sequence[ScheduledRequest]) -> float:
         """The step's time, read off the scheduler's output before it is applied: each
@@ -90,9 +72,79 @@ class LatencyModel:
         return self.seconds(tokens, sampled, pairs, kv, len(scheduled))
 
 
-def running_sum(total: float, dts: Sequence[float]) -> float:
-    """`total` + dts[0] + dts[1] + ..., added one after the other as one-iteration steps
-    add their times."""
-    for dt in dts:
-        total += dt
-    return total
+class WindowClock:
+    """A decode window's iterations on the simulated clock. Iteration i (from 1) takes
+    `dt(i)`: what `LatencyModel.step` gives it as a one-token step of every row, plus
+    `extra`; it ends at `start + dt(1) + ... + dt(i)`, added one after the other as the
+    one-iteration steps' clock adds them (the same float operations on the same
+    numbers: to the bit). Nothing is kept per iteration: a question is one pass over
+    the iterations it needs (`walk`; a window stands for ~200 iterations, and lists of
+    their times cost more to make and free than the passes)."""
+
+    def __init__(self, model: LatencyModel, computed: Sequence[int], start: float,
+                 extra: float) -> None:
+        p = model.profile
+        rows = len(computed)
+        self.start = start
+        self.rows = rows
+        self.base = sum(computed)
+        # seconds(rows, rows, pairs, pairs, rows) for each iteration, inlined
+        self.fixed = p.step_overhead_s + p.seq_overhead_s * rows
+        self.extra = extra
+        self.flops = rows * model._flop_token + rows * model._flop_sampled
+        self.flop_pair = model._flop_pair
+        self.kv_token = model._kv_token
+        self.weights = model._weights
+        self.s_flop = model._s_per_flop
+        self.s_byte = model._s_per_byte
+        self.biggest = model._max
+
+    def dt(self, i: int) -> float:
+        """Iteration i's time."""
+        pairs = self.base + self.rows * i
+        c = (self.flops + pairs * self.flop_pair) * self.s_flop
+        m = (self.weights + pairs * self.kv_token) * self.s_byte
+        return self.fixed + ((c if c > m else m) if self.biggest else c + m) + self.extra
+
+    def ends(self, n: int) -> list[float]:
+        """When each of the first n iterations ends."""
+        out: list[float] = []
+        t = self.start
+        for i in range(1, n + 1):
+            t += self.dt(i)
+            out.append(t)
+        return out
+
+    def walk(self, n: int, busy: float, now: float = INF,
+             marks: list[int] | None = None) -> tuple[int, float, float, float, list[float]]:
+        """Iterations 1, 2, ... up to the n-th, or to the first that ends at `now` or
+        later (the one running then). Returns how many that is (i), when the i-th ends,
+        when it started (the end of the one before; -inf for the first), `busy` plus
+        their times (added as a worker's one-iteration steps add them to its busy
+        time), and when each iteration in `marks` (nondecreasing, from 1, up to i)
+        ends."""
+        base, rows, flops, flop_pair = self.base, self.rows, self.flops, self.flop_pair
+        kv_token, weights, s_flop, s_byte = self.kv_token, self.weights, self.s_flop, self.s_byte
+        fixed, extra, biggest = self.fixed, self.extra, self.biggest
+        out: list[float] = []
+        marks = marks or []
+        j, left = 0, len(marks)
+        mark = marks[0] if left else 0  # the next iteration asked for
+        t = before = self.start
+        i = 0
+        while i < n:
+            i += 1
+            before = t
+            pairs = base + rows * i  # the expression of `dt`, without a call
+            c = (flops + pairs * flop_pair) * s_flop
+            m = (weights + pairs * kv_token) * s_byte
+            dt = fixed + ((c if c > m else m) if biggest else c + m) + extra
+            t += dt
+            busy += dt
+            while i == mark:
+                out.append(t)
+                j += 1
+                mark = marks[j] if j < left else 0
+            if t >= now:
+                break
+        return i, t, before if i > 1 else -INF, busy, out

@@ -27,7 +27,7 @@ from engine.offload import OffloadConnector
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from sim.index import Deferred, InProcessBlockIndex
-from sim.latency import LatencyModel
+from sim.latency import LatencyModel, WindowClock
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 
@@ -39,19 +39,31 @@ NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no b
 class Step:
     """A step in progress: what the scheduler scheduled, from `start` to `end`.
 
-    A decode window (`ends` set) stands for several decode iterations exactly:
-    `ends[i]` is when iteration i + 1 ends, as the one-iteration steps would have timed
-    it, and `done` of them stand (fewer once new work cut it). `window` holds the blocks
-    the window's iterations take and fill (Window)."""
+    A decode window (`clock` set) stands for `k` decode iterations exactly, timed as
+    the one-iteration steps would have timed them (WindowClock), and `done` of them
+    stand (fewer once new work cut it); `since`: when the last of those started;
+    `busy`: the worker's busy time once they are done. `window` holds the blocks the
+    window's iterations take and fill (Window)."""
 
     out: SchedulerOutput
     start: float
     dt: float
     end: float
-    ends: list[float] | None = None
-    dts: list[float] | None = None  # a decode window's iterations' times
+    clock: WindowClock | None = None
+    k: int = 1
     done: int = 1
     window: Window | None = None
+    since: float = -INF
+    busy: float = 0.0
+    _ends: list[float] | None = None
+
+    def iteration_ends(self) -> list[float]:
+        """When each of a decode window's iterations ends (made once, when first asked:
+        by tier saves and inter-token latencies, which few windows need)."""
+        assert self.clock is not None
+        if self._ends is None:
+            self._ends = self.clock.ends(self.k)
+        return self._ends
 
 
 @dataclass(slots=True)
@@ -94,6 +106,7 @@ class DecodeWindows:
     max_model_len: int
     windows: bool
     busy: bool
+    busy_s: float
     current: Step | None
     clock: Callable[[], float]
 
@@ -176,14 +189,14 @@ class DecodeWindows:
         start = self.clock()
         # the one-iteration steps' clock: each ends at the last end + dt (a sequential
         # running sum of floats, as those steps add)
-        dts, ends = self.latency.window_times(computed, k, start,
-                                              self.profile.token_overhead_s * len(rows))
-        t = ends[-1]
-        # iteration i > 1 starts at the end of i - 1
-        window = Window([i for i, _ in takes],
-                        [ends[i - 2] if i > 1 else -INF for i, _ in takes], taken, hashes,
-                        [rows[row].request_id for _, row in takes], len(takes))
+        clock = self.latency.window_clock(computed, start,
+                                          self.profile.token_overhead_s * len(rows))
         first = bisect_right(takes, (1, len(rows)))  # the first iteration's takes
+        # iteration i > 1 starts at the end of i - 1
+        _, t, since, busy, starts = clock.walk(k, self.busy_s, INF,
+                                               [i - 1 for i, _ in takes[first:]])
+        window = Window([i for i, _ in takes], [-INF] * first + starts, taken, hashes,
+                        [rows[row].request_id for _, row in takes], len(takes))
         if first:
             self.index.apply_device(self.worker_id, (),
                                     [h for h in hashes[:first] if h is not None])
@@ -195,7 +208,7 @@ class DecodeWindows:
                                                [window.starts[j] for j in later])
         if self.offload is not None:
             self._plan_saves(window, out, k)
-        return Step(out, start, t - start, t, ends, dts, k, window)
+        return Step(out, start, t - start, t, clock, k, k, window, since, busy)
 
     def _plan_saves(self, w: Window, out: SchedulerOutput, k: int) -> None:
         """The blocks the window's iterations fill (Window): a row that has computed c
@@ -240,14 +253,13 @@ class DecodeWindows:
         Returns the step's new end, or None when it ends then anyway."""
         step = self.current
         assert step is not None
-        if step.ends is None:  # one iteration: it ends when it ends
+        if step.clock is None:  # one iteration: it ends when it ends
             return None
         # a decode window: exactly as the one-iteration steps it stands for
-        done = min(bisect_left(step.ends, now) + 1, step.done)
+        done, end, since, busy, _ = step.clock.walk(step.done, self.busy_s, now)
         shorter = done < step.done
         if shorter:
-            step.done = done
-            step.end = step.ends[done - 1]
+            step.done, step.end, step.since, step.busy = done, end, since, busy
         # before anything touches the pool: the evictions of the iterations that stand
         # (all started by now) in the index, those of the others never
         self.settle_evictions(step)
@@ -262,8 +274,7 @@ class DecodeWindows:
         standing iterations take effect now (the ones not applied yet), the rest never."""
         w = step.window
         if w is not None and w.deferred is not None:
-            assert step.ends is not None
-            self.index.settle(w.deferred, step.ends[step.done - 2] if step.done > 1 else -INF)
+            self.index.settle(w.deferred, step.since)
             w.deferred = None
 
     def _untake(self, w: Window, done: int) -> None:
@@ -320,20 +331,20 @@ class DecodeWindows:
         leaves at most one behind. (Its evictions need no event: the index applies
         them at their times, `InProcessBlockIndex.defer`.)"""
         win = step.window
-        assert win is not None and step.ends is not None
+        assert win is not None
         s = win.saved
         if s < len(win.save_iters) and win.save_iters[s] < step.done:
-            return step.ends[win.save_iters[s] - 1]
+            return step.iteration_ends()[win.save_iters[s] - 1]
         return INF
 
     def window_due(self, step: Step, now: float) -> None:
         """What the window's iterations have filled by `now`, saved: as the
         one-iteration steps do at an iteration's end."""
         win = step.window
-        assert win is not None and step.ends is not None
-        done = step.done
+        assert win is not None
+        done, ends = step.done, step.iteration_ends()
         iters, s = win.save_iters, win.saved
-        while s < len(iters) and iters[s] < done and step.ends[iters[s] - 1] <= now:
+        while s < len(iters) and iters[s] < done and ends[iters[s] - 1] <= now:
             s += 1
         if s > win.saved:
             self.save_window(win, iters[s - 1])

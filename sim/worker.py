@@ -24,7 +24,7 @@ from engine.pins import Pins
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from sim.index import InProcessBlockIndex
-from sim.latency import LatencyModel, running_sum
+from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 from sim.tiers import SimTiers
@@ -151,21 +151,21 @@ class SimWorker(DecodeWindows):
         decode window: `done` tokens per request, as that many steps would); returns
         the requests that got a token."""
         out = step.out
-        if step.dts is not None:
+        if step.clock is not None:
             self.settle_evictions(step)
-            k, j = len(step.dts), step.done
+            k, j = step.k, step.done
             for x in out.scheduled:
                 if j < k:  # cut: the tokens handed ahead past iteration j are not sampled
                     cast(SimRequest, x.request).hand_ahead(j - k)
                     x.num_new_tokens = j
-            self.busy_s = running_sum(self.busy_s, step.dts[:j])
+            self.busy_s = step.busy
             self.steps += j
             self.tokens_computed += len(out.scheduled) * j
         sampled = {s.request.request_id: (0, None) for s in out.scheduled
                    if s.request.num_computed_tokens + s.num_new_tokens
                    >= s.request.num_tokens}
         got = self.scheduler.update_from_output(out, sampled)
-        if step.dts is not None and step.done > 1:
+        if step.clock is not None and step.done > 1:
             # What the window's other iterations charged (fair sharing). VTC orders by
             # the float counters: charged one token at a time, as those steps would.
             fair, extra = self.scheduler.fair, step.done - 1

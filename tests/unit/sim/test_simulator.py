@@ -4,10 +4,12 @@ a scorer changes the simulated outcome)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gc
 import itertools
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -289,24 +291,36 @@ def test_recycled_hashes_change_nothing(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("combine", ["max", "sum"])
 def test_window_iteration_times_are_the_steps_times(combine: str) -> None:
-    """LatencyModel.window_times gives each iteration of a decode window exactly (to
-    the bit) what `seconds` gives that iteration as a one-token step, and the clock
-    those steps keep."""
-    from sim.latency import LatencyModel, running_sum
+    """A decode window's clock (WindowClock) gives each iteration exactly (to the bit)
+    what `seconds` gives that iteration as a one-token step, and the clock those steps
+    keep, whichever way it is asked."""
+    from sim.latency import LatencyModel
 
     lat = LatencyModel(replace(load_profile("h100"), combine=combine))
     for computed in ([7], [130, 4000, 77], list(range(1, 400, 13))):
         rows, base = len(computed), sum(computed)
         want = [lat.seconds(rows, rows, base + rows * j, base + rows * j, rows)
                 for j in range(1, 65)]
-        assert lat.window_times(computed, 64, 0.0)[0] == want
+        assert [lat.window_clock(computed, 0.0).dt(i) for i in range(1, 65)] == want
         # a window's clock: the steps' sequential sums, to the bit
-        dts, ends = lat.window_times(computed, 64, 1234.5678, 3e-5)
-        assert dts == [d + 3e-5 for d in want]
-        assert ends == list(itertools.accumulate(dts, initial=1234.5678))[1:]
-        # and a worker's busy time, summed as the steps would
-        assert running_sum(0.25, dts[:40]) == list(
-            itertools.accumulate(dts[:40], initial=0.25))[-1]
+        clock = lat.window_clock(computed, 1234.5678, 3e-5)
+        dts = [d + 3e-5 for d in want]
+        assert [clock.dt(i) for i in range(1, 65)] == dts
+        ends = list(itertools.accumulate(dts, initial=1234.5678))[1:]
+        assert clock.ends(64) == ends
+        # a walk: the iteration running at a time (what a bisection of the ends gives,
+        # capped), its end and start, a worker's busy time summed as the steps would,
+        # and the ends of the iterations asked for
+        for now in (0.0, ends[0], ends[0] + 1e-9, ends[30], ends[31] - 1e-9, ends[63],
+                    ends[63] + 1.0, math.inf):
+            for limit in (1, 31, 64):
+                i = min(bisect.bisect_left(ends, now) + 1, limit)
+                marks = [m for m in (1, 1, 5, 30, 31, 40, 64) if m <= i]
+                assert clock.walk(limit, 0.25, now, marks) == (
+                    i, ends[i - 1], ends[i - 2] if i > 1 else -math.inf,
+                    list(itertools.accumulate(dts[:i], initial=0.25))[-1],
+                    [ends[m - 1] for m in marks])
+        assert clock.walk(64, 0.25)[:2] == (64, ends[63])
 
 
 def test_remote_kv_landing_cuts_the_decode_window_first(tmp_path: Path) -> None:
