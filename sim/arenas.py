@@ -16,7 +16,7 @@ installs it before anything is built (cluster/cli.py); a library user may call
 `install()` first thing, or not at all.
 
 The larger allocations (lists and dicts past 512 bytes: block tables, a route's numpy
-arrays and per-worker dicts, a decode window's times) bypass the arenas for malloc. A
+arrays and per-worker dicts) bypass the arenas for malloc. A
 request makes dozens, freed soon after; glibc's malloc serves them slower than TCMalloc
 (Debian's libtcmalloc-minimal4, `make sysdeps`), which vLLM's and PyTorch's CPU guides
 preload for the same reason. `splitserve sim` starts itself again with it preloaded
