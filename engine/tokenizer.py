@@ -16,6 +16,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.config import ModelDirError
 
+# Ids from which decode lets go of the GIL (decode_batch costs a few µs more a call).
+_LONG_DECODE = 4096
+
 
 def _raise_exception(message: str) -> None:
     raise TemplateError(message)
@@ -69,7 +72,12 @@ class Tokenizer:
         return list(enc.ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+        """A long list is decoded with the GIL released (`decode_batch`; a lone `decode`
+        holds it: 600k ids ~0.1 s); a short one, the common case, the direct way."""
+        ids = list(token_ids)
+        if len(ids) < _LONG_DECODE:
+            return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        return str(self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'

