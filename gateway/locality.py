@@ -42,6 +42,7 @@ class Locality:
         # so a request copies, and the scorer reads, only the workers it misled
         self._trust: dict[str, float] = {}
         self._children: dict[str, tuple[Any, Any, Any]] = {}  # worker id -> its metrics
+        self._lookups: dict[str, Any] = {}  # lookup result -> its counter
         self._errors_seen = 0
 
     async def lookup(self, hashes: Sequence[BlockHash], nodes: set[str]) -> IndexLookup | None:
@@ -58,14 +59,18 @@ class Locality:
             self.metrics.index_errors.inc(errors - self._errors_seen)
             self._errors_seen = errors
         result = "unavailable" if res is None else "hit" if res.nodes else "miss"
-        self.metrics.index_lookups.labels(result).inc()
+        counter = self._lookups.get(result)
+        if counter is None:  # labels() looks the child up under a lock: once per result
+            counter = self._lookups[result] = self.metrics.index_lookups.labels(result)
+        counter.inc()
         return res
 
     def fill(self, req: RouteRequest, lookup: IndexLookup | None) -> RouteRequest:
-        """The request with its locality fields set from `lookup` (as is when None)."""
+        """The request with its locality fields set from `lookup` (as is when None): its
+        holders are the lookup's own mapping (neither changes it), the trust a copy."""
         if lookup is None:
             return req
-        return replace(req, locality=dict(lookup.nodes), indexed_blocks=lookup.num_blocks,
+        return replace(req, locality=lookup.nodes, indexed_blocks=lookup.num_blocks,
                        locality_trust=dict(self._trust))
 
     def trust(self, worker_id: str) -> float:

@@ -27,6 +27,8 @@ from kvtransfer.index import check_tier
 
 log = logging.getLogger(__name__)
 
+_KEEP_SUM, _KEPT_SUMS = 64, 16  # the sums of the last 16 runs shared by >= 64 holders
+
 # device > host > disk > peer; "other": a tier not named here (e.g. an LMCache tier)
 DEFAULT_TIER_WEIGHTS = {"device": 1.0, "host": 0.8, "disk": 0.5, "peer": 0.2, "other": 0.4}
 
@@ -46,6 +48,10 @@ class PrefixLocalityScorer:
             raise ValueError("tier weights must not all be 0")
         self.weights = weights
         self._norm = max(weights.values())
+        # id -> (a run of tiers many holders share, its weights' sum), the object kept
+        # alive so that its id names it: the in-process index hands out one object per
+        # run length, and a long run's sum is most of a score's time
+        self._sums: dict[int, tuple[tuple[str, ...], float]] = {}
 
     def options(self) -> dict[str, Any]:
         return {"tiers": dict(self.weights)}
@@ -74,25 +80,27 @@ class PrefixLocalityScorer:
         else:
             starts = [0, *itertools.compress(itertools.count(1),
                                              map(operator.is_not, runs[1:], runs))]
-        by_value: dict[tuple[str, ...], float] = {}
-        by_object: dict[int, float] = {}
+        ends = [*starts[1:], len(runs)]
+        by_value: dict[tuple[str, ...], float] = {}  # a Redis lookup's: a tuple per node
         other = itertools.repeat(self.weights["other"])
         totals = []
-        for i in starts:
-            tiers = runs[i]
-            t = by_object.get(id(tiers))
-            if t is None:
-                t = by_value.get(tiers)
-                if t is None:
-                    t = by_value[tiers] = sum(map(self.weights.get, tiers, other)) \
-                        + max(0, req.indexed_blocks - len(tiers)) * peer
-                by_object[id(tiers)] = t
-            totals.append(t)
+        for a, b in zip(starts, ends, strict=True):
+            tiers = runs[a]
+            kept = self._sums.get(id(tiers))
+            s: float | None = kept[1] if kept is not None and kept[0] is tiers \
+                else by_value.get(tiers)
+            if s is None:
+                s = by_value[tiers] = sum(map(self.weights.get, tiers, other))
+                if b - a >= _KEEP_SUM:  # one object many holders share: kept (alive)
+                    if len(self._sums) >= _KEPT_SUMS:
+                        del self._sums[next(iter(self._sums))]  # the oldest
+                    self._sums[id(tiers)] = (tiers, s)
+            totals.append(s + max(0, req.indexed_blocks - len(tiers)) * peer)
         total: np.ndarray | float
-        if len(by_value) == 1:  # the same elementwise arithmetic as an array of it
-            total = totals[0]
+        if totals.count(totals[0]) == len(totals):  # the same elementwise arithmetic as
+            total = totals[0]                       # an array of it
         else:
-            total = np.repeat(totals, np.diff([*starts, len(runs)]))
+            total = np.repeat(totals, [b - a for a, b in zip(starts, ends, strict=True)])
         held = rows >= 0
         at = rows[held]
         if isinstance(total, np.ndarray):
