@@ -56,6 +56,25 @@ def test_scorer_weights_tiers_and_peers() -> None:
             PrefixLocalityScorer(tiers=bad)  # type: ignore[arg-type]
 
 
+def test_scorer_keeps_a_shared_runs_sum_and_scores_the_same() -> None:
+    """A run object 100 holders share (as the in-process index hands out) has its tier
+    sum kept across requests; the scores equal a fresh scorer's, to the bit, whatever
+    the request's indexed depth, and an equal run in another object scores the same."""
+    cands = CandidateSet([cand(f"w{i}") for i in range(101)])
+    shared = ("device", "host", "device")
+    held = dict.fromkeys((f"w{i}" for i in range(100)), shared)
+    kept = PrefixLocalityScorer()
+    for indexed in (3, 4, 3):
+        r = req(held, indexed)
+        assert kept.score(r, cands).tolist() == PrefixLocalityScorer().score(r, cands).tolist()
+    assert len(kept._sums) == 1
+    copy = dict.fromkeys(held, tuple(list(shared)))  # equal, not the same object
+    assert kept.score(req(copy, 4), cands).tolist() == kept.score(req(held, 4), cands).tolist()
+    two = {**held, "w0": ("device",) * 4}  # two stretches: the kept one and another
+    assert kept.score(req(two, 4), cands).tolist() == \
+        PrefixLocalityScorer().score(req(two, 4), cands).tolist()
+
+
 def test_profile_options_round_trip_and_validate() -> None:
     d = {"scorers": [{"name": "prefix_locality", "weight": 3, "tiers": {"disk": 0.3}},
                      "queue"], "picker": "max_score", "decider": {"threshold": 5}, "seed": 1}
