@@ -1,14 +1,22 @@
 # splitserve — `make run` (the main job) and `make test` (the suite) work on a fresh machine.
 SHELL := /bin/bash
-PY ?= python3
+# The interpreter the venv is made from: Debian's python3.11 where it is whole (venv and
+# the headers mypyc builds against), else python3. Debian builds it with PGO and LTO into
+# one executable; a plain build (pyenv's: no PGO, libpython shared) runs the simulator
+# and the gateway's routing ~20 % slower (docs/results.md, "sim").
+PY ?= $(shell test -f /usr/include/python3.11/Python.h && \
+	/usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null && echo /usr/bin/python3.11 || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# Reinstalls when the dependencies or these install steps change.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# Reinstalls when the dependencies, these install steps or the interpreter change.
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml Makefile; echo "$(PY)") | sha1sum | cut -c1-12)
 
 .PHONY: run test lint bench-engine bench-transfer deps sysdeps clean
 
 $(STAMP): pyproject.toml Makefile
+	@if [ -x $(BIN)/python ] && [ "$$($(BIN)/python -c 'import sys; print(sys.base_prefix)')" != \
+	  "$$($(PY) -c 'import sys; print(sys.base_prefix)')" ]; then \
+	  echo "$(VENV) was made from another interpreter: making it again from $(PY)"; rm -rf $(VENV); fi
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; elsewhere any >=2.4 works

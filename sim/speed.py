@@ -35,8 +35,10 @@ import cProfile
 import io
 import itertools
 import json
+import platform
 import pstats
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -300,12 +302,15 @@ def run(args: argparse.Namespace) -> int:
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+           # the interpreter's build moves these figures ~20 % (Makefile: `PY`)
+           "python": f"{platform.python_version()} from {sys.base_prefix}",
            "heap": arenas.heap(),  # what `splitserve sim` runs on (sim/arenas.py)
            "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
           f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
-          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB ({out['heap']}; "
+          f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB (python "
+          f"{out['python']}; {out['heap']}; "
           f"{'compiled: ' + ', '.join(out['compiled']) if out['compiled'] else 'interpreted'})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 from pathlib import Path
 
 from sim import speed
@@ -29,6 +30,8 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     got = json.loads(out.read_text())
     assert got["requests"] == got["completed"] == 12 and got["sim_requests_per_s"] > 0
     assert got["peak_rss_mb"] > 10  # a Python process with numpy and the engine
+    # which interpreter ran it (its build moves the figures: the Makefile's PY)
+    assert got["python"].startswith(platform.python_version() + " from /")
     # a rate per tenth of the arrivals; the projection takes the slower of the run's and
     # the last tenth's (the rate falls as a run ages)
     assert len(got["rate_by_tenth"]) == 10 and min(got["rate_by_tenth"]) > 0
