@@ -16,7 +16,8 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml Makefile; echo "$(PY)") 
 $(STAMP): pyproject.toml Makefile
 	@if [ -x $(BIN)/python ] && [ "$$($(BIN)/python -c 'import sys; print(sys.base_prefix)')" != \
 	  "$$($(PY) -c 'import sys; print(sys.base_prefix)')" ]; then \
-	  echo "$(VENV) was made from another interpreter: making it again from $(PY)"; rm -rf $(VENV); fi
+	  echo "$(VENV) was made from another interpreter: making it again from $(PY)"; \
+	  rm -rf $(VENV) build; fi  # (build: mypyc's objects, built against the old headers)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; elsewhere any >=2.4 works
