@@ -2,8 +2,8 @@
 SHELL := /bin/bash
 # The interpreter the venv is made from: Debian's python3.11 where it is whole (venv and
 # the headers mypyc builds against), else python3. Debian builds it with PGO and LTO into
-# one executable; a plain build (pyenv's: no PGO, libpython shared) runs the simulator
-# and the gateway's routing ~20 % slower (docs/results.md, "sim").
+# one executable; on a plain build (pyenv's: no PGO, libpython shared) the simulator
+# takes 12-25 % longer (docs/results.md, "sim").
 PY ?= $(shell test -f /usr/include/python3.11/Python.h && \
 	/usr/bin/python3.11 -c "import ensurepip, venv" 2>/dev/null && echo /usr/bin/python3.11 || echo python3)
 VENV := .venv

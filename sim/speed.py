@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-           # the interpreter's build moves these figures ~20 % (Makefile: `PY`)
+           # the interpreter's build moves these figures 12-25 % (Makefile: `PY`)
            "python": f"{platform.python_version()} from {sys.base_prefix}",
            "heap": arenas.heap(),  # what `splitserve sim` runs on (sim/arenas.py)
            "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
