@@ -35,7 +35,9 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": cpu or platform.processor(),
             "memory_gib": mem_gib, "platform": platform.platform(),
-            "python": sys.version.split()[0], "gpu": None}
+            # the version and where its build lives: builds of one version differ in
+            # speed (the Makefile's PY)
+            "python": f"{platform.python_version()} from {sys.base_prefix}", "gpu": None}
 
 
 @dataclass(slots=True)

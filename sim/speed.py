@@ -35,14 +35,13 @@ import cProfile
 import io
 import itertools
 import json
-import platform
 import pstats
 import resource
-import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+from bench.report import machine
 from engine.kv_cache_manager import KVCacheManager
 from sim import arenas
 from sim.accounting import Accounting
@@ -303,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            # the interpreter's build moves these figures 12-25 % (Makefile: `PY`)
-           "python": f"{platform.python_version()} from {sys.base_prefix}",
+           "python": machine()["python"],
            "heap": arenas.heap(),  # what `splitserve sim` runs on (sim/arenas.py)
            "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
