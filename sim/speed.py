@@ -12,6 +12,13 @@ It also times the gateway's routing of one request on the cluster the run left b
 next `--route-sample` requests of the trace, each looked up, filled and routed (nothing
 is sent), in microseconds per request.
 
+Its reference, measured in the same run: the machine's memory latency before and after
+it (bench/memprobe.py, in a process of its own). A late run at 16-token blocks waits on
+memory more than on the interpreter, and this shared box's latency moves with its
+neighbours: the thirteenth session's code ran 100,000 requests in ~65-69 s on its day
+and in 132.5 s on a later one (side by side with that day's code, 120.3 s), so a figure
+reads against the latency beside it.
+
 `--pool-churn` holds the per-block work to its machine limit: the engine's block pool
 taking a prompt's worth of blocks (each evicting a cached one), caching and freeing
 them, per block and step, in one pool (its memory in the CPU's caches), in as many full
@@ -41,6 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+from bench import memprobe
 from bench.report import machine
 from engine.kv_cache_manager import KVCacheManager
 from sim import arenas
@@ -77,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-churn", action="store_true",
                    help="after the run: the block pool's per-block cost in one pool vs in "
                         "the run's pools (memory latency's share)")
+    p.add_argument("--memprobe-mib", type=int, default=memprobe.REGION_MIB,
+                   help="the region the machine's memory latency is measured over before "
+                        "and after the run (bench/memprobe.py, ~5 s each; 0: skip)")
     p.add_argument("--json", default=None)
 
 
@@ -264,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
                     splits.append(acct.snapshot())
             yield spec
 
+    # the reference: this shared box's memory latency, which a late run at 16-token
+    # blocks waits on, before and after it (in a process of its own)
+    probes = [memprobe.measure_apart(region_mib=args.memprobe_mib)] if args.memprobe_mib else []
     # streamed: a million specs are not kept
     specs = timed(itertools.islice(trace, args.requests))
     sim = Simulator(cfg, prof)
@@ -357,6 +371,13 @@ def run(args: argparse.Namespace) -> int:
                   + ("" if name == "one_pool" else
                      f" ({sum(c.values()) / max(1e-9, sum(cases['one_pool'].values())):.1f}x"
                      " one pool's)"))
+    if probes:
+        probes.append(memprobe.measure_apart(region_mib=args.memprobe_mib))
+        out["memory"] = dict(zip(("before", "after"), probes, strict=True))
+        print("the machine in the same run (bench/memprobe.py): a dependent load from "
+              "memory " + ", ".join(
+                  f"{p['load_ns']:.0f} ns {when} (the interpreter's step {p['step_ns']:.0f} ns)"
+                  if p else f"not measured {when}" for when, p in out["memory"].items()))
     if prof_run is not None:
         buf = io.StringIO()
         pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)

@@ -19,16 +19,22 @@ def _bench_args(tmp_path: Path, *flags: str) -> tuple[argparse.Namespace, Path]:
     p = argparse.ArgumentParser()
     speed.add_arguments(p)
     out = tmp_path / "bench.json"
-    return p.parse_args([*flags, "--trace", str(trace), "--block-size", "64",
-                         "--json", str(out)]), out
+    # the memory probe skipped unless asked for (~10 s at its default size)
+    return p.parse_args(["--memprobe-mib", "0", *flags, "--trace", str(trace),
+                         "--block-size", "64", "--json", str(out)]), out
 
 
 def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
-                            "--route-sample", "6")
+                            "--route-sample", "6", "--memprobe-mib", "2")
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
     assert got["requests"] == got["completed"] == 12 and got["sim_requests_per_s"] > 0
+    # the reference: the machine's memory latency before and after the run, each
+    # measured in a process of its own (here over a small region: the plumbing)
+    assert set(got["memory"]) == {"before", "after"}
+    for probe in got["memory"].values():
+        assert probe["region_mib"] == 2 and probe["step_ns"] > 0 and probe["load_ns"] >= 0
     assert got["peak_rss_mb"] > 10  # a Python process with numpy and the engine
     # which interpreter ran it (its build moves the figures: the Makefile's PY)
     assert got["python"].startswith(platform.python_version() + " from /")
