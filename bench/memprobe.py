@@ -1,19 +1,23 @@
 """The machine's memory latency, as a reference measured in the same run as a figure
-that waits on it: nanoseconds per dependent load from a region far larger than the
-CPU's caches (a random cycle through it: each load's address is the last load's value,
-so none overlaps another and no prefetcher guesses the next).
+that waits on it: nanoseconds per dependent load (a random cycle through a region: each
+load's address is the last load's value, so none overlaps another and no prefetcher
+guesses the next) from two regions: one a quarter of the last-level cache the machine
+reports (its L3: served from there when the cache is the process's own) and one far
+larger than any cache (served from memory).
 
 What it is for: `splitserve sim bench` at the engine's 16-token blocks spends most of a
 late run waiting on such loads (millions of per-block objects touched in no order a
-cache follows), and this shared box's memory latency moves with its neighbours: the
-same code ran 1.9x slower on one day than on another while the interpreter's own speed
-did not move. A sim bench figure reads against the latency measured with it.
+cache follows), and this shared box's caches and memory are shared with its neighbours:
+the same code ran ~1.9x slower on one day than on another while the interpreter's own
+speed did not move, and on that day a load from 8 MiB (inside its 32 MiB L3) took
+64-119 ns, about what one from memory should. A sim bench figure reads against the
+latencies measured with it.
 
 Measured from Python (no C compiler needed): the steps over a cycle that fits the L1
-cache time the interpreter's own cost of a step; the same steps over the large region
-minus that are the loads' latency. The region is a numpy array, which numpy backs with
-huge pages where the kernel allows (as the simulator's arenas are), so the figure is the
-memory's latency, not page-table walks'. `splitserve bench memory` prints it alone.
+cache time the interpreter's own cost of a step; the same steps over a region minus that
+are its loads' latency. A region is a numpy array, which numpy backs with huge pages
+where the kernel allows (as the simulator's arenas are), so the figures are the caches'
+and memory's latency, not page-table walks'. `splitserve bench memory` prints them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,22 @@ import numpy as np
 REGION_MIB = 256  # 8x this box's 32 MiB L3
 SMALL = 1 << 10  # 8 KiB of int64: in L1
 STEPS = 1_000_000  # ~0.2 s a pass here
+L3_SYSFS = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+
+
+def l3_mib(path: str = L3_SYSFS) -> int:
+    """The last-level cache the machine reports (MiB; 32 where it says nothing)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip().upper()
+    except OSError:
+        return 32
+    scale = {"K": 1 / 1024, "M": 1, "G": 1024}.get(text[-1:], None)
+    try:
+        n = float(text[:-1]) * scale if scale is not None else float(text) / (1 << 20)
+    except ValueError:
+        return 32
+    return max(1, round(n))
 
 
 def _cycle(n: int, seed: int) -> memoryview:
@@ -50,21 +70,32 @@ def _chase(cycle: memoryview, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def measure(region_mib: int = REGION_MIB, steps: int = STEPS, repeats: int = 5,
-            seed: int = 0) -> dict[str, Any]:
-    """{"load_ns": a dependent load's latency from the region, "step_ns": the
-    interpreter's own cost of a step, "region_mib"}: the median of `repeats` passes
-    each (this box's latency moves by tens of percent from one second to the next)."""
-    if region_mib < 1 or steps < 1 or repeats < 1:
-        raise ValueError(f"need region_mib, steps and repeats >= 1, got "
-                         f"{region_mib}, {steps}, {repeats}")
+def _median_step(mib: int, steps: int, repeats: int, seed: int) -> float:
+    cycle = _cycle(mib * (1 << 20) // 8, seed)
+    _chase(cycle, min(steps, 10_000))  # its pages faulted in before timing
+    return statistics.median(_chase(cycle, steps) for _ in range(repeats))
+
+
+def measure(region_mib: int = REGION_MIB, cache_mib: int | None = None,
+            steps: int = STEPS, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """{"step_ns": the interpreter's own cost of a step, "cache_mib", "cache_load_ns": a
+    dependent load's latency from `cache_mib` (default: a quarter of the L3),
+    "region_mib", "load_ns": from `region_mib`}: the median of `repeats` passes each
+    (this box's latencies move by tens of percent from one second to the next)."""
+    cache_mib = max(1, l3_mib() // 4) if cache_mib is None else cache_mib
+    if min(region_mib, cache_mib, steps, repeats) < 1:
+        raise ValueError(f"need region_mib, cache_mib, steps and repeats >= 1, got "
+                         f"{region_mib}, {cache_mib}, {steps}, {repeats}")
     small = _cycle(SMALL, seed)
     step = statistics.median(_chase(small, steps) for _ in range(repeats))
-    big = _cycle(region_mib * (1 << 20) // 8, seed)
-    _chase(big, min(steps, 10_000))  # its pages faulted in before timing
-    far = statistics.median(_chase(big, steps) for _ in range(repeats))
-    return {"load_ns": round(max(0.0, far - step) * 1e9, 1), "step_ns": round(step * 1e9, 1),
-            "region_mib": region_mib}
+
+    def ns(t: float) -> float:
+        return round(max(0.0, t - step) * 1e9, 1)
+
+    near = _median_step(cache_mib, steps, repeats, seed)
+    far = _median_step(region_mib, steps, repeats, seed)
+    return {"step_ns": round(step * 1e9, 1), "cache_mib": cache_mib,
+            "cache_load_ns": ns(near), "region_mib": region_mib, "load_ns": ns(far)}
 
 
 def measure_apart(timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any] | None:
@@ -79,20 +110,24 @@ def measure_apart(timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any] | N
         return None
 
 
+def describe(got: dict[str, Any]) -> str:
+    return (f"a dependent load {got['cache_load_ns']:.0f} ns from {got['cache_mib']} MiB "
+            f"(inside the L3), {got['load_ns']:.0f} ns from {got['region_mib']} MiB; the "
+            f"interpreter's own step {got['step_ns']:.0f} ns")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--region-mib", type=int, default=REGION_MIB)
+    p.add_argument("--cache-mib", type=int, default=None,
+                   help="the region inside the L3 (default: a quarter of it)")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    got = measure(args.region_mib, args.steps, args.repeats)
-    if args.json:
-        print(json.dumps(got))
-    else:
-        print(f"a dependent load from {got['region_mib']} MiB: {got['load_ns']:.0f} ns "
-              f"(the interpreter's own step: {got['step_ns']:.0f} ns)")
+    got = measure(args.region_mib, args.cache_mib, args.steps, args.repeats)
+    print(json.dumps(got) if args.json else describe(got))
     return 0
 
 

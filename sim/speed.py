@@ -374,10 +374,9 @@ def run(args: argparse.Namespace) -> int:
     if probes:
         probes.append(memprobe.measure_apart(region_mib=args.memprobe_mib))
         out["memory"] = dict(zip(("before", "after"), probes, strict=True))
-        print("the machine in the same run (bench/memprobe.py): a dependent load from "
-              "memory " + ", ".join(
-                  f"{p['load_ns']:.0f} ns {when} (the interpreter's step {p['step_ns']:.0f} ns)"
-                  if p else f"not measured {when}" for when, p in out["memory"].items()))
+        print("the machine in the same run (bench/memprobe.py): " + "; ".join(
+            f"{when}: {memprobe.describe(p) if p else 'not measured'}"
+            for when, p in out["memory"].items()))
     if prof_run is not None:
         buf = io.StringIO()
         pstats.Stats(prof_run, stream=buf).sort_stats("tottime").print_stats(18)

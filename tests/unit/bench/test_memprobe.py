@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import memprobe
@@ -10,19 +12,29 @@ from bench import memprobe
 def test_loads_from_beyond_the_caches_wait_longer_than_from_within() -> None:
     """A region twice this box's L3 against one its L2 holds: the probe tells memory
     from cache (the interpreter's own step subtracted from both)."""
-    near = memprobe.measure(region_mib=1, steps=200_000, repeats=3)
-    far = memprobe.measure(region_mib=64, steps=200_000, repeats=3)
-    assert near["region_mib"] == 1 and far["region_mib"] == 64
-    assert near["step_ns"] > 0 and far["step_ns"] > 0
-    assert far["load_ns"] > near["load_ns"] + 20, (near, far)
+    got = memprobe.measure(region_mib=64, cache_mib=1, steps=200_000, repeats=3)
+    assert got["region_mib"] == 64 and got["cache_mib"] == 1 and got["step_ns"] > 0
+    assert got["load_ns"] > got["cache_load_ns"] + 20, got
+
+
+def test_the_l3_as_the_machine_reports_it(tmp_path: Path) -> None:
+    f = tmp_path / "size"
+    for text, mib in (("32768K\n", 32), ("16M", 16), ("1G", 1024), ("512K", 1)):
+        f.write_text(text)
+        assert memprobe.l3_mib(str(f)) == mib
+    f.write_text("lots")
+    assert memprobe.l3_mib(str(f)) == 32  # unreadable: this box's
+    assert memprobe.l3_mib(str(tmp_path / "missing")) == 32
 
 
 def test_measured_apart_in_a_process_of_its_own() -> None:
-    got = memprobe.measure_apart(region_mib=2, steps=20_000, repeats=1)
-    assert got is not None and got["region_mib"] == 2 and got["step_ns"] > 0
+    got = memprobe.measure_apart(region_mib=2, cache_mib=1, steps=20_000, repeats=1)
+    assert got is not None and got["region_mib"] == 2 and got["cache_mib"] == 1
+    assert got["step_ns"] > 0 and memprobe.describe(got).startswith("a dependent load")
 
 
-@pytest.mark.parametrize("kwargs", [{"region_mib": 0}, {"steps": 0}, {"repeats": 0}])
+@pytest.mark.parametrize("kwargs", [{"region_mib": 0}, {"cache_mib": 0}, {"steps": 0},
+                                    {"repeats": 0}])
 def test_refuses_empty_measures(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         memprobe.measure(**kwargs)

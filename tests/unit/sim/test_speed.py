@@ -35,6 +35,7 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     assert set(got["memory"]) == {"before", "after"}
     for probe in got["memory"].values():
         assert probe["region_mib"] == 2 and probe["step_ns"] > 0 and probe["load_ns"] >= 0
+        assert probe["cache_mib"] >= 1 and probe["cache_load_ns"] >= 0
     assert got["peak_rss_mb"] > 10  # a Python process with numpy and the engine
     # which interpreter ran it (its build moves the figures: the Makefile's PY)
     assert got["python"].startswith(platform.python_version() + " from /")
