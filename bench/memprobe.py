@@ -98,6 +98,29 @@ def measure(region_mib: int = REGION_MIB, cache_mib: int | None = None,
             "cache_load_ns": ns(near), "region_mib": region_mib, "load_ns": ns(far)}
 
 
+class CacheProbe:
+    """The L3's latency sampled inside a caller's run, between its own steps (the
+    caller's work paused: what it shows is the neighbours' share of the cache): the
+    region (a quarter of the L3 by default) is walked whole, to bring it back into the
+    caches after the caller's work evicted it, then timed. ~0.2 s a sample here; the
+    caller leaves that time out of its own."""
+
+    def __init__(self, cache_mib: int | None = None, steps: int = 200_000,
+                 seed: int = 0) -> None:
+        self.cache_mib = max(1, l3_mib() // 4) if cache_mib is None else cache_mib
+        if self.cache_mib < 1 or steps < 1:
+            raise ValueError(f"need cache_mib and steps >= 1, got {self.cache_mib}, {steps}")
+        self.steps = steps
+        self._cycle = _cycle(self.cache_mib * (1 << 20) // 8, seed)
+        small = _cycle(SMALL, seed)
+        self._step = statistics.median(_chase(small, steps) for _ in range(3))
+
+    def sample(self) -> float:
+        """Nanoseconds a dependent load from the region now."""
+        _chase(self._cycle, len(self._cycle))  # every slot once: into the caches
+        return round(max(0.0, _chase(self._cycle, self.steps) - self._step) * 1e9, 1)
+
+
 def measure_apart(timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any] | None:
     """`measure` in a process of its own (the caller's peak memory and heap untouched);
     None if it failed."""

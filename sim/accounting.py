@@ -101,6 +101,10 @@ class Accounting:
     def start(self) -> None:
         self._started = self.clock()
 
+    def leave_out(self, seconds: float) -> None:
+        """Time the caller spent outside the run (a probe between its steps): nobody's."""
+        self._started += seconds
+
     def snapshot(self) -> dict[str, float]:
         """The seconds so far, the simulator's included (call it outside wrapped calls)."""
         out = dict(self.seconds)

@@ -12,8 +12,9 @@ It also times the gateway's routing of one request on the cluster the run left b
 next `--route-sample` requests of the trace, each looked up, filled and routed (nothing
 is sent), in microseconds per request.
 
-Its reference, measured in the same run: the machine's memory latency before and after
-it (bench/memprobe.py, in a process of its own). A late run at 16-token blocks waits on
+Its reference, measured in the same run: the machine's L3 and memory latency before and
+after it (bench/memprobe.py, in a process of its own), and the L3's at the start of each
+tenth (CacheProbe, the run paused and that time left out of its figures). A late run at 16-token blocks waits on
 memory more than on the interpreter, and this shared box's latency moves with its
 neighbours: the thirteenth session's code ran 100,000 requests in ~65-69 s on its day
 and in 132.5 s on a later one (side by side with that day's code, 120.3 s), so a figure
@@ -266,10 +267,20 @@ def run(args: argparse.Namespace) -> int:
     marks: list[float] = []  # wall clock at each tenth of the requests' arrivals
     splits: list[dict[str, float]] = []  # --breakdown: its seconds at those marks
     tenth = max(1, args.requests // 10)
+    # the box's L3 at each mark, the run paused (its time left out of the run's)
+    l3 = memprobe.CacheProbe() if args.memprobe_mib else None
+    l3_ns: list[float] = []
+    paused: list[float] = []  # before each mark
 
     def timed(specs: Iterator[SimRequestSpec]) -> Iterator[SimRequestSpec]:
         for i, spec in enumerate(specs):
             if i % tenth == 0 and len(marks) < 10:
+                t = time.perf_counter()
+                if l3 is not None:
+                    l3_ns.append(l3.sample())
+                paused.append(time.perf_counter() - t)
+                if acct is not None:
+                    acct.leave_out(paused[-1])
                 marks.append(time.perf_counter())
                 if acct is not None:
                     splits.append(acct.snapshot())
@@ -296,14 +307,15 @@ def run(args: argparse.Namespace) -> int:
     if prof_run is not None:
         prof_run.disable()
     end = time.perf_counter()
-    wall = end - t0
+    wall = end - t0 - sum(paused)
     rate = len(results) / wall
     # The rate falls as a run ages (the pools fill, then every prompt evicts; memory
     # scatters): the projection takes the last tenth's rate, not the run's average.
     marks.append(end)
+    paused.append(0.0)
     counts = [tenth] * (len(marks) - 2) + [len(results) - tenth * (len(marks) - 2)]
-    tenths = [round(n / max(1e-9, b - a), 1)
-              for n, a, b in zip(counts, marks[:-1], marks[1:], strict=True)]
+    tenths = [round(n / max(1e-9, b - a - p), 1)
+              for n, a, b, p in zip(counts, marks[:-1], marks[1:], paused[1:], strict=True)]
     late = tenths[-2] if len(tenths) > 1 else rate  # the last tenth (the drain apart)
     projected = TARGET_REQUESTS / min(rate, late)
     ok = sum(r.ok for r in results)
@@ -371,6 +383,10 @@ def run(args: argparse.Namespace) -> int:
                   + ("" if name == "one_pool" else
                      f" ({sum(c.values()) / max(1e-9, sum(cases['one_pool'].values())):.1f}x"
                      " one pool's)"))
+    if l3 is not None:
+        out["l3_ns_by_tenth"] = l3_ns
+        print(f"the box's L3 at the start of each tenth (ns a load from {l3.cache_mib} MiB, "
+              "the run paused): " + " ".join(f"{x:.0f}" for x in l3_ns))
     if probes:
         probes.append(memprobe.measure_apart(region_mib=args.memprobe_mib))
         out["memory"] = dict(zip(("before", "after"), probes, strict=True))

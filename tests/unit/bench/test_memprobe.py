@@ -38,3 +38,11 @@ def test_measured_apart_in_a_process_of_its_own() -> None:
 def test_refuses_empty_measures(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         memprobe.measure(**kwargs)
+
+
+def test_cache_probe_samples_between_a_callers_steps() -> None:
+    probe = memprobe.CacheProbe(cache_mib=1, steps=20_000)
+    assert probe.cache_mib == 1
+    assert all(probe.sample() >= 0 for _ in range(3))
+    with pytest.raises(ValueError):
+        memprobe.CacheProbe(cache_mib=0)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import time
 from pathlib import Path
 
+import pytest
+
+from bench import memprobe
 from sim import speed
 from tests.unit.sim.test_simulator import TRACE
 
@@ -36,6 +40,8 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     for probe in got["memory"].values():
         assert probe["region_mib"] == 2 and probe["step_ns"] > 0 and probe["load_ns"] >= 0
         assert probe["cache_mib"] >= 1 and probe["cache_load_ns"] >= 0
+    # and the L3 sampled at each tenth, the run paused (left out of its wall time)
+    assert len(got["l3_ns_by_tenth"]) == 10 and min(got["l3_ns_by_tenth"]) >= 0
     assert got["peak_rss_mb"] > 10  # a Python process with numpy and the engine
     # which interpreter ran it (its build moves the figures: the Makefile's PY)
     assert got["python"].startswith(platform.python_version() + " from /")
@@ -70,14 +76,28 @@ def test_breakdown_splits_the_wall_time_and_changes_nothing(tmp_path: Path) -> N
     assert all(v > 0 for v in split.values()), split
 
 
-def test_breakdown_by_tenth_adds_up_to_the_run(tmp_path: Path) -> None:
+def test_breakdown_by_tenth_adds_up_to_the_run(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """`sim bench --breakdown` splits each tenth of the run too: a part's per-request
     figures over the tenths, weighted by their requests, are its figure for the run."""
+    sample = memprobe.CacheProbe.sample
+
+    def slow_sample(self: memprobe.CacheProbe) -> float:  # a probe that takes 0.3 s more
+        got = sample(self)
+        time.sleep(0.3)
+        return got
+
+    monkeypatch.setattr(memprobe.CacheProbe, "sample", slow_sample)
     args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "30",
-                            "--route-sample", "0", "--breakdown")
+                            "--route-sample", "0", "--breakdown", "--memprobe-mib", "2")
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
     tenths, whole = got["breakdown_us_by_tenth"], got["breakdown_us"]
+    # the L3 probes at the tenths (~0.2 s each, far longer than this run) are left out
+    # of the run's wall time and of its parts alike
+    run_s = sum(whole.values()) * 30 * 1e-6
+    assert abs(run_s - got["wall_s"]) <= 0.1 * got["wall_s"] + 0.05, (run_s, got["wall_s"])
+    assert got["wall_s"] < 10 * 0.3, got["wall_s"]  # the probes' 3 s are not in it
     assert len(tenths) == 10 and all(set(t) == set(whole) for t in tenths)
     counts = [3] * 10  # 30 requests: 3 arrive in each tenth
     for part, us in whole.items():
