@@ -14,11 +14,11 @@ is sent), in microseconds per request.
 
 Its reference, measured in the same run: the machine's L3 and memory latency before and
 after it (bench/memprobe.py, in a process of its own), and the L3's at the start of each
-tenth (CacheProbe, the run paused and that time left out of its figures). A late run at 16-token blocks waits on
-memory more than on the interpreter, and this shared box's latency moves with its
-neighbours: the thirteenth session's code ran 100,000 requests in ~65-69 s on its day
-and in 132.5 s on a later one (side by side with that day's code, 120.3 s), so a figure
-reads against the latency beside it.
+tenth (CacheProbe, the run paused and that time left out of its figures). A late run at
+16-token blocks waits on memory more than on the interpreter, and this box shares its L3
+with neighbours: the thirteenth session's code ran 100,000 requests in ~65-69 s on its
+day and in 132.5 s on a later one (side by side with that day's code, 120.3 s), so a
+figure reads against the latencies beside it.
 
 `--pool-churn` holds the per-block work to its machine limit: the engine's block pool
 taking a prompt's worth of blocks (each evicting a cached one), caching and freeing
@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the run's pools (memory latency's share)")
     p.add_argument("--memprobe-mib", type=int, default=memprobe.REGION_MIB,
                    help="the region the machine's memory latency is measured over before "
-                        "and after the run (bench/memprobe.py, ~5 s each; 0: skip)")
+                        "and after the run, with its L3's (bench/memprobe.py, ~5 s each; "
+                        "the L3 sampled at each tenth too, ~0.2 s each; 0: none of them)")
     p.add_argument("--json", default=None)
 
 
