@@ -70,40 +70,13 @@ def _chase(cycle: memoryview, steps: int) -> float:
     return (time.perf_counter() - t) / steps
 
 
-def _median_step(mib: int, steps: int, repeats: int, seed: int) -> float:
-    cycle = _cycle(mib * (1 << 20) // 8, seed)
-    _chase(cycle, min(steps, 10_000))  # its pages faulted in before timing
-    return statistics.median(_chase(cycle, steps) for _ in range(repeats))
-
-
-def measure(region_mib: int = REGION_MIB, cache_mib: int | None = None,
-            steps: int = STEPS, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
-    """{"step_ns": the interpreter's own cost of a step, "cache_mib", "cache_load_ns": a
-    dependent load's latency from `cache_mib` (default: a quarter of the L3),
-    "region_mib", "load_ns": from `region_mib`}: the median of `repeats` passes each
-    (this box's latencies move by tens of percent from one second to the next)."""
-    cache_mib = max(1, l3_mib() // 4) if cache_mib is None else cache_mib
-    if min(region_mib, cache_mib, steps, repeats) < 1:
-        raise ValueError(f"need region_mib, cache_mib, steps and repeats >= 1, got "
-                         f"{region_mib}, {cache_mib}, {steps}, {repeats}")
-    small = _cycle(SMALL, seed)
-    step = statistics.median(_chase(small, steps) for _ in range(repeats))
-
-    def ns(t: float) -> float:
-        return round(max(0.0, t - step) * 1e9, 1)
-
-    near = _median_step(cache_mib, steps, repeats, seed)
-    far = _median_step(region_mib, steps, repeats, seed)
-    return {"step_ns": round(step * 1e9, 1), "cache_mib": cache_mib,
-            "cache_load_ns": ns(near), "region_mib": region_mib, "load_ns": ns(far)}
-
-
 class CacheProbe:
-    """The L3's latency sampled inside a caller's run, between its own steps (the
-    caller's work paused: what it shows is the neighbours' share of the cache): the
-    region (a quarter of the L3 by default) is walked whole, to bring it back into the
-    caches after the caller's work evicted it, then timed. ~0.2 s a sample here; the
-    caller leaves that time out of its own."""
+    """The L3's latency, sampled where a caller likes: between its own steps too (its
+    work paused: what a sample shows is the neighbours' share of the cache). A sample
+    walks the region (a quarter of the L3 by default) whole, bringing it back into the
+    caches after the caller's work evicted it, then times `steps` loads: ~0.2 s here;
+    a caller leaves that time out of its own. `step` is the interpreter's own cost of a
+    step (the median of three passes over a cycle in the L1), taken off every figure."""
 
     def __init__(self, cache_mib: int | None = None, steps: int = 200_000,
                  seed: int = 0) -> None:
@@ -111,14 +84,37 @@ class CacheProbe:
         if self.cache_mib < 1 or steps < 1:
             raise ValueError(f"need cache_mib and steps >= 1, got {self.cache_mib}, {steps}")
         self.steps = steps
+        self.seed = seed
         self._cycle = _cycle(self.cache_mib * (1 << 20) // 8, seed)
         small = _cycle(SMALL, seed)
-        self._step = statistics.median(_chase(small, steps) for _ in range(3))
+        self.step = statistics.median(_chase(small, steps) for _ in range(3))
+
+    def ns(self, seconds_a_step: float) -> float:
+        """A step's time over some region, as the latency of its load (ns)."""
+        return round(max(0.0, seconds_a_step - self.step) * 1e9, 1)
 
     def sample(self) -> float:
         """Nanoseconds a dependent load from the region now."""
         _chase(self._cycle, len(self._cycle))  # every slot once: into the caches
-        return round(max(0.0, _chase(self._cycle, self.steps) - self._step) * 1e9, 1)
+        return self.ns(_chase(self._cycle, self.steps))
+
+
+def measure(region_mib: int = REGION_MIB, cache_mib: int | None = None,
+            steps: int = STEPS, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """{"step_ns": the interpreter's own cost of a step, "cache_mib", "cache_load_ns": a
+    dependent load's latency from `cache_mib` (CacheProbe's default: a quarter of the
+    L3), "region_mib", "load_ns": from `region_mib`}: the median of `repeats` samples
+    each (this box's latencies move by tens of percent from one second to the next)."""
+    if min(region_mib, steps, repeats) < 1:
+        raise ValueError(f"need region_mib, steps and repeats >= 1, got "
+                         f"{region_mib}, {steps}, {repeats}")
+    probe = CacheProbe(cache_mib, steps, seed)
+    near = statistics.median(probe.sample() for _ in range(repeats))
+    far = _cycle(region_mib * (1 << 20) // 8, seed)
+    _chase(far, min(steps, 10_000))  # its pages faulted in before timing
+    return {"step_ns": round(probe.step * 1e9, 1), "cache_mib": probe.cache_mib,
+            "cache_load_ns": near, "region_mib": region_mib,
+            "load_ns": probe.ns(statistics.median(_chase(far, steps) for _ in range(repeats)))}
 
 
 def measure_apart(timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any] | None:
