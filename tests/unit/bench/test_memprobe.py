@@ -41,8 +41,13 @@ def test_refuses_empty_measures(kwargs: dict[str, int]) -> None:
 
 
 def test_cache_probe_samples_between_a_callers_steps() -> None:
+    """A sample again and again (sim bench takes one at each tenth of its run); a step's
+    time becomes a load's latency net of the interpreter's own step."""
     probe = memprobe.CacheProbe(cache_mib=1, steps=20_000)
-    assert probe.cache_mib == 1
-    assert all(probe.sample() >= 0 for _ in range(3))
+    assert probe.cache_mib == 1 and probe.step > 0
+    assert probe.ns(probe.step) == 0.0 and probe.ns(probe.step / 2) == 0.0
+    assert probe.ns(probe.step + 150e-9) == 150.0
+    samples = [probe.sample() for _ in range(3)]
+    assert all(isinstance(x, float) and x >= 0 for x in samples)
     with pytest.raises(ValueError):
         memprobe.CacheProbe(cache_mib=0)
