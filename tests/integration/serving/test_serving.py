@@ -219,7 +219,11 @@ def test_drained_worker_finishes_in_flight_work_exits_0_and_gateway_answers_503(
     wait_for(lambda: load_report(alive.grpc_address).num_active == 1, 10,
              "the long request to start")
     # SIGTERM: drain (300 tokens: a loaded 2-core box may need long), deregister, exit 0
-    assert cluster.stop_child(alive, timeout_s=60) == 0
+    code = cluster.stop_child(alive, timeout_s=60)
+    if code != 0:  # killed past the timeout once in CI (2026-11-28): where it stopped
+        with open(os.path.join(cluster.log_dir, f"{alive.name}.log")) as f:
+            tail = f.read()[-4000:]
+        raise AssertionError(f"{alive.name} exited {code}; its log's end:\n{tail}")
     t.join(30)
     status, payload, _ = result["r"]
     assert status == 200 and payload["usage"]["completion_tokens"] == 300, payload
