@@ -84,7 +84,6 @@ class CacheProbe:
         if self.cache_mib < 1 or steps < 1:
             raise ValueError(f"need cache_mib and steps >= 1, got {self.cache_mib}, {steps}")
         self.steps = steps
-        self.seed = seed
         self._cycle = _cycle(self.cache_mib * (1 << 20) // 8, seed)
         small = _cycle(SMALL, seed)
         self.step = statistics.median(_chase(small, steps) for _ in range(3))
