@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from cluster.launcher import free_port
 from engine.block_hash import BlockHash, hash_blocks, make_extra_key
 from kvtransfer.index import IndexConfig, IndexLookup, RedisBlockIndex
 from kvtransfer.index_pywalk import python_walk
@@ -101,9 +102,7 @@ def redis_url(url: str | None) -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server is not installed (make sysdeps), or pass --redis URL")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
     try:

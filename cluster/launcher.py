@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -37,7 +38,36 @@ __all__ = ["Child", "ClusterError", "ClusterSpec", "CrashLoopError", "LocalClust
            "RestartPolicy", "free_port"]
 
 
+_RANDOM = random.SystemRandom()  # (not the module's generator, which tests may seed)
+_HANDED: set[int] = set()  # the ports this process handed out
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on or holds now, for a child to bind, chosen below the
+    kernel's ephemeral range: a port from that range (what binding port 0 gives) can be
+    taken by any outgoing connection on the machine, whose connect() binds one, before
+    the child binds it (CI saw a worker's metrics port taken that way). Not one this
+    process handed out before. Falls back to the kernel's choice when the range below
+    is too small or full."""
+    top = _ephemeral_start()
+    if top - _LOWEST_PORT >= 1000:
+        for _ in range(100):
+            port = _RANDOM.randrange(_LOWEST_PORT, top)
+            if port in _HANDED:
+                continue
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.bind((host, port))  # (no SO_REUSEADDR: a port in TIME_WAIT fails too)
+                _HANDED.add(port)
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -12,11 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from cluster.launcher import free_port
 
 
 class RedisServer:
@@ -27,7 +23,7 @@ class RedisServer:
         if exe is None:
             pytest.skip("redis-server is not installed (make sysdeps)")
         self.exe = exe
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
