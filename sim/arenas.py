@@ -90,5 +90,9 @@ def malloc_in_use() -> str:
 
 
 def heap() -> str:
-    """What this process's objects live on, for reports: the arenas, then the malloc."""
-    return f"{status()}, {malloc_in_use()}"
+    """What this process's objects live on, for reports: the arenas, then the malloc
+    (and, where the machine has no TCMalloc to run on, how to get it)."""
+    malloc = malloc_in_use()
+    if malloc == "system malloc" and malloc_library() is None:
+        malloc += f" (no lib{MALLOC}.so.4 here: `make sysdeps` installs it)"
+    return f"{status()}, {malloc}"

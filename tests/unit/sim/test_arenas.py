@@ -134,4 +134,13 @@ def test_the_heap_names_the_malloc() -> None:
 from sim import arenas
 print(arenas.heap())
 """, ROOT)
-    assert out.strip() == "4 KiB pages (not installed), system malloc"
+    missing = "" if arenas.malloc_library() else \
+        " (no libtcmalloc_minimal.so.4 here: `make sysdeps` installs it)"
+    assert out.strip() == "4 KiB pages (not installed), system malloc" + missing
+
+
+def test_the_heap_says_how_to_get_tcmalloc_where_the_machine_has_none(monkeypatch) -> None:
+    monkeypatch.setattr(arenas, "malloc_library", lambda: None)
+    monkeypatch.setattr(arenas, "malloc_in_use", lambda: "system malloc")
+    assert arenas.heap().endswith(
+        ", system malloc (no libtcmalloc_minimal.so.4 here: `make sysdeps` installs it)")
