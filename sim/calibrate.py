@@ -208,7 +208,10 @@ def engine_profile(name: str, cfg: dict[str, Any], limits: Any, steps: list[Any]
 def measure_serving(profile: HardwareProfile, model_dir: str, n: int, seed: int,
                     out_dir: str) -> dict[str, float]:
     """Sequential requests through a one-worker `splitserve up` cluster; the medians of
-    measured minus modelled TTFT and TPOT."""
+    measured minus modelled TTFT and TPOT. The client times tokens, not text (a chunk
+    per token, OpenAIClient's `token_chunks`): the embedded model samples ids without
+    text often enough that the first text comes tokens after the first token, and the
+    simulator's TTFT is the first token's."""
     from bench.experiments.common import ExperimentConfig, measure, start_cluster
     from bench.load import LoadSpec
     from bench.runner import run_phase
@@ -221,7 +224,7 @@ def measure_serving(profile: HardwareProfile, model_dir: str, n: int, seed: int,
                                 name="serving", progress=False)]
 
     with start_cluster(cfg, colocated=1, pins={"colocated-0": "0"}) as cluster:
-        phases, _ = measure(cfg, cluster, body)
+        phases, _ = measure(cfg, cluster, body, token_chunks=True)
     return serving_overheads(profile, phases[0].results)
 
 

@@ -145,16 +145,18 @@ def scrape_all(ports: list[int]) -> dict[str, float]:
 def measure(cfg: ExperimentConfig, cluster: PinnedCluster,
             body: Callable[[OpenAIClient], Awaitable[list[Phase]]],
             warm_prompt_len: int = 16, metrics_ports: list[int] | None = None,
-            ) -> tuple[list[Phase], dict[str, float]]:
+            token_chunks: bool | None = None) -> tuple[list[Phase], dict[str, float]]:
     """Runs `body(client)` with an OpenAI client on the cluster's gateway, after a
     warm-up of two short requests per worker (not measured; make `warm_prompt_len`
     longer than the decider threshold to warm the remote-prefill path too). Returns the
-    phases and how much each metric of `metrics_ports` grew during `body`."""
+    phases and how much each metric of `metrics_ports` grew during `body`.
+    `token_chunks`: the client times tokens, not text (OpenAIClient); None: only for
+    dummy weights, which mostly sample ids without text."""
 
     async def main() -> tuple[list[Phase], dict[str, float]]:
-        # dummy weights mostly sample ids without text: time tokens, not text
+        chunks = cfg.load_format == "dummy" if token_chunks is None else token_chunks
         client = OpenAIClient(cluster.url, timeout_s=cfg.request_timeout_s,
-                              token_chunks=cfg.load_format == "dummy")
+                              token_chunks=chunks)
         try:
             pool = TokenPool.from_tokenizer_dir(cfg.model_dir, cfg.seed)
             n_warm = 2 * max(1, len(cluster.worker_metrics_ports()))
