@@ -208,6 +208,7 @@ class Simulator:
         assert d is not None
         w = self.workers[d.decode.worker_id]
         req = flight.req
+        self.gateway.changed(w)  # its Generate started: its next load report follows
         error = w.validate(flight.spec.prompt_len, flight.spec.output_len)
         if error is not None:  # the worker's INVALID_ARGUMENT: the client gets a 400
             del self._flights[req.request_id]
@@ -407,6 +408,7 @@ class Simulator:
         flight.delivered = flight.req.num_output_tokens
         req = flight.req
         if w.stop_reason(req, flight.spec.output_len) is not None:
+            self.gateway.changed(w)  # its Generate ends: its next load report follows
             w.scheduler.finish(req.request_id, RequestStatus.FINISHED_LENGTH)
             w.requests_done += 1
             self._complete(w, flight)

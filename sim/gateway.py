@@ -4,12 +4,21 @@ workers. What gateway/core.py does before it sends a request: look the prompt's 
 up, fill the RouteRequest, route over the registry's candidates; then count the request
 in flight on its worker until it completes.
 
-The registry's view: load reports at most `report_interval_s` old (decode/config.py
-load_interval_ms), this gateway's in-flight counts at once, as in the gateway.
+The registry's view: each worker's last load report, this gateway's in-flight counts at
+once, as in the gateway (gateway/registry.py). A worker reports when its Load stream's
+loop does (decode/service.py, `Load`, with I = `report_interval_s`, decode/config.py
+load_interval_ms): after a report it waits for a request to start or end on it, or I at
+most, then sleeps I/4 and reports what it holds then. So a report follows a request's
+start or end by I/4 (the gateway sees the worker still running a request that ended up
+to I/4 ago), and a busy worker's engine progress shows every 5I/4. A report here holds
+the worker's figures at the moment it is read, its report time or later when no start
+or end came in between (only the engine's progress may differ); reports reach the
+gateway at once. I = 0: every route reads every worker now.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Coroutine
 from operator import attrgetter
 from typing import Any
@@ -66,8 +75,18 @@ class SimGateway:
         # (the simulator adds them; a report drops those with none ahead any more): the
         # only ones whose free blocks in a report differ from their pool's count now
         self.windows: set[SimWorker] = set()
-        self._cands = CandidateSet()
-        self._reported = -1e30
+        # Each worker's Load loop (decode/service.py): after a report it waits up to I for
+        # a request to start or end, then sleeps I/4 and reports. `_last`: its last
+        # report; `_due`: its next; `_woken`: a start or end set `_due` (not the timeout).
+        # The loops' phases are spread over a period, as workers started apart.
+        n = len(self._workers)
+        self._wait = report_interval_s
+        self._period = report_interval_s * 1.25
+        self._last = [-self._period * i / n for i in range(n)]
+        self._due = np.array([t + self._period for t in self._last])
+        self._woken = [False] * n
+        self._next_due = float(self._due.min()) if n else math.inf
+        self._cands = self._report(0.0)
 
     def route(self, req: RouteRequest) -> tuple[RouteRequest, RouteDecision]:
         """The request with its locality filled, and where it goes. Raises NoCandidates."""
@@ -76,13 +95,60 @@ class SimGateway:
         return filled, self.router.route(filled, self.candidates())
 
     def candidates(self) -> CandidateSet:
-        """The registry's snapshot: load reports at most `report_interval_s` old, this
-        gateway's in-flight counts now."""
+        """The registry's view now: each worker's last report, this gateway's in-flight
+        counts."""
         now = self.clock()
-        if now - self._reported >= self.report_interval_s:
-            self._reported = now
+        if self._period == 0:
             self._cands = self._report(now)
+        elif now >= self._next_due:
+            for row in np.flatnonzero(self._due <= now).tolist():
+                self._refresh(row, now)
+            self._next_due = float(self._due.min())
         return self._cands
+
+    def changed(self, worker: SimWorker) -> None:
+        """A request started or ended on `worker` (its Generate's start or end, which
+        wakes its Load loop): the report due before it goes in first, and the next one
+        follows I/4 after it, or at the loop's tick if the loop sleeps towards one."""
+        if self._period == 0:
+            return
+        now = self.clock()
+        row = self._row[worker.worker_id]
+        if self._due[row] <= now:
+            self._refresh(row, now)
+        if self._woken[row]:
+            return  # the loop sleeps towards a report that will hold this too
+        last = self._last[row]
+        tick = last + math.floor((now - last) / self._period) * self._period
+        if now - tick < self._wait:  # waiting: woken now
+            due = now + self._period - self._wait
+            self._woken[row] = True
+        else:  # sleeping before the tick's report
+            due = tick + self._period
+        self._last[row] = tick
+        self._due[row] = due
+        if due < self._next_due:
+            self._next_due = due
+
+    def _refresh(self, row: int, now: float) -> None:
+        """Worker `row`'s report due by `now`, with its figures now (no start or end came
+        in between); its loop goes on ticking from it."""
+        due = float(self._due[row])
+        w = self._workers[row]
+        free = w.kv.pool.num_free_blocks
+        if w in self.windows:  # a decode window took its later iterations' blocks ahead
+            if ahead := w.blocks_ahead(now):
+                free += ahead
+            else:  # and none past now: the window's report is its pool's from now on
+                self.windows.discard(w)
+        sched = self._schedulers[row]
+        self._cands.set_load(row, len(sched.waiting), len(sched.running),
+                             1.0 - free / int(self._sizes[row]), free)
+        # the ticks since (none held a start or end: the same figures)
+        last = due + math.floor((now - due) / self._period) * self._period
+        self._last[row] = last
+        self._due[row] = last + self._period
+        self._woken[row] = False
 
     def _report(self, now: float) -> CandidateSet:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""

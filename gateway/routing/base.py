@@ -51,7 +51,7 @@ class CandidateSet:
     with a row per worker; `ids`, `roles` and `addresses` are lists in the same order,
     and `cs[i]` is row i as a Candidate (made on first use: a route picks one or two
     rows of hundreds). Built once per registry snapshot; immutable, apart from
-    `set_inflight` by the snapshot's owner."""
+    `set_inflight` and `set_load` by the snapshot's owner."""
 
     COLUMNS = ("ready", "num_waiting", "num_running", "kv_usage", "num_free_blocks",
                "num_blocks", "inflight")
@@ -167,8 +167,22 @@ class CandidateSet:
         i = self.pos.get(worker_id)
         if i is not None:
             self.inflight[i] = n
-            self._items[i] = None
-            # a subset holds its own copy of the column: made again on next use
+            self._changed(i)
+
+    def set_load(self, row: int, num_waiting: int, num_running: int, kv_usage: float,
+                 num_free_blocks: int) -> None:
+        """The owner's update of one worker's load report (row `row`) between snapshots:
+        the simulator's registry, whose workers report one at a time."""
+        self.num_waiting[row] = num_waiting
+        self.num_running[row] = num_running
+        self.kv_usage[row] = kv_usage
+        self.num_free_blocks[row] = num_free_blocks
+        self._changed(row)
+
+    def _changed(self, row: int) -> None:
+        self._items[row] = None
+        # a subset holds its own copy of the columns: made again on next use
+        if self._selected:
             self._selected = {k: v for k, v in self._selected.items() if v is None}
 
 
