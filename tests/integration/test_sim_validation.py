@@ -17,7 +17,9 @@ first text can come tokens after the first token (18 of the 40 replayed requests
 box), and the simulator's TTFT is the first token's.
 Other processes on the machine can slow a replay for seconds (TPOT doubling): an attempt
 off tolerance is run again (cold caches: a fresh cache_salt), at most ATTEMPTS times,
-and every attempt's figures are printed.
+and every attempt's figures are printed, with how many of the trace's requests each
+worker served, real and simulated (the gateway's view of load as the workers report it:
+sim/gateway.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 import pytest
 
 from bench.datasets import TokenPool, mooncake
-from bench.experiments.common import ExperimentConfig, measure, start_cluster
+from bench.experiments.common import ExperimentConfig, measure, scrape, start_cluster
 from bench.load import LoadSpec
 from bench.routing_bench import SaltedClient, sample_trace
 from bench.runner import Phase, run_phase
@@ -50,11 +52,14 @@ ATTEMPTS = 6  # the machine is shared: a replay another process disturbed is run
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any], fitted: dict[str, float],
-            ) -> tuple[list[str], list[str]]:
-    """(figures off tolerance, one line per figure: real, simulated, difference)."""
+            routed: tuple[list[int], list[int]]) -> tuple[list[str], list[str]]:
+    """(figures off tolerance, one line per figure: real, simulated, difference).
+    `routed`: the trace's requests on each worker, real and simulated (not held to a
+    tolerance: a route between workers that tie is the picker's coin)."""
     lines = [f"serving overheads: request {fitted['request_overhead_s'] * 1e3:.2f} ms, "
              f"token {fitted['token_overhead_s'] * 1e3:.2f} ms; engine steps at "
-             f"{fitted['speed']:.2f}x the profile's"]
+             f"{fitted['speed']:.2f}x the profile's",
+             f"requests per worker: real {routed[0]}, simulated {routed[1]}"]
     off = []
     for name, key in (("ttft_p50", "ttft_s"), ("tpot_p50", "tpot_s")):
         r, s = real[key]["p50"], sim[key]["p50"]
@@ -70,6 +75,15 @@ def compare(real: dict[str, Any], sim: dict[str, Any], fitted: dict[str, float],
     if abs(hit_sim - hit_real) > HIT_POINTS:
         off.append("hit rate")
     return off, lines
+
+
+def _finished(cluster: Any) -> list[int]:
+    """Requests each worker has finished (its vllm:request_success counter), in the
+    order of its name."""
+    ports = [int(c.extra["metrics_port"]) for c in sorted(cluster.children,
+                                                          key=lambda c: c.name)
+             if "metrics_port" in c.extra]
+    return [int(scrape(p).get("vllm:request_success_total", 0)) for p in ports]
 
 
 @pytest.mark.timeout(240)
@@ -96,8 +110,11 @@ def test_simulator_matches_a_real_cluster(tmp_path: Path) -> None:
                 for phase in ("before", "trace", "after"):
                     client.salt = f"sim-validation-{attempt}-{phase}"
                     if phase == "trace":
+                        done = _finished(cluster)
                         real = await run_phase(client, reqs, LoadSpec("trace"),
                                                name="trace", progress=False)
+                        real_routed = [b - a for a, b in zip(done, _finished(cluster),
+                                                             strict=True)]
                     else:
                         one += (await run_phase(client, sequential, LoadSpec(
                             "concurrency", concurrency=1), name=phase,
@@ -108,10 +125,12 @@ def test_simulator_matches_a_real_cluster(tmp_path: Path) -> None:
             fitted = serving_overheads(cpu, one, fit_speed=True)
             prof = replace(at_speed(cpu, fitted["speed"]),
                            request_overhead_s=fitted["request_overhead_s"])
-            sim = simulate(ClusterConfig(colocated=2, max_in_flight=256), prof,
-                           from_bench(reqs, LoadSpec("trace")), "sim").phase.summary
+            run = simulate(ClusterConfig(colocated=2, max_in_flight=256), prof,
+                           from_bench(reqs, LoadSpec("trace")), "sim")
+            sim = run.phase.summary
             assert sim["failed"] == 0
-            off, lines = compare(real.summary, sim, fitted)
+            sim_routed = [w["requests"] for _, w in sorted(run.extras["workers"].items())]
+            off, lines = compare(real.summary, sim, fitted, (real_routed, sim_routed))
             report.append(f"attempt {attempt}: " + ("ok" if not off else f"off on {off}"))
             report.extend("  " + ln for ln in lines)
             if not off:
