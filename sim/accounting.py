@@ -92,9 +92,9 @@ class Accounting:
         self._wrap(sim.gateway.router, ("route",), "gateway")
         self._wrap(sim.gateway.locality, ("fill", "observe"), "gateway")
         self._wrap(sim.gateway, _GATEWAY, "gateway")
-        # the registry's snapshot of the simulated workers (the load reports a gateway
-        # receives): the simulator's part of the gateway's route
-        self._wrap(sim.gateway, ("candidates",), "simulator")
+        # the registry's view of the simulated workers (the load reports a gateway
+        # receives, and their schedule): the simulator's part of the gateway's route
+        self._wrap(sim.gateway, ("candidates", "changed"), "simulator")
         self._wrap(sim.index, _INDEX, "index")
         return self
 
