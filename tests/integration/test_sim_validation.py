@@ -52,14 +52,17 @@ ATTEMPTS = 6  # the machine is shared: a replay another process disturbed is run
 
 
 def compare(real: dict[str, Any], sim: dict[str, Any], fitted: dict[str, float],
-            routed: tuple[list[int], list[int]]) -> tuple[list[str], list[str]]:
+            routed: tuple[list[int], list[int]] | None = None,
+            ) -> tuple[list[str], list[str]]:
     """(figures off tolerance, one line per figure: real, simulated, difference).
-    `routed`: the trace's requests on each worker, real and simulated (not held to a
-    tolerance: a route between workers that tie is the picker's coin)."""
+    `routed`: the trace's requests on each worker, real and simulated, when there are
+    several (not held to a tolerance: a route between workers that tie is the picker's
+    coin)."""
     lines = [f"serving overheads: request {fitted['request_overhead_s'] * 1e3:.2f} ms, "
              f"token {fitted['token_overhead_s'] * 1e3:.2f} ms; engine steps at "
-             f"{fitted['speed']:.2f}x the profile's",
-             f"requests per worker: real {routed[0]}, simulated {routed[1]}"]
+             f"{fitted['speed']:.2f}x the profile's"]
+    if routed is not None:
+        lines.append(f"requests per worker: real {routed[0]}, simulated {routed[1]}")
     off = []
     for name, key in (("ttft_p50", "ttft_s"), ("tpot_p50", "tpot_s")):
         r, s = real[key]["p50"], sim[key]["p50"]
