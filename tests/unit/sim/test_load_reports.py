@@ -23,13 +23,14 @@ from sim.config import ClusterConfig
 from sim.profile import load_profile
 from sim.request import make_request
 
-INTERVAL_S = 0.4  # I: I/4 = 0.1 s after a start, ticks every 0.5 s
+INTERVAL_S = 0.8  # I: a report I/4 = 0.2 s after a start, ticks every 1.0 s
 # Request starts, seconds after the stream's first report (at 0): woken while waiting
-# (0.05 -> 0.15); twice while woken (0.40, 0.43 -> 0.50, one report); while sleeping
-# towards the tick at 1.0 (0.92 -> 1.0, not 1.02); waiting again (1.30 -> 1.40).
-STARTS = (0.05, 0.40, 0.43, 0.92, 1.30)
-EXPECTED = ((0.15, 1), (0.50, 3), (1.0, 4), (1.40, 5))  # (report time, requests seen)
-SLACK_S = 0.04  # asyncio's timers on a busy machine; the cases differ by >= 0.05 s
+# (0.05 -> 0.25); twice while woken (0.60, 0.65 -> 0.80, one report); while sleeping
+# towards the tick at 1.80 (1.70 -> 1.80, not 1.90); waiting again (2.30 -> 2.50).
+# Each start is 0.1 s or more from the edges of the loop's phase it falls in.
+STARTS = (0.05, 0.60, 0.65, 1.70, 2.30)
+EXPECTED = ((0.25, 1), (0.80, 3), (1.80, 4), (2.50, 5))  # (report time, requests seen)
+SLACK_S = 0.05  # asyncio's timers on a busy machine; the cases differ by >= 0.1 s
 
 
 async def _real_reports() -> list[tuple[float, int]]:
@@ -80,7 +81,7 @@ def _simulated_reports() -> list[tuple[float, int]]:
     seen: list[tuple[float, int]] = []
     pending = list(STARTS)
     shown = 0
-    for ms in range(1, 1600):
+    for ms in range(1, 2700):
         sim.now = ms / 1e3
         while pending and pending[0] <= sim.now:
             sim.now = pending.pop(0)
