@@ -60,7 +60,6 @@ class SimGateway:
         self.workers = workers
         self.nodes = frozenset(workers)
         self.clock = clock
-        self.report_interval_s = report_interval_s
         self._inflight: dict[str, int] = dict.fromkeys(workers, 0)
         # what a load report repeats: who, in which role, of what size
         self._workers = list(workers.values())
