@@ -38,11 +38,10 @@ async def _real_reports() -> list[tuple[float, int]]:
     cfg = WorkerConfig(role="colocated", worker_id="w0", load_interval_ms=int(INTERVAL_S * 1e3),
                        load_keepalive_s=60.0)
     service = WorkerService(cfg, WorkerMetrics("m", lambda: None), "layout")
-    started = 0
-    stats = SimpleNamespace(num_waiting=0, num_running=0, kv_usage=0.0, num_free_blocks=8,
-                            num_blocks=8, prefix_cache_queries=0, prefix_cache_hits=0)
-    llm: Any = SimpleNamespace(stats=lambda: SimpleNamespace(**{**vars(stats),
-                                                                "num_waiting": started}),
+    started = 0  # the engine's figures: the requests started so far wait in it
+    idle = dict(num_running=0, kv_usage=0.0, num_free_blocks=8, num_blocks=8,
+                prefix_cache_queries=0, prefix_cache_hits=0)
+    llm: Any = SimpleNamespace(stats=lambda: SimpleNamespace(**idle, num_waiting=started),
                                num_active=0)
     service.attach(llm)
     seen: list[tuple[float, int]] = []
