@@ -81,9 +81,9 @@ class SimGateway:
         n = len(self._workers)
         self._wait = report_interval_s
         self._period = report_interval_s * 1.25
-        self._last = [-self._period * i / n for i in range(n)]
-        self._due = np.array([t + self._period for t in self._last])
-        self._woken = [False] * n
+        self._last = np.array([-self._period * i / n for i in range(n)])
+        self._due = self._last + self._period
+        self._woken = np.zeros(n, np.bool_)
         self._next_due = float(self._due.min()) if n else math.inf
         self._cands = self._report(0.0)
 
@@ -100,8 +100,7 @@ class SimGateway:
         if self._period == 0:
             self._cands = self._report(now)
         elif now >= self._next_due:
-            for row in np.flatnonzero(self._due <= now).tolist():
-                self._refresh(row, now)
+            self._refresh(np.flatnonzero(self._due <= now), now)
             self._next_due = float(self._due.min())
         return self._cands
 
@@ -114,10 +113,10 @@ class SimGateway:
         now = self.clock()
         row = self._row[worker.worker_id]
         if self._due[row] <= now:
-            self._refresh(row, now)
+            self._refresh(np.array([row]), now)
         if self._woken[row]:
             return  # the loop sleeps towards a report that will hold this too
-        last = self._last[row]
+        last = float(self._last[row])
         tick = last + math.floor((now - last) / self._period) * self._period
         if now - tick < self._wait:  # waiting: woken now
             due = now + self._period - self._wait
@@ -129,25 +128,31 @@ class SimGateway:
         if due < self._next_due:
             self._next_due = due
 
-    def _refresh(self, row: int, now: float) -> None:
-        """Worker `row`'s report due by `now`, with its figures now (no start or end came
-        in between); its loop goes on ticking from it."""
-        due = float(self._due[row])
-        w = self._workers[row]
-        free = w.kv.pool.num_free_blocks
-        if w in self.windows:  # a decode window took its later iterations' blocks ahead
-            if ahead := w.blocks_ahead(now):
-                free += ahead
-            else:  # and none past now: the window's report is its pool's from now on
-                self.windows.discard(w)
-        sched = self._schedulers[row]
-        self._cands.set_load(row, len(sched.waiting), len(sched.running),
-                             1.0 - free / int(self._sizes[row]), free)
+    def _refresh(self, rows: np.ndarray, now: float) -> None:
+        """The reports of workers `rows` due by `now`, with their figures now (no start
+        or end came in between); their loops go on ticking from them. Rows at once: at
+        512 workers a route finds ~16 reports due since the last."""
+        at = rows.tolist()
+        free = [self._pools[r].num_free_blocks for r in at]
+        if self.windows:  # decode windows took their later iterations' blocks ahead
+            for i, r in enumerate(at):
+                w = self._workers[r]
+                if w in self.windows:
+                    if ahead := w.blocks_ahead(now):
+                        free[i] += ahead
+                    else:  # and none past now: its report is its pool's from now on
+                        self.windows.discard(w)
+        scheds = [self._schedulers[r] for r in at]
+        counts = np.array(free, np.int64)
+        self._cands.set_load(rows, [len(s.waiting) for s in scheds],
+                             [len(s.running) for s in scheds],
+                             1.0 - counts / self._sizes[rows], counts)
         # the ticks since (none held a start or end: the same figures)
-        last = due + math.floor((now - due) / self._period) * self._period
-        self._last[row] = last
-        self._due[row] = last + self._period
-        self._woken[row] = False
+        due = self._due[rows]
+        last = due + np.floor((now - due) / self._period) * self._period
+        self._last[rows] = last
+        self._due[rows] = last + self._period
+        self._woken[rows] = False
 
     def _report(self, now: float) -> CandidateSet:
         """Every worker's load report (decode/service.py's LoadReport) at `now`."""

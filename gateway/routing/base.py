@@ -167,20 +167,25 @@ class CandidateSet:
         i = self.pos.get(worker_id)
         if i is not None:
             self.inflight[i] = n
-            self._changed(i)
+            self._changed((i,))
 
-    def set_load(self, row: int, num_waiting: int, num_running: int, kv_usage: float,
-                 num_free_blocks: int) -> None:
-        """The owner's update of one worker's load report (row `row`) between snapshots:
-        the simulator's registry, whose workers report one at a time."""
-        self.num_waiting[row] = num_waiting
-        self.num_running[row] = num_running
-        self.kv_usage[row] = kv_usage
-        self.num_free_blocks[row] = num_free_blocks
-        self._changed(row)
+    def set_load(self, rows: Sequence[int], num_waiting: Sequence[int] | np.ndarray,
+                 num_running: Sequence[int] | np.ndarray, kv_usage: Sequence[float] | np.ndarray,
+                 num_free_blocks: Sequence[int] | np.ndarray) -> None:
+        """The owner's update of some workers' load reports between snapshots: row
+        `rows[i]` gets the i-th of each figure (the simulator's registry, whose workers
+        report on their own schedules)."""
+        idx = np.asarray(rows, np.int64)
+        self.num_waiting[idx] = num_waiting
+        self.num_running[idx] = num_running
+        self.kv_usage[idx] = kv_usage
+        self.num_free_blocks[idx] = num_free_blocks
+        self._changed(rows)
 
-    def _changed(self, row: int) -> None:
-        self._items[row] = None
+    def _changed(self, rows: Iterable[int]) -> None:
+        items = self._items
+        for row in rows:
+            items[row] = None
         # a subset holds its own copy of the columns: made again on next use
         if self._selected:
             self._selected = {k: v for k, v in self._selected.items() if v is None}
