@@ -144,7 +144,7 @@ class SimGateway:
                         self.windows.discard(w)
         scheds = [self._schedulers[r] for r in at]
         counts = np.array(free, np.int64)
-        self._cands.set_load(rows, [len(s.waiting) for s in scheds],
+        self._cands.set_load(at, [len(s.waiting) for s in scheds],
                              [len(s.running) for s in scheds],
                              1.0 - counts / self._sizes[rows], counts)
         # the ticks since (none held a start or end: the same figures)

@@ -169,7 +169,7 @@ class CandidateSet:
             self.inflight[i] = n
             self._changed((i,))
 
-    def set_load(self, rows: Sequence[int], num_waiting: Sequence[int] | np.ndarray,
+    def set_load(self, rows: Sequence[int] | np.ndarray, num_waiting: Sequence[int] | np.ndarray,
                  num_running: Sequence[int] | np.ndarray, kv_usage: Sequence[float] | np.ndarray,
                  num_free_blocks: Sequence[int] | np.ndarray) -> None:
         """The owner's update of some workers' load reports between snapshots: row
