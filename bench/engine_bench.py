@@ -48,7 +48,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="known shape (random weights, load format dummy), or a config.json")
     g.add_argument("--workloads", default="a,b,c,d",
                    help="subset of a (1x 512+256), b (64x 512+128), c (nano-vllm's 256 "
-                        "requests), d (8k prefill)")
+                        "requests), d (8k prefill), e (16x 7168+128: decode over long "
+                        "contexts, for sim calibrate)")
     g.add_argument("--scale", type=float, default=1.0,
                    help="multiply request counts and lengths (smoke runs)")
     g.add_argument("--skip-hf", action="store_true", help="do not run transformers")

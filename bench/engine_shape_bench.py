@@ -37,9 +37,10 @@ from bench.engine_roofline import (
 )
 from engine.config import ModelConfig
 
-WORKLOADS = ("a", "b", "c", "d")
+WORKLOADS = ("a", "b", "c", "d", "e")
 STEP_FIELDS = ("seconds", "tokens", "sampled", "attn_pairs", "kv_tokens_read", "decode_only")
 PREFILL_LEN = 8192
+LONG_CONTEXT = 7168  # workload e's prompts
 
 
 @dataclass(slots=True)
@@ -97,6 +98,11 @@ def make_workloads(names: list[str], scale: float, vocab: int, max_len: int,
                                 temperature=0.6))
         elif name == "d":
             out.append(Workload("d", [prompt(min(n(PREFILL_LEN), max_len - 1))], [1]))
+        elif name == "e":  # decode over long contexts (for `sim calibrate --engine-json`):
+            # on an 8B model the KV a step reads ~ its weights, where a-d read < 1k per row
+            out_len = n(128)
+            length = min(n(LONG_CONTEXT), max_len - out_len - 1)
+            out.append(Workload("e", [prompt(length) for _ in range(n(16))], [out_len] * n(16)))
         else:
             raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
     return out
@@ -251,7 +257,8 @@ def run_hf_workload(model: Any, w: Workload, device: torch.device, batch_size: i
 
 # Which steps and which roofline each workload is held against (the targets).
 _ROOFLINE = {"a": ("decode", "memory_frac"), "b": ("decode", "memory_frac"),
-             "c": ("all_steps", "roofline_frac"), "d": ("prefill", "compute_frac")}
+             "c": ("all_steps", "roofline_frac"), "d": ("prefill", "compute_frac"),
+             "e": ("decode", "memory_frac")}
 
 
 def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
@@ -304,7 +311,7 @@ def print_result(result: dict[str, Any]) -> None:
               f"{held.get('mean_ms', float('nan')):>10.3f}{roof_ms:>10.3f}"
               f"{frac if frac is not None else float('nan'):>9.3f}")
     print("tok/s counts output tokens (prompt tokens for d); step ms: our mean step time "
-          "over the roofline's steps (decode-only for a, b; all for c; prefill for d)")
+          "over the roofline's steps (decode-only for a, b, e; all for c; prefill for d)")
 
 
 # -- the run -------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ set -u
 STEPS=${STEPS:-engine tests ipc_first transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
-SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d}
+SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300}

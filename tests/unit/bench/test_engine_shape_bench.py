@@ -55,6 +55,12 @@ def test_workloads_follow_the_issue_and_scale():
     assert len(d.prompts[0]) == 8191
     (b,) = make_workloads(["b"], 0.5, 1024, 4096)
     assert len(b.prompts) == 32 and len(b.prompts[0]) == 256
+    # e: long contexts at a modest batch, kept inside the model's context
+    (e,) = make_workloads(["e"], 1.0, 128256, 8192)
+    assert len(e.prompts) == 16 and {len(p) for p in e.prompts} == {7168}
+    assert set(e.out_lens) == {128} and e.kind == "output"
+    (e,) = make_workloads(["e"], 1.0, 128256, 4096)
+    assert len(e.prompts[0]) + e.out_lens[0] < 4096
 
 
 def test_roofline_counts():
