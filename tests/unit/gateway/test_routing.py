@@ -57,6 +57,21 @@ def test_candidate_set_inflight_update_reaches_its_subsets() -> None:
     assert cs.rows_of(["d", "x", "a"]).tolist() == [2, -1, 0]
 
 
+def test_candidate_set_load_reports_of_several_rows_at_once() -> None:
+    """set_load: each named row gets its own figures (a worker's Candidate made before
+    shows the new ones), the others keep theirs, and kept subsets are made again."""
+    cs = CandidateSet([cand("a"), cand("p", role="prefill"), cand("d", "decode")])
+    before = cs[1]
+    decodes = cs.ready_in(("decode",))
+    assert decodes.num_running.tolist() == [0]
+    cs.set_load([2, 0], [5, 6], [7, 8], [0.25, 0.5], [30, 20])
+    assert cs.num_waiting.tolist() == [6, 0, 5] and cs.num_running.tolist() == [8, 0, 7]
+    assert cs.kv_usage.tolist() == [0.5, 0.0, 0.25]
+    assert (cs[0].num_free_blocks, cs[2].num_free_blocks) == (20, 30)
+    assert cs[1] is before  # untouched row: its Candidate kept
+    assert cs.ready_in(("decode",)).num_running.tolist() == [7]
+
+
 def test_a_set_selecting_all_of_itself_is_freed_without_the_cyclic_collector() -> None:
     """ready_in keeps a subset per roles; when the subset is the whole set, keeping it
     must not be a reference to itself: a cycle is freed only by the cyclic collector,
