@@ -43,6 +43,8 @@ from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest, Tokens, make_request
+from sim import split
+from sim.split import RemoteGateway, RemoteIndex
 from sim.window import Step
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
@@ -90,7 +92,6 @@ class Simulator:
         self.config = config
         self.profile = profile
         self.latency = latency or LatencyModel(profile)
-        self.index = InProcessBlockIndex(self.clock)
         self.hasher = BlockHasher(profile.block_size)
         nb = config.num_blocks or profile.num_blocks
         specs = [WorkerSpec(f"prefill-{i}", "prefill", nb, config.host_blocks,
@@ -99,15 +100,33 @@ class Simulator:
                              config.disk_blocks) for i in range(config.decode)]
         specs += [WorkerSpec(f"colocated-{i}", "colocated", nb, config.host_blocks,
                              config.disk_blocks) for i in range(config.colocated)]
+        routing = config.routing
+        if routing.seed is None:
+            routing = replace(routing, seed=config.seed)
+        # The gateway in a process of its own (sim/split.py): forked before the workers
+        # are built; what they publish and report goes to it as messages.
+        self._remote: RemoteGateway | None = None
+        channel: Any = None
+        if config.gateway_process:
+            channel, pid = split.start(routing, [(s.worker_id, s.role, s.num_blocks)
+                                                 for s in specs],
+                                       config.report_interval_s, config.in_flight_limit,
+                                       profile.block_size)
+            self.index: InProcessBlockIndex = RemoteIndex(channel, self.clock)
+        else:
+            self.index = InProcessBlockIndex(self.clock)
         with long_lived_heap():
             self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
                                                    config.max_model_len, self.clock,
                                                    config.decode_windows)
                             for s in specs}
-        routing = config.routing
-        self.gateway = SimGateway(
-            routing if routing.seed is not None else replace(routing, seed=config.seed),
-            self.index, self.workers, self.clock, config.report_interval_s)
+        if channel is not None:
+            self._remote = RemoteGateway(channel, self.workers, self.clock, pid)
+            self.gateway: SimGateway = self._remote
+        else:
+            self.gateway = SimGateway(routing, self.index, self.workers, self.clock,
+                                      config.report_interval_s)
+        self._refused = 0  # split: arrivals the gateway refused, their _on_decode run
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
@@ -139,7 +158,9 @@ class Simulator:
                 self.now = t
                 fn(arg)
                 n += 1
-        self.stats.events += n
+        self.stats.events += n - self._refused
+        if self._remote is not None:
+            self._remote.finish(cast(RemoteIndex, self.index))
         self._fail_stalled()
         for w in self.workers.values():
             for tier, n in w.restored_bytes.items():
@@ -182,6 +203,10 @@ class Simulator:
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
                              cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
         flight = Flight(i, spec, req, route)
+        if self._remote is not None:  # routed in the gateway's process; needed at decode
+            self._remote.arrive(flight)
+            self.at(self.now + self._rpc, self._on_decode, flight)
+            return
         if 0 <= self._in_flight_limit <= len(self._flights):
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
@@ -205,7 +230,16 @@ class Simulator:
     # -- the decode worker's Generate (decode/service.py, decode/remote.py) -----------------
     def _on_decode(self, flight: Flight) -> None:
         d = flight.decision
-        assert d is not None
+        if d is None:  # routed in the gateway's process (sim/split.py)
+            assert self._remote is not None
+            error = self._remote.decide(flight)
+            if error is not None:
+                self._refused += 1
+                self._reject(flight, error)
+                return
+            d = flight.decision
+            assert d is not None
+            self._flights[flight.req.request_id] = flight
         w = self.workers[d.decode.worker_id]
         req = flight.req
         self.gateway.changed(w)  # its Generate started: its next load report follows
@@ -279,6 +313,8 @@ class Simulator:
         prod = make_request(f"prefill-{flight.req.request_id}", spec.prompt_len, hashes,
                             self.now, hold_kv=True)
         self._flights[prod.request_id] = flight
+        if self._remote is not None:
+            self._remote.producers(1)
         p.scheduler.add_request(prod)
         self.stats.remote_prefills += 1
         self._kick(p)
@@ -305,6 +341,8 @@ class Simulator:
 
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
+        if self._remote is not None:  # its figures go to the gateway before the next route
+            self._remote.dirty.add(w)
         if w.busy:  # the new work waits for the iteration running now
             self._sync(w)
             return
@@ -319,12 +357,14 @@ class Simulator:
         if step.window is not None:
             self.stats.windows += 1
             if step.window.kept:  # it took blocks ahead: the load reports must see
-                self.gateway.windows.add(w)
+                self.gateway.window_started(w)
             self._window_events(w, step)
 
     def _sync(self, w: SimWorker) -> None:
         """Before anything touches a busy worker's scheduler or pool: its step ends with
         the iteration running now (a decode window gives back what later ones took)."""
+        if self._remote is not None:
+            self._remote.dirty.add(w)
         if w.busy:
             end = w.cut(self.now)
             if end is not None:
@@ -341,6 +381,8 @@ class Simulator:
         w, step = arg
         if w.current is not step or step.window is None or step.clock is None:
             return  # a later step's
+        if self._remote is not None:
+            self._remote.dirty.add(w)
         w.window_due(step, self.now)
         self._window_events(w, step)
 
@@ -349,7 +391,7 @@ class Simulator:
         if version != w.version:
             return  # the step was cut short; its new end is another event
         w.busy = False
-        self.gateway.windows.discard(w)
+        self.gateway.window_ended(w)
         got = w.finish_step(step)
         out = step.out
         ends = None  # a window's tokens' times, for the requests that keep theirs
@@ -371,6 +413,8 @@ class Simulator:
 
     def _producer_done(self, p: SimWorker, prod: Any) -> None:
         flight = self._flights.pop(prod.request_id)
+        if self._remote is not None:
+            self._remote.producers(-1)
         p.scheduler.finish(prod.request_id, RequestStatus.FINISHED_LENGTH)
         self._push(flight, p, cdiv(flight.spec.prompt_len, self.profile.block_size))
         landed = max(self.now, flight.kv_landed)

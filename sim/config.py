@@ -34,6 +34,9 @@ class ClusterConfig:
     # ran with offload tiers it was slower everywhere measured, e.g. 64 tiered workers
     # 332 req/s at stride 4 vs 537 exact, 512 workers 404 vs 827 without tiers.)
     decode_windows: bool = True
+    # The gateway (index, load reports, routing) in a process of its own, the workers in
+    # this one: the same results on two cores (sim/split.py).
+    gateway_process: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill and not self.decode:

@@ -173,6 +173,13 @@ class SimGateway:
             1.0 - free / self._sizes, free, self._sizes,
             np.fromiter(map(self._inflight.__getitem__, self._ids), np.int64, n))
 
+    def window_started(self, worker: SimWorker) -> None:
+        """`worker` runs a decode window that took blocks ahead (its reports add them)."""
+        self.windows.add(worker)
+
+    def window_ended(self, worker: SimWorker) -> None:
+        self.windows.discard(worker)
+
     def add_inflight(self, worker_id: str, delta: int) -> None:
         self._inflight[worker_id] += delta
         self._cands.set_inflight(worker_id, self._inflight[worker_id])

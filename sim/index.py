@@ -95,11 +95,19 @@ class InProcessBlockIndex:
     def apply_device(self, node: str, stored: Iterable[int] = (),
                      removed: Iterable[int] = ()) -> None:
         """`apply` for the device tier alone (the block pool's events): removals first."""
+        removed = removed if isinstance(removed, (list, tuple)) else list(removed)
+        stored = stored if isinstance(stored, (list, tuple)) else list(stored)
+        self.apply_device_runs(node, runs_of(stored) if stored else [],
+                               runs_of(removed, ordered=False) if removed else [])
+
+    def apply_device_runs(self, node: str, stored: list[tuple[int, int, int]],
+                          removed: list[tuple[int, int, int]]) -> None:
+        """`apply_device` of the blocks as `runs_of` gives them: (segment, first block,
+        count), the removals sorted (what a gateway process receives, sim/split.py)."""
         segments = self._segments
         bit = self._node_bit(node)
-        removed = removed if isinstance(removed, (list, tuple)) else list(removed)
         if removed:
-            for c, j, m in runs_of(removed, ordered=False):
+            for c, j, m in removed:
                 s = segments.get(c)
                 old = s.masks.get(bit, 0) if s is not None else 0
                 new = old & ~(((1 << m) - 1) << j)
@@ -118,9 +126,8 @@ class InProcessBlockIndex:
                     s.full ^= bit
                     if not s.full:
                         s.refit()
-        stored = stored if isinstance(stored, (list, tuple)) else list(stored)
         if stored:
-            for c, j, m in runs_of(stored):
+            for c, j, m in stored:
                 s = segments.get(c)
                 if s is None:
                     s = segments[c] = Segment()

@@ -90,6 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the region the machine's memory latency is measured over before "
                         "and after the run, with its L3's (bench/memprobe.py, ~5 s each; "
                         "the L3 sampled at each tenth too, ~0.2 s each; 0: none of them)")
+    p.add_argument("--gateway-process", action="store_true",
+                   help="the gateway (index, load reports, routing) in a process of its "
+                        "own: the same results on two cores (sim/split.py); --breakdown, "
+                        "--pool-churn and the route sample need it in this one")
     p.add_argument("--json", default=None)
 
 
@@ -255,13 +259,19 @@ def route_cost(sim: Simulator, specs: list[SimRequestSpec]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gateway_process and (args.breakdown or args.pool_churn or args.profile):
+        raise SystemExit("sim bench: --breakdown, --pool-churn and --profile time this "
+                         "process's parts: not with --gateway-process")
+    if args.gateway_process:
+        args.route_sample = 0  # routing happened in the gateway's process
     prof = load_profile(args.hardware)
     if args.block_size:
         prof = with_block_size(prof, args.block_size)
     n_p = round(args.workers * args.prefill_share)
     cfg = ClusterConfig(prefill=n_p, decode=args.workers - n_p if n_p else 0,
                         colocated=0 if n_p else args.workers,
-                        routing=routing_profile(args.routing, 0), itl_every=100)
+                        routing=routing_profile(args.routing, 0), itl_every=100,
+                        gateway_process=args.gateway_process)
     scale = trace_rate(args.trace) / (args.rate_per_worker * args.workers)
     trace = mooncake(args.trace, limit=args.requests + args.route_sample, time_scale=scale,
                      repeat=0)
@@ -332,11 +342,13 @@ def run(args: argparse.Namespace) -> int:
            "python": machine()["python"],
            "heap": arenas.heap(),  # what `splitserve sim` runs on (sim/arenas.py)
            "compiled": compiled_modules(),  # the sim's modules built by mypyc (sim/native.py)
+           "gateway_process": args.gateway_process,
            "target_met": projected <= TARGET_S and args.workers >= TARGET_WORKERS}
     print(f"{len(results)} requests ({ok} completed) on {args.workers} simulated workers "
           f"(block size {prof.block_size}): {wall:.1f} s wall, {rate:.0f} simulated req/s, "
           f"{out['events_per_s']} events/s, peak RSS {out['peak_rss_mb']:,} MB (python "
           f"{out['python']}; {out['heap']}; "
+          f"{'the gateway in its own process; ' if args.gateway_process else ''}"
           f"{'compiled: ' + ', '.join(out['compiled']) if out['compiled'] else 'interpreted'})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "

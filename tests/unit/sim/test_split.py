@@ -1,0 +1,77 @@
+"""The gateway in a process of its own (sim/split.py) computes what one process does:
+the same requests, token times, worker figures, transfers, index and trust, for every
+kind of cluster the simulator runs (colocated, disaggregated with peer fetch, tiers,
+pools that preempt, a gateway turning requests away, load reports read at every route)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.datasets import LengthDist
+from sim.cluster import Simulator
+from sim.config import ClusterConfig
+from sim.segments import runs_of
+from sim.split import expand
+from sim.workload import synthetic
+from tests.unit.sim.test_simulator import CONFIGS, full_key, profile, trace_specs
+
+
+def outcome(cfg: ClusterConfig, specs, split: bool):
+    sim = Simulator(replace(cfg, gateway_process=split), profile())
+    res = sim.run(specs)
+    sim.check_integrity()
+    key = full_key(sim, res, hashes=False) if not split else None
+    if split:  # the gateway's state lives in its process: its figures came back
+        sim.gateway.locality = type("L", (), {"_accuracy": dict(sim.gateway.accuracy)})()
+        key = full_key(sim, res, hashes=False)
+    return key, sim.stats
+
+
+@pytest.mark.parametrize("name", ["colocated", "disaggregated", "tiers",
+                                  "disaggregated-tiers", "preempting", "overloaded",
+                                  "reports-every-route"])
+def test_two_processes_compute_what_one_does(tmp_path: Path, name: str) -> None:
+    specs = trace_specs(tmp_path, repeat=8, scale=0.1)
+    if name == "disaggregated-tiers":
+        cfg = replace(CONFIGS["disaggregated"], num_blocks=400, host_blocks=60,
+                      disk_blocks=300)
+    elif name == "preempting":
+        specs = list(synthetic(60, 50.0, LengthDist(mean=100), LengthDist(mean=60), seed=3))
+        cfg = ClusterConfig(colocated=2, num_blocks=40)
+    elif name == "overloaded":  # the gateway's in-flight limit turns requests away
+        specs = list(synthetic(80, 400.0, LengthDist(mean=300), LengthDist(mean=40), seed=5))
+        cfg = ClusterConfig(colocated=2, max_in_flight=3)
+    elif name == "reports-every-route":
+        cfg = replace(CONFIGS["colocated"], report_interval_s=0.0)
+    else:
+        cfg = CONFIGS[name]
+    one, one_stats = outcome(cfg, specs, split=False)
+    two, two_stats = outcome(cfg, specs, split=True)
+    assert one == two
+    assert one_stats.events == two_stats.events and one_stats.windows == two_stats.windows
+    if name == "overloaded":
+        assert one_stats.rejected > 0
+    if name.startswith("disaggregated"):
+        assert one_stats.remote_prefills > 0
+
+
+def test_hash_runs_round_trip() -> None:
+    """What an arrival sends for its prompt's hashes gives them back, in order."""
+    hashes = [5 << 5 | 3, 5 << 5 | 4, 5 << 5 | 5, 9 << 5, 9 << 5 | 1, 7 << 5 | 31, 8 << 5]
+    assert expand(runs_of(hashes)) == hashes
+
+
+def test_the_gateway_process_failing_fails_the_run(tmp_path: Path, monkeypatch) -> None:
+    """A route that raises over there raises here, with its traceback."""
+    from sim.gateway import SimGateway
+
+    def broken(self, req):
+        raise ValueError("a broken router")
+
+    monkeypatch.setattr(SimGateway, "route", broken)  # the forked process inherits it
+    sim = Simulator(replace(CONFIGS["colocated"], gateway_process=True), profile())
+    with pytest.raises(RuntimeError, match="(?s)gateway's process failed.*a broken router"):
+        sim.run(trace_specs(tmp_path, repeat=1))
