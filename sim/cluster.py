@@ -43,8 +43,7 @@ from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest, Tokens, make_request
-from sim import split
-from sim.split import RemoteGateway, RemoteIndex
+from sim.split import RemoteGateway, RemoteIndex, start_gateway
 from sim.window import Step
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
@@ -108,10 +107,9 @@ class Simulator:
         self._remote: RemoteGateway | None = None
         channel: Any = None
         if config.gateway_process:
-            channel, pid = split.start(routing, [(s.worker_id, s.role, s.num_blocks)
-                                                 for s in specs],
-                                       config.report_interval_s, config.in_flight_limit,
-                                       profile.block_size)
+            channel, pid = start_gateway(
+                routing, [(s.worker_id, s.role, s.num_blocks) for s in specs],
+                config.report_interval_s, config.in_flight_limit, profile.block_size)
             self.index: InProcessBlockIndex = RemoteIndex(channel, self.clock)
         else:
             self.index = InProcessBlockIndex(self.clock)

@@ -48,6 +48,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=0,
                    help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gateway-process", action="store_true",
+                   help="the gateway (index, load reports, routing) in a process of its own: "
+                        "the same results on two cores (sim/split.py)")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +100,7 @@ def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
         prefill=args.prefill, decode=args.decode, colocated=colocated,
         num_blocks=args.num_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
         routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight,
-        seed=args.seed,
+        seed=args.seed, gateway_process=args.gateway_process,
         itl_every=max(1, args.requests // 20000))  # bounded memory on long runs
     kw.update(over)
     return ClusterConfig(**kw)

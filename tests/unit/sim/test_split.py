@@ -14,13 +14,14 @@ from bench.datasets import LengthDist
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.segments import runs_of
-from sim.split import expand
+from sim.split import RemoteGateway, expand
 from sim.workload import synthetic
 from tests.unit.sim.test_simulator import CONFIGS, full_key, profile, trace_specs
 
 
 def outcome(cfg: ClusterConfig, specs, split: bool):
     sim = Simulator(replace(cfg, gateway_process=split), profile())
+    assert isinstance(sim.gateway, RemoteGateway) == split
     res = sim.run(specs)
     sim.check_integrity()
     key = full_key(sim, res, hashes=False) if not split else None
@@ -75,3 +76,23 @@ def test_the_gateway_process_failing_fails_the_run(tmp_path: Path, monkeypatch) 
     sim = Simulator(replace(CONFIGS["colocated"], gateway_process=True), profile())
     with pytest.raises(RuntimeError, match="(?s)gateway's process failed.*a broken router"):
         sim.run(trace_specs(tmp_path, repeat=1))
+
+
+def test_sim_bench_runs_with_the_gateway_in_its_own_process(tmp_path: Path) -> None:
+    """`sim bench --gateway-process`: the run, its figures and what it says it ran on;
+    the options that time this process's parts are refused with it."""
+    import json
+
+    from sim import speed
+    from tests.unit.sim.test_speed import _bench_args
+
+    args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
+                            "--gateway-process")
+    assert speed.run(args) == 0
+    got = json.loads(out.read_text())
+    assert got["requests"] == got["completed"] == 12 and got["gateway_process"] is True
+    assert "route_us" not in got  # routing happened over there
+    args, _ = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
+                          "--gateway-process", "--breakdown")
+    with pytest.raises(SystemExit, match="not with --gateway-process"):
+        speed.run(args)
