@@ -124,7 +124,9 @@ class Simulator:
         else:
             self.gateway = SimGateway(routing, self.index, self.workers, self.clock,
                                       config.report_interval_s)
-        self._refused = 0  # split: arrivals the gateway refused, their _on_decode run
+        # the gateway's process refused these arrivals: their _on_decode, an event one
+        # process does not have, is not counted
+        self._refused = 0
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()

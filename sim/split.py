@@ -220,9 +220,7 @@ class RemoteGateway(SimGateway):
         gateway refused it."""
         self.channel.flush()
         while flight.decision is None and flight.index not in self.rejected:
-            msg = self.channel.recv()
-            if msg[0] == "error":
-                raise RuntimeError(f"the gateway's process failed:\n{msg[1]}")
+            msg = self._recv()
             f = self._waiting.popleft()
             if len(msg) == 2:
                 self.rejected[f.index] = msg[1]
@@ -262,10 +260,17 @@ class RemoteGateway(SimGateway):
         """The run is over: the gateway's final figures, and its process's end."""
         self.channel.send((END, self.clock()))
         self.channel.flush()
+        _, index.final_entries, self.accuracy = self._recv()
+        self._end()
+
+    def _recv(self) -> Any:
         msg = self.channel.recv()
         if msg[0] == "error":
+            self._end()
             raise RuntimeError(f"the gateway's process failed:\n{msg[1]}")
-        _, index.final_entries, self.accuracy = msg
+        return msg
+
+    def _end(self) -> None:
         self.channel.close()
         os.waitpid(self.pid, 0)
 
