@@ -57,7 +57,6 @@ import weakref
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import chain
 from typing import Any
 
 from gateway.routing.base import Candidate, RouteDecision, RouteRequest, Scores
@@ -66,7 +65,7 @@ from sim.collector import long_lived_heap
 from sim.gateway import SimGateway
 from sim.index import Deferred, InProcessBlockIndex
 from sim.request import Tokens
-from sim.segments import SEGMENT_SHIFT, runs_of
+from sim.segments import Runs, runs_of
 
 # the workers' messages: (kind, simulated time, ...)
 DEVICE, CHANGED, WINDOW, UNWINDOW, ARRIVE, INFLIGHT, OBSERVE, PRODUCER, TIERS, DEFER, \
@@ -129,13 +128,6 @@ class Channel:
     def close(self) -> None:
         self._in.close()
         self._closer()
-
-
-def expand(runs: Sequence[tuple[int, int, int]]) -> list[int]:
-    """The hashes `runs_of` gave `runs` for (ordered)."""
-    firsts = [c << SEGMENT_SHIFT | j for c, j, _ in runs]
-    ends = [f + m for f, (_, _, m) in zip(firsts, runs, strict=True)]
-    return list(chain.from_iterable(map(range, firsts, ends)))
 
 
 # -- the workers' side -------------------------------------------------------------------
@@ -369,7 +361,7 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
         elif kind == ARRIVE:
             mirror(msg[2])
             rid = msg[3]
-            route = RouteRequest(rid, Tokens(msg[4]), expand(msg[5]),  # type: ignore[arg-type]
+            route = RouteRequest(rid, Tokens(msg[4]), Runs(msg[5]),  # type: ignore[arg-type]
                                  block_size)
             if 0 <= in_flight_limit <= flights:
                 send((rid, "overloaded: the gateway is at its in-flight limit"))

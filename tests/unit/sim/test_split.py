@@ -13,8 +13,8 @@ import pytest
 from bench.datasets import LengthDist
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
-from sim.segments import runs_of
-from sim.split import RemoteGateway, expand
+from sim.segments import Runs, runs_of
+from sim.split import RemoteGateway
 from sim.workload import synthetic
 from tests.unit.sim.test_simulator import CONFIGS, full_key, profile, trace_specs
 
@@ -60,9 +60,18 @@ def test_two_processes_compute_what_one_does(tmp_path: Path, name: str) -> None:
 
 
 def test_hash_runs_round_trip() -> None:
-    """What an arrival sends for its prompt's hashes gives them back, in order."""
+    """What an arrival sends for its prompt's hashes gives them back, in order, and the
+    index walks them as it walks the ints."""
+    from sim.index import InProcessBlockIndex
+
     hashes = [5 << 5 | 3, 5 << 5 | 4, 5 << 5 | 5, 9 << 5, 9 << 5 | 1, 7 << 5 | 31, 8 << 5]
-    assert expand(runs_of(hashes)) == hashes
+    runs = Runs(runs_of(hashes))
+    assert list(runs) == hashes and len(runs) == len(hashes) and runs[2:4] == hashes[2:4]
+    index = InProcessBlockIndex(lambda: 0.0)
+    index.apply_device("a", hashes[:5])
+    index.apply_device("b", hashes[:2])
+    assert index.lookup_now(runs) == index.lookup_now(hashes)
+    assert index.lookup_now(runs).num_blocks == 5
 
 
 def test_the_gateway_process_failing_fails_the_run(tmp_path: Path, monkeypatch) -> None:
