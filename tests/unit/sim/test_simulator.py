@@ -236,7 +236,17 @@ def full_key(sim, results, hashes: bool = True):
     return (key(results), [r.error for r in results], workers,
             sorted(st.transfer_bytes.items()), st.remote_prefills, st.peer_fetches,
             st.rejected, st.stalled, sim.index.num_entries(),
-            sorted(sim.gateway.locality._accuracy.items()))
+            trust(sim))
+
+
+def trust(sim):
+    """The gateway's per-worker trust at the end: its Locality's, or what the gateway's
+    own process sent back (sim/split.py)."""
+    from sim.split import RemoteGateway
+
+    if isinstance(sim.gateway, RemoteGateway):
+        return list(sim.gateway.accuracy)
+    return sorted(sim.gateway.locality._accuracy.items())
 
 
 @pytest.mark.parametrize("name", ["colocated", "disaggregated", "preempting", "tiers",
