@@ -13,12 +13,14 @@ What it buys depends on how the requests arrive (`sim bench --workers 512`, 30,0
 requests at 16-token blocks, one process then two): the Mooncake trace's timestamps
 are coarse (12,031 requests at 1,180 distinct instants), so it arrives in clumps of ~10
 at once (90 % of the gaps are 0); the gateway must route a clump one request after the
-other while the workers have only the RPC's lookahead of work, and a short run is no
-faster (24.5 vs 24.6 s; at 60,000 requests 50.3 vs 54.1 s). Late in a long run the
-workers' side slows (every prompt evicts, from memory no cache holds) and the gateway's
-does not: the million took 800.2 s in two processes against 1,002.6 s in one the same
-hour (1.25x). The same trace with each clump's requests spread evenly until the next
-instant: 26.1 vs 18.9 s at 30,000 requests, 1.38x.
+other while the workers have only the RPC's lookahead of work. Over pipes a short run
+was no faster (24.5 vs 24.6 s), the million 1.25x (800.2 vs 1,002.6 s the same hour):
+late in a long run the workers' side slows (every prompt evicts, from memory no cache
+holds) and the gateway's does not. Each message batch's write and each wake of the
+other process cost a system call and, on this virtual machine, an interrupt across
+cores, on both sides (~10 % of each process's time); through shared memory, with a
+waiting reader polling first (`Channel`), 30,000 requests take 16.5 s against 20.8 s
+in one process (1.26x; pipes 19.0 s the same hour).
 
 They meet where the serving system's parts meet, by messages, in the workers' event
 order. The workers' process (the one that called `Simulator.run`) runs the event clock;
@@ -48,10 +50,13 @@ then.
 
 from __future__ import annotations
 
-import fcntl
+import mmap
 import os
 import pickle
+import platform
+import select
 import struct
+import time
 import traceback
 import weakref
 from bisect import bisect_left
@@ -72,29 +77,70 @@ DEVICE, CHANGED, WINDOW, UNWINDOW, ARRIVE, INFLIGHT, OBSERVE, PRODUCER, TIERS, D
     SETTLE, END = range(12)
 
 _HEADER = struct.Struct("<Q")
-_PIPE_BYTES = 1 << 20  # F_SETPIPE_SZ: a few arrivals' messages never fill it
 # Messages sent at once at most: the gateway applies a batch while the workers go on
 # (4: 25.3 s, 12: 24.8 s, only at arrivals: 25.8 s for 30,000 requests on 512 workers)
 _BATCH = 12
 
+# A ring's shared memory: its write position (the writer's), a flag the reader raises
+# while it sleeps, its read position (the reader's; a cache line apart), then the bytes.
+# Positions count bytes ever written / read; each is stored and loaded as one aligned
+# 8-byte word through a memoryview of words (struct's pack_into would zero the word
+# before it writes it: a reader could see 0).
+_W, _R = 0, 8  # words
+_ASLEEP, _DATA = 16, 128  # bytes
+_RING = 8 << 20  # bytes; a batch larger than the ring goes through in parts
+_SPIN_S = 0.002  # a reader polls this long for bytes before it sleeps on the wake fd
+_NAP_S = 0.001  # a sleeper looks again this often (a wake lost to a race costs this)
+
+
+class Ring:
+    """One direction of a Channel: a byte stream through shared memory (anonymous,
+    MAP_SHARED: a fork shares it) and an eventfd that wakes a sleeping reader. The
+    writer copies the bytes in, then publishes its position; the reader sees the
+    position, then reads the bytes: x86's stores reach other cores in program order
+    (TSO), so bytes behind a published position are there (`check_platform`)."""
+
+    def __init__(self, size: int = _RING) -> None:
+        self.size = size
+        self.mem = mmap.mmap(-1, _DATA + size)
+        self.wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def check_platform() -> None:
+    """Refuses a CPU on which the rings' publication order is not guaranteed."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError("the gateway's own process (--gateway-process) needs an x86-64 "
+                           f"CPU (its shared-memory channel relies on TSO), not "
+                           f"{platform.machine()}")
+
 
 class Channel:
-    """Batches of messages over a pipe each way: `send` queues, `flush` writes the
-    queue as one pickle, `recv` returns the next message (blocking for a batch)."""
+    """Batches of messages each way through shared memory (Ring): `send` queues,
+    `flush` writes the queue as one pickle, `recv` returns the next message (waiting
+    for a batch). A waiting reader polls first (the other process answers within
+    microseconds most of the time, and a wake across cores costs a VM exit on this
+    box), then sleeps on the ring's eventfd. `life`: a pipe only the other process
+    writes to, never written: it reads EOF once that process is gone."""
 
-    def __init__(self, read_fd: int, write_fd: int) -> None:
-        self._in = os.fdopen(read_fd, "rb", buffering=1 << 16)
-        self._out = write_fd
-        # closed when the channel goes, however the run ended: the other side reads EOF
-        self._closer = weakref.finalize(self, os.close, write_fd)
+    def __init__(self, rx: Ring, tx: Ring, life_fd: int, life_out: int) -> None:
+        self._rx, self._tx = rx.mem, tx.mem
+        self._rx_size, self._tx_size = rx.size, tx.size
+        self._rx_pos = memoryview(rx.mem)[:_DATA].cast("Q")
+        self._tx_pos = memoryview(tx.mem)[:_DATA].cast("Q")
+        self._rx_wake, self._tx_wake = rx.wake, tx.wake
+        self._life = life_fd
+        # closed when the channel goes, however the run ended: the other side sees EOF
+        self._closer = weakref.finalize(self, _close, life_out, life_fd, rx.wake, tx.wake)
+        self._r = 0  # bytes read from rx
+        self._w = 0  # bytes written to tx
         self._queue: list[Any] = []
         self._batch: list[Any] = []
         self._next = 0
-        for fd in (read_fd, write_fd):
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-            except OSError:  # above the system's limit: the default 64 KiB
-                pass
 
     def send(self, msg: Any) -> None:
         self._queue.append(msg)
@@ -106,28 +152,80 @@ class Channel:
             return
         data = pickle.dumps(self._queue, pickle.HIGHEST_PROTOCOL)
         self._queue = []
-        view = memoryview(_HEADER.pack(len(data)) + data)
-        try:
-            while view:
-                view = view[os.write(self._out, view):]
-        except BrokenPipeError:
-            raise EOFError("the other process of the simulation has gone") from None
+        self._write(_HEADER.pack(len(data)) + data)
 
     def recv(self) -> Any:
         if self._next == len(self._batch):
-            head = self._in.read(_HEADER.size)
-            if len(head) < _HEADER.size:
-                raise EOFError("the other process of the simulation has gone")
-            (n,) = _HEADER.unpack(head)
-            self._batch = pickle.loads(self._in.read(n))
+            (n,) = _HEADER.unpack(self._read(_HEADER.size))
+            self._batch = pickle.loads(self._read(n))
             self._next = 0
         msg = self._batch[self._next]
         self._next += 1
         return msg
 
     def close(self) -> None:
-        self._in.close()
         self._closer()
+
+    def _write(self, data: bytes) -> None:
+        mem, pos, w, size = self._tx, self._tx_pos, self._w, self._tx_size
+        view = memoryview(data)
+        while view:
+            free = size - (w - pos[_R])
+            if not free:  # the reader is a ring behind: rare, and never for long
+                self._nap()
+                continue
+            at = w % size
+            k = min(len(view), free, size - at)
+            mem[_DATA + at:_DATA + at + k] = view[:k]
+            view = view[k:]
+            w += k
+            pos[_W] = w  # published: after its bytes
+            if mem[_ASLEEP]:
+                os.eventfd_write(self._tx_wake, 1)
+        self._w = w
+
+    def _read(self, n: int) -> bytes:
+        mem, pos, r, size = self._rx, self._rx_pos, self._r, self._rx_size
+        parts = []
+        while n:
+            w = pos[_W]
+            if w == r:
+                w = self._wait(r)
+            at = r % size
+            k = min(n, w - r, size - at)
+            parts.append(mem[_DATA + at:_DATA + at + k])
+            r += k
+            n -= k
+            pos[_R] = r
+        self._r = r
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _wait(self, r: int) -> int:
+        """The write position once it passes `r`: polled, then slept for."""
+        mem, pos = self._rx, self._rx_pos
+        end = time.perf_counter() + _SPIN_S
+        while time.perf_counter() < end:
+            if (w := pos[_W]) != r:
+                return w
+        while True:
+            mem[_ASLEEP] = 1
+            if (w := pos[_W]) != r:
+                mem[_ASLEEP] = 0
+                return w
+            self._nap(self._rx_wake)
+
+    def _nap(self, wake: int = -1) -> None:
+        """Sleeps until `wake` fires or a nap passes; EOFError when the other process
+        has gone."""
+        fds = [self._life] if wake < 0 else [self._life, wake]
+        ready, _, _ = select.select(fds, [], [], _NAP_S)
+        if self._life in ready:
+            raise EOFError("the other process of the simulation has gone")
+        if wake in ready:
+            try:
+                os.eventfd_read(wake)
+            except BlockingIOError:
+                pass
 
 
 # -- the workers' side -------------------------------------------------------------------
@@ -401,20 +499,33 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
             raise RuntimeError(f"unknown message {kind}")
 
 
+def fork_channel(size: int = _RING) -> tuple[Channel, int]:
+    """Forks; returns this process's end of a Channel to the other one, and fork's
+    result (0 in the child)."""
+    check_platform()
+    down, up = Ring(size), Ring(size)  # to the child, to the parent
+    # each process's life: a pipe it holds the write end of (never written)
+    parent_r, parent_w = os.pipe()
+    child_r, child_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(parent_w)
+        os.close(child_r)
+        return Channel(down, up, parent_r, child_w), 0
+    os.close(parent_r)
+    os.close(child_w)
+    return Channel(up, down, child_r, parent_w), pid
+
+
 def start_gateway(routing: RoutingProfile, workers: list[tuple[str, str, int]],
           report_interval_s: float, in_flight_limit: int, block_size: int
           ) -> tuple[Channel, int]:
     """Forks the gateway's process (before the workers are built: it holds none of
     their memory); returns the workers' end of the channel and the process id."""
-    to_gw_r, to_gw_w = os.pipe()
-    to_w_r, to_w_w = os.pipe()
-    pid = os.fork()
+    ch, pid = fork_channel()
     if pid == 0:  # the gateway's process
         code = 0
         try:
-            os.close(to_gw_w)
-            os.close(to_w_r)
-            ch = Channel(to_gw_r, to_w_w)
             try:
                 with long_lived_heap():  # as the workers' run (sim/collector.py)
                     serve(ch, routing, workers, report_interval_s, in_flight_limit,
@@ -427,6 +538,4 @@ def start_gateway(routing: RoutingProfile, workers: list[tuple[str, str, int]],
                 code = 1
         finally:
             os._exit(code)
-    os.close(to_gw_r)
-    os.close(to_w_w)
-    return Channel(to_w_r, to_gw_w), pid
+    return ch, pid

@@ -101,3 +101,52 @@ def test_sim_bench_runs_with_the_gateway_in_its_own_process(tmp_path: Path) -> N
                           "--gateway-process", "--breakdown")
     with pytest.raises(SystemExit, match="not with --gateway-process"):
         speed.run(args)
+
+
+def test_the_channel_carries_batches_larger_than_its_rings_and_sees_the_other_end_go() -> None:
+    """The shared-memory channel between the two processes: batches of every size, many
+    times around a small ring (one larger than the ring goes in parts), in order both
+    ways, with the reader sleeping between them; then the other process's end reads as
+    EOFError."""
+    import os
+    import random
+    import time
+
+    from sim.split import fork_channel
+
+    rng = random.Random(7)
+    batches = [[("m", i, "x" * rng.choice((0, 10, 900, 5000)))
+                for i in range(rng.randint(1, 30))] for _ in range(200)]
+    ch, pid = fork_channel(size=4096)
+    if pid == 0:  # echoes each batch back once it has it all, then goes when told
+        code = 1
+        try:
+            got = []
+            while (msg := ch.recv()) != "stop":
+                got.append(msg)
+                if msg[1] == -1:
+                    for m in got:
+                        ch.send(("echo", m))
+                    ch.flush()
+                    got = []
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        for i, batch in enumerate(batches):
+            for msg in batch:
+                ch.send(msg)
+            ch.send(("m", -1, ""))
+            ch.flush()
+            if i % 50 == 0:  # the other side has gone to sleep on its wake fd
+                time.sleep(0.01)
+            assert [ch.recv() for _ in range(len(batch) + 1)] == \
+                [("echo", m) for m in [*batch, ("m", -1, "")]]
+        ch.send("stop")
+        ch.flush()
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with pytest.raises(EOFError, match="has gone"):
+            ch.recv()
+    finally:
+        ch.close()
