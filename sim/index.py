@@ -252,9 +252,10 @@ class InProcessBlockIndex:
         return run
 
     def _device_holders(self, bits: int, depth: int) -> dict[str, tuple[str, ...]]:
-        """node -> its run of `depth` device blocks, for the nodes of `bits`: a new dict.
-        The large ones are kept for the next lookups (most prompts of a trace start with
-        one shared prefix that most nodes hold: the same nodes, run after run)."""
+        """node -> its run of `depth` device blocks, for the nodes of `bits`. The large
+        ones are kept for the next lookups and shared with them (most prompts of a trace
+        start with one shared prefix that most nodes hold: the same nodes, run after
+        run): the caller copies one before it changes it."""
         key = (bits, depth)
         got = self._holders.get(key)
         if got is None:
@@ -264,7 +265,7 @@ class InProcessBlockIndex:
             if len(self._holders) >= _KEPT:
                 del self._holders[next(iter(self._holders))]  # the oldest
             self._holders[key] = got
-        return got.copy()
+        return got
 
     def _device_bits(self, h: int) -> int:
         """The bitmap of the nodes holding `h` on the device."""
@@ -387,15 +388,21 @@ class InProcessBlockIndex:
             i, ends, tiered = self._walk_blocks(hashes, allowed)
         else:
             (i, ends), tiered = self._walk_segments(hashes, allowed), 0
+        # (a lookup's mapping is read, never changed: it may be a kept one, shared)
         runs: dict[str, tuple[str, ...]] = {}
+        own = False  # `runs` is this lookup's own dict (not a kept one)
         for depth in sorted(ends):
             bits = ends[depth]
             device = self._device_holders(bits & ~tiered, depth)
-            if runs:
-                runs.update(device)
-            else:
+            if not runs:
                 runs = device
+            else:
+                if not own:
+                    runs, own = runs.copy(), True
+                runs.update(device)
             if bits & tiered:
+                if not own:
+                    runs, own = runs.copy(), True
                 for node in self._nodes_of(bits & tiered):
                     runs[node] = tuple(self._best(h, node) for h in hashes[:depth])
         return IndexLookup(i, runs)

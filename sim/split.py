@@ -468,14 +468,16 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
                     filled, d = gw.route(route)
                 except NoCandidates as e:
                     send((rid, f"no worker available: {e}"))
-                else:
-                    flights += 1
-                    gw.add_inflight(d.decode.worker_id, 1)
-                    predicted[rid] = (d.decode.worker_id, d.predicted_cached(filled))
+                else:  # the decision goes first: the workers may be waiting on it
                     send((rid, row[d.decode.worker_id],
                           row[d.prefill.worker_id] if d.prefill is not None else -1,
                           row[d.kv_peer.worker_id] if d.kv_peer is not None else -1,
                           d.kv_peer_blocks))
+                    channel.flush()
+                    flights += 1
+                    gw.add_inflight(d.decode.worker_id, 1)
+                    predicted[rid] = (d.decode.worker_id, d.predicted_cached(filled))
+                    continue
             channel.flush()
         elif kind == INFLIGHT:  # a request's flight ended on the worker (started: here)
             gw.add_inflight(mirrors[msg[2]].worker_id, msg[3])

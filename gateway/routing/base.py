@@ -58,7 +58,7 @@ class CandidateSet:
     _DTYPES = (bool, np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)
 
     __slots__ = ("ids", "addresses", "roles", "role_code", *COLUMNS, "_items", "_pos",
-                 "_selected", "_rows")
+                 "_selected", "_subsets", "_rows")
     ids: list[str]
     addresses: list[str]
     roles: list[str]
@@ -96,6 +96,7 @@ class CandidateSet:
             setattr(self, name, np.asarray(col, dtype))
         self._pos: dict[str, int] | None = None
         self._selected: dict[tuple[str, ...], CandidateSet | None] = {}
+        self._subsets = False  # some of `_selected` is a subset (not None)
         self._rows: dict[tuple[str, ...], np.ndarray] = {}
 
     @classmethod
@@ -110,7 +111,7 @@ class CandidateSet:
         if c is None:
             c = self._items[row] = Candidate(
                 self.ids[row], self.addresses[row], self.roles[row],
-                *(getattr(self, name)[row].item() for name in self.COLUMNS))
+                *(getattr(self, name).item(row) for name in self.COLUMNS))
         return c
 
     def __iter__(self) -> Iterator[Candidate]:
@@ -151,6 +152,7 @@ class CandidateSet:
             # the cyclic collector frees (the simulator runs with it off)
             got = self._selected[roles] = None if keep.all() \
                 else self.take(np.flatnonzero(keep).tolist())
+            self._subsets = self._subsets or got is not None
         return self if got is None else got
 
     def take(self, rows: Sequence[int]) -> CandidateSet:
@@ -187,8 +189,9 @@ class CandidateSet:
         for row in rows:
             items[row] = None
         # a subset holds its own copy of the columns: made again on next use
-        if self._selected:
+        if self._subsets:
             self._selected = {k: v for k, v in self._selected.items() if v is None}
+            self._subsets = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,10 +59,10 @@ class KVUsageScorer:
 
     def score(self, req: RouteRequest, candidates: CandidateSet) -> np.ndarray:
         reported = candidates.num_blocks > 0
-        if not reported.all():
-            log.debug("kv_usage scorer: no report yet from %s; scoring 0",
-                      [w for w, ok in zip(candidates.ids, reported.tolist(), strict=True)
-                       if not ok])
+        if reported.all():
+            return clamp01(1.0 - candidates.kv_usage)
+        log.debug("kv_usage scorer: no report yet from %s; scoring 0",
+                  [w for w, ok in zip(candidates.ids, reported.tolist(), strict=True) if not ok])
         return np.where(reported, clamp01(1.0 - candidates.kv_usage), 0.0)
 
 
