@@ -21,7 +21,7 @@ other process cost a system call and, on this virtual machine, an interrupt acro
 cores, on both sides (~10 % of each process's time); through shared memory, with a
 waiting reader polling first (`Channel`), 30,000 requests take 16.5 s against 20.8 s
 in one process (1.26x; pipes 19.0 s the same hour), and the million 607.1 s against
-649.0 s over pipes the same morning (588.1 s with a few cuts in the route since).
+649.0 s over pipes the same morning (560.9-588.1 s with a few cuts in the route since).
 
 They meet where the serving system's parts meet, by messages, in the workers' event
 order. The workers' process (the one that called `Simulator.run`) runs the event clock;
