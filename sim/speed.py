@@ -61,6 +61,7 @@ from sim.native import compiled_modules
 from sim.profile import load_profile, with_block_size
 from sim.request import Tokens
 from sim.run_cli import MOONCAKE_TRACE, routing_profile
+from sim.split import RemoteGateway
 from sim.workload import SimRequestSpec, mooncake, trace_rate
 
 TARGET_REQUESTS, TARGET_WORKERS, TARGET_S = 1_000_000, 512, 600.0
@@ -351,6 +352,12 @@ def run(args: argparse.Namespace) -> int:
           f"{'the gateway in its own process; ' if args.gateway_process else ''}"
           f"{'compiled: ' + ', '.join(out['compiled']) if out['compiled'] else 'interpreted'})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
+    if isinstance(sim.gateway, RemoteGateway):  # how far the two processes overlapped
+        out["waited_s"] = waits = {k: round(v, 2) for k, v in sim.gateway.waits.items()}
+        print(f"the workers' process waited {waits['workers']:.1f} s for routes "
+              f"({waits['workers'] / wall * 100:.0f} % of the run), the gateway's "
+              f"{waits['gateway']:.1f} s for the workers' messages "
+              f"({waits['gateway'] / wall * 100:.0f} %)")
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "
           f"{projected:.0f} s (target {TARGET_S:.0f} s on {TARGET_WORKERS} workers; the "
           "rate goes on falling past a short run: measure the million to know)")

@@ -139,6 +139,7 @@ class Channel:
         self._closer = weakref.finalize(self, _close, life_out, life_fd, rx.wake, tx.wake)
         self._r = 0  # bytes read from rx
         self._w = 0  # bytes written to tx
+        self.waited = 0.0  # seconds `recv` waited for the other process
         self._queue: list[Any] = []
         self._batch: list[Any] = []
         self._next = 0
@@ -204,14 +205,17 @@ class Channel:
     def _wait(self, r: int) -> int:
         """The write position once it passes `r`: polled, then slept for."""
         mem, pos = self._rx, self._rx_pos
-        end = time.perf_counter() + _SPIN_S
-        while time.perf_counter() < end:
+        start = time.perf_counter()
+        end = start + _SPIN_S
+        while (now := time.perf_counter()) < end:
             if (w := pos[_W]) != r:
+                self.waited += now - start
                 return w
         while True:
             mem[_ASLEEP] = 1
             if (w := pos[_W]) != r:
                 mem[_ASLEEP] = 0
+                self.waited += time.perf_counter() - start
                 return w
             self._nap(self._rx_wake)
 
@@ -285,6 +289,9 @@ class RemoteGateway(SimGateway):
         self._waiting: deque[Any] = deque()  # flights sent, their decisions not read
         self.rejected: dict[int, str] = {}  # flight index -> why the gateway refused it
         self.accuracy: list[tuple[str, Any]] = []  # the gateway's trust at the end
+        # seconds each process waited for the other: the workers for decisions, the
+        # gateway for messages (read at the end)
+        self.waits = {"workers": 0.0, "gateway": 0.0}
 
     def load(self, w: Any, out: list[int]) -> list[int]:
         """Appends `w`'s figures a load report reads: its row, free blocks, waiting and
@@ -351,9 +358,11 @@ class RemoteGateway(SimGateway):
 
     def finish(self, index: RemoteIndex) -> None:
         """The run is over: the gateway's final figures, and its process's end."""
+        waited = self.channel.waited  # for decisions (not for the final figures)
         self.channel.send((END, self.clock()))
         self.channel.flush()
-        _, index.final_entries, self.accuracy = self._recv()
+        _, index.final_entries, self.accuracy, gateway_waited = self._recv()
+        self.waits = {"workers": waited, "gateway": gateway_waited}
         self._end()
 
     def _recv(self) -> Any:
@@ -443,8 +452,9 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
             m.num_free_blocks, m.waiting.n, m.running.n, m.kept = loads[i + 1:i + 5]
         return m
 
+    msg = channel.recv()
+    channel.waited = 0.0  # from the run's first message (not while the workers are built)
     while True:
-        msg = channel.recv()
         kind = msg[0]
         clock.now = msg[1]
         if kind == DEVICE:
@@ -464,11 +474,13 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
                                  block_size)
             if 0 <= in_flight_limit <= flights:
                 send((rid, "overloaded: the gateway is at its in-flight limit"))
+                channel.flush()
             else:
                 try:
                     filled, d = gw.route(route)
                 except NoCandidates as e:
                     send((rid, f"no worker available: {e}"))
+                    channel.flush()
                 else:  # the decision goes first: the workers may be waiting on it
                     send((rid, row[d.decode.worker_id],
                           row[d.prefill.worker_id] if d.prefill is not None else -1,
@@ -478,8 +490,6 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
                     flights += 1
                     gw.add_inflight(d.decode.worker_id, 1)
                     predicted[rid] = (d.decode.worker_id, d.predicted_cached(filled))
-                    continue
-            channel.flush()
         elif kind == INFLIGHT:  # a request's flight ended on the worker (started: here)
             gw.add_inflight(mirrors[msg[2]].worker_id, msg[3])
             flights += msg[3]
@@ -495,11 +505,13 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
         elif kind == TIERS:
             index.apply(msg[2], msg[3], msg[4])
         elif kind == END:
-            send(("end", index.num_entries(), sorted(gw.locality._accuracy.items())))
+            send(("end", index.num_entries(), sorted(gw.locality._accuracy.items()),
+                  channel.waited))
             channel.flush()
             return
         else:
             raise RuntimeError(f"unknown message {kind}")
+        msg = channel.recv()
 
 
 def fork_channel(size: int = _RING) -> tuple[Channel, int]:

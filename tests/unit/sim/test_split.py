@@ -97,6 +97,9 @@ def test_sim_bench_runs_with_the_gateway_in_its_own_process(tmp_path: Path) -> N
     got = json.loads(out.read_text())
     assert got["requests"] == got["completed"] == 12 and got["gateway_process"] is True
     assert "route_us" not in got  # routing happened over there
+    waited = got["waited_s"]  # each process's waits for the other, within the run
+    assert set(waited) == {"workers", "gateway"}
+    assert all(0 <= w <= got["wall_s"] for w in waited.values())
     args, _ = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
                           "--gateway-process", "--breakdown")
     with pytest.raises(SystemExit, match="not with --gateway-process"):
