@@ -115,7 +115,7 @@ def test_the_channel_carries_batches_larger_than_its_rings_and_sees_the_other_en
     import random
     import time
 
-    from sim.split import fork_channel
+    from sim.channel import fork_channel
 
     rng = random.Random(7)
     batches = [[("m", i, "x" * rng.choice((0, 10, 900, 5000)))
