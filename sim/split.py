@@ -18,7 +18,7 @@ was no faster (24.5 vs 24.6 s), the million 1.25x (800.2 vs 1,002.6 s the same h
 late in a long run the workers' side slows (every prompt evicts, from memory no cache
 holds) and the gateway's does not. Each message batch's write and each wake of the
 other process cost a system call and, on this virtual machine, an interrupt across
-cores, on both sides (~10 % of each process's time); through shared memory, with a
+cores, on both sides (~6 % of each process's time); through shared memory, with a
 waiting reader polling first (sim/channel.py), 30,000 requests take 16.5 s against 20.8 s
 in one process (1.26x; pipes 19.0 s the same hour), and the million 607.1 s against
 649.0 s over pipes the same morning (560.9-588.1 s with a few cuts in the route since).
@@ -310,24 +310,25 @@ def serve(channel: Channel, routing: RoutingProfile, workers: list[tuple[str, st
             rid = msg[3]
             route = RouteRequest(rid, Tokens(msg[4]), Runs(msg[5]),  # type: ignore[arg-type]
                                  block_size)
+            d = None
             if 0 <= in_flight_limit <= flights:
-                send((rid, "overloaded: the gateway is at its in-flight limit"))
-                channel.flush()
+                reply: tuple[Any, ...] = (rid, "overloaded: the gateway is at its in-flight limit")
             else:
                 try:
                     filled, d = gw.route(route)
                 except NoCandidates as e:
-                    send((rid, f"no worker available: {e}"))
-                    channel.flush()
-                else:  # the decision goes first: the workers may be waiting on it
-                    send((rid, row[d.decode.worker_id],
-                          row[d.prefill.worker_id] if d.prefill is not None else -1,
-                          row[d.kv_peer.worker_id] if d.kv_peer is not None else -1,
-                          d.kv_peer_blocks))
-                    channel.flush()
-                    flights += 1
-                    gw.add_inflight(d.decode.worker_id, 1)
-                    predicted[rid] = (d.decode.worker_id, d.predicted_cached(filled))
+                    reply = (rid, f"no worker available: {e}")
+                else:
+                    reply = (rid, row[d.decode.worker_id],
+                             row[d.prefill.worker_id] if d.prefill is not None else -1,
+                             row[d.kv_peer.worker_id] if d.kv_peer is not None else -1,
+                             d.kv_peer_blocks)
+            send(reply)
+            channel.flush()  # before the bookkeeping: the workers may be waiting on it
+            if d is not None:
+                flights += 1
+                gw.add_inflight(d.decode.worker_id, 1)
+                predicted[rid] = (d.decode.worker_id, d.predicted_cached(filled))
         elif kind == INFLIGHT:  # a request's flight ended on the worker (started: here)
             gw.add_inflight(mirrors[msg[2]].worker_id, msg[3])
             flights += msg[3]
