@@ -14,10 +14,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from cluster.errors import ClusterError, fail
+
 # name -> (module, help). Modules expose add_arguments(parser) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.cli", "generate text offline with the engine"),
-    "worker": ("decode.cli", "run a decode or colocated worker (gRPC)"),
+    "worker": ("worker.cli", "run a prefill, decode or colocated worker (gRPC)"),
     "gateway": ("gateway.cli", "run the gateway (OpenAI HTTP + gRPC Generate)"),
     "up": ("cluster.up", "start redis, workers and the gateway locally"),
 }
@@ -51,6 +53,8 @@ def _add_lazy(sub: argparse._SubParsersAction, table: dict[str, tuple[str, str]]
     for name, (module, help_text) in table.items():
         p = sub.add_parser(name, help=help_text)
         p.set_defaults(_module=module)
+        p.add_argument("--debug", action="store_true",
+                       help="show the traceback of an error (also SPLITSERVE_DEBUG=1)")
         # Only import the module whose arguments are needed to parse this argv.
         if name in argv:
             importlib.import_module(module).add_arguments(p)
@@ -92,6 +96,12 @@ def _sim_on_tcmalloc(args: list[str]) -> None:
               {**os.environ, "LD_PRELOAD": f"{preload} {lib}".strip()})
 
 
+# What a subcommand raises for input it cannot use: config validation (ValueError,
+# engine.config.ModelDirError among them), missing files and refused connections
+# (OSError), a cluster that could not start (ClusterError).
+USER_ERRORS = (ValueError, OSError, ClusterError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["sim"]:  # before the simulator builds its heap (sim/arenas.py)
@@ -101,7 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         install()
     args = build_parser(args_list).parse_args(args_list)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    debug = getattr(args, "debug", False) or os.environ.get("SPLITSERVE_DEBUG") == "1"
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except SystemExit as e:  # raise SystemExit("message"): the same one line
+        if debug or not isinstance(e.code, str):
+            raise
+        return fail(e.code)
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        return fail(str(e) or type(e).__name__)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class ClusterError(RuntimeError):
     """A child failed to start or become ready; the message names it and its log."""
@@ -15,3 +17,11 @@ class CrashLoopError(ClusterError):
         super().__init__(message)
         self.name = name
         self.log_path = log_path
+
+
+def fail(message: str) -> int:
+    """A user's mistake (a model directory we cannot run, flags that cannot go together,
+    a file that is not there): one line on stderr and exit 2, as argparse does for a
+    flag it does not know."""
+    print(f"splitserve: error: {message}", file=sys.stderr)
+    return 2

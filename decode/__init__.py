@@ -1,6 +1,8 @@
-"""The decode / colocated worker: a gRPC `splitserve.v1.Worker` over one engine.
+"""The decode side of disaggregation: a worker of role "decode" receives a prompt's KV
+from the peers the gateway named instead of computing it.
 
-`decode.server.serve(WorkerConfig, EngineConfig)` runs it; `splitserve worker` is the
-command line. The remote-prefill branch lives behind `WorkerService._run`
-(decode/service.py).
+`decode.remote.RemotePrefiller` runs the kvtransfer receiver over the worker's KV cache,
+pulls prefix blocks from a peer holding them (`FetchKV`) and has a prefill worker push
+the rest (`Prefill`), fenced by a generation per transfer. The role-agnostic server that
+hosts it is worker/ (worker/service.py hands it a request through `WorkerService._run`).
 """

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine.add_request("cli-0", ids, params)
     except RequestError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"splitserve: error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     print(args.prompt, end="", flush=True)

@@ -116,7 +116,10 @@ class ModelConfig:
     def from_model_dir(cls, model_dir: str) -> ModelConfig:
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
-            raise ModelDirError(f"model directory {model_dir!r} does not exist")
+            raise ModelDirError(
+                f"model directory {model_dir!r} does not exist: give a Hugging Face model "
+                "directory (config.json, *.safetensors, tokenizer.json), or --model-shape "
+                "NAME with --load-format dummy for random weights")
         if not os.path.isfile(path):
             raise ModelDirError(f"{model_dir!r} has no config.json")
         try:

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                                   if os.environ.get("SPLITSERVE_API_KEY") else [])
     config = GatewayConfig(
         model_dir=model_dir,
-        # Same default as the worker's (decode/cli.py): the directory's base name.
+        # Same default as the worker's (worker/cli.py): the directory's base name.
         served_model_name=args.served_model_name or os.path.basename(
             os.path.normpath(model_dir)),
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,

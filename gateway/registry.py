@@ -27,7 +27,7 @@ from protos import splitserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-WORKER_KEY_PREFIX = "splitserve:workers"  # decode/registration.py writes these keys
+WORKER_KEY_PREFIX = "splitserve:workers"  # worker/registration.py writes these keys
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ node (same boot id) it maps the cache and copies with one batched launch per chu
 (`cuda_ipc`); from another node it puts over UCX (RDMA where the fabric has it).
 Fencing, leases and metrics are the receiver's, whichever path a sender takes.
 
-Workers use it for `--transport auto` with CUDA caches (decode/cli.py).
+Workers use it for `--transport auto` with CUDA caches (worker/cli.py).
 """
 
 from __future__ import annotations

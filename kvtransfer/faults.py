@@ -1,5 +1,5 @@
 """Seeded fault injection for tests and chaos runs: on the kvtransfer wire (the tcp
-sender's WRITE frames) and on worker RPCs (decode/faults.py), off by default.
+sender's WRITE frames) and on worker RPCs (worker/faults.py), off by default.
 
 A worker started with `SPLITSERVE_FAULTS` (or `--faults`) set injects faults. The spec
 is comma-separated `name=value` items:

@@ -64,7 +64,7 @@ class IndexUnavailable(KVTransferError):
 
 
 class CacheIndex(Protocol):
-    """What a node's caches program against (decode/kv_events.KVEventPublisher)."""
+    """What a node's caches program against (worker/kv_events.py KVEventPublisher)."""
 
     def publish(self, stored: Sequence[TierEntry], removed: Sequence[TierEntry]) -> None:
         """Queues this node's stores and evictions (non-blocking; sent in batches)."""

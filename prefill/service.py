@@ -18,11 +18,10 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from decode.service import WorkerService, request_id_from
 from engine.async_llm import AsyncLLM
 from engine.llm_engine import RequestError
 from engine.outputs import RequestOutput
@@ -33,7 +32,10 @@ from kvtransfer.pusher import KVPusher
 from kvtransfer.sender import Peer
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from protos.convert import logprobs_to_proto, sampling_from_proto
+from protos.convert import logprobs_to_proto, request_id_from, sampling_from_proto
+
+if TYPE_CHECKING:
+    from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 

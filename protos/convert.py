@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.sampling_params import SamplingParams, StructuredOutput
 from protos import splitserve_pb2 as pb
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
@@ -87,3 +92,11 @@ def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
     if kind == "json_object":
         return StructuredOutput("json_object")
     return StructuredOutput(kind, getattr(msg, kind))
+
+
+def request_id_from(context: grpc.aio.ServicerContext, fallback: str) -> str:
+    """The caller's x-request-id metadata, else `fallback`."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and value:
+            return str(value)
+    return fallback

@@ -1,7 +1,7 @@
 """The simulated cluster: a gateway (the real Router and Locality over the in-process
 index) in front of simulated workers, on one event clock.
 
-A request's path is the serving path's (gateway/core.py, decode/service.py,
+A request's path is the serving path's (gateway/core.py, worker/service.py,
 decode/remote.py, prefill/service.py):
 
     arrive -> gateway: block hashes, index lookup (Locality), Router.route
@@ -227,7 +227,7 @@ class Simulator:
         self.results[flight.index] = RequestResult(
             ok=False, prompt_len=s.prompt_len, start_s=s.arrival_s, error=error, tag=s.tag)
 
-    # -- the decode worker's Generate (decode/service.py, decode/remote.py) -----------------
+    # -- the decode worker's Generate (worker/service.py, decode/remote.py) -----------------
     def _on_decode(self, flight: Flight) -> None:
         d = flight.decision
         if d is None:  # routed in the gateway's process (sim/split.py)

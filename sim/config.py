@@ -18,7 +18,7 @@ class ClusterConfig:
     host_blocks: int = 0
     disk_blocks: int = 0
     routing: RoutingProfile = field(default_factory=RoutingProfile)
-    report_interval_s: float = 0.1  # decode/config.py load_interval_ms
+    report_interval_s: float = 0.1  # worker/config.py load_interval_ms
     # The gateway's limit (429 beyond): 0 its default (gateway.config.in_flight_limit:
     # grows with the decode/colocated workers), -1 none.
     max_in_flight: int = 0

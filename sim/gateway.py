@@ -6,7 +6,7 @@ in flight on its worker until it completes.
 
 The registry's view: each worker's last load report, this gateway's in-flight counts at
 once, as in the gateway (gateway/registry.py). A worker reports when its Load stream's
-loop does (decode/service.py, `Load`, with I = `report_interval_s`, decode/config.py
+loop does (worker/service.py, `Load`, with I = `report_interval_s`, worker/config.py
 load_interval_ms): after a report it waits for a request to start or end on it, or I at
 most, then sleeps I/4 and reports what it holds then. So a report follows a request's
 start or end by I/4 (the gateway sees the worker still running a request that ended up
@@ -74,7 +74,7 @@ class SimGateway:
         # (the simulator adds them; a report drops those with none ahead any more): the
         # only ones whose free blocks in a report differ from their pool's count now
         self.windows: set[SimWorker] = set()
-        # Each worker's Load loop (decode/service.py): after a report it waits up to I for
+        # Each worker's Load loop (worker/service.py): after a report it waits up to I for
         # a request to start or end, then sleeps I/4 and reports. `_last`: its last
         # report; `_due`: its next; `_woken`: a start or end set `_due` (not the timeout).
         # The loops' phases are spread over a period, as workers started apart.
@@ -155,7 +155,7 @@ class SimGateway:
         self._woken[rows] = False
 
     def _report(self, now: float) -> CandidateSet:
-        """Every worker's load report (decode/service.py's LoadReport) at `now`."""
+        """Every worker's load report (worker/service.py's LoadReport) at `now`."""
         n = len(self._workers)
         counts = list(map(_FREE, self._pools))
         done = []

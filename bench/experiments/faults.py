@@ -1,5 +1,5 @@
 """`faults`: one disaggregated cluster per fault kind that kvtransfer/faults.py and
-decode/faults.py inject, the same greedy requests through each, against a fault-free
+worker/faults.py inject, the same greedy requests through each, against a fault-free
 run.
 
 Cluster: one prefill and one decode worker (tcp transport, per-block checksums, a 2 s

@@ -262,7 +262,7 @@ class TieredCache:
             log.warning("index publish failed: %s", e)
 
     def attach_publisher(self, publisher: Any) -> None:
-        """Wires the index publisher (decode/kv_events.KVEventPublisher): our stores and
+        """Wires the index publisher (worker/kv_events.py KVEventPublisher): our stores and
         evictions go to its `publish`, and each tier becomes a snapshot source for its
         resyncs. Call before `publisher.start()` or expect a resync."""
         for tier in self.tiers:

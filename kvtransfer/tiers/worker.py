@@ -1,4 +1,4 @@
-"""How a worker process opens its offload tiers (decode/server.py calls this)."""
+"""How a worker process opens its offload tiers (worker/server.py calls this)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def open_tiers(config: TierConfig | None, engine_config: EngineConfig,
 
 def attach_index(tiers: TieredCache, publisher: Any,
                  sparing: SparingConfig | None = None) -> SoleCopyView:
-    """Wires the worker's block-index publisher (decode/kv_events.KVEventPublisher) into
+    """Wires the worker's block-index publisher (worker/kv_events.py KVEventPublisher) into
     `tiers`: their stores, evictions and resyncs go to the index, and eviction spares
     blocks the index says no other node holds (a view refreshed on the running loop).
     The caller `close()`s the returned view before closing the publisher."""

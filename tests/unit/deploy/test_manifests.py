@@ -26,7 +26,7 @@ from tests.unit.deploy.k8s_schema import (
     validate,
 )
 
-KV_LEASE_DEFAULT_S = 30.0  # decode/cli.py --kv-lease default (vLLM's 30 s)
+KV_LEASE_DEFAULT_S = 30.0  # worker/cli.py --kv-lease default (vLLM's 30 s)
 
 
 def overlay(name: str) -> list[dict[str, Any]]:
@@ -225,7 +225,7 @@ def test_prefill_and_decode_autoscale_separately_on_their_own_metrics(name: str)
         assert ("kv_cache_usage_perc" in text) == (role == "decode")
         for t in s["spec"].get("triggers", []):
             assert f'pod=~"splitserve-{role}-.*"' in t["metadata"]["query"]
-    metrics_src = open(os.path.join(os.path.dirname(DEPLOY), "decode", "metrics.py")).read()
+    metrics_src = open(os.path.join(os.path.dirname(DEPLOY), "worker", "metrics.py")).read()
     for metric in ("vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert f'"{metric}"' in metrics_src  # the workers export what we scale on
 

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import pytest
 import redis
 
-from decode.kv_events import KVEventPublisher, PublisherConfig
 from engine.block_hash import BlockHash, hash_blocks, make_extra_key
 from engine.block_pool import BlockRemoved, BlockStored
 from kvtransfer.index import IndexConfig, IndexUnavailable, RedisBlockIndex
 from tests.redis_server import RedisServer, running_redis
+from worker.kv_events import KVEventPublisher, PublisherConfig
 
 MODEL = "tiny"
 BS = 4

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from decode.kv_events import KVEventPublisher
 from kvtransfer.index import IndexConfig, RedisBlockIndex
 from kvtransfer.tiers import TierConfig
 from kvtransfer.tiers.manager import TieredCache
@@ -23,6 +22,7 @@ from kvtransfer.tiers.sparing import (
 )
 from tests.redis_server import RedisServer
 from tests.unit.kvtransfer.test_tiers import LAYOUT, make_blocks
+from worker.kv_events import KVEventPublisher
 
 MODEL = "tiny"
 

@@ -1,5 +1,5 @@
 """The simulated gateway sees a worker's load when the worker's real Load stream would
-report it (decode/service.py `WorkerService.Load`): the same requests starting at the
+report it (worker/service.py `WorkerService.Load`): the same requests starting at the
 same times, the real loop on asyncio's clock, the simulator's on its own. A request
 that starts or ends wakes the loop, which reports I/4 later, or at its tick when it was
 already sleeping towards one; starts close together go out in one report."""
@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from decode.config import WorkerConfig
-from decode.metrics import WorkerMetrics
-from decode.service import WorkerService
 from engine.request import RequestStatus
 from protos import splitserve_pb2 as pb
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.profile import load_profile
 from sim.request import make_request
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
+from worker.service import WorkerService
 
 INTERVAL_S = 0.8  # I: a report I/4 = 0.2 s after a start, ticks every 1.0 s
 # Request starts, seconds after the stream's first report (at 0): woken while waiting
@@ -117,7 +117,7 @@ def test_reports_read_every_worker_at_once_without_an_interval() -> None:
 @pytest.mark.parametrize("interval", [0.1, 0.4])
 def test_a_request_that_ended_counts_on_its_worker_until_the_report_after_it(
         interval: float) -> None:
-    """The stale view the real gateway routes on (decode/service.py): a request that
+    """The stale view the real gateway routes on (worker/service.py): a request that
     ended I/4 ago or less still counts on its worker; by the report, it does not."""
     sim = Simulator(ClusterConfig(colocated=1, report_interval_s=interval),
                     load_profile("cpu"))

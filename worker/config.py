@@ -1,4 +1,4 @@
-"""The worker's configuration (one frozen dataclass, built by decode/cli.py)."""
+"""The worker's configuration (one frozen dataclass, built by worker/cli.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class WorkerConfig:
     prefill_timeout_s: float = 30.0  # decode: deadline of one Prefill call
     # The cluster credential on its RPCs, served and made (protos/auth.py); mTLS.
     security: RpcSecurity = field(default_factory=RpcSecurity)
-    faults: FaultSpec | None = None  # testing: seeded faults on its RPCs (decode/faults.py)
+    faults: FaultSpec | None = None  # testing: seeded faults on its RPCs (worker/faults.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,6 +1,6 @@
 """`splitserve.v1.Worker` on one AsyncLLM: Generate (stream), Load (stream), Info.
 
-Ownership: the service borrows the AsyncLLM (decode/server.py owns and shuts it down).
+Ownership: the service borrows the AsyncLLM (worker/server.py owns and shuts it down).
 Each Generate call owns its engine request: when the call ends early (client cancel,
 deadline, drain) the engine stream is closed, which aborts the request and frees its
 blocks.
@@ -24,29 +24,21 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from decode.config import WorkerConfig
-from decode.metrics import WorkerMetrics
 from engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill, RemoteResult
 from engine.llm_engine import RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from protos.convert import logprobs_to_proto, sampling_from_proto
+from protos.convert import logprobs_to_proto, request_id_from, sampling_from_proto
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from decode.kv_source import KVSource
     from decode.remote import RemotePrefiller
+    from worker.kv_source import KVSource
 
 log = logging.getLogger(__name__)
-
-
-def request_id_from(context: grpc.aio.ServicerContext, fallback: str) -> str:
-    """The caller's x-request-id metadata, else `fallback`."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "x-request-id" and value:
-            return str(value)
-    return fallback
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -57,7 +49,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
         self.draining = False
         self.stopping = False  # set just before the server stops: Load streams end
-        # Set by decode/server.py before readiness on a decode worker: the receiver
+        # Set by worker/server.py before readiness on a decode worker: the receiver
         # prefill peers write into, and its address (Info and registration report it).
         self.prefiller: RemotePrefiller | None = None
         self.kv_source: KVSource | None = None  # serves FetchKV (workers with a transport)

@@ -28,14 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
-from decode.config import WorkerConfig
-from decode.kv_events import start_kv_publisher
-from decode.kv_source import KVSource
-from decode.metrics import WorkerMetrics
-from decode.registration import RedisRegistrar
 from decode.remote import RemotePrefillConfig, RemotePrefiller
-from decode.service import WorkerService
-from decode.strategies import StrategyWatcher
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import num_kv_blocks
@@ -47,6 +40,13 @@ from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
 from kvtransfer.tiers.worker import attach_index, open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig
+from worker.kv_events import start_kv_publisher
+from worker.kv_source import KVSource
+from worker.metrics import WorkerMetrics
+from worker.registration import RedisRegistrar
+from worker.service import WorkerService
+from worker.strategies import StrategyWatcher
 
 if TYPE_CHECKING:
     import torch
@@ -175,10 +175,10 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
     # Every RPC but health needs the cluster credential (protos/auth.py); then, when
-    # testing, injected faults (decode/faults.py).
+    # testing, injected faults (worker/faults.py).
     interceptors = config.security.interceptors(metrics.registry)
     if config.faults is not None:
-        from decode.faults import RpcFaults
+        from worker.faults import RpcFaults
 
         log.warning("fault injection on: %s", config.faults)
         interceptors.append(RpcFaults(config.faults, metrics.registry))

@@ -152,9 +152,9 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from decode.config import WorkerConfig
-    from decode.server import serve, with_model_id
     from engine.cli import engine_config_from_args
+    from worker.config import WorkerConfig
+    from worker.server import serve, with_model_id
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.role}-{uuid.uuid4().hex[:6]}"
     logging.basicConfig(

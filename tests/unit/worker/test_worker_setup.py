@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from decode import cli
-from decode.server import advertised, check_device_transport
 from engine.llm import make_engine_config
 from tests.factories import tiny_model_dir
 from tests.integration.kvtransfer_util import fast_config
+from worker import cli
+from worker.server import advertised, check_device_transport
 
 
 def test_a_transport_that_cannot_serve_the_cache_is_refused_at_start() -> None:
