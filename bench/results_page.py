@@ -340,7 +340,7 @@ def render(results_dir: str) -> str:
                   "report into `docs/results/`.", ""]
         for path in sim:
             # (a simulator report's summary holds its answers; its phases are in the JSON)
-            lines += _section(_load(path) or {}, path, _sim_command, phases=False)
+            lines += _section(_load(path) or {}, path, _sim_command, with_phases=False)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -370,7 +370,7 @@ def _sim_command(data: dict[str, Any]) -> str:
 
 
 def _section(data: dict[str, Any], path: str, command: Callable[[dict[str, Any]], str],
-             phases: bool = True) -> list[str]:
+             with_phases: bool = True) -> list[str]:
     rel = "results"
     lines = [f"### {data['title']} (`{data['name']}`)", "",
              f"Measured {_date(data, path)} on {_cpu_machine(data)}. Reproduce:", "",
@@ -381,7 +381,7 @@ def _section(data: dict[str, Any], path: str, command: Callable[[dict[str, Any]]
     lines.append("")
     for table in data.get("tables", []):
         lines += [*table, ""]
-    if phases and data.get("phases"):
+    if with_phases and data.get("phases"):
         # the JSON's phases carry what the table reads (name, load, summary)
         phases = cast(list[Phase], [SimpleNamespace(**p) for p in data["phases"]])
         lines += [*phase_table(phases), ""]
