@@ -181,14 +181,17 @@ def _row_transports_gpu(r: str) -> Row | None:
             _date(data, path))
 
 
-def _simval(data: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """metric -> (real, simulated), with the serving overheads measured on the GPU (the
-    report's last block)."""
-    out: dict[str, tuple[float, float]] = {}
+def _simval(data: dict[str, Any]) -> dict[str, tuple[float, float, str]]:
+    """metric -> (real, simulated, the error as the report states it), with the serving
+    overheads measured on the GPU (the report's last block)."""
+    out: dict[str, tuple[float, float, str]] = {}
     for line in data.get("report", []):
-        m = re.match(r"\s*(\w+): real ([\d.]+) ms, simulated ([\d.]+) ms", line)
+        hit = re.match(r"\s*hit rate: real ([\d.]+), simulated ([\d.]+) \(([-+\d.]+ points)", line)
+        if hit:
+            out["hit rate"] = (float(hit.group(1)), float(hit.group(2)), hit.group(3))
+        m = re.match(r"\s*(\w+): real ([\d.]+) ms, simulated ([\d.]+) ms \(([-+\d.]+%)", line)
         if m:
-            out[m.group(1)] = (float(m.group(2)), float(m.group(3)))
+            out[m.group(1)] = (float(m.group(2)), float(m.group(3)), m.group(4))
     return out
 
 
@@ -197,7 +200,7 @@ def _row_simval(r: str) -> Row | None:
     data = _load(path)
     if not data or "ttft_p50" not in _simval(data):
         return None
-    real, sim = _simval(data)["ttft_p50"]
+    real, sim, _ = _simval(data)["ttft_p50"]
     return ("simulator vs a real GPU worker (`tests/gpu/test_sim_validation_gpu.py`, 80 "
             "Mooncake requests)", f"simulated TTFT p50 {sim:.1f} ms",
             f"measured on the GPU: {real:.1f} ms", f"{sim / real:.2f}x",
@@ -479,11 +482,13 @@ def _gpu_transports(r: str) -> list[str]:
              "--device cuda`)", "", "```bash",
              "splitserve bench experiment transports --device cuda --json transports.json",
              "```", "", _machines(runs) + ".", "",
-             "| GPU | figure | value |", "|---|---|---|"]
-    for dev, _, data in runs:
-        for k, v in data["summary"].items():
-            lines.append(f"| {dev.upper()} | `{k}` | {v:.4g} |" if isinstance(v, float)
-                         else f"| {dev.upper()} | `{k}` | {v} |")
+             "| figure | " + " | ".join(dev.upper() for dev, _, _ in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for k in runs[0][2]["summary"]:
+        values = [d["summary"].get(k) for _, _, d in runs]
+        lines.append(f"| `{k}` | " + " | ".join(
+            "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+            for v in values) + " |")
     notes = runs[0][2].get("notes", [])
     lines += ["", *[f"- {_clean(n)}" for n in notes],
               "- With dummy weights most sampled tokens have no text in the embedded "
@@ -505,9 +510,10 @@ def _gpu_simval(r: str) -> list[str]:
              "run (`tests/unit/sim/test_gpu_replays.py`). " + _machines(runs) + ".", "",
              "| GPU | metric | measured | simulated | error |", "|---|---|---|---|---|"]
     for dev, _, data in runs:
-        for metric, (real, sim) in _simval(data).items():
-            lines.append(f"| {dev.upper()} | {metric} | {real:.2f} ms | {sim:.2f} ms | "
-                         f"{(sim - real) / real:+.1%} |")
+        for metric, (real, sim, error) in _simval(data).items():
+            unit = "" if metric == "hit rate" else " ms"
+            lines.append(f"| {dev.upper()} | {metric} | {real:.3g}{unit} | {sim:.3g}{unit} | "
+                         f"{error} |")
     return lines + [""]
 
 
