@@ -339,7 +339,7 @@ def render(results_dir: str) -> str:
     if sim:
         lines += ["## The simulator at cluster scale", "",
                   "`splitserve sim experiment NAME` replays the Mooncake conversation trace "
-                  "on simulated GPUs (docs/simulator.md); the commands below reproduce each "
+                  "on simulated GPUs ([simulator.md](simulator.md)); the commands below reproduce each "
                   "report into `docs/results/`.", ""]
         for path in sim:
             # (a simulator report's summary holds its answers; its phases are in the JSON)
