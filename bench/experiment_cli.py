@@ -1,6 +1,6 @@
 """`splitserve bench experiment NAME`: start the configurations an experiment compares
 (bench/experiments/), measure them in one run, write one report (JSON, Markdown, PNG);
-`--publish` also copies it under docs/results/ and regenerates docs/results.md."""
+`--publish` also copies it under docs/results/ and regenerates docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="bench-results")
     p.add_argument("--json", default=None, help="also write the JSON report here")
     p.add_argument("--publish", action="store_true",
-                   help="copy the report into docs/results/ and regenerate docs/results.md")
+                   help="copy the report into docs/results/ and regenerate docs/benchmarks.md")
     p.add_argument("--transports", default=None,
                    help="transports experiment (default: ucx,tcp,shm; cuda_ipc,ucx on cuda)")
     p.add_argument("--profiles", default="", help="routing experiment: extra profile YAMLs")

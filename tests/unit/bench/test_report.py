@@ -1,5 +1,5 @@
 """Reports from hand-built phases: JSON, Markdown with the phase table, PNG plots (a
-rate plot only when there are two rates), and the results page."""
+rate plot only when there are two rates), and the benchmarks page."""
 
 from __future__ import annotations
 
@@ -36,15 +36,16 @@ def test_report_files(tmp_path: Path) -> None:
     md = Path(paths["markdown"]).read_text()
     assert "| slow | poisson 1.0 req/s | 10/11 |" in md
     assert "![demo-rate](demo-rate.png)" in md and "Per workload class in `fast`" in md
-    # a hand-written section (`<name>.page.md`) survives publishing, in name order
-    (tmp_path / "docs" / "results").mkdir(parents=True)
-    (tmp_path / "docs" / "results" / "dem.page.md").write_text("## Notes by hand\n\nkept\n")
-    page = Path(publish(report, paths, docs_dir=str(tmp_path / "docs"))).read_text()
-    assert "## Demo report (`demo`)" in page and "| `ttft_p50` | 0.15 |" in page
+    # publishing copies the JSON and plots and renders the page from the JSON alone
+    page_path = publish(report, paths, docs_dir=str(tmp_path / "docs"))
+    assert page_path == str(tmp_path / "docs" / "benchmarks.md")
+    page = Path(page_path).read_text()
+    assert "### Demo report (`demo`)" in page and "| `ttft_p50` | 0.15 |" in page
+    assert "splitserve bench experiment demo --publish" in page  # how to reproduce it
     assert "| slow | poisson 1.0 req/s | 10/11 |" in page  # the phase table
-    assert page.index("## Notes by hand\n\nkept") < page.index("## Demo report")
+    assert (tmp_path / "docs" / "results" / "demo.json").is_file()
     assert (tmp_path / "docs" / "results" / "demo-rate.png").is_file()
-
+    assert not list((tmp_path / "docs" / "results").glob("*.md"))
 
 def test_one_rate_makes_no_rate_plot(tmp_path: Path) -> None:
     paths = write_report(Report("one", "One", [phase("p", 1.0, 0.1)]), str(tmp_path))
