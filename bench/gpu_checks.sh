@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session with a GPU machine runs first (../shared/GPU.md): the GPU tests, the
+# What to run first on a GPU machine: the GPU tests, the
 # engine on a Llama-3-8B shape (our steps recorded for `sim calibrate --engine-json`,
 # then transformers beside us), and the KV hand-off between two processes on the GPU.
 # Every step has its own time limit and its whole log under $OUT, so one that hangs or

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fills .whl/ (git-ignored through .git/info/exclude) with what the GPU machine lacks for
 # bench/gpu_checks.sh: its image has torch, triton, transformers, numpy, aiohttp, pytest
-# and grpcio 1.84 (../shared/GPU.md); every test in tests/gpu needs these besides. Run here,
+# and grpcio 1.84; every test in tests/gpu needs these besides. Run here,
 # in the repository root, before a device session; then `run` with carry [".whl"].
 # (~47 MB: libucx is stripped of its static libraries and perftests to fit the 64 MiB.)
 set -euo pipefail

@@ -1,6 +1,6 @@
 """The `splitserve` command line: one entry point, subcommands loaded lazily.
 
-Environment variables are read here and only here (STYLE.md); everything below
+Environment variables are read here and only here; everything below
 receives plain config objects. Each subcommand lives in the package that owns it and
 exposes `add_arguments(parser)` and `run(args) -> int`; importing a subcommand is
 deferred so `splitserve --help` does not import torch.

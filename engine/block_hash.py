@@ -1,5 +1,5 @@
 """Block hashes: the one definition used by the prefix cache, the offload tiers, the
-Redis index and the gateway's router (DESIGN.md, "Block hashes").
+Redis index and the gateway's router (docs/architecture.md).
 
 A full block's hash is ``blake2b(digest_size=16)`` over
 ``parent_hash || extra_key || token_ids as little-endian int32``; the first block's

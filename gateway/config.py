@@ -10,7 +10,8 @@ from protos.auth import RpcSecurity
 
 MIN_IN_FLIGHT = 256  # the automatic in-flight limit of a small cluster
 # Per serving worker: a fixed 256 turned away 20-34 % of requests on 64 simulated GPUs at
-# 1 req/s each (docs/results.md, sim-routing-64gpu); 32 per GPU turned none away.
+# 1 req/s each (`splitserve sim experiment routing`, docs/simulator.md); 32 per GPU turned
+# none away.
 IN_FLIGHT_PER_WORKER = 32
 
 

@@ -1,5 +1,5 @@
-"""The Redis block index: which node holds which KV block, in which tier (DESIGN.md,
-"Tiered offload cache and the Redis index"). Imports no torch: the gateway uses it.
+"""The Redis block index: which node holds which KV block, in which tier (docs/architecture.md,
+"Tiers and the index"). Imports no torch: the gateway uses it.
 
 Keys, per served model:
 

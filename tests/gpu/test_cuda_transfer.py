@@ -39,7 +39,7 @@ from tests.integration.test_kvtransfer_transports import N_XFERS, SRC_BLOCKS, ma
 
 pytestmark = pytest.mark.gpu
 _NO_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
-                              reason="ucxx not installed (../shared/GPU.md: carry the wheels)")
+                              reason="ucxx not installed (bench/gpu_wheels.sh: carry the wheels)")
 CUDA_TRANSPORTS = ["cuda_ipc", pytest.param("ucx", marks=_NO_UCXX),
                    pytest.param("auto", marks=_NO_UCXX)]
 TWO_WRITES = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9]]],

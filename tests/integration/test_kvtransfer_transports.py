@@ -156,7 +156,7 @@ def test_wrong_token_and_layout_are_refused(transport: str, no_leaks: None) -> N
 def test_close_lets_go_of_the_cache(transport: str, no_leaks: None) -> None:
     """What still refers to a closed receiver or sender (here the traceback of a failed
     transfer and the objects themselves) does not keep the engine's KV tensor alive: on
-    the GPU such references held a closed receiver's cache (README, tests/gpu).
+    the GPU such references held a closed receiver's cache (tests/gpu).
     (shm's cache is the transport's own shared memory, freed by close.)"""
     from kvtransfer import TransferCancelled
 

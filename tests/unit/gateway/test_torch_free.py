@@ -1,4 +1,4 @@
-"""The gateway must not import torch (DESIGN.md): checked in a fresh interpreter."""
+"""The gateway must not import torch (docs/architecture.md, import direction): checked in a fresh interpreter."""
 
 from __future__ import annotations
 
