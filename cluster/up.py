@@ -27,13 +27,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=None, help="decode workers")
     p.add_argument("--colocated", type=int, default=None, help="colocated workers")
     p.add_argument("--transport", choices=["ucx", "tcp", "shm", "cuda_ipc", "auto"],
-                   default=None, help="KV transfer (splitserve worker --help); cuda_ipc and "
-                   "auto want --device cuda in worker_args")
+                   default=None, help="KV transfer (splitserve worker --help); cuda_ipc wants "
+                   "workers on CUDA")
     p.add_argument("--http-port", type=int, default=None, help="default 8000")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
     p.add_argument("--config", default=None, help="YAML with the same keys as the flags, "
                    "plus worker_args / gateway_args lists")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    p.add_argument("--device", default=None,
+                   help="every worker's device (default auto: cuda when a GPU is visible)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="every worker's dtype (default auto: the model's own on CUDA, "
+                   "float32 on CPU)")
     p.add_argument("--demo-request", action="store_true",
                    help="send one request through the HTTP endpoint once ready")
     p.add_argument("--restart-backoff", type=float, default=None,
@@ -70,7 +75,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(conf, dict):
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
-                "grpc_port", "num_blocks", *RESTART_KEYS):
+                "grpc_port", "num_blocks", "device", "dtype", *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
     return conf
@@ -86,8 +91,9 @@ def build_spec(args: argparse.Namespace) -> Any:
     decode = int(s.get("decode", 1 if disagg_default else 0))
     colocated = int(s.get("colocated", 0 if (disagg_default or decode) else 1))
     worker_args = [str(a) for a in s.get("worker_args", [])]
-    if s.get("num_blocks"):
-        worker_args += ["--num-blocks", str(s["num_blocks"])]
+    for key in ("num_blocks", "device", "dtype"):  # after worker_args: the flags win
+        if s.get(key):
+            worker_args += [f"--{key.replace('_', '-')}", str(s[key])]
     return ClusterSpec(
         model_dir=resolve_model(s.get("model")), num_prefill=prefill, num_decode=decode,
         num_colocated=colocated, transport=str(s.get("transport", "tcp")),

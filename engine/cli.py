@@ -8,6 +8,7 @@ import sys
 import time
 
 from engine.config import (
+    DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -59,8 +60,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: *.safetensors from the model directory; dummy: random weights "
                         "generated on the device from config.json alone (default: auto, "
                         "dummy with --model-shape)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto: the model's own (config.json's torch_dtype) on CUDA, float32 "
+                        "on CPU")
+    p.add_argument("--device", default="auto",
+                   help="auto: cuda when a GPU is visible, else cpu; or cpu, cuda, cuda:N")
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
     p.add_argument("--enforce-eager", action="store_true",
@@ -126,7 +130,20 @@ def resolve_model_and_format(args: argparse.Namespace) -> tuple[str, str]:
     return model_shape_dir(shape), "dummy"
 
 
+def resolve_device_and_dtype(args: argparse.Namespace) -> None:
+    """Turns `--device auto` / `--dtype auto` into what they mean here, in `args` itself,
+    so every later reader (the worker's transport choice) sees the device in use. On CPU
+    auto is float32: the reference arithmetic, and CPUs run half-precision matmuls slowly."""
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = None if args.device.startswith("cuda") else "float32"
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    resolve_device_and_dtype(args)
     model_dir, load_format = resolve_model_and_format(args)
     return EngineConfig(
         model_dir=model_dir, dtype=args.dtype, device=args.device,

@@ -44,3 +44,14 @@ def test_spec_errors() -> None:
         ClusterSpec(model_dir="m", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="decode worker"):
         ClusterSpec(model_dir="m", num_prefill=1, num_decode=0, num_colocated=1)
+
+
+def test_device_and_dtype_reach_every_worker(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("worker_args: ['--device', 'cuda:1', '--max-num-seqs', '8']\n")
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--config", str(cfg),
+                               "--device", "cpu", "--dtype", "bfloat16"))
+    # the flags come after worker_args, so they win (argparse keeps the last)
+    assert spec.worker_args == ("--device", "cuda:1", "--max-num-seqs", "8",
+                                "--device", "cpu", "--dtype", "bfloat16")
+    assert "--device" not in up.build_spec(_args("--model", tiny_model_dir("llama"))).worker_args

@@ -149,3 +149,19 @@ def test_parse_bytes():
     for bad in ("lots", "-1GiB", "4XB"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_bytes(bad)
+
+
+def test_device_and_dtype_auto(monkeypatch):
+    """auto: cuda when visible (the model's own dtype there), else cpu in float32."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = engine_config_from_args(parse("--model-shape", "llama3-8b"))
+    assert (cfg.device, cfg.dtype) == ("cpu", "float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = engine_config_from_args(parse("--model-shape", "llama3-8b"))
+    assert (cfg.device, cfg.dtype) == ("cuda", None)  # None: config.json's bfloat16
+    cfg = engine_config_from_args(parse("--model-shape", "llama3-8b", "--dtype", "float16"))
+    assert (cfg.device, cfg.dtype) == ("cuda", "float16")
+    cfg = engine_config_from_args(parse("--model", "/m", "--device", "cpu", "--dtype", "auto"))
+    assert (cfg.device, cfg.dtype) == ("cpu", "float32")
