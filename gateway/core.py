@@ -73,6 +73,8 @@ class Gateway:
         self.slots = WorkerSlots(registry, config.max_waiting_per_worker, config.kv_headroom)
         self.admission = AdmissionQueue(self.slots, config.admission_queue_size,
                                         fair=config.admission_order == "vtc", metrics=metrics)
+        metrics.watch_pool(config.served_model_name, registry.candidates,
+                           self.admission.waiting)
         self.strategies = StrategyStore(config.redis_url, config.served_model_name,
                                         config.redis_timeout_s, config.strategies_poll_s,
                                         self._apply_strategies)

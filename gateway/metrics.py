@@ -1,8 +1,49 @@
-"""The gateway's Prometheus metrics (own CollectorRegistry; `splitserve:` names)."""
+"""The gateway's Prometheus metrics (own CollectorRegistry; `splitserve:` names), and the
+pool-level load series an endpoint picker scores a gateway pod on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.routing.base import Candidate
+
+SERVING_ROLES = ("decode", "colocated")  # where a request's KV lives while it decodes
+
+
+class PoolLoad(Collector):
+    """`vllm:num_requests_waiting`, `vllm:num_requests_running` and
+    `vllm:kv_cache_usage_perc` of the pool this gateway routes to, read at scrape time:
+    the Gateway API Inference Extension's endpoint picker scores the pool's members (the
+    gateway pods) on these. Waiting counts this gateway's admission queue too. They are
+    the workers' own figures summed, so a sum over pods must select gateway pods or
+    worker pods, not both."""
+
+    def __init__(self, model: str, candidates: Callable[[], Sequence[Candidate]],
+                 admission_waiting: Callable[[], int]) -> None:
+        self._model = model
+        self._candidates = candidates
+        self._admission_waiting = admission_waiting
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._candidates()
+        serving = [c for c in workers if c.role in SERVING_ROLES]
+        blocks = sum(c.num_blocks for c in serving)
+        used = sum(c.num_blocks - c.num_free_blocks for c in serving)
+        for name, doc, value in (
+                ("vllm:num_requests_waiting", "Requests waiting: this gateway's admission "
+                 "queue and its workers' queues", self._admission_waiting()
+                 + sum(c.num_waiting for c in workers)),
+                ("vllm:num_requests_running", "Requests running on this gateway's workers",
+                 sum(c.num_running for c in workers)),
+                ("vllm:kv_cache_usage_perc", "KV blocks in use over the decode and "
+                 "colocated workers' pools (0-1)", used / blocks if blocks else 0.0)):
+            fam = GaugeMetricFamily(name, doc, labels=["model_name"])
+            fam.add_metric([self._model], float(value))
+            yield fam
 
 
 class GatewayMetrics:
@@ -66,3 +107,8 @@ class GatewayMetrics:
         self.strategies_version = Gauge("splitserve:scheduling_strategies_version",
                                         "Version of the scheduling strategies in force",
                                         registry=r)
+
+    def watch_pool(self, model: str, candidates: Callable[[], Sequence[Candidate]],
+                   admission_waiting: Callable[[], int]) -> None:
+        """Exports the pool's load (PoolLoad) from the registry's candidates."""
+        self.registry.register(PoolLoad(model, candidates, admission_waiting))

@@ -89,6 +89,9 @@ def test_endpoints_health_models_metrics(cluster, model) -> None:
     assert payload["data"][0]["max_model_len"] == MAX_MODEL_LEN
     got, text, _ = call_http(cluster.http_port, "GET", "/metrics")
     assert got == 200 and "splitserve:gateway_requests_total" in text
+    for pool_series in ("vllm:num_requests_waiting", "vllm:num_requests_running",
+                        "vllm:kv_cache_usage_perc"):  # what an endpoint picker scores
+        assert f'{pool_series}{{model_name="{model}"}}' in text, pool_series
     for w in workers(cluster):
         port = int(w.extra["metrics_port"])
         assert metric(port, "vllm:num_requests_running") == 0

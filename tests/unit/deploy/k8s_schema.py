@@ -96,6 +96,19 @@ def validate(obj: dict[str, Any], version: str) -> None:
         return
     registry = Registry().with_resource(DEFS_ID, Resource.from_contents(_definitions(version)))
     jsonschema.Draft202012Validator(schema, registry=registry).validate(obj)
+    if key == ("inference.networking.k8s.io/v1", "InferencePool"):
+        _inference_pool_rules(obj["spec"])
+
+
+def _inference_pool_rules(spec: dict[str, Any]) -> None:
+    """The CRD's two CEL rules (x-kubernetes-validations), which JSON schema cannot say."""
+    ref = spec.get("endpointPickerRef")
+    if ref is not None and ref.get("kind", "Service") == "Service" and "port" not in ref:
+        raise jsonschema.ValidationError("endpointPickerRef: port is required when kind is "
+                                         "'Service' or unspecified (defaults to 'Service')")
+    numbers = [p["number"] for p in spec["targetPorts"]]
+    if len(numbers) != len(set(numbers)):
+        raise jsonschema.ValidationError("targetPorts: port number must be unique")
 
 
 def load_docs(path: str) -> list[dict[str, Any]]:

@@ -101,7 +101,9 @@ def _broken(objs: list[dict[str, Any]], kind: str, mutate) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("case", ["core-typo", "probe-service-type", "lws-pod-typo",
-                                  "scaledobject-no-triggers", "pool-two-ports", "crd-unknown"])
+                                  "scaledobject-no-triggers", "pool-duplicate-port",
+                                  "pool-unreleased-picker", "pool-picker-without-port",
+                                  "crd-unknown"])
 def test_validation_rejects_broken_objects(case: str) -> None:
     """The validators can fail: one broken field per kind is caught."""
     objs = overlay("cuda-lws")
@@ -114,8 +116,13 @@ def test_validation_rejects_broken_objects(case: str) -> None:
         "lws-pod-typo": ("LeaderWorkerSet", lambda o: o["spec"]["leaderWorkerTemplate"]
                          ["workerTemplate"]["spec"].__setitem__("containerz", [])),
         "scaledobject-no-triggers": ("ScaledObject", lambda o: o["spec"].pop("triggers")),
-        "pool-two-ports": ("InferencePool", lambda o: o["spec"]["targetPorts"]
-                           .append({"number": 8001})),
+        "pool-duplicate-port": ("InferencePool", lambda o: o["spec"]["targetPorts"]
+                                .append({"number": 8000})),
+        # the spelling of an unreleased GIE commit, which no release's CRD accepts
+        "pool-unreleased-picker": ("InferencePool", lambda o: o["spec"].__setitem__(
+            "extensionRef", {"name": "epp", "portNumber": 9002})),
+        "pool-picker-without-port": ("InferencePool", lambda o: o["spec"]
+                                     ["endpointPickerRef"].pop("port")),
         "crd-unknown": ("ScaledObject", lambda o: o["spec"].__setitem__("maxReplicas", 3)),
     }
     kind, mutate = breakers[case]
