@@ -274,3 +274,23 @@ def test_routing_configmap_is_the_example_profile(tmp_path) -> None:
     path.write_text(cm)
     assert RoutingProfile.from_yaml(str(path)) == RoutingProfile.from_yaml(
         os.path.join(DEPLOY, "routing.example.yaml"))
+
+
+def test_pod_monitor_scrapes_every_splitserve_pod_on_a_port_it_has() -> None:
+    objs = overlay("cuda")
+    (mon,) = by_kind(objs, "PodMonitor").values()
+    selector = mon["spec"]["selector"]
+    ports = {e["port"] for e in mon["spec"]["podMetricsEndpoints"]}
+    scraped = 0
+    for _w, t in pod_templates(objs):
+        labels = t["metadata"]["labels"]
+        if not selector["matchLabels"].items() <= labels.items() or not all(
+                labels.get(e["key"]) in e["values"] for e in selector["matchExpressions"]):
+            continue
+        names = {p["name"] for c in t["spec"]["containers"] for p in c.get("ports", [])}
+        assert ports & names, t["metadata"]["labels"]  # some endpoint finds this pod
+        scraped += 1
+    assert scraped >= 3  # gateway, prefill, decode
+    with pytest.raises(jsonschema.ValidationError):
+        validate(_broken(objs, "PodMonitor", lambda o: o["spec"]["podMetricsEndpoints"][0]
+                         .__setitem__("targetPort", 9100)), K8S_VERSIONS[0])
