@@ -94,3 +94,16 @@ def test_parse_json_takes_ordinary_bodies() -> None:
     doc = {"a": [1, -2**63, 2**64 - 1, 1e308, "\u00e9\U0001f98a", None], "b": {"c": True}}
     assert parse_json(json.dumps(doc).encode()) == doc
     assert parse_json(b"[" * 64 + b"]" * 64) is not None
+
+
+def test_parse_json_bounds_integers_anywhere() -> None:
+    for raw in (b"18446744073709551616", b'{"p": [1, 2, -18446744073709551616]}',
+                b'{"p": [1, "a", [18446744073709551616]]}'):
+        with pytest.raises(InvalidRequest, match="out of range"):
+            parse_json(raw)
+
+
+def test_a_long_token_id_body_parses() -> None:
+    raw = json.dumps({"prompt": list(range(10**6, 10**6 + 500_000)), "n": [[1, 2**63]]})
+    body = parse_json(raw.encode())
+    assert body["prompt"][-1] == 10**6 + 499_999 and body["n"] == [[1, 2**63]]
