@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -42,9 +44,10 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shape of a decoder-only model of the Llama family."""
+    """The shape of a decoder-only model of the Llama family, dense or with
+    mixture-of-experts MLPs in `sparse_layers`."""
 
-    model_type: str  # llama | mistral | qwen2 | qwen3
+    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -63,10 +66,20 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    num_experts: int = 0  # 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the experts
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelDirError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.sparse_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelDirError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                                f"[1, num_experts {self.num_experts}]")
+        if self.sparse_layers and self.moe_intermediate_size <= 0:
+            raise ModelDirError("moe_intermediate_size must be positive")
         if self.dtype not in DTYPES:
             raise ModelDirError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
 
@@ -87,7 +100,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None  # HF ignores sliding_window for Qwen unless use_sliding_window
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         return cls(
@@ -105,11 +118,12 @@ class ModelConfig:
             rope=_rope_from_dict(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
             dtype=dtype,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            **_moe_from_dict(model_type, cfg),
         )
 
     @classmethod
@@ -134,6 +148,29 @@ class ModelConfig:
             with open(gen) as f:
                 cfg["eos_token_id"] = json.load(f).get("eos_token_id")
         return cls.from_dict(cfg)
+
+
+def _moe_from_dict(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The experts' fields: Mixtral's in every layer (renormalised top-k); Qwen3-MoE's in
+    the layers that decoder_sparse_step picks, less mlp_only_layers (as transformers)."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if model_type == "mixtral":
+        sparse = tuple(range(layers))
+        inter, norm = int(cfg["intermediate_size"]), True
+    else:
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step <= 0:
+            raise ModelDirError("decoder_sparse_step must be positive")
+        only = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers)
+                       if experts > 0 and i not in only and (i + 1) % step == 0)
+        inter = int(cfg.get("moe_intermediate_size") or 0)
+        norm = bool(cfg.get("norm_topk_prob", False))
+    return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                moe_intermediate_size=inter, norm_topk_prob=norm, sparse_layers=sparse)
 
 
 def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:

@@ -22,6 +22,15 @@ _FUSED = [
     (re.compile(r"(.*)\.mlp\.up_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 1),
 ]
 
+# Per-expert HF weights, stacked into SparseMoeBlock's w13 [E, 2*I, H] (gate rows, then up
+# rows) and w2 [E, H, I]. Qwen3-MoE names them as the dense MLP; Mixtral w1 / w3 / w2
+# under block_sparse_moe (its gate too).
+_EXPERT = re.compile(
+    r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight$")
+_EXPERT_SLOT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 0, "w2": 0}
+_MIXTRAL_GATE = re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$")
+
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -96,8 +105,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig)
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # shares embed_tokens' tensor
     loaded: set[tuple[str, int]] = set()
-    expected = {(n, i) for n in params for i in range(
-        len(_shard_sizes(cfg, n)) if ("qkv_proj" in n or "gate_up" in n) else 1)}
+    expected = {(n, i) for n in params for i in range(_num_shards(cfg, n))}
     unexpected = []
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -108,7 +116,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig)
                     continue
                 target, shard = _map_name(key)
                 param = params.get(target)
-                if param is None:
+                if param is None or shard >= _num_shards(cfg, target):  # e.g. a 9th expert
                     unexpected.append(key)
                     continue
                 _copy_in(param, f.get_tensor(key), cfg, target, shard)
@@ -120,7 +128,27 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig)
         raise ModelDirError(f"unexpected tensors in {model_dir!r}: {unexpected[:8]}")
 
 
+def _num_shards(cfg: ModelConfig, name: str) -> int:
+    if "qkv_proj" in name or "gate_up" in name:
+        return len(_shard_sizes(cfg, name))
+    if name.endswith(".mlp.w13"):
+        return 2 * cfg.num_experts
+    if name.endswith(".mlp.w2"):
+        return cfg.num_experts
+    return 1
+
+
 def _map_name(key: str) -> tuple[str, int]:
+    """(our parameter, shard): the shard of an expert weight is 2 * expert + (0 gate,
+    1 up) in w13, the expert in w2."""
+    m = _EXPERT.match(key)
+    if m is not None:
+        expert, which = int(m.group(2)), m.group(3)
+        if which in ("down_proj", "w2"):
+            return f"{m.group(1)}.mlp.w2", expert
+        return f"{m.group(1)}.mlp.w13", 2 * expert + _EXPERT_SLOT[which]
+    if _MIXTRAL_GATE.match(key):
+        return _MIXTRAL_GATE.sub(r"\1.mlp.gate.weight", key), 0
     for pattern, repl, shard in _FUSED:
         if pattern.match(key):
             return pattern.sub(repl, key), shard
@@ -134,6 +162,11 @@ def _copy_in(param: torch.nn.Parameter, tensor: torch.Tensor, cfg: ModelConfig,
             sizes = _shard_sizes(cfg, name)
             start = sum(sizes[:shard])
             dst = param.narrow(0, start, sizes[shard])
+        elif name.endswith(".mlp.w13"):
+            inter = param.shape[1] // 2
+            dst = param[shard // 2].narrow(0, (shard % 2) * inter, inter)
+        elif name.endswith(".mlp.w2"):
+            dst = param[shard]
         else:
             dst = param
         if dst.shape != tensor.shape:
