@@ -32,6 +32,12 @@ def splitserve_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[st
     return proc
 
 
+def admin() -> dict[str, str]:
+    """The Authorization header of the admin routes (`/debug/workers`), with the test
+    session's admin key (tests/conftest.py; LocalCluster hands it to its gateways)."""
+    return {"Authorization": f"Bearer {os.environ.get('SPLITSERVE_ADMIN_KEY', '')}"}
+
+
 def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,
          headers: dict[str, str] | None = None, timeout: float = 60.0,
          ) -> tuple[int, Any, dict[str, str]]:
