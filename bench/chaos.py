@@ -2,7 +2,8 @@
 gateways and Redis by default; `splitserve up`'s flags) while a seeded chaos loop, about
 every `--kill-every` seconds, SIGKILLs a random prefill, decode, gateway or redis-server
 (the launcher's supervision restarts it) or freezes one with SIGSTOP for `--stop-for`
-seconds, then SIGCONT. One fault at a time: the next waits until the last victim is back.
+seconds, then SIGCONT. Roles come in shuffled rounds (each role once per four faults),
+one fault at a time: the next waits until the last victim is back.
 
 Then the invariants, read from the outside:
 - no request hung (each ended within `--request-timeout`);
@@ -123,6 +124,14 @@ class Chaos:
         self.frozen: tuple[Child, float] | None = None  # (child, SIGCONT due)
         self.pending: tuple[Fault, Child] | None = None  # a victim not back yet
         self.next_at = time.monotonic() + self._gap()
+        self._deck: list[str] = []
+
+    def _next_role(self) -> str:
+        """Roles in a shuffled order, each once per round of len(ROLES) faults: a short
+        run still hits every role."""
+        if not self._deck:
+            self._deck = self.rng.sample(ROLES, len(ROLES))
+        return self._deck.pop()
 
     def _gap(self) -> float:
         return self.every_s * self.rng.uniform(0.5, 1.5)
@@ -149,7 +158,7 @@ class Chaos:
             self.pending[0].ended = now
 
     def _inject(self, now: float) -> None:
-        role = self.rng.choice(ROLES)
+        role = self._next_role()
         pool = [c for c in self.cluster.children if _role(c.name) == role
                 and c.proc.poll() is None]
         if not pool:

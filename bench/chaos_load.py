@@ -52,12 +52,12 @@ class Outcome:
 
 
 def templates(model: str, seed: int, count: int = 28) -> list[Template]:
-    """`count` requests, seeded: kinds in turn, prompts long (a shared 300-word prefix
+    """`count` requests, seeded: kinds in turn, prompts long (a shared 150-word prefix
     and a distinct tail: disaggregated clusters prefill them remotely) or short."""
     rng = random.Random(seed)
     words = ["fox", "river", "stone", "cloud", "ember", "maple", "orbit", "quartz", "tide",
              "lantern", "harbor", "meadow"]
-    prefix = " ".join(rng.choice(words) for _ in range(300))
+    prefix = " ".join(rng.choice(words) for _ in range(150))  # ~600 tokens
     out = []
     for key in range(count):
         kind = KINDS[key % len(KINDS)]
