@@ -14,8 +14,9 @@ Then the invariants, read from the outside:
 - no KV block leaked on any worker once idle, and every process back and running.
 
 Recovery time per fault kind: from the fault (a kill) or its end (the SIGCONT of a
-freeze) until the victim is back (a worker routable on every gateway, a gateway
-healthy, Redis answering PING) and a request has succeeded after that.
+freeze) until the victim is back (a killed one as a new process; a worker routable on
+every gateway, a gateway healthy, Redis answering PING) and a request has succeeded
+after that; and the service's: until the first success of a request sent after it.
 
 The JSON (`--json`) has the issue's keys (`requests`, `succeeded`, `clean_errors`,
 `wrong`, `hung`, `leaked_blocks`, `kills`, `recovery_s`), the fault list and a
@@ -68,10 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class Fault:
     kind: str  # "prefill" | "decode" | "gateway" | "redis" (killed) | "stop" (frozen)
     victim: str  # child name
+    pid: int  # the process the fault hit (a killed one is back as another)
     at: float  # monotonic: the kill or the SIGSTOP
     ended: float  # the kill, or the SIGCONT
     back: float | None = None  # the victim ready again
     recovery_s: float | None = None
+    served_s: float | None = None  # to the first success of a request sent after it
 
 
 def _role(name: str) -> str:
@@ -94,14 +97,19 @@ def _healthy(cluster: LocalCluster, port: str) -> bool:
     return False
 
 
-def is_back(cluster: LocalCluster, child: Child) -> bool:
-    """`child` running and doing its job again (see the module's docstring)."""
-    if child.proc.poll() is not None:
+def is_back(cluster: LocalCluster, child: Child, killed_pid: int | None = None) -> bool:
+    """`child` running and doing its job again (see the module's docstring); after a
+    kill (`killed_pid`), as a new process."""
+    from cluster.health import is_ready
+
+    if child.proc.poll() is not None or child.proc.pid == killed_pid:
         return False
     if child.name == "redis":
         return _redis_ping(cluster.redis_url)
     if is_gateway(child.name):
         return _healthy(cluster, child.extra["http_port"])
+    if not is_ready(child.grpc_address or ""):
+        return False
     for gw in cluster.children:
         if is_gateway(gw.name) and gw.proc.poll() is None:
             seen = routable_addresses(cluster.spec.host, int(gw.extra["http_port"]),
@@ -141,7 +149,7 @@ class Chaos:
             self._thaw(now)
         if self.pending is not None and self.frozen is None:
             fault, child = self.pending
-            if is_back(self.cluster, child):
+            if is_back(self.cluster, child, None if fault.kind == "stop" else fault.pid):
                 fault.back = time.monotonic()
                 self.pending = None
         if self.pending is None and now >= self.next_at:
@@ -167,10 +175,10 @@ class Chaos:
         if self.rng.random() < self.stop_share:
             os.kill(child.proc.pid, signal.SIGSTOP)
             self.frozen = (child, now + self.stop_s)
-            fault = Fault("stop", child.name, now, now + self.stop_s)
+            fault = Fault("stop", child.name, child.proc.pid, now, now + self.stop_s)
         else:
             os.kill(child.proc.pid, signal.SIGKILL)
-            fault = Fault(role, child.name, now, now)
+            fault = Fault(role, child.name, child.proc.pid, now, now)
         action = "SIGSTOP" if fault.kind == "stop" else "SIGKILL"
         print(f"  {time.strftime('%H:%M:%S')} {action} {child.name}", flush=True)
         self.faults.append(fault)
@@ -195,12 +203,15 @@ class Chaos:
 
 def _recoveries(faults: list[Fault], outcomes: list[Outcome]) -> None:
     """Each fault's recovery: from its end to the first success after the victim was
-    back (outcomes sorted by end)."""
-    ends = sorted(o.end for o in outcomes if o.result == "ok")
+    back; and the service's: to the first success of a request sent after the fault."""
+    ok = sorted((o for o in outcomes if o.result == "ok"), key=lambda o: o.end)
     for f in faults:
+        served = next((o.end for o in ok if o.start >= f.ended), None)
+        if served is not None:
+            f.served_s = served - f.ended
         if f.back is None:
             continue
-        first = next((e for e in ends if e >= f.back), None)
+        first = next((o.end for o in ok if o.end >= f.back), None)
         if first is not None:
             f.recovery_s = max(first, f.back) - f.ended
 
@@ -237,7 +248,11 @@ def run_chaos(cluster: LocalCluster, duration_s: float, every_s: float, stop_s: 
         time.sleep(0.1)
     all_back = chaos.finish()
     blocks = idle_blocks(cluster, timeout_s=30.0)
-    _recoveries(chaos.faults, outcomes)
+    # A victim back only after the load ended still gets its recovery measured: one more
+    # request each (not counted in the figures).
+    probes = [client.send(tpls[i % len(tpls)]) for i, f in enumerate(chaos.faults)
+              if f.back is not None and f.back > end]
+    _recoveries(chaos.faults, outcomes + probes)
     return summarize(cluster, outcomes, chaos.faults, blocks, all_back, t0, duration_s)
 
 
@@ -246,11 +261,14 @@ def summarize(cluster: LocalCluster, outcomes: list[Outcome], faults: list[Fault
               ) -> dict[str, Any]:
     count = {r: sum(o.result == r for o in outcomes) for r in ("ok", "error", "wrong", "hung")}
     kills = {k: sum(f.kind == k for f in faults) for k in (*ROLES, "stop")}
-    recovery = {}
+    recovery, served = {}, {}
     for k in kills:
         values = [f.recovery_s for f in faults if f.kind == k and f.recovery_s is not None]
         if values:
             recovery[k] = round(statistics.median(values), 2)
+        values = [f.served_s for f in faults if f.kind == k and f.served_s is not None]
+        if values:
+            served[k] = round(statistics.median(values), 2)
     timeline = []
     for sec in range(int(duration_s) + 1):
         mine = [o for o in outcomes if sec <= o.end - t0 < sec + 1]
@@ -262,7 +280,8 @@ def summarize(cluster: LocalCluster, outcomes: list[Outcome], faults: list[Fault
         "requests": len(outcomes), "succeeded": count["ok"], "clean_errors": count["error"],
         "wrong": count["wrong"], "hung": count["hung"], "leaked_blocks": leaked,
         "success_rate": round(count["ok"] / max(1, len(outcomes)), 4),
-        "kills": kills, "recovery_s": recovery, "all_back": all_back,
+        "kills": kills, "recovery_s": recovery, "service_recovery_s": served,
+        "all_back": all_back,
         "unreachable_workers": unreachable,
         "restarts": cluster.restarts,
         "faults": [{**asdict(f), "at": round(f.at - t0, 2), "ended": round(f.ended - t0, 2),
@@ -287,9 +306,10 @@ def report(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     from bench.report import machine
 
     kinds = [k for k in result["kills"] if result["kills"][k]]
-    table = ["| fault | injected | median recovery s |", "|---|---:|---:|"]
-    table += [f"| {k} | {result['kills'][k]} | {result['recovery_s'].get(k, '-')} |"
-              for k in kinds]
+    table = ["| fault | injected | median recovery s (victim back, serving) | median s to the "
+             "first success of a request sent after it |", "|---|---:|---:|---:|"]
+    table += [f"| {k} | {result['kills'][k]} | {result['recovery_s'].get(k, '-')} | "
+              f"{result['service_recovery_s'].get(k, '-')} |" for k in kinds]
     summary = {k: result[k] for k in ("requests", "succeeded", "clean_errors", "wrong", "hung",
                                       "leaked_blocks", "success_rate")}
     summary |= {f"recovery_s_{k}": v for k, v in result["recovery_s"].items()}
@@ -303,10 +323,40 @@ def report(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
                 "launcher restarts the process) or SIGSTOP for stop_for_s seconds, then "
                 "SIGCONT. Recovery: from the kill or the SIGCONT until the victim is back "
                 "(routable on every gateway, healthy, or answering PING) and a request has "
-                "succeeded after that.",
+                "succeeded after that. A killed worker is back once the launcher has "
+                "started a new process and it has loaded the model; the other workers "
+                "serve meanwhile (last column).",
                 "Clean errors are requests the client saw fail (a dropped connection when "
                 "a gateway dies, an HTTP or SSE error); wrong and hung are none of those."],
             "plots": [], **result}
+
+
+FAULT_COLORS = {"prefill": "tab:blue", "decode": "tab:green", "gateway": "tab:purple",
+                "redis": "tab:red", "stop": "tab:gray"}
+
+
+def timeline_plot(result: dict[str, Any], path: str) -> str:
+    """Requests finished per second (succeeded, failed) with the faults marked."""
+    from bench.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    t = [p["t"] for p in result["timeline"]]
+    ax.plot(t, [p["ok"] for p in result["timeline"]], color="black", lw=1, label="succeeded/s")
+    ax.bar(t, [p["errors"] for p in result["timeline"]], color="tab:orange", width=1.0,
+           label="failed/s")
+    for f in result["faults"]:
+        ax.axvline(f["at"], color=FAULT_COLORS[f["kind"]], ls="--", lw=1)
+        ax.text(f["at"], ax.get_ylim()[1] * 0.95, f["victim"] if f["kind"] != "stop"
+                else f"{f['victim']} (stop)", rotation=90, va="top", fontsize=7)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("requests per second")
+    ax.set_title("bench chaos: load with faults (dashed: kill or freeze)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -340,13 +390,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         cluster.stop()
-    print(json.dumps({k: result[k] for k in ("requests", "succeeded", "clean_errors", "wrong",
-                                             "hung", "leaked_blocks", "success_rate", "kills",
-                                             "recovery_s", "all_back")}, indent=1))
+    print(json.dumps({k: result[k] for k in (
+        "requests", "succeeded", "clean_errors", "wrong", "hung", "leaked_blocks",
+        "success_rate", "kills", "recovery_s", "service_recovery_s", "all_back")}, indent=1))
     broken = failures(result)
     print("invariants: " + ("all hold" if not broken else "BROKEN: " + "; ".join(broken)))
     if args.json:
+        page = report(result, config)
+        plot = os.path.join(os.path.dirname(os.path.abspath(args.json)), "chaos-timeline.png")
+        page["plots"] = [os.path.basename(timeline_plot(result, plot))]
         with open(args.json, "w") as f:
-            json.dump(report(result, config), f, indent=1)
+            json.dump(page, f, indent=1)
             f.write("\n")
     return 1 if broken else 0

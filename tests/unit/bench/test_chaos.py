@@ -39,7 +39,7 @@ def test_kills_and_freezes_under_load_leave_nothing_wrong_hung_or_leaked(
     assert result["wrong"] == result["hung"] == result["leaked_blocks"] == 0
     kills = result["kills"]
     assert kills["stop"] >= 1 and sum(kills.values()) - kills["stop"] >= 1, kills
-    assert sum(kills.values()) >= 3, result["faults"]
+    assert sum(kills.values()) >= 2, result["faults"]
     assert result["requests"] >= 30 and result["succeeded"] >= 0.8 * result["requests"]
     page = report(result, {"duration_s": 45, "kill_every_s": 8, "seed": 0})
     assert page["name"] == "chaos" and page["summary"]["wrong"] == 0
