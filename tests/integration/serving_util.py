@@ -32,10 +32,11 @@ def splitserve_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[st
     return proc
 
 
-def admin() -> dict[str, str]:
-    """The Authorization header of the admin routes (`/debug/workers`), with the test
-    session's admin key (tests/conftest.py; LocalCluster hands it to its gateways)."""
-    return {"Authorization": f"Bearer {os.environ.get('SPLITSERVE_ADMIN_KEY', '')}"}
+def admin(key: str | None = None) -> dict[str, str]:
+    """The Authorization header of the admin routes (`/debug/workers`): `key` (a
+    LocalCluster's `admin_key`), else the test session's admin key (tests/conftest.py;
+    LocalCluster hands it to its gateways unless their args name another)."""
+    return {"Authorization": f"Bearer {key or os.environ.get('SPLITSERVE_ADMIN_KEY', '')}"}
 
 
 def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,

@@ -178,7 +178,8 @@ def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> No
     victim.proc.wait(10)
 
     def gone() -> bool:
-        _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers", headers=admin())
+        _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers",
+                               headers=admin(cluster.admin_key))
         return not any(w["worker_id"] == victim.name and w["routable"] for w in snap)
     wait_for(gone, 3, "the killed worker to leave routing")  # DESIGN: within ~2 s
     for i in range(6):
