@@ -33,7 +33,7 @@ from bench.runner import Phase
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the CPU experiments (`splitserve bench experiment NAME`), in reading order; the
 # simulator's (`sim-*`) follow by name
-ORDER = ("disagg", "transports", "decider", "routing", "fairness", "faults")
+ORDER = ("disagg", "transports", "decider", "routing", "fairness", "faults", "chaos")
 # the GPU runs each benchmark shows, per device (docs/results/gpu/); other files there
 # are inputs tests and profiles read
 GPU_DEVICES = ("h200", "h100")
@@ -353,7 +353,8 @@ def _sort_key(path: str) -> tuple[int, str]:
 
 
 def _experiment_command(data: dict[str, Any]) -> str:
-    return f"splitserve bench experiment {data['name']} --publish"
+    """A report that is no experiment (`bench chaos`) records its own command."""
+    return str(data.get("command") or f"splitserve bench experiment {data['name']} --publish")
 
 
 def _sim_command(data: dict[str, Any]) -> str:

@@ -34,6 +34,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tiers": ("bench.tiers_bench", "KV restore GB/s per offload tier vs recompute"),
     "index": ("bench.index_bench", "block-index lookup: server-side (Lua) vs Python walk"),
     "soak": ("bench.soak", "mixed load against `splitserve up`: no 5xx, no leak, flat RSS"),
+    "chaos": ("bench.chaos", "processes killed and frozen under load: nothing wrong, hung "
+              "or leaked"),
     "memory": ("bench.memprobe", "this machine's memory latency (sim bench's reference)"),
 }
 

@@ -1,4 +1,4 @@
-"""LocalCluster: redis-server, workers and the gateway as child processes on one host.
+"""LocalCluster: redis-server, workers and the gateways as child processes on one host.
 
 Ownership: the cluster owns every child it starts, through its Supervisor. Each child
 runs in its own process group (a terminal's Ctrl-C reaches only the launcher, which then
@@ -25,10 +25,18 @@ import socket
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 from cluster.errors import ClusterError, CrashLoopError
+from cluster.gateways import (
+    admin_key,
+    consecutive_ports,
+    env_admin_key,
+    gateway_name,
+    is_gateway,
+    routable_addresses,
+    write_private,
+)
 from cluster.supervisor import Child, RestartPolicy, Supervisor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +93,7 @@ class ClusterSpec:
     grpc_port: int = 0
     worker_args: tuple[str, ...] = ()  # extra flags for every worker (engine knobs)
     gateway_args: tuple[str, ...] = ()
+    num_gateways: int = 1  # on consecutive ports from http_port / grpc_port
     ready_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
     log_dir: str | None = None  # None: a fresh temporary directory
@@ -97,6 +106,8 @@ class ClusterSpec:
             raise ValueError("need at least one decode or colocated worker")
         if self.num_prefill and not self.num_decode:
             raise ValueError("prefill workers need at least one decode worker to write into")
+        if self.num_gateways < 1:
+            raise ValueError("need at least one gateway")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
 
@@ -116,8 +127,13 @@ class LocalCluster:
         # client of the workers then knows it), else a fresh one.
         self.cluster_token = os.environ.get("SPLITSERVE_CLUSTER_TOKEN") or \
             secrets.token_hex(16)
-        self.http_port = spec.http_port or free_port(spec.host)
-        self.grpc_port = spec.grpc_port or free_port(spec.host)
+        # The gateways' admin key (cluster/gateways.py): the environment carries it to
+        # them, like the cluster token; /debug/workers, which readiness reads, needs it.
+        self.admin_key = admin_key(spec.gateway_args, env_admin_key())
+        self.admin_key_path = os.path.join(self.log_dir, "admin_key")  # 0600, for operators
+        self.http_ports = consecutive_ports(spec.host, spec.http_port, spec.num_gateways)
+        self.grpc_ports = consecutive_ports(spec.host, spec.grpc_port, spec.num_gateways)
+        self.http_port, self.grpc_port = self.http_ports[0], self.grpc_ports[0]
 
     # -- children ------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
@@ -127,6 +143,8 @@ class LocalCluster:
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env["SPLITSERVE_CLUSTER_TOKEN"] = self.cluster_token
+        if is_gateway(name):
+            env["SPLITSERVE_ADMIN_KEY"] = self.admin_key
         return self.supervisor.start(name, argv, env, log_path, grpc_address)
 
     def cli_argv(self, *args: str) -> list[str]:
@@ -166,22 +184,27 @@ class LocalCluster:
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child
 
-    def start_gateway(self) -> Child:
-        argv = self.cli_argv("gateway", "--http-port", str(self.http_port), "--grpc-port",
-                         str(self.grpc_port), "--redis", self.redis_url, "--model",
+    def start_gateway(self, index: int = 0) -> Child:
+        http, grpc_port = self.http_ports[index], self.grpc_ports[index]
+        argv = self.cli_argv("gateway", "--http-port", str(http), "--grpc-port",
+                         str(grpc_port), "--redis", self.redis_url, "--model",
                          self.spec.model_dir, *self.spec.gateway_args)
-        return self.spawn("gateway", argv, f"{self.spec.host}:{self.grpc_port}")
+        child = self.spawn(gateway_name(index), argv, f"{self.spec.host}:{grpc_port}")
+        child.extra["http_port"] = str(http)
+        return child
 
     def start(self) -> None:
         """Starts everything and waits until all are ready; stops all on failure."""
         try:
+            write_private(self.admin_key_path, self.admin_key)
             self.start_redis()
             for role, n in (("decode", self.spec.num_decode),
                             ("colocated", self.spec.num_colocated),
                             ("prefill", self.spec.num_prefill)):
                 for i in range(n):
                     self.start_worker(role, i)
-            self.start_gateway()
+            for i in range(self.spec.num_gateways):
+                self.start_gateway(i)
             self.wait_ready()
             self.write_status()
         except BaseException:
@@ -196,7 +219,7 @@ class LocalCluster:
                                    f"({c.log_path}) ends:\n{c.log_tail()}")
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Every child healthy, then the gateway routing to every worker (it discovers
+        """Every child healthy, then each gateway routing to every worker (they discover
         them through Redis a moment after they register)."""
         from cluster.health import is_ready
 
@@ -212,21 +235,20 @@ class LocalCluster:
                 raise ClusterError(f"not ready in time: {names} (logs in {self.log_dir})")
             time.sleep(0.25)
         workers = {c.grpc_address for c in self.children
-                   if c.grpc_address and c.name != "gateway"}
-        if any(c.name == "gateway" for c in self.children):
-            self._wait_routable(workers, deadline)
+                   if c.grpc_address and not is_gateway(c.name)}
+        for c in self.children:
+            if is_gateway(c.name):
+                self._wait_routable(c.name, int(c.extra["http_port"]), workers, deadline)
 
-    def _wait_routable(self, addresses: set[str], deadline: float) -> None:
-        url = f"http://{self.spec.host}:{self.http_port}/debug/workers"
+    def _wait_routable(self, name: str, http_port: int, addresses: set[str],
+                       deadline: float) -> None:
         while True:
             self.check_alive()
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    known = {w["address"] for w in json.loads(resp.read()) if w["routable"]}
-                if addresses <= known:
-                    return
+            known = routable_addresses(self.spec.host, http_port, self.admin_key)
+            if known is not None and addresses <= known:
+                return
             if time.monotonic() > deadline:
-                raise ClusterError(f"the gateway did not see every worker in time "
+                raise ClusterError(f"{name} did not see every worker in time "
                                    f"(logs in {self.log_dir})")
             time.sleep(0.1)
 
@@ -254,7 +276,8 @@ class LocalCluster:
         tmp = self.status_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"redis_url": self.redis_url, "http_port": self.http_port,
-                       "grpc_port": self.grpc_port, "children": self.supervisor.status()}, f,
+                       "grpc_port": self.grpc_port, "http_ports": self.http_ports,
+                       "grpc_ports": self.grpc_ports, "children": self.supervisor.status()}, f,
                       indent=1)
         os.replace(tmp, self.status_path)
 
@@ -267,7 +290,7 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Gateway first (no new work), then workers (they drain), then redis."""
-        order = sorted(self.children, key=lambda c: (c.name != "gateway", c.name == "redis"))
+        order = sorted(self.children, key=lambda c: (not is_gateway(c.name), c.name == "redis"))
         for c in order:
             self.stop_child(c)
         with contextlib.suppress(OSError):

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "workers on CUDA")
     p.add_argument("--http-port", type=int, default=None, help="default 8000")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
+    p.add_argument("--gateways", type=int, default=None, help="gateways on consecutive HTTP "
+                   "and gRPC ports from --http-port / --grpc-port, sharing Redis (default 1)")
     p.add_argument("--config", default=None, help="YAML with the same keys as the flags, "
                    "plus worker_args / gateway_args lists")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
@@ -75,7 +77,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(conf, dict):
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
-                "grpc_port", "num_blocks", "device", "dtype", *RESTART_KEYS):
+                "grpc_port", "gateways", "num_blocks", "device", "dtype", *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
     return conf
@@ -100,6 +102,7 @@ def build_spec(args: argparse.Namespace) -> Any:
         http_port=int(s.get("http_port", 8000)), grpc_port=int(s.get("grpc_port", 50051)),
         worker_args=tuple(worker_args),
         gateway_args=tuple(str(a) for a in s.get("gateway_args", [])),
+        num_gateways=int(s.get("gateways", 1)),
         restart=RestartPolicy(**{field: kind(s[key])
                                  for key, (field, kind) in RESTART_KEYS.items() if key in s}))
 
@@ -151,6 +154,17 @@ def kv_summary(cluster: Any) -> str:
             f"worker over {cluster.spec.transport}")
 
 
+def gateway_lines(cluster: Any) -> str:
+    """Where the admin key is, and the other gateways' ports when there are several."""
+    out = (f"  admin API (/debug/workers, /admin/v1/*): Bearer key in "
+           f"{cluster.admin_key_path}\n")
+    if len(cluster.http_ports) > 1:
+        out += (f"  all {len(cluster.http_ports)} gateways (one Redis; front them with a load "
+                f"balancer): HTTP ports {cluster.http_ports[0]}-{cluster.http_ports[-1]}, "
+                f"gRPC {cluster.grpc_ports[0]}-{cluster.grpc_ports[-1]}\n")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -165,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"starting redis, {spec.num_prefill} prefill, {spec.num_decode} decode, "
-          f"{spec.num_colocated} colocated worker(s) and the gateway (logs: {cluster.log_dir})",
+          f"{spec.num_colocated} colocated worker(s) and {spec.num_gateways} gateway(s) "
+          f"(logs: {cluster.log_dir})",
           flush=True)
     try:
         cluster.start()
@@ -175,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     base = f"http://{spec.host}:{cluster.http_port}"
     print(f"\nsplitserve is up (model {model!r})\n  OpenAI HTTP: {base}/v1  (/v1/models, "
           f"/v1/completions, /v1/chat/completions, /health, /metrics)\n"
-          f"  gRPC Generate: {spec.host}:{cluster.grpc_port}\n  redis: {cluster.redis_url}\n"
+          f"  gRPC Generate: {spec.host}:{cluster.grpc_port}\n{gateway_lines(cluster)}"
+          f"  redis: {cluster.redis_url}\n"
           f"  try: curl {base}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'\n  status (pids, restarts): "
           f"{cluster.status_path}\nCtrl-C stops everything.", flush=True)

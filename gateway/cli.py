@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "priority strategies first) or fcfs (arrival; the baseline)")
     p.add_argument("--strategies-poll", type=float, default=1.0,
                    help="seconds between reads of the stored scheduling strategies")
+    p.add_argument("--load-stale", type=float, default=3.0,
+                   help="seconds without a load report after which a worker is taken as "
+                        "frozen: out of routing, its calls retried or resumed elsewhere")
     p.add_argument("--index-timeout-ms", type=int, default=50,
                    help="deadline of one Redis block index lookup")
     p.add_argument("--max-in-flight", type=int, default=0,
@@ -122,5 +125,5 @@ def run(args: argparse.Namespace) -> int:
         default_tenant=args.default_tenant, trust_client_identity=args.trust_client_identity,
         max_waiting_per_worker=args.max_waiting_per_worker, kv_headroom=args.kv_headroom,
         admission_queue_size=args.admission_queue, admission_order=args.admission_order,
-        strategies_poll_s=args.strategies_poll)
+        strategies_poll_s=args.strategies_poll, load_stale_s=args.load_stale)
     return asyncio.run(serve(config, args.block_size, args.max_model_len))

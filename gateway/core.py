@@ -12,6 +12,12 @@ failed and the request resumes on another worker with the tokens already streame
 (`resume_token_ids`; up to `max_failovers`, within the deadline): greedy output is
 token-identical to an uninterrupted run and text deltas join seamlessly. Requests with
 n > 1 or best_of end with a clean error instead.
+
+A frozen worker (alive, not answering: SIGSTOP, a paused container, a stuck device)
+breaks no connection, so a watchdog stands in for the error: while a call waits, the
+decode worker's load reports (and, before the first token, the prefill worker's) must
+keep arriving; one silent for `load_stale_s` ends the call as an unavailable worker
+would (retried or resumed elsewhere), and routing leaves it until it reports again.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from gateway.identity import IdentityResolver
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import GenerateInput, ModelContext
-from gateway.registry import WorkerRegistry
+from gateway.registry import WorkerEntry, WorkerRegistry
 from gateway.routing.base import RouteDecision, RouteRequest
 from gateway.routing.profile import NoCandidates, Router, RoutingProfile
 from gateway.scheduling import StrategyStore
@@ -244,8 +250,8 @@ class Gateway:
                             ended += bool(resp.finish_reason)
                             if ended == inp.params.n:
                                 return
-                    failure: grpc.aio.AioRpcError | None = None  # ended with no finish
-                except grpc.aio.AioRpcError as e:
+                    failure: grpc.aio.AioRpcError | WorkerStalled | None = None  # no finish
+                except (grpc.aio.AioRpcError, WorkerStalled) as e:
                     failure = e
                 self._after_failure(run, failure, request_id, decision)
         finally:
@@ -266,13 +272,17 @@ class Gateway:
                     raise
                 await asyncio.sleep(min(left, 0.1))
 
-    def _after_failure(self, run: _Run, error: grpc.aio.AioRpcError | None, request_id: str,
-                       decision: RouteDecision) -> None:
+    def _after_failure(self, run: _Run, error: grpc.aio.AioRpcError | WorkerStalled | None,
+                       request_id: str, decision: RouteDecision) -> None:
         """A worker call broke (`error`; None: its stream ended without a finish
         reason). Returns when the request goes on on another worker (retried before its
         first token, resumed after it), else raises the client's clean error."""
-        code = error.code() if error is not None else None
         address = decision.decode.address
+        if isinstance(error, WorkerStalled):  # frozen: as good as unavailable
+            code: grpc.StatusCode | None = grpc.StatusCode.UNAVAILABLE
+            address = error.address
+        else:
+            code = error.code() if error is not None else None
         if not run.started:  # nothing streamed: only an unavailable worker is retried
             run.route_failures += 1
             if (code is not None and code != grpc.StatusCode.UNAVAILABLE) \
@@ -317,17 +327,69 @@ class Gateway:
         call = entry.stub.Generate(self._worker_request(inp, request_id, decision, resume),
                                    timeout=remaining,
                                    metadata=(("x-request-id", request_id),))
+        prefill = self.registry.entry(decision.prefill.address) \
+            if decision.prefill is not None and not resume else None
+        watch = _Watchdog(call, entry, prefill, self.config.load_stale_s)
         entry.inflight += 1
         done = False
         try:
-            async for resp in call:
-                done = bool(resp.finish_reason)
-                yield resp
+            try:
+                async for resp in call:
+                    watch.first_token = True
+                    done = bool(resp.finish_reason)
+                    yield resp
+            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                if watch.stalled is None:
+                    raise
+            if watch.stalled is not None:  # the watchdog cancelled the call
+                log.warning("event=worker_stalled request_id=%s worker=%s stale_s=%.1f",
+                            request_id, watch.stalled, self.config.load_stale_s)
+                raise WorkerStalled(watch.stalled)
         finally:
+            watch.close()
             entry.inflight -= 1
             if not done:
                 log.info("event=caller_left request_id=%s action=cancel_worker_call", request_id)
             call.cancel()  # no-op when finished; frees the worker's blocks otherwise
+
+
+class WorkerStalled(Exception):
+    """A worker in the call sent no load report for `load_stale_s`: frozen."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"worker {address} stopped answering")
+        self.address = address
+
+
+class _Watchdog:
+    """Cancels `call` when its decode worker (or, until the first token, its prefill
+    worker) has not reported load for `stale_s`; `stalled` then names that worker. Owns
+    one task, ended by `close()`."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, decode: WorkerEntry,
+                 prefill: WorkerEntry | None, stale_s: float) -> None:
+        self.call, self.decode, self.prefill, self.stale_s = call, decode, prefill, stale_s
+        self.first_token = False
+        self.stalled: str | None = None
+        self._task = asyncio.create_task(self._run())
+
+    def _silent(self, now: float) -> str | None:
+        for w in (self.decode, None if self.first_token else self.prefill):
+            if w is not None and w.last_report and now - w.last_report >= self.stale_s:
+                return w.address
+        return None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.25, self.stale_s / 4))
+            stalled = self._silent(time.monotonic())
+            if stalled is not None:
+                self.stalled = stalled
+                self.call.cancel()
+                return
+
+    def close(self) -> None:
+        self._task.cancel()
 
 
 # A worker call that broke with one of these after streaming began is resumed elsewhere
@@ -359,7 +421,9 @@ def _many_samples(inp: GenerateInput) -> bool:
     return s.n > 1 or (s.HasField("best_of") and s.best_of > 1)
 
 
-def _api_error(e: grpc.aio.AioRpcError) -> APIError:
+def _api_error(e: grpc.aio.AioRpcError | WorkerStalled) -> APIError:
+    if isinstance(e, WorkerStalled):
+        return NoWorkerAvailable(f"worker unavailable: {e}")
     code, msg = e.code(), e.details() or e.code().name
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidRequest(msg)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front (aiohttp): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics; with the admin key, /admin/v1/routing and
-/api/v1/scheduling/strategies.
+/v1/models, /tokenize, /detokenize, /health, /metrics (open, as vLLM leaves them); with
+the admin key, /admin/v1/routing, /api/v1/scheduling/strategies and /debug/workers.
 
 Every response carries `x-request-id` (the client's, or a new one); the id goes to the
 worker in gRPC metadata and into every log line. Errors use vLLM's JSON shape. A
@@ -220,7 +220,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def workers(request: web.Request) -> web.Response:
-    """Debugging aid: the registry's view (not part of the OpenAI API)."""
+    """Debugging aid: the registry's view (not part of the OpenAI API). It names every
+    worker's internal address and state, so it is an admin route."""
+    _check_admin(request)
     return web.json_response(request.app[GATEWAY_KEY].registry.snapshot())
 
 

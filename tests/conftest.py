@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The cluster token every LocalCluster hands its children, so test helpers that call
 # workers directly (serving_util.load_report) can sign their calls (protos/auth.py).
 os.environ.setdefault("SPLITSERVE_CLUSTER_TOKEN", "splitserve-test-cluster-token")
+# Likewise the gateways' admin key (`/debug/workers` needs it; serving_util.ADMIN sends it).
+os.environ.setdefault("SPLITSERVE_ADMIN_KEY", "splitserve-test-admin-key")
 
 
 def _has_cuda() -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ from bench.clients import OpenAIClient
 from bench.datasets import LengthDist, TokenPool, synthetic
 from bench.load import LoadSpec
 from bench.runner import Phase, run_phase
+from cluster.gateways import debug_workers
 from cluster.launcher import ClusterSpec, LocalCluster
 
 
@@ -105,8 +105,7 @@ def wait_routable(cluster: PinnedCluster, n: int, timeout_s: float = 30.0) -> No
     seen: list[dict[str, Any]] = []
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(cluster.url + "/debug/workers", timeout=2.0) as r:
-                seen = json.loads(r.read())
+            seen = debug_workers(cluster.spec.host, cluster.http_port, cluster.admin_key)
         except OSError:
             seen = []
         if sum(bool(w.get("routable")) for w in seen) >= n:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import urllib.request
@@ -25,7 +26,9 @@ def wait(arg: dict[str, Any]) -> Any:
     last: Any = None
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"http://{arg['http']}/debug/workers", timeout=2) as r:
+            req = urllib.request.Request(f"http://{arg['http']}/debug/workers", headers={
+                "Authorization": f"Bearer {os.environ.get('SPLITSERVE_ADMIN_KEY', '')}"})
+            with urllib.request.urlopen(req, timeout=2) as r:
                 last = json.loads(r.read())
             if set(arg["roles"]) <= {w["role"] for w in last if w["routable"]}:
                 return last

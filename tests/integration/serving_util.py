@@ -32,6 +32,13 @@ def splitserve_cli(*args: str, timeout: float) -> subprocess.CompletedProcess[st
     return proc
 
 
+def admin(key: str | None = None) -> dict[str, str]:
+    """The Authorization header of the admin routes (`/debug/workers`): `key` (a
+    LocalCluster's `admin_key`), else the test session's admin key (tests/conftest.py;
+    LocalCluster hands it to its gateways unless their args name another)."""
+    return {"Authorization": f"Bearer {key or os.environ.get('SPLITSERVE_ADMIN_KEY', '')}"}
+
+
 def call_http(port: int, method: str, path: str, body: bytes | dict | None = None,
          headers: dict[str, str] | None = None, timeout: float = 60.0,
          ) -> tuple[int, Any, dict[str, str]]:

@@ -22,7 +22,7 @@ from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.auth import AUTH_KEY, sign
 from tests.factories import tiny_model_dir
-from tests.integration.serving_util import call_http, load_report, metric, wait_for
+from tests.integration.serving_util import admin, call_http, load_report, metric, wait_for
 
 NUM_BLOCKS = 64
 MAX_TOKENS = 40
@@ -115,7 +115,7 @@ class Stream(threading.Thread):
 def serving(cluster: LocalCluster) -> Child:
     """A decode worker streaming to the gateway (its engine may be done already: the
     responses are paced)."""
-    _, workers, _ = call_http(cluster.http_port, "GET", "/debug/workers")
+    _, workers, _ = call_http(cluster.http_port, "GET", "/debug/workers", headers=admin())
     busy = {w["address"] for w in workers if w["inflight"]}
     return next(c for c in decodes(cluster) if c.grpc_address in busy)
 

@@ -23,7 +23,7 @@ import pytest
 
 from cluster.launcher import ROOT, free_port
 from tests.factories import child_env, hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import call_http, grpc_generate, port_refused, wait_for
+from tests.integration.serving_util import admin, call_http, grpc_generate, port_refused, wait_for
 
 pytestmark = pytest.mark.skipif(not any(
     os.access(os.path.join(d, "redis-server"), os.X_OK)
@@ -88,7 +88,8 @@ class Up:
         return str(body["choices"][0]["text"])
 
     def routable(self, worker_id: str) -> bool:
-        got, snap, _ = call_http(self.http, "GET", "/debug/workers", timeout=5)
+        got, snap, _ = call_http(self.http, "GET", "/debug/workers", headers=admin(),
+                                 timeout=5)
         return got == 200 and any(w["worker_id"] == worker_id and w["routable"] for w in snap)
 
     def ports(self) -> list[int]:

@@ -21,6 +21,7 @@ from protos import splitserve_pb2_grpc as pb_grpc
 from tests.factories import hf_greedy, hf_model
 from tests.integration.serving.shared import NUM_BLOCKS, workers
 from tests.integration.serving_util import (
+    admin,
     call_http,
     grpc_generate,
     load_report,
@@ -177,7 +178,8 @@ def test_killed_worker_leaves_routing_and_requests_succeed(cluster, model) -> No
     victim.proc.wait(10)
 
     def gone() -> bool:
-        _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers")
+        _, snap, _ = call_http(cluster.http_port, "GET", "/debug/workers",
+                               headers=admin(cluster.admin_key))
         return not any(w["worker_id"] == victim.name and w["routable"] for w in snap)
     wait_for(gone, 3, "the killed worker to leave routing")  # DESIGN: within ~2 s
     for i in range(6):
