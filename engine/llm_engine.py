@@ -139,7 +139,7 @@ class LLMEngine:
     def _track(self, req: Request) -> None:
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens)
+                                       p.skip_special_tokens, p.include_stop_str_in_output)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
         self._tracks[req.request_id] = _Track(detok, sent_tokens=req.num_output_tokens)
 

@@ -143,7 +143,7 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
                     resp = await _open_sse(request, rid)
                     if b.chat:  # every choice opens with the assistant role
                         for i in range(len(choices.choices)):
-                            await resp.write(sse(b.chunk("", None, first=True, index=i)))
+                            await resp.write(sse(choices.opening(i)))
                 chunk = choices.chunk(delta)
                 if chunk is not None:
                     await resp.write(sse(chunk))

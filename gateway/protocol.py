@@ -36,6 +36,8 @@ class GenerateInput:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
     cache_salt: str | None = None
     priority: int = 0
     tenant: str = ""  # set by the front from the request's identity (gateway/identity.py)
@@ -134,11 +136,15 @@ def _stream_flags(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("Stream options can only be defined when `stream=True`.",
                              "stream_options")
     include_usage = bool(opts and get_field(opts, "include_usage", bool, False))
+    # vLLM: continuous usage only together with include_usage.
+    continuous = include_usage and bool(
+        opts and get_field(opts, "continuous_usage_stats", bool, False))
     salt = get_field(body, "cache_salt", str, None)
     if salt == "":
         raise InvalidRequest("`cache_salt` must be a non-empty string", "cache_salt")
-    return {"stream": stream, "include_usage": include_usage, "cache_salt": salt,
-            "priority": get_field(body, "priority", int, 0)}
+    return {"stream": stream, "include_usage": include_usage, "continuous_usage": continuous,
+            "cache_salt": salt, "priority": get_field(body, "priority", int, 0),
+            "return_token_ids": get_field(body, "return_token_ids", bool, False)}
 
 
 def _token_ids(p: Any) -> bool:
@@ -222,13 +228,24 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     try:
         ids = ctx.tokenizer.encode_chat(
             messages, add_generation_prompt=get_field(body, "add_generation_prompt", bool, True),
-            tools=list(tools.tools) if tools else None)
+            tools=list(tools.tools) if tools else None,
+            template_kwargs=template_kwargs(body))
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from e
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
                                        chat=True)
     params.structured = structured_from_body(body, forced_structure(tools))
     return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's
+    `enable_thinking`, ...); they override the template's other inputs but `messages`."""
+    kw = get_field(body, "chat_template_kwargs", dict, None) or {}
+    if "messages" in kw:
+        raise InvalidRequest("`chat_template_kwargs` cannot set `messages`",
+                             "chat_template_kwargs")
+    return dict(kw)
 
 
 def chat_tools(ctx: ModelContext, tools: ToolChoice | None) -> ToolChoice | None:

@@ -1,0 +1,111 @@
+"""vLLM's extra request fields on the shared cluster (conftest.py), with vLLM's effect:
+stream_options.continuous_usage_stats (guidellm's streamed body), min_p,
+include_stop_str_in_output, return_token_ids, chat_template_kwargs; vLLM's completion
+default of 16 tokens."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from tests.integration.serving_util import call_http
+
+PROMPT = "The quick brown fox jumps over"
+MSGS = [{"role": "user", "content": "Tell me about foxes."}]
+
+
+def _events(port: int, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    status, raw, _ = call_http(port, "POST", path, body | {"stream": True})
+    assert status == 200, raw
+    lines = [ln[len("data: "):] for ln in raw.split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_guidellm_stream_gets_usage_on_every_chunk(cluster, model) -> None:
+    # guidellm's streamed request body (its OpenAI HTTP backend).
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MSGS})):
+        chunks = _events(cluster.http_port, path, body | {
+            "model": model, "max_tokens": 8, "ignore_eos": True, "stream_options": opts})
+        assert all(c["usage"] is not None for c in chunks), path
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 8 and counts[0] < 8, counts
+        assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"]
+                   + c["usage"]["completion_tokens"] for c in chunks)
+        assert chunks[-1]["choices"] == []  # include_usage's closing chunk stays
+    # Without it, only the closing chunk carries usage (as before).
+    chunks = _events(cluster.http_port, "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 4,
+        "stream_options": {"include_usage": True}})
+    assert [c["usage"] is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_min_p_one_at_temperature_one_is_greedy(cluster, model, offline) -> None:
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0))[0]
+    for seed in (1, 2, 3):
+        _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+            "model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.0,
+            "min_p": 1.0, "seed": seed})
+        assert r["choices"][0]["text"] == ref.text
+    _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 1})
+    assert r["choices"][0]["text"] != ref.text  # so that the check above could fail
+
+
+def test_return_token_ids_are_the_generated_and_prompt_ids(cluster, model, offline) -> None:
+    port = cluster.http_port
+    ids = offline.tokenizer.encode(PROMPT)
+    ref = offline.generate([ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    _, r, _ = call_http(port, "POST", "/v1/completions", body)
+    assert r["choices"][0]["token_ids"] == ref.token_ids
+    assert r["choices"][0]["prompt_token_ids"] == ids
+    chunks = _events(port, "/v1/completions", body)
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ref.token_ids
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    chat_ids = offline.tokenizer.encode_chat(MSGS)
+    chat_ref = offline.generate([chat_ids], SamplingParams(max_tokens=6, temperature=0))[0]
+    body = {"model": model, "messages": MSGS, "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    _, r, _ = call_http(port, "POST", "/v1/chat/completions", body)
+    assert r["prompt_token_ids"] == chat_ids
+    assert r["choices"][0]["token_ids"] == chat_ref.token_ids
+    chunks = _events(port, "/v1/chat/completions", body)
+    assert chunks[0]["prompt_token_ids"] == chat_ids
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] \
+        == chat_ref.token_ids
+    _, r, _ = call_http(port, "POST", "/v1/completions", body | {"return_token_ids": False,
+                                                                  "prompt": PROMPT})
+    assert "token_ids" not in r["choices"][0]
+
+
+def test_include_stop_str_in_output(cluster, model, offline) -> None:
+    port = cluster.http_port
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0].text
+    # A stop string first seen in the middle of the output.
+    at = next(i for i in range(3, len(ref) - 3) if ref.find(ref[i:i + 3]) == i
+              and ref[i:i + 3].strip())
+    stop = ref[at:at + 3]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "stop": [stop]}
+    for include, want in ((True, ref[:at + 3]), (False, ref[:at])):
+        _, r, _ = call_http(port, "POST", "/v1/completions",
+                            body | {"include_stop_str_in_output": include})
+        assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+        chunks = _events(port, "/v1/completions", body | {"include_stop_str_in_output": include})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+def test_chat_template_kwargs_reach_the_template(cluster, model, offline) -> None:
+    # add_generation_prompt through chat_template_kwargs overrides the field, as in vLLM.
+    without = offline.tokenizer.encode_chat(MSGS, add_generation_prompt=False)
+    assert without != offline.tokenizer.encode_chat(MSGS)
+    _, r, _ = call_http(cluster.http_port, "POST", "/v1/chat/completions", {
+        "model": model, "messages": MSGS, "max_tokens": 2, "return_token_ids": True,
+        "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}})
+    assert r["prompt_token_ids"] == without
