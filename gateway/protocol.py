@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.body import body_object, get_field
 from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.generation_config import load_generation_defaults
 from gateway.params import check_fields
 from gateway.sampling import sampling_from_body
 from gateway.structured import structured_from_body
@@ -58,11 +59,13 @@ class ModelContext:
     parse requests on (`off_loop`)."""
 
     def __init__(self, model_dir: str, served_name: str, max_model_len: int | None = None,
-                 tool_call_parser: str = "auto", parse_threads: int = 4) -> None:
+                 tool_call_parser: str = "auto", parse_threads: int = 4,
+                 generation_config: str = "auto") -> None:
         """`tool_call_parser`: the format tool calls take in this model's output (a
         name in gateway/tool_parsers.PARSERS), "auto" (from the chat template) or
         "none" (tool_choice "auto" refused). `parse_threads`: requests parsed at once;
-        more wait their turn."""
+        more wait their turn. `generation_config`: vLLM's --generation-config (auto,
+        vllm or a directory; gateway/generation_config.py)."""
         # Created now, its threads only when first used; close() ends them.
         self._parse_pool = ThreadPoolExecutor(parse_threads, thread_name_prefix="gw-parse")
         cfg = ModelConfig.from_model_dir(model_dir)
@@ -76,6 +79,8 @@ class ModelContext:
             else tool_call_parser
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        self.defaults = load_generation_defaults(generation_config, model_dir,
+                                                 cfg.eos_token_ids)
 
     def observe_worker_limit(self, max_model_len: int) -> None:
         """A worker serves at most `max_model_len` tokens (its --max-model-len): the
@@ -103,18 +108,26 @@ class ModelContext:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+COMPLETION_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
 
 def finish_input(ctx: ModelContext, model: str, ids: list[int], params: SamplingParams,
-                 max_tokens_given: bool, **kw: Any) -> GenerateInput:
-    """Context-length and vocabulary checks once the prompt is tokenized."""
+                 max_tokens_given: bool, default_max: int | None = None,
+                 **kw: Any) -> GenerateInput:
+    """Context-length and vocabulary checks once the prompt is tokenized. Without
+    max_tokens: `default_max` (completions' 16), else the rest of the context; the
+    model's generation config (max_new_tokens) caps either, as in vLLM."""
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not 0 <= t < ctx.vocab_size for t in ids):
         raise InvalidRequest(f"the prompt holds token ids outside [0, {ctx.vocab_size})",
                              "prompt")
     if not max_tokens_given:
-        params.max_tokens = max(1, ctx.max_model_len - len(ids))
+        params.max_tokens = max(1, min(ctx.max_model_len - len(ids),
+                                       default_max or ctx.max_model_len))
+    cap = ctx.defaults.sampling.get("max_tokens")
+    if cap is not None:
+        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
     total = len(ids) + params.max_tokens
     if total > ctx.max_model_len:
         raise InvalidRequest(
@@ -174,7 +187,7 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
     echo_only = echo and body.get("max_tokens") == 0
     if echo_only:  # vLLM: the prompt alone (one token is generated and not shown)
         body = body | {"max_tokens": 1}
-    params, given = sampling_from_body(body, ("max_tokens",))
+    params, given = sampling_from_body(body, ("max_tokens",), defaults=ctx.defaults)
     params.structured = structured_from_body(body)
     special = get_field(body, "add_special_tokens", bool, True)
     flags = _stream_flags(body)
@@ -185,7 +198,8 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
         else:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
-        out.append(finish_input(ctx, model, ids, replace(params), given, echo=echo,
+        out.append(finish_input(ctx, model, ids, replace(params), given,
+                                COMPLETION_MAX_TOKENS, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))
     return out
 
@@ -233,7 +247,7 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     except ValueError as e:
         raise InvalidRequest(str(e), "messages") from e
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
-                                       chat=True)
+                                       chat=True, defaults=ctx.defaults)
     params.structured = structured_from_body(body, forced_structure(tools))
     return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
 

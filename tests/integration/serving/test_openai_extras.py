@@ -109,3 +109,10 @@ def test_chat_template_kwargs_reach_the_template(cluster, model, offline) -> Non
         "model": model, "messages": MSGS, "max_tokens": 2, "return_token_ids": True,
         "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}})
     assert r["prompt_token_ids"] == without
+
+
+def test_completions_without_max_tokens_give_16_tokens(cluster, model) -> None:
+    _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+        "model": model, "prompt": PROMPT, "ignore_eos": True})
+    assert r["usage"]["completion_tokens"] == 16
+    assert r["choices"][0]["finish_reason"] == "length"

@@ -27,9 +27,12 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
     assert inp.stream and inp.include_usage
 
 
-def test_missing_max_tokens_takes_the_rest_of_the_context(ctx: ModelContext) -> None:
-    inp = parse_completion({"prompt": [1, 2, 3]}, ctx)[0]
-    assert inp.params.max_tokens == 256 - 3
+def test_missing_max_tokens_is_vllms_default(ctx: ModelContext) -> None:
+    # Completions: 16 (fewer when the context has less room); chat: the rest of it.
+    assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 16
+    assert parse_completion({"prompt": [1] * 250}, ctx)[0].params.max_tokens == 6
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx)
+    assert chat.params.max_tokens == 256 - len(chat.prompt_token_ids)
 
 
 def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None:
@@ -103,6 +106,8 @@ def test_worker_limit_lowers_the_context_limit() -> None:
     ctx.observe_worker_limit(128)
     ctx.observe_worker_limit(512)  # never raised again
     assert ctx.max_model_len == 128
-    assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 125
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx) \
+        .params.max_tokens == 128 - len(ctx.tokenizer.encode_chat(
+            [{"role": "user", "content": "hi"}]))
     with pytest.raises(InvalidRequest):
         parse_completion({"prompt": [1, 2, 3], "max_tokens": 126}, ctx)
