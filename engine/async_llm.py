@@ -131,6 +131,7 @@ class AsyncLLM:
         self._stats = self.engine.stats()
         self._dead: BaseException | None = None
         self._kv_sink: Callable[[list[KVEvent]], None] | None = None
+        self._step_sink: Callable[[int], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -228,6 +229,11 @@ class AsyncLLM:
         sink the events are dropped. For consistent snapshots, read the pool with `call`."""
         self._kv_sink = sink
 
+    def set_step_sink(self, sink: Callable[[int], None] | None) -> None:
+        """`sink(num_tokens)` after every step that computed tokens (prompt and output
+        tokens together), on the engine thread: it must be quick and thread-safe."""
+        self._step_sink = sink
+
     def stats(self) -> SchedulerStats:
         """The scheduler's figures as of the end of the last step."""
         return self._stats
@@ -310,6 +316,9 @@ class AsyncLLM:
                     pass
                 for out in self.engine.step():
                     self._deliver(out.request_id, out, last=out.finished)
+                step_sink = self._step_sink
+                if step_sink is not None and self.engine.last_step_tokens:
+                    step_sink(self.engine.last_step_tokens)
                 self._stats = self.engine.stats()
                 self._forward_kv_events()
         except BaseException as e:  # a bug in the engine: fail every stream loudly

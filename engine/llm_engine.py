@@ -84,6 +84,7 @@ class LLMEngine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        self.last_step_tokens = 0
         self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
                                             eos)
 
@@ -319,6 +320,7 @@ class LLMEngine:
             self.offload.save_new(self.kv.pool, self.runner.kv_cache)
             self.offload.reap(self.kv.pool)
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens  # prompt + output tokens this step computes
         if not out.scheduled:
             if self.offload is not None:  # idle but copies pending: wait, don't spin
                 self.offload.reap(self.kv.pool, timeout=0.01)

@@ -170,7 +170,16 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     def stats() -> SchedulerStats | None:
         return holder[0].stats() if holder else None
 
-    metrics = WorkerMetrics(model, stats)
+    def cache_info() -> dict[str, str] | None:
+        if not holder:
+            return None
+        c = engine_config.cache
+        return {"block_size": str(c.block_size), "num_gpu_blocks": str(holder[0].stats().num_blocks),
+                "cache_dtype": engine_config.dtype or "auto",
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+
+    metrics = WorkerMetrics(model, stats, cache_info)
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
     kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
@@ -209,6 +218,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
         await server.stop(grace=None)
         raise
     holder.append(llm)
+    llm.set_step_sink(metrics.observe_step)
     service.attach(llm)
     registrar = _registrar(config, model, address, service)
     beat = asyncio.create_task(registrar.run()) if registrar else None

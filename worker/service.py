@@ -78,6 +78,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         peer = request.prefill_peer if request.HasField("prefill_peer") else None
         n_prompt = len(request.prompt_token_ids)
         start = last = time.monotonic()
+        scheduled: float | None = None  # first scheduled here (None: not yet, or remote)
+        first: float | None = None  # the first token's arrival
         n_out = 0
         ended = False  # finished, rejected or failed: anything else is a client abort
         self.changed.set()
@@ -91,11 +93,17 @@ class WorkerService(pb_grpc.WorkerServicer):
                         self._observe_tokens(request.tenant, start, last, now, n_out,
                                              len(out.new_token_ids), out.scheduled_time)
                         last = now
+                        first = now if first is None else first
+                    if scheduled is None and out.scheduled_time is not None:
+                        scheduled = out.scheduled_time
                     n_out = len(out.token_ids)
                     if out.finished:
                         ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
                                                       n_out, request.tenant)
+                        if first is not None:
+                            self.metrics.observe_phases(scheduled or start, first, last,
+                                                        request.tenant)
                         log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
                                  "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
                     yield self._response(rid, out, n_prompt, params)

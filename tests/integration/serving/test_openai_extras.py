@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from tests.integration.serving_util import call_http
+from tests.integration.serving.shared import workers
+from tests.integration.serving_util import call_http, metric, wait_for
 
 PROMPT = "The quick brown fox jumps over"
 MSGS = [{"role": "user", "content": "Tell me about foxes."}]
@@ -116,3 +117,40 @@ def test_completions_without_max_tokens_give_16_tokens(cluster, model) -> None:
         "model": model, "prompt": PROMPT, "ignore_eos": True})
     assert r["usage"]["completion_tokens"] == 16
     assert r["choices"][0]["finish_reason"] == "length"
+
+
+def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
+    ports = [cluster.http_port] + [int(w.extra["metrics_port"]) for w in workers(cluster)]
+
+    def over_pods(name: str) -> float:
+        return sum(metric(p, name) for p in ports)
+
+    names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+             "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+             "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum")
+    before = {n: over_pods(n) for n in names}
+    prompt = completion = 0
+    for i in range(4):
+        _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+            "model": model, "prompt": f"{i} counting tokens once", "max_tokens": 5,
+            "ignore_eos": True})
+        prompt += r["usage"]["prompt_tokens"]
+        completion += r["usage"]["completion_tokens"]
+
+    def settled() -> bool:  # a worker counts a request as it ends, just after its reply
+        return over_pods("vllm:request_inference_time_seconds_count") \
+            == before["vllm:request_inference_time_seconds_count"] + 4
+    wait_for(settled, 10, "the workers' request metrics")
+    after = {n: over_pods(n) for n in names}
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == prompt
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] \
+        == completion
+    for n in ("vllm:request_prefill_time_seconds_count",
+              "vllm:request_decode_time_seconds_count"):
+        assert after[n] - before[n] == 4, n
+    # Every token computed in some step: prompts (less cache hits) and outputs (the
+    # last output token is sampled, never computed).
+    assert 0 < after["vllm:iteration_tokens_total_sum"] \
+        - before["vllm:iteration_tokens_total_sum"] <= prompt + completion
+    assert metric(ports[0], "splitserve:gateway_generation_tokens_total") >= completion
+    assert all(metric(p, "vllm:cache_config_info", block_size="16") == 1 for p in ports[1:])
