@@ -224,6 +224,13 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
                                   config.redis_timeout_s, metrics.registry)
+    zmq_events = None  # vLLM's KV events wire, beside the Redis index
+    if config.kv_events is not None and config.kv_events.enabled:
+        from worker.kv_events_zmq import ZmqKVEventPublisher
+
+        zmq_events = ZmqKVEventPublisher(config.kv_events, engine_config.cache.block_size)
+        zmq_events.start()
+        llm.add_kv_event_sink(zmq_events.on_engine_events)
     strategies = None  # scheduling strategies, polled and applied live
     if config.redis_url:
         strategies = StrategyWatcher(config.redis_url, model, llm, config.redis_timeout_s)
@@ -256,6 +263,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     if http is not None:
         http[0].shutdown()
     llm.shutdown()
+    if zmq_events is not None:
+        zmq_events.close()
     if tiers is not None:
         tiers.close()
     await kv_side.close()
