@@ -49,6 +49,9 @@ class GenerateInput:
     echo_only: bool = False
     prompt_text: str = ""
     tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
+    # Where the first token's time went, in seconds (gateway/core.py fills it):
+    # queue, route, worker_queue, prefill, kv_transfer, total.
+    ttft: dict[str, float] = field(default_factory=dict)
 
 
 T = TypeVar("T")

@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from tests.integration.serving.shared import workers
-from tests.integration.serving_util import call_http, metric, wait_for
+from tests.integration.serving_util import call_http, metric, ttft_parts, wait_for
 
 PROMPT = "The quick brown fox jumps over"
 MSGS = [{"role": "user", "content": "Tell me about foxes."}]
@@ -154,3 +154,19 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
         - before["vllm:iteration_tokens_total_sum"] <= prompt + completion
     assert metric(ports[0], "splitserve:gateway_generation_tokens_total") >= completion
     assert all(metric(p, "vllm:cache_config_info", block_size="16") == 1 for p in ports[1:])
+
+
+def test_ttft_breakdown_header_on_plain_and_streamed_responses(cluster, model) -> None:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 3}
+    for stream in (False, True):
+        status, _, headers = call_http(cluster.http_port, "POST", "/v1/completions",
+                                       body | {"stream": stream})
+        assert status == 200
+        ttft = ttft_parts(headers["x-splitserve-ttft"])
+        # Colocated: the prefill ran on the worker itself, no KV moved.
+        assert set(ttft) == {"queue", "route", "worker_queue", "prefill", "kv_transfer",
+                             "total"}, ttft
+        assert ttft["kv_transfer"] == 0 and ttft["prefill"] > 0
+        assert min(ttft.values()) >= 0
+        # The parts fit in the total (the rest: network, gRPC, the gateway's own work).
+        assert sum(v for k, v in ttft.items() if k != "total") <= ttft["total"] + 1.0
