@@ -37,7 +37,7 @@ def _not(*defaults: Any) -> Callable[[Any], bool]:
 _SAMPLING: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _truthy, "length_penalty": _not(1, 1.0),
     "spaces_between_special_tokens": _not(True),
-    "truncate_prompt_tokens": _given, "allowed_token_ids": _given, "bad_words": _truthy,
+    "allowed_token_ids": _given, "bad_words": _truthy,
     "prompt_logprobs": _given,  # completions: echo + logprobs returns them
     "logits_processors": _given, "return_tokens_as_token_ids": _truthy,
     "kv_transfer_params": _given, "vllm_xargs": _given,
@@ -54,9 +54,9 @@ REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
         # The deprecated forms of `tools` / `tool_choice`.
         "functions": _given, "function_call": _given,
         # vLLM's chat extras.
-        "echo": _truthy, "continue_final_message": _truthy, "documents": _given,
+        "echo": _truthy, "documents": _given,
         "chat_template": _given,
-        "mm_processor_kwargs": _given, "add_special_tokens": _truthy,
+        "mm_processor_kwargs": _given,
     },
 }
 
@@ -65,7 +65,7 @@ _COMMON = {
     "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
-    "return_token_ids",
+    "return_token_ids", "truncate_prompt_tokens",
     # structured outputs and tools (their own modules read them)
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend",
@@ -77,7 +77,8 @@ IMPLEMENTED: dict[str, set[str]] = {
     "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens",
                        "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
                        "safety_identifier", "prompt_cache_key", "include_reasoning",
-                       "chat_template_kwargs"},
+                       "chat_template_kwargs", "continue_final_message",
+                       "add_special_tokens"},
 }
 
 

@@ -114,6 +114,24 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
 
+def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the context
+    length)."""
+    k = get_field(body, "truncate_prompt_tokens", int, None)
+    if k is None:
+        return ids
+    if k == -1:
+        k = ctx.max_model_len
+    if k < 1:
+        raise InvalidRequest(f"`truncate_prompt_tokens` must be -1 or at least 1, got {k}",
+                             "truncate_prompt_tokens")
+    if k > ctx.max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens value ({k}) is greater than "
+                             f"max_model_len ({ctx.max_model_len}). Please, select a smaller "
+                             "truncation size.", "truncate_prompt_tokens")
+    return ids[-k:]
+
+
 def finish_input(ctx: ModelContext, model: str, ids: list[int], params: SamplingParams,
                  max_tokens_given: bool, default_max: int | None = None,
                  **kw: Any) -> GenerateInput:
@@ -201,6 +219,7 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
         else:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
+        ids = truncate_prompt(body, ctx, ids)
         out.append(finish_input(ctx, model, ids, replace(params), given,
                                 COMPLETION_MAX_TOKENS, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))
@@ -242,17 +261,41 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     messages = [message_text(m, i) for i, m in enumerate(msgs)]
     tools = chat_tools(ctx, parse_tools(body.get("tools"), body.get("tool_choice"),
                                         body.get("parallel_tool_calls")))
-    try:
-        ids = ctx.tokenizer.encode_chat(
-            messages, add_generation_prompt=get_field(body, "add_generation_prompt", bool, True),
-            tools=list(tools.tools) if tools else None,
-            template_kwargs=template_kwargs(body))
-    except ValueError as e:
-        raise InvalidRequest(str(e), "messages") from e
+    ids = truncate_prompt(body, ctx, chat_prompt(body, ctx, messages, tools))
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
                                        chat=True, defaults=ctx.defaults)
     params.structured = structured_from_body(body, forced_structure(tools))
     return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+
+
+def chat_prompt(body: dict[str, Any], ctx: ModelContext, messages: list[dict[str, Any]],
+                tools: ToolChoice | None) -> list[int]:
+    """The conversation through the chat template, with vLLM's add_generation_prompt,
+    continue_final_message (the last assistant message left open, for the model to go
+    on with), add_special_tokens (default false: the template places them) and
+    chat_template_kwargs."""
+    add_prompt = get_field(body, "add_generation_prompt", bool, True)
+    cont = get_field(body, "continue_final_message", bool, False)
+    if cont and add_prompt:
+        raise InvalidRequest("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.", "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise InvalidRequest("`continue_final_message` needs the last message to be the "
+                             "assistant's", "continue_final_message")
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, add_prompt, list(tools.tools) if tools else None, template_kwargs(body))
+    except ValueError as e:
+        raise InvalidRequest(str(e), "messages") from e
+    if cont:  # as transformers: cut after the final message's content
+        final = messages[-1]["content"].strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise InvalidRequest("the chat template does not render the final message's "
+                                 "content; it cannot be continued", "continue_final_message")
+        text = text[:at + len(final)]
+    return ctx.tokenizer.encode(text, add_special_tokens=get_field(
+        body, "add_special_tokens", bool, False))
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
