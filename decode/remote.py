@@ -131,8 +131,10 @@ class RemotePrefiller:
 
     async def fill(self, alloc: RemoteAlloc, request: pb.WorkerGenerateRequest,
                    prefill_peer: pb.PrefillPeer | None, kv_peer: pb.KVPeer | None,
-                   deadline: float | None = None) -> RemoteResult:
-        """Fills `alloc`'s blocks from the peers the gateway named; see the module doc."""
+                   deadline: float | None = None,
+                   timings: dict[str, float] | None = None) -> RemoteResult:
+        """Fills `alloc`'s blocks from the peers the gateway named; see the module doc.
+        `timings` gets the prefill peer's compute seconds ("prefill_s")."""
         remote_prefill = prefill_peer is not None and bool(prefill_peer.address)
         if kv_peer is not None and kv_peer.address:
             alloc = await self.pull(alloc, kv_peer, deadline, whole_prompt=remote_prefill)
@@ -140,6 +142,8 @@ class RemotePrefiller:
             assert prefill_peer is not None
             resp = await self.fetch(alloc, request, prefill_peer, deadline)
             if resp is not None:
+                if timings is not None:
+                    timings["prefill_s"] = resp.timings.compute_s
                 return remote_result(resp, alloc.num_computed_tokens)
         # Computed here from what landed; one token always stays to compute (its logits).
         bs = alloc.block_size

@@ -130,7 +130,8 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._stats = self.engine.stats()
         self._dead: BaseException | None = None
-        self._kv_sink: Callable[[list[KVEvent]], None] | None = None
+        self._kv_sinks: list[Callable[[list[KVEvent]], None]] = []
+        self._step_sink: Callable[[int], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -226,7 +227,16 @@ class AsyncLLM:
         """`sink(events)` receives the block pool's BlockStored/BlockRemoved events after
         every step, on the engine thread (so it must be quick and thread-safe). Without a
         sink the events are dropped. For consistent snapshots, read the pool with `call`."""
-        self._kv_sink = sink
+        self._kv_sinks = [] if sink is None else [sink]
+
+    def add_kv_event_sink(self, sink: Callable[[list[KVEvent]], None]) -> None:
+        """Another sink beside the first (as `set_kv_event_sink`); each gets every event."""
+        self._kv_sinks = [*self._kv_sinks, sink]
+
+    def set_step_sink(self, sink: Callable[[int], None] | None) -> None:
+        """`sink(num_tokens)` after every step that computed tokens (prompt and output
+        tokens together), on the engine thread: it must be quick and thread-safe."""
+        self._step_sink = sink
 
     def stats(self) -> SchedulerStats:
         """The scheduler's figures as of the end of the last step."""
@@ -288,8 +298,7 @@ class AsyncLLM:
 
     def _forward_kv_events(self) -> None:
         events = self.engine.kv.pool.take_events()
-        sink = self._kv_sink
-        if events and sink is not None:
+        for sink in self._kv_sinks if events else ():
             try:
                 sink(events)
             except Exception:  # the index is advisory: never let it stop the engine
@@ -310,6 +319,9 @@ class AsyncLLM:
                     pass
                 for out in self.engine.step():
                     self._deliver(out.request_id, out, last=out.finished)
+                step_sink = self._step_sink
+                if step_sink is not None and self.engine.last_step_tokens:
+                    step_sink(self.engine.last_step_tokens)
                 self._stats = self.engine.stats()
                 self._forward_kv_events()
         except BaseException as e:  # a bug in the engine: fail every stream loudly

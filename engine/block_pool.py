@@ -36,6 +36,9 @@ class KVBlock:
 class BlockStored:
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
+    # The stored blocks' token ids, block after block (empty when the caller had only
+    # hashes, e.g. blocks loaded from an offload tier).
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,23 +224,29 @@ class BlockPool:
         self._queue = deque(live)
 
     def cache_full_blocks(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash],
-                          parent_hash: BlockHash | None) -> None:
-        """Marks full, computed blocks as holding the KV for `hashes` (same order)."""
+                          parent_hash: BlockHash | None,
+                          token_ids: Sequence[int] | None = None) -> None:
+        """Marks full, computed blocks as holding the KV for `hashes` (same order).
+        `token_ids`: the blocks' tokens, block after block (for the BlockStored event)."""
         if not self.enable_caching:
             return
         cached = self._cached
         track = self.track_new_cached
         stored = []
-        for block, h in zip(blocks, hashes, strict=True):
+        tokens: list[int] = []
+        size = len(token_ids) // len(blocks) if token_ids and blocks else 0
+        for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
             # skip: already cached (a prefix hit), or another block holds this content
             # (keep the first; one probe of the map either way)
             if block.block_hash is None and cached.setdefault(h, block) is block:
                 block.block_hash = h
                 stored.append(h)
+                if size:
+                    tokens += token_ids[i * size:(i + 1) * size]  # type: ignore[index]
                 if track:
                     self._new_cached.append((block, h))
         if stored:
-            self._events.append(BlockStored(tuple(stored), parent_hash))
+            self._events.append(BlockStored(tuple(stored), parent_hash, tuple(tokens)))
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash of a free block (e.g. after a weight change)."""

@@ -20,16 +20,20 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
-                 stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+                 stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        """`include_stop`: the text ends with the matched stop string (vLLM's
+        include_stop_str_in_output); nothing is held back then, as in vLLM."""
         self._tok = tokenizer
         # A few prompt tokens give the first output token its joining context.
         self._ids: list[int] = list(prompt_tail)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = list(stop)
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
+        self._include = include_stop
         self._skip = skip_special_tokens
-        self.text = ""  # full output text so far (stop string excluded)
+        self.text = ""  # full output text so far (the stop string cut unless included)
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
 
@@ -59,10 +63,11 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop:
             # Search only where a stop string could newly end.
-            lo = max(0, start - self._hold)
+            lo = max(0, start - max(len(s) for s in self._stop) + 1)
             hits = [(i, s) for s in self._stop if (i := self.text.find(s, lo)) >= 0]
             if hits:
-                self.text = self.text[:min(hits)[0]]
+                i, s = min(hits)
+                self.text = self.text[:i + len(s) if self._include else i]
                 self.stopped = True
 
     def take_delta(self, final: bool = False) -> str:

@@ -88,7 +88,9 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes(self.block_size)
         parent = hashes[start - 1] if start else None
-        self.pool.cache_full_blocks(blocks[start:end], hashes[start:end], parent)
+        self.pool.cache_full_blocks(
+            blocks[start:end], hashes[start:end], parent,
+            request.all_token_ids[start * self.block_size:end * self.block_size])
         self._num_cached[request.request_id] = end
 
     def can_fork(self) -> bool:

@@ -84,6 +84,7 @@ class LLMEngine:
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids = eos
+        self.last_step_tokens = 0
         self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
                                             eos)
 
@@ -139,7 +140,7 @@ class LLMEngine:
     def _track(self, req: Request) -> None:
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens)
+                                       p.skip_special_tokens, p.include_stop_str_in_output)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
         self._tracks[req.request_id] = _Track(detok, sent_tokens=req.num_output_tokens)
 
@@ -319,6 +320,7 @@ class LLMEngine:
             self.offload.save_new(self.kv.pool, self.runner.kv_cache)
             self.offload.reap(self.kv.pool)
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens  # prompt + output tokens this step computes
         if not out.scheduled:
             if self.offload is not None:  # idle but copies pending: wait, don't spin
                 self.offload.reap(self.kv.pool, timeout=0.01)

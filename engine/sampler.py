@@ -1,4 +1,4 @@
-"""Turns last-position logits into tokens: greedy, temperature, top-k, top-p, seeds,
+"""Turns last-position logits into tokens: greedy, temperature, min-p, top-k, top-p, seeds,
 presence/frequency/repetition penalties, logprobs.
 
 Everything is batched tensor work on the logits' device with one host->device copy of
@@ -104,6 +104,14 @@ def apply_penalties(logits: torch.Tensor, tokens: torch.Tensor, prompt_lens: tor
     return logits - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
+def min_p_filter(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p on temperature-scaled logits [B, V]: sets to -inf every token whose
+    probability is below min_p[b] times the row's highest (0 keeps all)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 ) -> torch.Tensor:
     """Sets to -inf what top-k ([B] int64, V disables) and top-p ([B], 1 disables) drop."""
@@ -134,6 +142,7 @@ class _Rows:
     frequency: torch.Tensor
     repetition: torch.Tensor
     prompt_len: torch.Tensor
+    min_p: torch.Tensor
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -191,14 +200,14 @@ class Sampler:
             plen = r.num_prompt_tokens if p.repetition_penalty != 1.0 else 0
             table.append([p.temperature, min(p.top_k or vocab, vocab), p.top_p,
                           seed & _M32, seed >> 32, r.num_tokens, p.presence_penalty,
-                          p.frequency_penalty, p.repetition_penalty, plen])
+                          p.frequency_penalty, p.repetition_penalty, plen, p.min_p])
         # float64 holds every column exactly (ints < 2**53), so one copy carries them all.
         t = self._to_device(torch.tensor(table, dtype=torch.float64))
         ints, floats = t.to(torch.int64), t.to(torch.float32)
         return _Rows(temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 2],
                      seed=ints[:, 3] | (ints[:, 4] << 32), position=ints[:, 5],
                      presence=floats[:, 6], frequency=floats[:, 7],
-                     repetition=floats[:, 8], prompt_len=ints[:, 9])
+                     repetition=floats[:, 8], prompt_len=ints[:, 9], min_p=floats[:, 10])
 
     def _logit_edits(self, requests: Sequence[Request],
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -255,6 +264,8 @@ class Sampler:
         are overridden by the caller."""
         temps = torch.where(rows.temperature == 0, 1.0, rows.temperature)
         logits = logits / temps.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):  # after temperature, before top-k/p: vLLM's
+            logits = min_p_filter(logits, rows.min_p)
         if any(p.top_k is not None or p.top_p < 1.0 for p in params):
             logits = top_k_top_p(logits, rows.top_k, rows.top_p)
         probs = logits.softmax(dim=-1)

@@ -49,11 +49,15 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float = 1.0
+    # vLLM's min_p: after temperature, tokens less likely than min_p times the most
+    # likely one are dropped (0 disables).
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the matched stop string ends the text
     logprobs: int | None = None  # None: none; n: the sampled token's and the top n
     # vLLM's penalties: presence/frequency on output tokens, repetition on prompt+output.
     presence_penalty: float = 0.0
@@ -97,6 +101,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 or None disables), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

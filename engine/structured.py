@@ -48,6 +48,22 @@ def _choice_grammar(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+# xgrammar (0.2.x) compiles a length-bounded JSON string (minLength / maxLength) to this
+# character class, which admits the control characters U+0000-U+001F that JSON forbids
+# raw inside a string (its unbounded string rule excludes them). Rewritten in the
+# schema's grammar before compiling, every finished output parses strictly.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_schema_grammar(schema: str, any_whitespace: bool = True) -> xgr.Grammar:
+    """xgrammar's grammar for `schema`, with no raw control character inside any string."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 class StructuredOutputs:
     """Compiles constraints for one model's vocabulary and hands out grammar states.
 
@@ -121,9 +137,9 @@ class StructuredOutputs:
         if kind == "json_schema":
             json.loads(spec.spec)  # a clear "not JSON" error before xgrammar's
             # vLLM's default: any whitespace between tokens; schemas strict (no extra keys).
-            return compiler.compile_json_schema(spec.spec, any_whitespace=True)
+            return compiler.compile_grammar(json_schema_grammar(spec.spec))
         if kind == "json_object":  # as vLLM: any object (xgrammar's builtin takes any value)
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
         if kind == "regex":
             return compiler.compile_regex(spec.spec)
         if kind == "choice":

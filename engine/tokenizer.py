@@ -89,10 +89,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
         """Renders a conversation to the prompt text the model was trained on.
         `tools`: OpenAI function tools, for templates that describe them to the model
-        (as transformers' `apply_chat_template(tools=...)`).
+        (as transformers' `apply_chat_template(tools=...)`). `template_kwargs`: more
+        template variables (vLLM's chat_template_kwargs), overriding the ones above.
 
         Raises ValueError when the model has no chat template or the template rejects
         the conversation.
@@ -106,15 +108,18 @@ class Tokenizer:
             env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
         try:
-            return str(self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+            variables = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                         "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                         **(template_kwargs or {})}
+            return str(self._template.render(messages=messages, **variables))
         except TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         # The template already places BOS; encoding it again would double it.
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools,
+                                                    template_kwargs),
                            add_special_tokens=False)

@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from gateway.core import Gateway
-from gateway.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs
+from gateway.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
 from gateway.protocol import GenerateInput
 from gateway.tools import ChatOutput
 from protos import splitserve_pb2 as pb
@@ -71,12 +71,15 @@ class Delta(NamedTuple):
     token_ids: list[int]
     logprobs: list[Logprobs | None]  # aligned with token_ids (None: no logprob)
     offset: int  # text_offset of its first token
+    generated: list[int]  # the worker's new output ids (no echoed prompt)
+    first: bool  # the choice's first delta
 
 
 @dataclass(slots=True)
 class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # generated only (return_token_ids)
     logprobs: list[Logprobs | None] = field(default_factory=list)
     output_chars: int = 0  # generated text so far (vLLM's streaming text_offset base)
     started: bool = False
@@ -114,6 +117,8 @@ class Choices:
         lps: list[Logprobs | None] = list(logprobs_from_proto(list(r.logprobs)))
         if inp.echo_only:
             text, ids, lps = "", [], []
+        first, generated = not c.started and not c.output_ids, ids
+        c.output_ids += generated
         offset = c.output_chars  # vLLM: streamed offsets count generated text only
         c.output_chars += len(text)
         if inp.echo and not c.started and (ids or inp.echo_only):
@@ -124,22 +129,42 @@ class Choices:
         c.text.append(text)
         c.token_ids += ids
         c.logprobs += lps
-        return Delta(i, text, ids, lps, offset)
+        return Delta(i, text, ids, lps, offset, generated, first)
+
+    def opening(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of choice `index` (the assistant role)."""
+        out = self.b.chunk("", None, first=True, index=index)
+        if self.inps[0].return_token_ids:  # vLLM: the chat stream's first chunk has them
+            out["prompt_token_ids"] = self.inps[index // self.n].prompt_token_ids
+        return self._with_usage(out)
 
     def chunk(self, d: Delta) -> dict[str, Any] | None:
         """The SSE chunk for a delta (None: nothing to show)."""
         finish = self.choices[d.choice].finish_reason
         k = self.logprobs
+        ids = self.inps[0].return_token_ids
         delta = None
         if self.tools:
             delta, finish = self.tools[d.choice].stream(d.text, finish)
-            if delta is None and not (finish or (k is not None and d.token_ids)):
+            if delta is None and not (finish or (k is not None or ids) and d.token_ids):
                 return None
             delta = delta or {}
-        elif not (d.text or finish or (k is not None and d.token_ids)):
+        elif not (d.text or finish or ((k is not None or ids) and d.token_ids)):
             return None
         lps = None if k is None else self._logprobs(d.token_ids, d.logprobs, k, d.offset)
-        return self.b.chunk(d.text, finish, index=d.choice, logprobs=lps, delta=delta)
+        out = self.b.chunk(d.text, finish, index=d.choice, logprobs=lps, delta=delta)
+        if ids:
+            choice = out["choices"][0]
+            choice["token_ids"] = d.generated
+            if not self.b.chat and d.first:
+                choice["prompt_token_ids"] = self.inps[d.choice // self.n].prompt_token_ids
+        return self._with_usage(out)
+
+    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """stream_options.continuous_usage_stats: the usage so far on every chunk."""
+        if self.inps[0].continuous_usage:
+            chunk["usage"] = usage(*self.usage())
+        return chunk
 
     def _logprobs(self, ids: list[int], lps: list[Logprobs | None], k: int, offset: int,
                   ) -> dict[str, Any]:
@@ -159,7 +184,14 @@ class Choices:
             out.append(self.b.choice(text, finish, index=i, tool_calls=calls,
                                      logprobs=None if k is None else self._logprobs(
                                          c.token_ids, c.logprobs, k, 0)))
-        return self.b.full_choices(out, *self.usage())
+            if self.inps[0].return_token_ids:
+                out[-1]["token_ids"] = c.output_ids
+                if not self.b.chat:
+                    out[-1]["prompt_token_ids"] = self.inps[i // self.n].prompt_token_ids
+        full = self.b.full_choices(out, *self.usage())
+        if self.inps[0].return_token_ids and self.b.chat:
+            full["prompt_token_ids"] = self.inps[0].prompt_token_ids
+        return full
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached tokens) over every prompt and sample."""

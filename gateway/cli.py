@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "none", "hermes", "llama3_json"],
                    help="format of tool calls in the model's output, for tool_choice auto "
                         "(vLLM's --tool-call-parser); auto: from the chat template")
+    p.add_argument("--generation-config", default="auto",
+                   help="request defaults from generation_config.json, as vLLM's flag: auto "
+                        "(the model directory's), vllm (none; EOS ids still apply) or a "
+                        "directory holding one")
     p.add_argument("--max-failovers", type=int, default=2,
                    help="times a request whose decode worker fails mid-stream is resumed on "
                         "another (0: fail it)")
@@ -121,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         admin_key=args.admin_key or None, index_timeout_ms=args.index_timeout_ms,
         security=_security(args), max_failovers=args.max_failovers,
         failover_wait_s=args.failover_wait, tool_call_parser=args.tool_call_parser,
+        generation_config=args.generation_config,
         tenant_keys=load_tenant_keys(args.tenants) if args.tenants else (),
         default_tenant=args.default_tenant, trust_client_identity=args.trust_client_identity,
         max_waiting_per_worker=args.max_waiting_per_worker, kv_headroom=args.kv_headroom,

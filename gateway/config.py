@@ -65,6 +65,7 @@ class GatewayConfig:
     # Format of tool calls in the model's output (gateway/tool_parsers.py): a parser
     # name, "auto" (from the chat template) or "none" (tool_choice "auto" refused).
     tool_call_parser: str = "auto"
+    generation_config: str = "auto"  # vLLM's --generation-config: auto, vllm or a directory
     # Signs every call to a worker with the cluster token; TLS for the gRPC front and
     # towards workers (protos/auth.py).
     security: RpcSecurity = field(default_factory=RpcSecurity)

@@ -196,6 +196,7 @@ class Gateway:
             self.metrics.rejected.labels("admission_queue_full", tenant).inc()
             raise
         self.metrics.queue_time.labels(model, tenant).observe(ticket.queue_s)
+        inp.ttft["queue"] = ticket.queue_s
         self.metrics.prompt_tokens.labels(model, tenant).inc(len(inp.prompt_token_ids))
         first = True
         try:
@@ -203,7 +204,13 @@ class Gateway:
                 async for resp in out:
                     if first and resp.token_ids:
                         first = False
-                        self.metrics.ttft.labels(model, tenant).observe(time.monotonic() - t0)
+                        inp.ttft["total"] = time.monotonic() - t0
+                        self.metrics.ttft.labels(model, tenant).observe(inp.ttft["total"])
+                        if resp.HasField("first_token_timings"):
+                            w = resp.first_token_timings
+                            inp.ttft |= {"worker_queue": w.worker_queue_s,
+                                         "prefill": w.prefill_s,
+                                         "kv_transfer": w.kv_transfer_s}
                     ticket.charge(resp.num_output_tokens)
                     yield resp
         finally:
@@ -229,12 +236,14 @@ class Gateway:
         the new worker continues after the tokens already streamed, so the caller sees
         one uninterrupted stream (see _after_failure)."""
         self.in_flight += 1
+        t0 = time.monotonic()
         try:
             req, lookup = await self._route_request(inp, request_id)
             run = _Run(samples=_many_samples(inp))
             ended = 0  # samples finished (n > 1: finish_reason ends one sample each)
             while True:
                 decision = await self._route_run(req, lookup, inp.model, run, deadline)
+                inp.ttft.setdefault("route", time.monotonic() - t0)  # the first decision
                 try:
                     # aclosing: when our caller stops early, the worker call is cancelled
                     # now, not whenever the garbage collector finalizes the generator.

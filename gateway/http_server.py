@@ -44,6 +44,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 STARTED_KEY: web.AppKey[int] = web.AppKey("started", int)
 REQUEST_ID: web.RequestKey[str] = web.RequestKey("request_id", str)
+TTFT_HEADER = "x-splitserve-ttft"
 
 
 def _json_error(e: APIError, rid: str) -> web.Response:
@@ -140,10 +141,10 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
                 if not inp.stream:
                     continue
                 if resp is None:
-                    resp = await _open_sse(request, rid)
+                    resp = await _open_sse(request, rid, inp.ttft)
                     if b.chat:  # every choice opens with the assistant role
                         for i in range(len(choices.choices)):
-                            await resp.write(sse(b.chunk("", None, first=True, index=i)))
+                            await resp.write(sse(choices.opening(i)))
                 chunk = choices.chunk(delta)
                 if chunk is not None:
                     await resp.write(sse(chunk))
@@ -158,7 +159,7 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
         gw.metrics.in_flight.dec()
     gw.metrics.e2e.labels(inp.model).observe(time.monotonic() - t0)
     if not inp.stream:
-        return web.json_response(choices.full())
+        return web.json_response(choices.full(), headers={TTFT_HEADER: ttft_header(inp.ttft)})
     if resp is None:  # finished without a single response (cannot happen normally)
         resp = await _open_sse(request, rid)
     if inp.include_usage:
@@ -168,9 +169,22 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
     return resp
 
 
-async def _open_sse(request: web.Request, rid: str) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                       "Cache-Control": "no-cache", "x-request-id": rid})
+def ttft_header(ttft: dict[str, float]) -> str:
+    """`x-splitserve-ttft`: where the first token's time went, in Server-Timing syntax
+    (milliseconds): `queue;dur=0.1, route;dur=0.4, worker_queue;dur=0.1, prefill;dur=12.3,
+    kv_transfer;dur=1.5, total;dur=15.2`. total minus the parts is the network, gRPC and
+    the gateway's own work."""
+    order = ("queue", "route", "worker_queue", "prefill", "kv_transfer", "total")
+    return ", ".join(f"{k};dur={ttft[k] * 1000:.2f}" for k in order if k in ttft)
+
+
+async def _open_sse(request: web.Request, rid: str,
+                    ttft: dict[str, float] | None = None) -> web.StreamResponse:
+    headers = {"Content-Type": "text/event-stream; charset=utf-8",
+               "Cache-Control": "no-cache", "x-request-id": rid}
+    if ttft:  # headers go out with the first token: its breakdown is known
+        headers[TTFT_HEADER] = ttft_header(ttft)
+    resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
     return resp
 

@@ -1,5 +1,9 @@
 """The gateway's Prometheus metrics (own CollectorRegistry; `splitserve:` names), and the
-pool-level load series an endpoint picker scores a gateway pod on."""
+pool-level load series an endpoint picker scores a gateway pod on.
+
+Token counts and request latencies the workers also export under vLLM's names are the
+gateway's own view here, named `splitserve:gateway_*`: a sum of `vllm:*` over every pod
+counts each token once (the decode or colocated worker's count)."""
 
 from __future__ import annotations
 
@@ -86,21 +90,21 @@ class GatewayMetrics:
                                     "EWMA of predicted vs reported cached tokens (1 = exact); "
                                     "scales the worker's locality score", ["worker"],
                                     registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency",
+        self.e2e = Histogram("splitserve:gateway_e2e_request_latency_seconds", "End-to-end latency",
                              ["model_name"], registry=r,
                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
         # Per tenant (gateway/identity.py): what the admission queue shares out.
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time waiting in the gateway's admission queue",
+            "splitserve:gateway_request_queue_time_seconds", "Time waiting in the gateway's admission queue",
             ["model_name", "tenant"], registry=r,
             buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+        self.ttft = Histogram("splitserve:gateway_time_to_first_token_seconds",
                               "Arrival at the gateway to the first token", ["model_name", "tenant"],
                               registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                                                    10, 30, 60))
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens dispatched",
+        self.prompt_tokens = Counter("splitserve:gateway_prompt_tokens", "Prompt tokens dispatched",
                                      ["model_name", "tenant"], registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated",
+        self.generation_tokens = Counter("splitserve:gateway_generation_tokens", "Tokens generated",
                                          ["model_name", "tenant"], registry=r)
         self.admission_waiting = Gauge("splitserve:gateway_requests_waiting",
                                        "Requests in the gateway's admission queue", registry=r)

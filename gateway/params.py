@@ -35,12 +35,12 @@ def _not(*defaults: Any) -> Callable[[Any], bool]:
 
 # Both endpoints: vLLM's sampling extras we do not implement.
 _SAMPLING: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _truthy, "min_p": _not(0, 0.0), "length_penalty": _not(1, 1.0),
-    "include_stop_str_in_output": _truthy, "spaces_between_special_tokens": _not(True),
-    "truncate_prompt_tokens": _given, "allowed_token_ids": _given, "bad_words": _truthy,
+    "use_beam_search": _truthy, "length_penalty": _not(1, 1.0),
+    "spaces_between_special_tokens": _not(True),
+    "allowed_token_ids": _given, "bad_words": _truthy,
     "prompt_logprobs": _given,  # completions: echo + logprobs returns them
     "logits_processors": _given, "return_tokens_as_token_ids": _truthy,
-    "return_token_ids": _truthy, "kv_transfer_params": _given, "vllm_xargs": _given,
+    "kv_transfer_params": _given, "vllm_xargs": _given,
     "prompt_embeds": _given, "request_id": _given,  # ours: the x-request-id header
 }
 
@@ -54,9 +54,9 @@ REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
         # The deprecated forms of `tools` / `tool_choice`.
         "functions": _given, "function_call": _given,
         # vLLM's chat extras.
-        "echo": _truthy, "continue_final_message": _truthy, "documents": _given,
-        "chat_template": _given, "chat_template_kwargs": _given,
-        "mm_processor_kwargs": _given, "add_special_tokens": _truthy,
+        "echo": _truthy, "documents": _given,
+        "chat_template": _given,
+        "mm_processor_kwargs": _given,
     },
 }
 
@@ -64,7 +64,8 @@ _COMMON = {
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "n",
     "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-    "user", "priority", "cache_salt", "metadata",
+    "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
+    "return_token_ids", "truncate_prompt_tokens",
     # structured outputs and tools (their own modules read them)
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend",
@@ -75,7 +76,9 @@ IMPLEMENTED: dict[str, set[str]] = {
     "completions": _COMMON | {"prompt", "echo", "best_of", "add_special_tokens"},
     "chat": _COMMON | {"messages", "top_logprobs", "max_completion_tokens",
                        "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
-                       "safety_identifier", "prompt_cache_key", "include_reasoning"},
+                       "safety_identifier", "prompt_cache_key", "include_reasoning",
+                       "chat_template_kwargs", "continue_final_message",
+                       "add_special_tokens"},
 }
 
 
@@ -86,10 +89,6 @@ def check_fields(body: dict[str, Any], endpoint: str) -> None:
     for name, value in body.items():
         if name in refused and refused[name](value):
             raise InvalidRequest(f"`{name}` is not supported by this server", name)
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
-        raise InvalidRequest("`stream_options.continuous_usage_stats` is not supported by "
-                             "this server", "stream_options.continuous_usage_stats")
     unknown = sorted(set(body) - IMPLEMENTED[endpoint] - set(refused))
     if unknown:
         log.warning("The following fields were present in the request but ignored: %s",

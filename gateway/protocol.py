@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from gateway.body import body_object, get_field
 from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.generation_config import load_generation_defaults
 from gateway.params import check_fields
 from gateway.sampling import sampling_from_body
 from gateway.structured import structured_from_body
@@ -36,6 +37,8 @@ class GenerateInput:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
     cache_salt: str | None = None
     priority: int = 0
     tenant: str = ""  # set by the front from the request's identity (gateway/identity.py)
@@ -46,6 +49,9 @@ class GenerateInput:
     echo_only: bool = False
     prompt_text: str = ""
     tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
+    # Where the first token's time went, in seconds (gateway/core.py fills it):
+    # queue, route, worker_queue, prefill, kv_transfer, total.
+    ttft: dict[str, float] = field(default_factory=dict)
 
 
 T = TypeVar("T")
@@ -56,11 +62,13 @@ class ModelContext:
     parse requests on (`off_loop`)."""
 
     def __init__(self, model_dir: str, served_name: str, max_model_len: int | None = None,
-                 tool_call_parser: str = "auto", parse_threads: int = 4) -> None:
+                 tool_call_parser: str = "auto", parse_threads: int = 4,
+                 generation_config: str = "auto") -> None:
         """`tool_call_parser`: the format tool calls take in this model's output (a
         name in gateway/tool_parsers.PARSERS), "auto" (from the chat template) or
         "none" (tool_choice "auto" refused). `parse_threads`: requests parsed at once;
-        more wait their turn."""
+        more wait their turn. `generation_config`: vLLM's --generation-config (auto,
+        vllm or a directory; gateway/generation_config.py)."""
         # Created now, its threads only when first used; close() ends them.
         self._parse_pool = ThreadPoolExecutor(parse_threads, thread_name_prefix="gw-parse")
         cfg = ModelConfig.from_model_dir(model_dir)
@@ -74,6 +82,8 @@ class ModelContext:
             else tool_call_parser
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        self.defaults = load_generation_defaults(generation_config, model_dir,
+                                                 cfg.eos_token_ids)
 
     def observe_worker_limit(self, max_model_len: int) -> None:
         """A worker serves at most `max_model_len` tokens (its --max-model-len): the
@@ -101,18 +111,44 @@ class ModelContext:
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+COMPLETION_MAX_TOKENS = 16  # vLLM's /v1/completions default
+
+
+def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the context
+    length)."""
+    k = get_field(body, "truncate_prompt_tokens", int, None)
+    if k is None:
+        return ids
+    if k == -1:
+        k = ctx.max_model_len
+    if k < 1:
+        raise InvalidRequest(f"`truncate_prompt_tokens` must be -1 or at least 1, got {k}",
+                             "truncate_prompt_tokens")
+    if k > ctx.max_model_len:
+        raise InvalidRequest(f"truncate_prompt_tokens value ({k}) is greater than "
+                             f"max_model_len ({ctx.max_model_len}). Please, select a smaller "
+                             "truncation size.", "truncate_prompt_tokens")
+    return ids[-k:]
 
 
 def finish_input(ctx: ModelContext, model: str, ids: list[int], params: SamplingParams,
-                 max_tokens_given: bool, **kw: Any) -> GenerateInput:
-    """Context-length and vocabulary checks once the prompt is tokenized."""
+                 max_tokens_given: bool, default_max: int | None = None,
+                 **kw: Any) -> GenerateInput:
+    """Context-length and vocabulary checks once the prompt is tokenized. Without
+    max_tokens: `default_max` (completions' 16), else the rest of the context; the
+    model's generation config (max_new_tokens) caps either, as in vLLM."""
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not 0 <= t < ctx.vocab_size for t in ids):
         raise InvalidRequest(f"the prompt holds token ids outside [0, {ctx.vocab_size})",
                              "prompt")
     if not max_tokens_given:
-        params.max_tokens = max(1, ctx.max_model_len - len(ids))
+        params.max_tokens = max(1, min(ctx.max_model_len - len(ids),
+                                       default_max or ctx.max_model_len))
+    cap = ctx.defaults.sampling.get("max_tokens")
+    if cap is not None:
+        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
     total = len(ids) + params.max_tokens
     if total > ctx.max_model_len:
         raise InvalidRequest(
@@ -134,11 +170,15 @@ def _stream_flags(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("Stream options can only be defined when `stream=True`.",
                              "stream_options")
     include_usage = bool(opts and get_field(opts, "include_usage", bool, False))
+    # vLLM: continuous usage only together with include_usage.
+    continuous = include_usage and bool(
+        opts and get_field(opts, "continuous_usage_stats", bool, False))
     salt = get_field(body, "cache_salt", str, None)
     if salt == "":
         raise InvalidRequest("`cache_salt` must be a non-empty string", "cache_salt")
-    return {"stream": stream, "include_usage": include_usage, "cache_salt": salt,
-            "priority": get_field(body, "priority", int, 0)}
+    return {"stream": stream, "include_usage": include_usage, "continuous_usage": continuous,
+            "cache_salt": salt, "priority": get_field(body, "priority", int, 0),
+            "return_token_ids": get_field(body, "return_token_ids", bool, False)}
 
 
 def _token_ids(p: Any) -> bool:
@@ -168,7 +208,7 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
     echo_only = echo and body.get("max_tokens") == 0
     if echo_only:  # vLLM: the prompt alone (one token is generated and not shown)
         body = body | {"max_tokens": 1}
-    params, given = sampling_from_body(body, ("max_tokens",))
+    params, given = sampling_from_body(body, ("max_tokens",), defaults=ctx.defaults)
     params.structured = structured_from_body(body)
     special = get_field(body, "add_special_tokens", bool, True)
     flags = _stream_flags(body)
@@ -179,7 +219,9 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
         else:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
-        out.append(finish_input(ctx, model, ids, replace(params), given, echo=echo,
+        ids = truncate_prompt(body, ctx, ids)
+        out.append(finish_input(ctx, model, ids, replace(params), given,
+                                COMPLETION_MAX_TOKENS, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))
     return out
 
@@ -219,16 +261,51 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     messages = [message_text(m, i) for i, m in enumerate(msgs)]
     tools = chat_tools(ctx, parse_tools(body.get("tools"), body.get("tool_choice"),
                                         body.get("parallel_tool_calls")))
-    try:
-        ids = ctx.tokenizer.encode_chat(
-            messages, add_generation_prompt=get_field(body, "add_generation_prompt", bool, True),
-            tools=list(tools.tools) if tools else None)
-    except ValueError as e:
-        raise InvalidRequest(str(e), "messages") from e
+    ids = truncate_prompt(body, ctx, chat_prompt(body, ctx, messages, tools))
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
-                                       chat=True)
+                                       chat=True, defaults=ctx.defaults)
     params.structured = structured_from_body(body, forced_structure(tools))
     return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+
+
+def chat_prompt(body: dict[str, Any], ctx: ModelContext, messages: list[dict[str, Any]],
+                tools: ToolChoice | None) -> list[int]:
+    """The conversation through the chat template, with vLLM's add_generation_prompt,
+    continue_final_message (the last assistant message left open, for the model to go
+    on with), add_special_tokens (default false: the template places them) and
+    chat_template_kwargs."""
+    add_prompt = get_field(body, "add_generation_prompt", bool, True)
+    cont = get_field(body, "continue_final_message", bool, False)
+    if cont and add_prompt:
+        raise InvalidRequest("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.", "continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise InvalidRequest("`continue_final_message` needs the last message to be the "
+                             "assistant's", "continue_final_message")
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, add_prompt, list(tools.tools) if tools else None, template_kwargs(body))
+    except ValueError as e:
+        raise InvalidRequest(str(e), "messages") from e
+    if cont:  # as transformers: cut after the final message's content
+        final = messages[-1]["content"].strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise InvalidRequest("the chat template does not render the final message's "
+                                 "content; it cannot be continued", "continue_final_message")
+        text = text[:at + len(final)]
+    return ctx.tokenizer.encode(text, add_special_tokens=get_field(
+        body, "add_special_tokens", bool, False))
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's
+    `enable_thinking`, ...); they override the template's other inputs but `messages`."""
+    kw = get_field(body, "chat_template_kwargs", dict, None) or {}
+    if "messages" in kw:
+        raise InvalidRequest("`chat_template_kwargs` cannot set `messages`",
+                             "chat_template_kwargs")
+    return dict(kw)
 
 
 def chat_tools(ctx: ModelContext, tools: ToolChoice | None) -> ToolChoice | None:

@@ -51,7 +51,7 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ctx = ModelContext(config.model_dir, config.served_model_name, max_model_len,
-                       config.tool_call_parser)
+                       config.tool_call_parser, generation_config=config.generation_config)
     # Callbacks fire only after registry.start(), by which time `gw` exists.
     registry = WorkerRegistry(config, on_info=lambda info: gw.observe_info(info))
     gw = Gateway(config, ctx, registry, GatewayMetrics(), block_size)

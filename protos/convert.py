@@ -18,7 +18,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
         n=p.n, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-        min_tokens=p.min_tokens)
+        min_tokens=p.min_tokens, min_p=p.min_p,
+        include_stop_str_in_output=p.include_stop_str_in_output)
     if p.seed is not None:
         msg.seed = p.seed
     if p.structured is not None:
@@ -48,7 +49,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
                             else 1.0),
-        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens, min_p=msg.min_p,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
         structured=structured_from_proto(msg.structured))
 
 

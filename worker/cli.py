@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from kvtransfer.config import TransferConfig
     from kvtransfer.faults import FaultSpec
     from protos.auth import RpcSecurity
+    from worker.kv_events_zmq import KVEventsConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a signed worker RPC stays valid (clock skew + replay "
                         "window; protos/auth.py)")
     add_tls_arguments(p, "this worker")
+    p.add_argument("--kv-events-config", default=None,
+                   help="vLLM's KV events config (JSON): e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\"}' publishes block events "
+                        "as vLLM does, beside the Redis index")
     p.add_argument("--faults", default=os.environ.get("SPLITSERVE_FAULTS", ""),
                    help="TESTING ONLY: seeded faults on the KV wire and this worker's RPCs, "
                         "e.g. 'seed=1,wire.corrupt=0.2,rpc.delay=0.5' (kvtransfer/faults.py; "
@@ -103,6 +109,17 @@ def rpc_security(args: argparse.Namespace) -> RpcSecurity:
                            args.rpc_auth_window)
     except ValueError as e:
         raise SystemExit(f"invalid RPC security settings: {e}") from None
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    from worker.kv_events_zmq import KVEventsConfig
+
+    if not args.kv_events_config:
+        return None
+    try:
+        return KVEventsConfig.from_json(args.kv_events_config)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"invalid --kv-events-config: {e}") from None
 
 
 def fault_spec(args: argparse.Namespace) -> FaultSpec | None:
@@ -170,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat, load_interval_ms=args.load_interval_ms,
         drain_timeout_s=args.drain_timeout, kv_failure_policy=args.kv_failure_policy,
         prefill_timeout_s=args.prefill_timeout, security=rpc_security(args),
-        faults=fault_spec(args))
+        kv_events=kv_events_config(args), faults=fault_spec(args))
     from kvtransfer.tiers.config import tier_config_from_args
 
     return asyncio.run(serve(config, ecfg, transfer_config(args),

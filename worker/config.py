@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtransfer.faults import FaultSpec
 from protos.auth import RpcSecurity
+
+if TYPE_CHECKING:
+    from worker.kv_events_zmq import KVEventsConfig
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -34,6 +38,8 @@ class WorkerConfig:
     prefill_timeout_s: float = 30.0  # decode: deadline of one Prefill call
     # The cluster credential on its RPCs, served and made (protos/auth.py); mTLS.
     security: RpcSecurity = field(default_factory=RpcSecurity)
+    # vLLM's --kv-events-config: block events on vLLM's ZMQ wire (worker/kv_events_zmq.py)
+    kv_events: KVEventsConfig | None = None
     faults: FaultSpec | None = None  # testing: seeded faults on its RPCs (worker/faults.py)
 
     def __post_init__(self) -> None:

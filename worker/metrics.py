@@ -19,6 +19,9 @@ from engine.scheduler import SchedulerStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # vLLM's
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
@@ -62,11 +65,31 @@ class _StatsCollector(Collector):
         yield g
 
 
+class _CacheConfigInfo(Collector):
+    """vLLM's `vllm:cache_config_info`: the KV cache's configuration as labels, value 1."""
+
+    def __init__(self, info: Callable[[], dict[str, str] | None]) -> None:
+        self._info = info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._info()
+        if info is None:  # model not loaded yet
+            return
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine "
+                              "CacheConfig", labels=sorted(info))
+        g.add_metric([info[k] for k in sorted(info)], 1.0)
+        yield g
+
+
 class WorkerMetrics:
-    def __init__(self, model: str, stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, model: str, stats: Callable[[], SchedulerStats | None],
+                 cache_info: Callable[[], dict[str, str] | None] | None = None) -> None:
+        """`cache_info`: the KV cache's settings, exported as vllm:cache_config_info."""
         self.registry = CollectorRegistry()
         self.model = model
         self.registry.register(_StatsCollector(model, stats))
+        if cache_info is not None:
+            self.registry.register(_CacheConfigInfo(cache_info))
         labels = ["model_name", "tenant"]
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
                                     "Time waiting before first scheduled", labels,
@@ -81,6 +104,33 @@ class WorkerMetrics:
                                      registry=self.registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens",
                                          labels, registry=self.registry)
+        # vLLM's request phases: scheduled -> first token (prefill; a remote prefill's
+        # time counts from arrival here), first -> last token (decode), and both.
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      labels, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     labels, buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.inference_time = Histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", labels,
+            buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ["model_name"], buckets=ITERATION_BUCKETS, registry=self.registry)
+
+    def observe_step(self, num_tokens: int) -> None:
+        """One engine step's computed tokens (called on the engine thread)."""
+        self.iteration_tokens.labels(self.model).observe(num_tokens)
+
+    def observe_phases(self, scheduled: float, first_token: float, last_token: float,
+                       tenant: str = "") -> None:
+        """A finished request's prefill, decode and inference times (monotonic s)."""
+        self.prefill_time.labels(self.model, tenant).observe(max(first_token - scheduled, 0.0))
+        self.decode_time.labels(self.model, tenant).observe(max(last_token - first_token, 0.0))
+        self.inference_time.labels(self.model, tenant).observe(
+            max(last_token - scheduled, 0.0))
 
     def observe_finished(self, reason: str, prompt_tokens: int, output_tokens: int,
                          tenant: str = "") -> None:

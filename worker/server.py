@@ -170,7 +170,16 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     def stats() -> SchedulerStats | None:
         return holder[0].stats() if holder else None
 
-    metrics = WorkerMetrics(model, stats)
+    def cache_info() -> dict[str, str] | None:
+        if not holder:
+            return None
+        c = engine_config.cache
+        return {"block_size": str(c.block_size), "num_gpu_blocks": str(holder[0].stats().num_blocks),
+                "cache_dtype": engine_config.dtype or "auto",
+                "enable_prefix_caching": str(c.enable_prefix_caching),
+                "gpu_memory_utilization": str(c.gpu_memory_utilization)}
+
+    metrics = WorkerMetrics(model, stats, cache_info)
     service = WorkerService(config, metrics, kv_layout_string(engine_config))
     kv_side = KVSide(config, transfer, service, metrics)
     health = health_aio.HealthServicer()
@@ -209,11 +218,19 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
         await server.stop(grace=None)
         raise
     holder.append(llm)
+    llm.set_step_sink(metrics.observe_step)
     service.attach(llm)
     registrar = _registrar(config, model, address, service)
     beat = asyncio.create_task(registrar.run()) if registrar else None
     kv_index = start_kv_publisher(config.redis_url, model, config.worker_id, llm,
                                   config.redis_timeout_s, metrics.registry)
+    zmq_events = None  # vLLM's KV events wire, beside the Redis index
+    if config.kv_events is not None and config.kv_events.enabled:
+        from worker.kv_events_zmq import ZmqKVEventPublisher
+
+        zmq_events = ZmqKVEventPublisher(config.kv_events, engine_config.cache.block_size)
+        zmq_events.start()
+        llm.add_kv_event_sink(zmq_events.on_engine_events)
     strategies = None  # scheduling strategies, polled and applied live
     if config.redis_url:
         strategies = StrategyWatcher(config.redis_url, model, llm, config.redis_timeout_s)
@@ -246,6 +263,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     if http is not None:
         http[0].shutdown()
     llm.shutdown()
+    if zmq_events is not None:
+        zmq_events.close()
     if tiers is not None:
         tiers.close()
     await kv_side.close()

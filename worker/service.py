@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -39,6 +39,21 @@ if TYPE_CHECKING:
     from worker.kv_source import KVSource
 
 log = logging.getLogger(__name__)
+
+
+def _first_token_timings(start: float, scheduled: float | None, first: float,
+                         remote: dict[str, float]) -> pb.FirstTokenTimings:
+    """The worker's share of a first token (monotonic seconds in): computed here, the
+    queue before scheduling and the prefill after; filled remotely, the prefill peer's
+    compute, the rest of the fill as KV transfer, and the remainder as queue."""
+    total = first - start
+    if "remote_s" in remote:
+        prefill = min(remote.get("prefill_s", 0.0), remote["remote_s"])
+        return pb.FirstTokenTimings(worker_queue_s=max(total - remote["remote_s"], 0.0),
+                                    prefill_s=prefill,
+                                    kv_transfer_s=remote["remote_s"] - prefill)
+    queue = max((scheduled or start) - start, 0.0)
+    return pb.FirstTokenTimings(worker_queue_s=queue, prefill_s=max(total - queue, 0.0))
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -78,27 +93,41 @@ class WorkerService(pb_grpc.WorkerServicer):
         peer = request.prefill_peer if request.HasField("prefill_peer") else None
         n_prompt = len(request.prompt_token_ids)
         start = last = time.monotonic()
+        scheduled: float | None = None  # first scheduled here (None: not yet, or remote)
+        first: float | None = None  # the first token's arrival
+        remote_timings: dict[str, float] = {}  # a remote fill's (see _run)
         n_out = 0
         ended = False  # finished, rejected or failed: anything else is a client abort
         self.changed.set()
         try:
             left = context.time_remaining()
             deadline = None if left is None else time.monotonic() + left
-            async with contextlib.aclosing(self._run(request, params, peer, deadline)) as outs:
+            async with contextlib.aclosing(self._run(request, params, peer, deadline,
+                                                     remote_timings)) as outs:
                 async for out in outs:
                     now = time.monotonic()
+                    if scheduled is None and out.scheduled_time is not None:
+                        scheduled = out.scheduled_time
+                    resp = self._response(rid, out, n_prompt, params)
                     if out.new_token_ids:
                         self._observe_tokens(request.tenant, start, last, now, n_out,
                                              len(out.new_token_ids), out.scheduled_time)
                         last = now
+                        if first is None:
+                            first = now
+                            resp.first_token_timings.CopyFrom(_first_token_timings(
+                                start, scheduled, now, remote_timings))
                     n_out = len(out.token_ids)
                     if out.finished:
                         ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
                                                       n_out, request.tenant)
+                        if first is not None:
+                            self.metrics.observe_phases(scheduled or start, first, last,
+                                                        request.tenant)
                         log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
                                  "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
-                    yield self._response(rid, out, n_prompt, params)
+                    yield resp
         except RequestError as e:
             ended = True
             log.info("event=rejected request_id=%s message=%r", rid, str(e))
@@ -128,6 +157,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _run(self, request: pb.WorkerGenerateRequest, params: SamplingParams,
              prefill_peer: pb.PrefillPeer | None, deadline: float | None = None,
+             timings: dict[str, float] | None = None,
              ) -> AsyncGenerator[RequestOutput, None]:
         """The engine outputs for one request. On a decode worker the prompt's KV comes
         from the peers the gateway named (blocks pulled from `kv_peer`, the rest pushed by
@@ -145,9 +175,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             prefill_peer = None
         if prefiller is not None and ((prefill_peer and prefill_peer.address)
                                       or (kv_peer and kv_peer.address)):
-            def remote(alloc: RemoteAlloc) -> Awaitable[RemoteResult | int | None]:
+            async def remote(alloc: RemoteAlloc) -> RemoteResult | int | None:
                 assert prefiller is not None
-                return prefiller.fill(alloc, request, prefill_peer, kv_peer, deadline)
+                t0 = time.monotonic()
+                try:
+                    return await prefiller.fill(alloc, request, prefill_peer, kv_peer,
+                                                deadline, timings)
+                finally:
+                    if timings is not None:  # the whole fill: pull, prefill, KV landing
+                        timings["remote_s"] = time.monotonic() - t0
         elif prefill_peer is not None or kv_peer is not None:
             log.debug("request %s: peers ignored by a %s worker", request.request_id,
                       self.config.role)

@@ -60,6 +60,15 @@ def call_http(port: int, method: str, path: str, body: bytes | dict | None = Non
     return resp.status, parsed, hdrs
 
 
+def ttft_parts(header: str) -> dict[str, float]:
+    """`x-splitserve-ttft` ("queue;dur=0.12, route;dur=0.40, ...") as {part: ms}."""
+    out = {}
+    for item in header.split(","):
+        name, _, dur = item.strip().partition(";dur=")
+        out[name] = float(dur)
+    return out
+
+
 def load_report(address: str, timeout: float = 3.0) -> pb.LoadReport:
     """A worker's first load report, signed with the test session's cluster token
     (tests/conftest.py; LocalCluster hands it to every child)."""

@@ -127,9 +127,10 @@ def test_tenant_from_key_headers_and_metadata_reaches_the_worker(cluster) -> Non
         before = metric(worker_port, "vllm:generation_tokens_total", tenant=tenant)
         status, resp, _ = _complete(port, headers, 3, **body)
         assert status == 200, resp
-        assert metric(port, "vllm:generation_tokens_total", tenant=tenant) >= 3
+        assert metric(port, "splitserve:gateway_generation_tokens_total", tenant=tenant) >= 3
         assert metric(worker_port, "vllm:generation_tokens_total", tenant=tenant) == before + 3
-    assert metric(port, "vllm:time_to_first_token_seconds_count", tenant="gold") >= 2
+    assert metric(port, "splitserve:gateway_time_to_first_token_seconds_count",
+                  tenant="gold") >= 2
     bad = [({**PLAIN, "X-Labels": "novalue"}, {}), (PLAIN, {"metadata": {"n": 1}}),
            ({**PLAIN, "X-Tenant": "bad tenant!"}, {})]
     for headers, body in bad:

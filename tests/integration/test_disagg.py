@@ -218,7 +218,7 @@ def test_samples_logprobs_and_echo_through_remote_prefill(tmp_path, offline) -> 
     the prefill draws every sample's first token from its one prefill and computes the
     prompt's logprobs; the decode forks the samples. Same numbers as the offline engine
     (itself transformers', tests/unit/engine/test_parallel_sampling.py)."""
-    from tests.integration.serving_util import call_http
+    from tests.integration.serving_util import call_http, ttft_parts
 
     cluster = start_cluster(tmp_path, "tcp")
     try:
@@ -227,9 +227,15 @@ def test_samples_logprobs_and_echo_through_remote_prefill(tmp_path, offline) -> 
         prefill = child(cluster, "prefill-0").grpc_address
         prompt = [(19 * j) % 470 + 7 for j in range(45)]
         before = load_report(prefill).prefix_cache_queries
-        _, r, _ = call_http(port, "POST", "/v1/completions", {
+        _, r, headers = call_http(port, "POST", "/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "n": 3,
             "seed": 77, "logprobs": 1})
+        # The first token's breakdown: computed on the prefill worker, its KV landed here.
+        ttft = ttft_parts(headers["x-splitserve-ttft"])
+        assert set(ttft) == {"queue", "route", "worker_queue", "prefill", "kv_transfer",
+                             "total"}, ttft
+        assert ttft["prefill"] > 0 and min(ttft.values()) >= 0
+        assert sum(v for k, v in ttft.items() if k != "total") <= ttft["total"] + 1.0
         ref = offline.generate([prompt], SamplingParams(max_tokens=5, temperature=1.0, n=3,
                                                         seed=77, logprobs=1))
         assert [c["text"] for c in r["choices"]] == [o.text for o in ref], logs(cluster)

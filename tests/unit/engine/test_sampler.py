@@ -158,6 +158,50 @@ def test_top_k_and_top_p_stay_inside_the_allowed_set(k: int, p: float):
     assert set(tokens) == allowed  # every allowed token reachable, nothing else
 
 
+def _min_p_reference(base: list[float], temperature: float, min_p: float) -> list[float]:
+    """vLLM's min-p in plain Python: the softmax of the temperature-scaled logits with
+    every token below min_p x the top probability dropped, renormalized."""
+    scaled = [x / temperature for x in base]
+    top = max(scaled)
+    probs = [math.exp(x - top) for x in scaled]
+    total = sum(probs)
+    probs = [q / total for q in probs]
+    kept = [q if q >= min_p * max(probs) else 0.0 for q in probs]
+    return [q / sum(kept) for q in kept]
+
+
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.1), (0.7, 0.3), (1.5, 0.05)])
+def test_min_p_draws_follow_vllms_filtered_softmax(temperature: float, min_p: float):
+    base = [2.0, 1.6, 1.0, 0.5, 0.0, -1.0, -2.5]
+    ref = _min_p_reference(base, temperature, min_p)
+    assert 2 <= sum(q > 0 for q in ref) < len(base)  # the filter keeps some, drops some
+    n = 20000
+    tokens = draw(torch.tensor(base).expand(n, -1).contiguous(),
+                  [make_request(9, seed=s, temperature=temperature, min_p=min_p)
+                   for s in range(n)])
+    assert {t for t in tokens} == {v for v, q in enumerate(ref) if q > 0}
+    kept = [v for v, q in enumerate(ref) if q > 0]
+    # Chi-square over the kept tokens (dropped ones never drawn, checked above).
+    stat = sum((tokens.count(v) - n * ref[v]) ** 2 / (n * ref[v]) for v in kept)
+    assert stat < 25.0
+
+
+def test_min_p_one_is_greedy_and_zero_changes_nothing():
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(5)) * 3
+    greedy = logits.argmax(dim=-1).tolist()
+    assert draw(logits, [make_request(9, seed=s, temperature=1.0, min_p=1.0)
+                         for s in range(16)]) == greedy
+    plain = draw(logits, [make_request(9, seed=s, temperature=1.0) for s in range(16)])
+    assert draw(logits, [make_request(9, seed=s, temperature=1.0, min_p=0.0)
+                         for s in range(16)]) == plain
+    assert plain != greedy  # so that the first check could fail
+
+
+def test_min_p_out_of_range_names_the_field():
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5).validate()
+
+
 # -- penalties -------------------------------------------------------------------------
 
 def _reference_penalties(row: torch.Tensor, prompt: list[int], output: list[int],

@@ -86,8 +86,13 @@ def test_defaults_pass_and_unknown_fields_are_logged(gw: Gateway, caplog) -> Non
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "hi", "stream_options": {"continuous_usage_stats": True}, "stream": True},
-     "stream_options.continuous_usage_stats"),
+    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"prompt": "hi", "return_token_ids": "yes"}, "return_token_ids"),
+    ({"prompt": "hi", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+     "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},

@@ -27,9 +27,12 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
     assert inp.stream and inp.include_usage
 
 
-def test_missing_max_tokens_takes_the_rest_of_the_context(ctx: ModelContext) -> None:
-    inp = parse_completion({"prompt": [1, 2, 3]}, ctx)[0]
-    assert inp.params.max_tokens == 256 - 3
+def test_missing_max_tokens_is_vllms_default(ctx: ModelContext) -> None:
+    # Completions: 16 (fewer when the context has less room); chat: the rest of it.
+    assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 16
+    assert parse_completion({"prompt": [1] * 250}, ctx)[0].params.max_tokens == 6
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx)
+    assert chat.params.max_tokens == 256 - len(chat.prompt_token_ids)
 
 
 def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None:
@@ -103,6 +106,42 @@ def test_worker_limit_lowers_the_context_limit() -> None:
     ctx.observe_worker_limit(128)
     ctx.observe_worker_limit(512)  # never raised again
     assert ctx.max_model_len == 128
-    assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 125
+    assert parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx) \
+        .params.max_tokens == 128 - len(ctx.tokenizer.encode_chat(
+            [{"role": "user", "content": "hi"}]))
     with pytest.raises(InvalidRequest):
         parse_completion({"prompt": [1, 2, 3], "max_tokens": 126}, ctx)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(ctx: ModelContext) -> None:
+    inp = parse_completion({"prompt": list(range(1, 41)), "truncate_prompt_tokens": 8,
+                            "max_tokens": 2}, ctx)[0]
+    assert inp.prompt_token_ids == list(range(33, 41))
+    msgs = [{"role": "user", "content": "a long question about foxes and dogs"}]
+    full = parse_chat({"messages": msgs}, ctx).prompt_token_ids
+    assert parse_chat({"messages": msgs, "truncate_prompt_tokens": 5},
+                      ctx).prompt_token_ids == full[-5:]
+    for bad in (0, -2, 257):
+        with pytest.raises(InvalidRequest) as e:
+            parse_completion({"prompt": [1, 2], "truncate_prompt_tokens": bad}, ctx)
+        assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_continue_final_message_and_add_special_tokens(ctx: ModelContext) -> None:
+    msgs = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "The colour is"}]
+    inp = parse_chat({"messages": msgs, "continue_final_message": True,
+                      "add_generation_prompt": False}, ctx)
+    text = ctx.tokenizer.decode(inp.prompt_token_ids, False)
+    assert text.endswith("The colour is")  # left open: no end-of-turn after it
+    closed = ctx.tokenizer.apply_chat_template(msgs, False)
+    assert closed.startswith(text) and len(closed) > len(text)
+    with pytest.raises(InvalidRequest, match="add_generation_prompt"):
+        parse_chat({"messages": msgs, "continue_final_message": True}, ctx)
+    with pytest.raises(InvalidRequest, match="assistant"):
+        parse_chat({"messages": msgs[:1], "continue_final_message": True,
+                    "add_generation_prompt": False}, ctx)
+    plain = parse_chat({"messages": msgs[:1]}, ctx).prompt_token_ids
+    special = parse_chat({"messages": msgs[:1], "add_special_tokens": True},
+                         ctx).prompt_token_ids
+    assert special != plain and special[-len(plain):] == plain  # BOS added again

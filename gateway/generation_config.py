@@ -1,0 +1,75 @@
+"""The model's `generation_config.json` as vLLM reads it: request defaults and EOS ids.
+
+`--generation-config` takes vLLM's values: `auto` (the model directory's file), `vllm`
+(vLLM's own sampling defaults; the file's EOS ids still apply, as in vLLM) or a
+directory holding a generation_config.json. Sampling defaults fill the fields a request
+leaves unset (temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as
+max_tokens); as with transformers' `to_diff_dict`, a value equal to transformers' own
+default is no override (so a file's `top_k: 50` changes nothing). EOS ids beyond the
+model's end generation as stop tokens unless the request sets `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# transformers' GenerationConfig defaults: equal values are not overrides.
+_HF_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
+                                "min_p": None, "repetition_penalty": 1.0,
+                                "max_new_tokens": None}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    """`sampling`: request field -> default; `eos_token_ids`: extra stop tokens."""
+
+    sampling: dict[str, float | int] = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def load_generation_defaults(source: str, model_dir: str,
+                             model_eos: tuple[int, ...]) -> GenerationDefaults:
+    """Raises ValueError for a `source` directory without a readable
+    generation_config.json; "auto" / "vllm" without the file: no defaults."""
+    if source in ("auto", "vllm"):
+        path = os.path.join(model_dir, "generation_config.json")
+        data = _read(path) if os.path.isfile(path) else {}
+    else:
+        path = os.path.join(source, "generation_config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--generation-config {source!r}: give auto, vllm or a "
+                             "directory holding a generation_config.json")
+        data = _read(path)
+    sampling: dict[str, float | int] = {}
+    if source != "vllm":
+        for key, default in _HF_DEFAULTS.items():
+            value = data.get(key)
+            if value is None or value == default:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{path}: `{key}` must be a number, got {value!r}")
+            sampling["max_tokens" if key == "max_new_tokens" else key] = value
+    if sampling:
+        log.info("Default sampling parameters have been overridden by the model's "
+                 "generation config (%s): %s", path, sampling)
+    eos = data.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    extra = tuple(sorted({int(t) for t in ids if isinstance(t, int)} - set(model_eos)))
+    return GenerationDefaults(sampling=sampling, eos_token_ids=extra)

@@ -1,0 +1,68 @@
+"""The model's generation_config.json as vLLM applies it (--generation-config auto,
+vllm or a directory): defaults for the sampling fields a request leaves unset, a cap on
+max_tokens, and extra EOS ids as stop tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from gateway.protocol import ModelContext, parse_chat, parse_completion
+from tests.factories import tiny_model_dir
+
+GEN = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+       "repetition_penalty": 1.1, "eos_token_id": [7, 9], "do_sample": True}
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _model_dir(tmp_path, gen: dict) -> str:
+    out = str(tmp_path / "model")
+    shutil.copytree(tiny_model_dir("llama"), out)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(gen, f)
+    return out
+
+
+def test_unset_fields_take_the_models_defaults(tmp_path) -> None:
+    ctx = ModelContext(_model_dir(tmp_path, GEN), "tiny")
+    model_eos = ModelContext(tiny_model_dir("llama"), "tiny").defaults
+    assert model_eos.eos_token_ids == ()
+    for inp in (parse_completion({"prompt": "hello"}, ctx)[0],
+                parse_chat({"messages": MSGS}, ctx)):
+        p = inp.params
+        assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == \
+            pytest.approx((0.6, 0.95, 20, 0.05, 1.1))
+        assert p.stop_token_ids == [7, 9]  # beside the model's own EOS
+    p = parse_completion({"prompt": "hello", "temperature": 0, "top_p": 1.0, "top_k": -1,
+                          "min_p": 0, "repetition_penalty": 1.0, "stop_token_ids": [9, 3],
+                          "ignore_eos": False}, ctx)[0].params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == \
+        (0.0, 1.0, None, 0.0, 1.0)
+    assert p.stop_token_ids == [9, 3, 7]
+    ignoring = parse_completion({"prompt": "hello", "ignore_eos": True}, ctx)[0].params
+    assert ignoring.stop_token_ids == []
+
+
+def test_vllm_keeps_vllms_defaults_but_not_the_eos_ids(tmp_path) -> None:
+    ctx = ModelContext(_model_dir(tmp_path, GEN), "tiny", generation_config="vllm")
+    p = parse_completion({"prompt": "hello"}, ctx)[0].params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (1.0, 1.0, None, 0.0)
+    assert p.stop_token_ids == [7, 9]
+
+
+def test_a_directory_and_transformers_defaults(tmp_path) -> None:
+    other = tmp_path / "gen"
+    other.mkdir()
+    # top_k 50 and temperature 1.0 are transformers' defaults: no override (to_diff_dict).
+    (other / "generation_config.json").write_text(json.dumps(
+        {"top_k": 50, "temperature": 1.0, "top_p": 0.8, "max_new_tokens": 5}))
+    ctx = ModelContext(tiny_model_dir("llama"), "tiny", generation_config=str(other))
+    p = parse_chat({"messages": MSGS}, ctx).params
+    assert (p.top_k, p.temperature, p.top_p, p.max_tokens) == (None, 1.0, pytest.approx(0.8), 5)
+    # max_new_tokens caps an explicit max_tokens too, as vLLM's get_max_tokens.
+    assert parse_chat({"messages": MSGS, "max_tokens": 9}, ctx).params.max_tokens == 5
+    with pytest.raises(ValueError, match="generation-config"):
+        ModelContext(tiny_model_dir("llama"), "tiny", generation_config=str(tmp_path))
