@@ -35,8 +35,7 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": cpu or platform.processor(),
             "memory_gib": mem_gib, "platform": platform.platform(),
-            # the version and where its build lives: builds of one version differ in
-            # speed (the Makefile's PY)
+            # the version and where its build lives: builds of one version differ in speed
             "python": f"{platform.python_version()} from {sys.base_prefix}", "gpu": None}
 
 
