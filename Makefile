@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first: on this kind of machine torch==2.13.0 is a local CPU build; elsewhere any >=2.4 works
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0 || $(BIN)/python -m pip install -q "torch>=2.4"
-	$(BIN)/python -m pip install -q -e ".[test,lmcache]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,lmcache]"
 	# LMCache without its metadata's pins (protobuf<7, numpy<=2.2.6, CUDA wheels): they
 	# conflict with ours and its CPU paths need none of them (see pyproject's lmcache extra)
 	$(BIN)/python -m pip install -q --no-deps "lmcache>=0.5,<0.6"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.plots import all_plots
+from bench.plots import available as plots_available
 from bench.runner import Phase
 
 
@@ -67,7 +68,8 @@ def write_report(report: Report, out_dir: str, json_path: str | None = None,
     """Writes JSON, Markdown and plots; returns {"json", "markdown", "plots"} paths."""
     os.makedirs(out_dir, exist_ok=True)
     plots = all_plots(report.phases, out_dir, report.name, report.title)
-    plots += [p for draw in report.plotters if (p := draw(out_dir, report.name))]
+    if plots_available():
+        plots += [p for draw in report.plotters if (p := draw(out_dir, report.name))]
     data = report.to_json()
     data["plots"] = [os.path.basename(p) for p in plots]
     paths = [os.path.join(out_dir, f"{report.name}.json")]

@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.base import BenchError
 from bench.metrics import parse_slo
+from bench.plots import available as plots_available
 from bench.report import Report, write_report
 from bench.routing_bench import sample_trace
 from gateway.routing.profile import RoutingProfile
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                *(note.format(sample=sample) for note in NOTES[args.name])])
     paths = write_report(report, args.out_dir)
     extra = metric_plot(phases, os.path.join(args.out_dir, f"{name}-goodput.png"),
-                        report.title)
+                        report.title) if plots_available() else None
     _finish_json(paths["json"][0], extra)
     if extra:
         with open(paths["markdown"], "a") as f:
