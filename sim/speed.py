@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     trace = mooncake(args.trace, limit=args.requests + args.route_sample, time_scale=scale,
                      repeat=0)
     marks: list[float] = []  # wall clock at each tenth of the requests' arrivals
+    cpu_marks: list[float] = []  # and this process's CPU time
     splits: list[dict[str, float]] = []  # --breakdown: its seconds at those marks
     tenth = max(1, args.requests // 10)
 
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         for i, spec in enumerate(specs):
             if i % tenth == 0 and len(marks) < 10:
                 marks.append(time.perf_counter())
+                cpu_marks.append(time.process_time())
                 if acct is not None:
                     splits.append(acct.snapshot())
             yield spec
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     sim = Simulator(cfg, prof)
     prof_run = cProfile.Profile() if args.profile else None
     acct = Accounting().install(sim) if args.breakdown else None
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if prof_run is not None:
         prof_run.enable()
     if acct is not None:
@@ -133,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
         splits.append(dict(acct.seconds))
     if prof_run is not None:
         prof_run.disable()
-    end = time.perf_counter()
-    wall = end - t0
+    end, cpu_end = time.perf_counter(), time.process_time()
+    wall, cpu = end - t0, cpu_end - cpu0
     rate = len(results) / wall
     # The rate falls as a run ages (the pools fill, then every prompt evicts): the
     # projection takes the last tenth's rate, not the run's average.
@@ -144,12 +146,22 @@ def run(args: argparse.Namespace) -> int:
               for n, a, b in zip(counts, marks[:-1], marks[1:], strict=True)]
     late = tenths[-2] if len(tenths) > 1 else rate  # the last tenth (the drain apart)
     projected = TARGET_REQUESTS / min(rate, late)
+    # The same in CPU seconds: what the run took of the core it ran on, which on a
+    # shared machine (other processes taking turns on its cores) is the steadier figure.
+    cpu_marks.append(cpu_end)
+    cpu_tenths = [round(n / max(1e-9, b - a), 1)
+                  for n, a, b in zip(counts, cpu_marks[:-1], cpu_marks[1:], strict=True)]
+    cpu_rate = len(results) / max(1e-9, cpu)
+    cpu_late = cpu_tenths[-2] if len(cpu_tenths) > 1 else cpu_rate
+    projected_cpu = TARGET_REQUESTS / min(cpu_rate, cpu_late)
     ok = sum(r.ok for r in results)
     out = {"requests": len(results), "completed": ok, "workers": args.workers,
            "prefill_workers": n_p, "block_size": prof.block_size, "hardware": prof.name,
            "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
            "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
            "rate_by_tenth": tenths, "projected_1M_s": round(projected, 1),
+           "cpu_s": round(cpu, 2), "cpu_rate_by_tenth": cpu_tenths,
+           "projected_1M_cpu_s": round(projected_cpu, 1),
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
@@ -161,9 +173,13 @@ def run(args: argparse.Namespace) -> int:
           f"({out['machine']['cpus']} CPUs, {out['machine']['cpu_model']}; python "
           f"{out['machine']['python']})")
     print("simulated req/s by tenth of the run: " + " ".join(f"{r:.0f}" for r in tenths))
+    print(f"CPU time {cpu:.1f} s ({cpu / max(1e-9, wall) * 100:.0f} % of the wall time); "
+          "simulated req/s per CPU second by tenth: "
+          + " ".join(f"{r:.0f}" for r in cpu_tenths))
     print(f"projected for {TARGET_REQUESTS:,} requests at the last tenth's rate: "
           f"{projected:.0f} s (target {TARGET_S:.0f} s on {TARGET_WORKERS} workers; the "
-          "rate goes on falling past a short run: measure the million to know)")
+          f"rate goes on falling past a short run: measure the million to know); "
+          f"{projected_cpu:.0f} CPU seconds at the last tenth's rate per CPU second")
     if acct is not None:
         out["breakdown_us"] = split = acct.per_request_us(len(results))
         floor = (split["engine"] + split["gateway"]) * 1e-6 * TARGET_REQUESTS

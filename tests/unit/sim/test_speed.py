@@ -38,6 +38,9 @@ def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
     assert len(got["rate_by_tenth"]) == 10 and min(got["rate_by_tenth"]) > 0
     slowest = min(got["sim_requests_per_s"], got["rate_by_tenth"][-2])
     assert abs(got["projected_1M_s"] - 1e6 / slowest) <= 1e-3 * got["projected_1M_s"]  # rounded
+    # the same per CPU second of the process (the steadier figure on a shared machine)
+    assert 0 < got["cpu_s"] and len(got["cpu_rate_by_tenth"]) == 10
+    assert got["projected_1M_cpu_s"] >= 1e6 / got["cpu_rate_by_tenth"][-2] * (1 - 1e-3)
     cost = got["route_us"]
     assert set(cost) == {"lookup", "fill", "route", "total"} and cost["route"] > 0
     assert abs(cost["total"] - (cost["lookup"] + cost["fill"] + cost["route"])) < 0.5
