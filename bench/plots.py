@@ -2,16 +2,35 @@
 TTFT/TPOT against request rate, and per-configuration comparison bars.
 
 Each function writes one file and returns its path, or None when the phases give it
-nothing to show (e.g. a rate plot needs at least two rates).
+nothing to show (e.g. a rate plot needs at least two rates). matplotlib is the `bench`
+extra's (pip install -e '.[bench]'): without it, reports are written without plots
+(`available`, with a one-line note).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from bench.runner import Phase
+
+_noted = False
+
+
+def available() -> bool:
+    """Whether matplotlib is installed; when not, says so on stderr (once) and reports
+    skip their plots."""
+    global _noted
+    if importlib.util.find_spec("matplotlib") is not None:
+        return True
+    if not _noted:
+        _noted = True
+        print("plots skipped: matplotlib is not installed (pip install -e '.[bench]')",
+              file=sys.stderr)
+    return False
 
 
 def _plt() -> Any:
@@ -121,6 +140,8 @@ def _ms(v: float | None) -> float | None:
 
 
 def all_plots(phases: Sequence[Phase], out_dir: str, stem: str, title: str) -> list[str]:
+    if not available():
+        return []
     os.makedirs(out_dir, exist_ok=True)
     made = [latency_cdfs(phases, os.path.join(out_dir, f"{stem}-latency-cdf.png"), title),
             param_sweep(phases, os.path.join(out_dir, f"{stem}-rate.png"), title, "rate"),

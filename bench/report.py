@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.plots import all_plots
+from bench.plots import available as plots_available
 from bench.runner import Phase
 
 
@@ -35,8 +36,7 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpus": os.cpu_count(), "cpu_model": cpu or platform.processor(),
             "memory_gib": mem_gib, "platform": platform.platform(),
-            # the version and where its build lives: builds of one version differ in
-            # speed (the Makefile's PY)
+            # the version and where its build lives: builds of one version differ in speed
             "python": f"{platform.python_version()} from {sys.base_prefix}", "gpu": None}
 
 
@@ -68,7 +68,8 @@ def write_report(report: Report, out_dir: str, json_path: str | None = None,
     """Writes JSON, Markdown and plots; returns {"json", "markdown", "plots"} paths."""
     os.makedirs(out_dir, exist_ok=True)
     plots = all_plots(report.phases, out_dir, report.name, report.title)
-    plots += [p for draw in report.plotters if (p := draw(out_dir, report.name))]
+    if plots_available():
+        plots += [p for draw in report.plotters if (p := draw(out_dir, report.name))]
     data = report.to_json()
     data["plots"] = [os.path.basename(p) for p in plots]
     paths = [os.path.join(out_dir, f"{report.name}.json")]

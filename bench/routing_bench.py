@@ -383,11 +383,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     paths = write_report(report, args.out_dir, args.json)
-    plot = hit_rate_plot(report.summary, report.config["workloads"],
-                         os.path.join(args.out_dir, "bench-routing-hit-rate.png"))
-    paths["plots"].append(plot)
-    with open(paths["markdown"], "a") as f:
-        f.write(f"\n![bench-routing-hit-rate]({os.path.basename(plot)})\n")
+    from bench.plots import available
+
+    if available():
+        plot = hit_rate_plot(report.summary, report.config["workloads"],
+                             os.path.join(args.out_dir, "bench-routing-hit-rate.png"))
+        paths["plots"].append(plot)
+        with open(paths["markdown"], "a") as f:
+            f.write(f"\n![bench-routing-hit-rate]({os.path.basename(plot)})\n")
     with open(paths["markdown"]) as f:
         print(f.read())
     print("targets:")

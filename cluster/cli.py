@@ -36,7 +36,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "soak": ("bench.soak", "mixed load against `splitserve up`: no 5xx, no leak, flat RSS"),
     "chaos": ("bench.chaos", "processes killed and frozen under load: nothing wrong, hung "
               "or leaked"),
-    "memory": ("bench.memprobe", "this machine's memory latency (sim bench's reference)"),
 }
 
 
@@ -75,29 +74,6 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _sim_on_tcmalloc(args: list[str]) -> None:
-    """Starts this `splitserve sim` process again with TCMalloc preloaded, when the
-    machine has it and it is not loaded yet (sim/arenas.py: the simulator's larger
-    allocations; PyTorch's CPU launcher does the same). SPLITSERVE_SIM_MALLOC=system
-    keeps the system's malloc."""
-    choice = os.environ.get("SPLITSERVE_SIM_MALLOC", "tcmalloc")
-    if choice not in ("tcmalloc", "system"):
-        sys.exit(f"SPLITSERVE_SIM_MALLOC must be tcmalloc or system, got {choice!r}")
-    from sim.arenas import malloc_in_use, malloc_library
-
-    if choice == "system" or malloc_in_use() == "tcmalloc":  # (started again: loaded)
-        return
-    preload = os.environ.get("LD_PRELOAD", "")
-    lib = malloc_library()  # (asks ldconfig: only where it is not loaded yet)
-    # a preload that ld.so refused shows in LD_PRELOAD but not in the process: no loop
-    if lib is None or lib in preload:
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "cluster.cli", *args],
-              {**os.environ, "LD_PRELOAD": f"{preload} {lib}".strip()})
-
-
 # What a subcommand raises for input it cannot use: config validation (ValueError,
 # engine.config.ModelDirError among them), missing files and refused connections
 # (OSError), a cluster that could not start (ClusterError).
@@ -106,12 +82,6 @@ USER_ERRORS = (ValueError, OSError, ClusterError)
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["sim"]:  # before the simulator builds its heap (sim/arenas.py)
-        if argv is None:  # the process's own command line: it may start again
-            _sim_on_tcmalloc(args_list)
-        from sim.arenas import install
-
-        install()
     args = build_parser(args_list).parse_args(args_list)
     debug = getattr(args, "debug", False) or os.environ.get("SPLITSERVE_DEBUG") == "1"
     try:

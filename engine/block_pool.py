@@ -1,11 +1,6 @@
 """The block pool: who holds which KV block, and which free blocks still hold a
 cached prefix. Pure bookkeeping (no tensors): the KV bytes live in one block-major
 tensor owned by the model runner, indexed by `block_id`.
-
-`make` compiles this module with mypyc (the Makefile; engine/__init__.py refuses a
-compiled copy older than this file): the same code, its per-block loops without the
-interpreter (taking 780 blocks 134 -> 42-47 us, freeing them 57 -> 11 us, measured).
-So keep it to what mypyc compiles: typed, no monkeypatching of its classes.
 """
 
 from __future__ import annotations
@@ -16,11 +11,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
-from typing import Any, cast
+from typing import cast
 
-# A prefix-map key: a BlockHash (engine/block_hash.py, bytes) in the engine, an int in
-# the simulator (sim/workload.py). Any, so that the compiled pool checks no type on it.
-BlockHash = Any
+from engine.block_hash import BlockHash
 
 
 @dataclass(eq=False, slots=True)
@@ -131,42 +124,6 @@ class BlockPool:
         if evicted:
             self._events.append(BlockRemoved(tuple(evicted)))
         return out
-
-    def peek_free(self, n: int) -> list[KVBlock]:
-        """The next `n` blocks `get_new_blocks` would hand out, in that order (not taken)."""
-        out: list[KVBlock] = []
-        if n <= 0:
-            return out
-        seen: dict[KVBlock, int] = {}
-        for block in self._queue:
-            if block.ref_cnt:
-                continue
-            k = seen[block] = seen.get(block, 0) + 1
-            if k == block.queued:  # its live entry
-                out.append(block)
-                if len(out) == n:
-                    break
-        return out
-
-    def unget(self, blocks: Sequence[KVBlock], hashes: Sequence[BlockHash | None]) -> None:
-        """Undoes `get_new_blocks` for blocks nothing wrote: they go back to the head of
-        the free queue in order, each holding again the cached hash it was taken with
-        (its KV is untouched), as if never taken. No event: the caller publishes the
-        evictions it keeps (the simulator's decode windows, sim/worker.py)."""
-        if any(b.queued for b in blocks):  # stale entries later on: drop them first
-            self._compact()
-        for block, h in zip(reversed(blocks), reversed(hashes), strict=True):
-            if block.ref_cnt != 1 or block.block_hash is not None:
-                raise RuntimeError(f"unget of block {block.block_id}: in use or cached")
-            block.ref_cnt = 0
-            block.queued = 1
-            self._queue.appendleft(block)
-            self._num_free += 1
-            if h is not None:
-                if h in self._cached:
-                    raise RuntimeError(f"unget of block {block.block_id}: hash cached again")
-                block.block_hash = h
-                self._cached[h] = block
 
     def num_unreferenced(self, blocks: Iterable[KVBlock]) -> int:
         """How many of `blocks` (cached) no request holds: touching them takes as many

@@ -14,10 +14,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 pool: BlockPool | None = None) -> None:
+        """`pool`: the block pool to manage (a BlockPool subclass's instance of
+        `num_blocks`), else a new BlockPool."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching) if pool is None else pool
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
         self.prefix_queries = 0  # tokens looked up

@@ -6,9 +6,3 @@ Each simulated worker runs the engine's real scheduler, KV cache manager and blo
 index with the Redis index's interface. KV transfers and tier restores are timed by a
 link model. Nothing here is imported by the serving path.
 """
-
-import os
-
-from engine import refuse_stale_builds
-
-refuse_stale_builds(os.path.dirname(os.path.abspath(__file__)))  # sim/native.py's builds

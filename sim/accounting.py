@@ -7,10 +7,8 @@ the latency model) and the in-process index that stands in for Redis.
 gateway and index (instance attributes: the classes stay as they are) and attributes
 every interval to the innermost one running, so a call that calls another is charged
 its own time only (the gateway's Locality.lookup runs the index's lookup: that part is
-the index's). Whatever runs outside every wrapped call is the simulator's. A compiled
-class's methods cannot be wrapped (the block pool, Makefile): the few calls the
-simulator makes on the pool itself (a decode window's peek and unget, taking events)
-count as the simulator's; its work inside the scheduler is the engine's.
+the index's). Whatever runs outside every wrapped call is the simulator's: a decode
+window's own steps on the pool (sim/pool.py's peek and unget) among them.
 
 What it answers: the engine and the gateway are not the simulator's to change, so their
 share, per request, is a floor under any simulator of them; `sim bench --breakdown`
@@ -31,7 +29,7 @@ CATEGORIES = ("engine", "gateway", "index", "simulator")
 # Redis).
 _SCHEDULER = ("add_request", "schedule", "update_from_output", "finish", "allocate_remote",
               "remote_kv_ready", "release")
-_POOL = ("peek_free", "unget", "take_events")  # the rest runs inside the scheduler
+_POOL = ("take_events",)  # the rest runs inside the scheduler
 _PINS = ("pin", "unpin")
 _OFFLOAD = ("save_new", "reap", "run_loads")
 _FAIR = ("charge_output",)
@@ -75,10 +73,7 @@ class Accounting:
             fn = getattr(obj, name, None)
             if fn is None:
                 continue
-            try:
-                setattr(obj, name, make(fn))
-            except AttributeError:  # a compiled class (the block pool: Makefile, mypyc)
-                pass  # its calls from the simulator count as the caller's
+            setattr(obj, name, make(fn))
 
     def install(self, sim: Any) -> Accounting:
         """Wraps `sim`'s workers' engines, its gateway and its index; returns self."""
@@ -100,10 +95,6 @@ class Accounting:
 
     def start(self) -> None:
         self._started = self.clock()
-
-    def leave_out(self, seconds: float) -> None:
-        """Time the caller spent outside the run (a probe between its steps): nobody's."""
-        self._started += seconds
 
     def snapshot(self) -> dict[str, float]:
         """The seconds so far, the simulator's included (call it outside wrapped calls)."""

@@ -43,7 +43,6 @@ from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
 from sim.profile import HardwareProfile
 from sim.request import SimRequest, Tokens, make_request
-from sim.split import RemoteGateway, RemoteIndex, start_gateway
 from sim.window import Step
 from sim.worker import SimWorker, WorkerSpec
 from sim.workload import BlockHasher, SimRequestSpec
@@ -102,31 +101,14 @@ class Simulator:
         routing = config.routing
         if routing.seed is None:
             routing = replace(routing, seed=config.seed)
-        # The gateway in a process of its own (sim/split.py): forked before the workers
-        # are built; what they publish and report goes to it as messages.
-        self._remote: RemoteGateway | None = None
-        channel: Any = None
-        if config.gateway_process:
-            channel, pid = start_gateway(
-                routing, [(s.worker_id, s.role, s.num_blocks) for s in specs],
-                config.report_interval_s, config.in_flight_limit, profile.block_size)
-            self.index: InProcessBlockIndex = RemoteIndex(channel, self.clock)
-        else:
-            self.index = InProcessBlockIndex(self.clock)
+        self.index = InProcessBlockIndex(self.clock)
         with long_lived_heap():
             self.workers = {s.worker_id: SimWorker(s, profile, self.latency, self.index,
                                                    config.max_model_len, self.clock,
                                                    config.decode_windows)
                             for s in specs}
-        if channel is not None:
-            self._remote = RemoteGateway(channel, self.workers, self.clock, pid)
-            self.gateway: SimGateway = self._remote
-        else:
-            self.gateway = SimGateway(routing, self.index, self.workers, self.clock,
-                                      config.report_interval_s)
-        # the gateway's process refused these arrivals: their _on_decode, an event one
-        # process does not have, is not counted
-        self._refused = 0
+        self.gateway = SimGateway(routing, self.index, self.workers, self.clock,
+                                  config.report_interval_s)
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
@@ -158,9 +140,7 @@ class Simulator:
                 self.now = t
                 fn(arg)
                 n += 1
-        self.stats.events += n - self._refused
-        if self._remote is not None:
-            self._remote.finish(cast(RemoteIndex, self.index))
+        self.stats.events += n
         self._fail_stalled()
         for w in self.workers.values():
             for tier, n in w.restored_bytes.items():
@@ -203,10 +183,6 @@ class Simulator:
         route = RouteRequest(rid, Tokens(spec.prompt_len),  # type: ignore[arg-type]
                              cast(list[bytes], hashes[:spec.prompt_len // bs]), bs)
         flight = Flight(i, spec, req, route)
-        if self._remote is not None:  # routed in the gateway's process; needed at decode
-            self._remote.arrive(flight)
-            self.at(self.now + self._rpc, self._on_decode, flight)
-            return
         if 0 <= self._in_flight_limit <= len(self._flights):
             self._reject(flight, "overloaded: the gateway is at its in-flight limit")
             return
@@ -230,16 +206,7 @@ class Simulator:
     # -- the decode worker's Generate (worker/service.py, decode/remote.py) -----------------
     def _on_decode(self, flight: Flight) -> None:
         d = flight.decision
-        if d is None:  # routed in the gateway's process (sim/split.py)
-            assert self._remote is not None
-            error = self._remote.decide(flight)
-            if error is not None:
-                self._refused += 1
-                self._reject(flight, error)
-                return
-            d = flight.decision
-            assert d is not None
-            self._flights[flight.req.request_id] = flight
+        assert d is not None
         w = self.workers[d.decode.worker_id]
         req = flight.req
         self.gateway.changed(w)  # its Generate started: its next load report follows
@@ -313,8 +280,6 @@ class Simulator:
         prod = make_request(f"prefill-{flight.req.request_id}", spec.prompt_len, hashes,
                             self.now, hold_kv=True)
         self._flights[prod.request_id] = flight
-        if self._remote is not None:
-            self._remote.producers(1)
         p.scheduler.add_request(prod)
         self.stats.remote_prefills += 1
         self._kick(p)
@@ -341,8 +306,6 @@ class Simulator:
 
     # -- steps --------------------------------------------------------------------------
     def _kick(self, w: SimWorker) -> None:
-        if self._remote is not None:  # its figures go to the gateway before the next route
-            self._remote.dirty.add(w)
         if w.busy:  # the new work waits for the iteration running now
             self._sync(w)
             return
@@ -363,8 +326,6 @@ class Simulator:
     def _sync(self, w: SimWorker) -> None:
         """Before anything touches a busy worker's scheduler or pool: its step ends with
         the iteration running now (a decode window gives back what later ones took)."""
-        if self._remote is not None:
-            self._remote.dirty.add(w)
         if w.busy:
             end = w.cut(self.now)
             if end is not None:
@@ -381,8 +342,6 @@ class Simulator:
         w, step = arg
         if w.current is not step or step.window is None or step.clock is None:
             return  # a later step's
-        if self._remote is not None:
-            self._remote.dirty.add(w)
         w.window_due(step, self.now)
         self._window_events(w, step)
 
@@ -413,8 +372,6 @@ class Simulator:
 
     def _producer_done(self, p: SimWorker, prod: Any) -> None:
         flight = self._flights.pop(prod.request_id)
-        if self._remote is not None:
-            self._remote.producers(-1)
         p.scheduler.finish(prod.request_id, RequestStatus.FINISHED_LENGTH)
         self._push(flight, p, cdiv(flight.spec.prompt_len, self.profile.block_size))
         landed = max(self.now, flight.kv_landed)

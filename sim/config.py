@@ -29,14 +29,8 @@ class ClusterConfig:
     # Exact either way: a worker whose requests all decode runs the iterations until
     # one of them ends as one scheduler step (sim/window.py decode_window), cut short
     # by new work. False: one scheduler step per iteration
-    # (the reference the tests hold the windows against). (An approximate "decode
-    # stride", k decode tokens per step, was removed on 2026-11-26: once windows also
-    # ran with offload tiers it was slower everywhere measured, e.g. 64 tiered workers
-    # 332 req/s at stride 4 vs 537 exact, 512 workers 404 vs 827 without tiers.)
+    # (the reference the tests hold the windows against).
     decode_windows: bool = True
-    # The gateway (index, load reports, routing) in a process of its own, the workers in
-    # this one: the same results on two cores (sim/split.py).
-    gateway_process: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill and not self.decode:

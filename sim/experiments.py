@@ -32,6 +32,7 @@ from typing import Any
 
 from bench.base import BenchError
 from bench.metrics import parse_slo
+from bench.plots import available as plots_available
 from bench.report import Report, write_report
 from bench.routing_bench import sample_trace
 from gateway.routing.profile import RoutingProfile
@@ -45,7 +46,7 @@ from sim.headlines import (
 )
 from sim.profile import HardwareProfile, load_profile, with_block_size
 from sim.run_cli import MOONCAKE_TRACE, SimRun, routing_profile, simulate
-from sim.workload import mooncake, trace_rate
+from sim.workload import MOONCAKE_BLOCK_TOKENS, mooncake, trace_rate
 
 EXPERIMENTS = ("routing", "pd-ratio", "tiers", "block-size")
 BLOCK_SIZES = (16, 32, 64, 128, 256, 512)  # the first: the reference the others are held to
@@ -64,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", type=int, default=10,
                    help="keep every N-th conversation of the trace (all its turns), as "
                         "bench routing does: a phase spans more of the trace's reuse")
-    p.add_argument("--block-size", type=int, default=0,
-                   help="the profile's KV memory in blocks of this many tokens (coarser: "
-                        "faster; under memory pressure the answers differ: docs/results.md)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="the profile's KV memory in blocks of this many tokens (default "
+                        f"{MOONCAKE_BLOCK_TOKENS}: the trace's own blocks; 0: the profile's; "
+                        "the block-size experiment sets its own)")
     p.add_argument("--max-in-flight", type=int, default=0,
                    help="the gateway's limit, 429 beyond (0: its default, 32 per "
                         "decode/colocated worker and at least 256; -1: none)")
@@ -79,10 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prof = load_profile(args.hardware)
-    if args.block_size:
-        if args.name == "block-size":
+    if args.name == "block-size":
+        if args.block_size is not None:
             raise BenchError("the block-size experiment sets the block size of each phase: "
                              "drop --block-size")
+    elif args.block_size is None:
+        prof = with_block_size(prof, MOONCAKE_BLOCK_TOKENS)
+    elif args.block_size:
         prof = with_block_size(prof, args.block_size)
     slo = parse_slo(args.slo)
     rates = [float(r) for r in args.rates.split(",") if r] or DEFAULT_RATES[args.name]
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                *(note.format(sample=sample) for note in NOTES[args.name])])
     paths = write_report(report, args.out_dir)
     extra = metric_plot(phases, os.path.join(args.out_dir, f"{name}-goodput.png"),
-                        report.title)
+                        report.title) if plots_available() else None
     _finish_json(paths["json"][0], extra)
     if extra:
         with open(paths["markdown"], "a") as f:

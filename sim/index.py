@@ -31,8 +31,6 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from typing import Final
 
-from mypy_extensions import mypyc_attr
-
 from kvtransfer.index import TIERS, IndexLookup
 from sim.segments import LOW, SEGMENT_SHIFT, Segment, runs_of, runs_of_lazily, set_bits
 
@@ -59,7 +57,6 @@ class Deferred:
         self.by_seg: dict[int, list[int]] = {}
 
 
-@mypyc_attr(native_class=False)  # sim/accounting.py wraps its methods on the instance
 class InProcessBlockIndex:
     """segment -> Segment (the device tier); the other tiers: block hash ->
     {node: bitmask of those tiers} and the bitmap of those nodes.
@@ -97,13 +94,13 @@ class InProcessBlockIndex:
         """`apply` for the device tier alone (the block pool's events): removals first."""
         removed = removed if isinstance(removed, (list, tuple)) else list(removed)
         stored = stored if isinstance(stored, (list, tuple)) else list(stored)
-        self.apply_device_runs(node, runs_of(stored) if stored else [],
-                               runs_of(removed, ordered=False) if removed else [])
+        self._apply_device_runs(node, runs_of(stored) if stored else [],
+                                runs_of(removed, ordered=False) if removed else [])
 
-    def apply_device_runs(self, node: str, stored: list[tuple[int, int, int]],
-                          removed: list[tuple[int, int, int]]) -> None:
+    def _apply_device_runs(self, node: str, stored: list[tuple[int, int, int]],
+                           removed: list[tuple[int, int, int]]) -> None:
         """`apply_device` of the blocks as `runs_of` gives them: (segment, first block,
-        count), the removals sorted (what a gateway process receives, sim/split.py)."""
+        count), the removals sorted."""
         segments = self._segments
         bit = self._node_bit(node)
         if removed:

@@ -6,8 +6,11 @@ profile's efficiency factors and fixed costs.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any, Final
+
+import numpy as np
 
 from bench.engine_roofline import ModelCost
 from engine.config import ModelConfig
@@ -15,6 +18,10 @@ from engine.scheduler import ScheduledRequest
 from sim.profile import HardwareProfile
 
 INF: Final = float("inf")
+# From this many iterations a walk runs as numpy arrays: the same float operations,
+# element by element, and the running sums added one after the other (accumulate), so
+# the same bits; below it the array calls cost more than the loop.
+_ARRAY_WALK: Final = 48
 
 
 class LatencyModel:
@@ -123,6 +130,8 @@ class WindowClock:
         their times (added as a worker's one-iteration steps add them to its busy
         time), and when each iteration in `marks` (nondecreasing, from 1, up to i)
         ends."""
+        if n >= _ARRAY_WALK:
+            return self._walk_arrays(n, busy, now, marks or [])
         base, rows, flops, flop_pair = self.base, self.rows, self.flops, self.flop_pair
         kv_token, weights, s_flop, s_byte = self.kv_token, self.weights, self.s_flop, self.s_byte
         fixed, extra, biggest = self.fixed, self.extra, self.biggest
@@ -148,3 +157,19 @@ class WindowClock:
             if t >= now:
                 break
         return i, t, before if i > 1 else -INF, busy, out
+
+    def _walk_arrays(self, n: int, busy: float, now: float, marks: list[int]
+                     ) -> tuple[int, float, float, float, list[float]]:
+        """`walk` over arrays: each iteration's time as `dt` computes it (elementwise,
+        in the same order), the ends and the busy time as running sums."""
+        pairs = self.base + self.rows * np.arange(1, n + 1, dtype=np.int64)
+        c = (self.flops + pairs * self.flop_pair) * self.s_flop
+        m = (self.weights + pairs * self.kv_token) * self.s_byte
+        dt = (self.fixed + (np.maximum(c, m) if self.biggest else c + m)) + self.extra
+        t = np.add.accumulate(np.concatenate(([self.start], dt)))  # t[i]: the i-th's end
+        # the one running at `now`: the first to end at or after it (the ends increase)
+        i = min(n, int(np.searchsorted(t[1:], now, side="left")) + 1)
+        busy_end = float(np.add.accumulate(np.concatenate(([busy], dt[:i])))[-1])
+        out = t[marks[:bisect_right(marks, i)]].tolist() if marks else []
+        return i, float(t[i]), float(t[i - 1]) if i > 1 else -INF, busy_end, out
+

@@ -19,7 +19,6 @@ from bench.metrics import by_tag, parse_slo, summarize
 from bench.report import Report, write_report
 from bench.runner import Phase
 from gateway.routing.profile import RoutingProfile
-from sim import arenas
 from sim.cluster import Simulator
 from sim.config import ClusterConfig
 from sim.profile import HardwareProfile, load_profile, with_block_size
@@ -48,9 +47,6 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=0,
                    help="override the profile's (its pool keeps as many tokens)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gateway-process", action="store_true",
-                   help="the gateway (index, load reports, routing) in a process of its own: "
-                        "the same results on two cores (sim/split.py)")
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +96,7 @@ def cluster_config(args: argparse.Namespace, **over: Any) -> ClusterConfig:
         prefill=args.prefill, decode=args.decode, colocated=colocated,
         num_blocks=args.num_blocks, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
         routing=routing_profile(args.routing, args.seed), max_in_flight=args.max_in_flight,
-        seed=args.seed, gateway_process=args.gateway_process,
+        seed=args.seed,
         itl_every=max(1, args.requests // 20000))  # bounded memory on long runs
     kw.update(over)
     return ClusterConfig(**kw)
@@ -148,7 +144,7 @@ def sim_extras(sim: Simulator, phase: Phase, wall_s: float) -> dict[str, Any]:
             # the KV geometry (the block-size experiment varies it)
             "block_size": sim.profile.block_size,
             "blocks_per_worker": next(iter(sim.workers.values())).kv.pool.num_blocks,
-            "wall_s": round(wall_s, 3), "heap": arenas.heap(),  # what the wall time ran on
+            "wall_s": round(wall_s, 3),
             "sim_requests_per_s": round(len(phase.results) / wall_s, 1), "workers": workers}
 
 

@@ -7,7 +7,7 @@ consecutive blocks of one segment (`runs_of`, `runs_of_lazily`), one OR / AND pe
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any, Final
+from typing import Final
 
 # A hash (an int: sim/workload.py's) = segment << this | block number. Small, so that
 # the segment is in a hash's low bits: CPython's dicts (the block pools' prefix maps)
@@ -101,33 +101,8 @@ def _sorted_runs(hs: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-class Runs:
-    """Hashes kept as the runs `runs_of` gave for them (a gateway process receives a
-    prompt's that way, sim/split.py): a walk over them takes the runs as they are, and
-    only what reads the hashes one by one makes their ints. A sequence of ints to its
-    readers (len, iteration, items and slices)."""
-
-    def __init__(self, runs: list[tuple[int, int, int]]) -> None:
-        self.runs = runs
-        self._n = sum(m for _, _, m in runs)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __iter__(self) -> Iterator[int]:
-        for c, j, m in self.runs:
-            first = c << SEGMENT_SHIFT | j
-            yield from range(first, first + m)
-
-    def __getitem__(self, i: Any) -> Any:
-        return list(self)[i]
-
-
 def runs_of_lazily(hashes: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """`runs_of(hashes)` one run at a time, for a walk that may stop after a few."""
-    if isinstance(hashes, Runs):
-        yield from hashes.runs
-        return
     hs: list[int] = hashes if isinstance(hashes, list) else list(hashes)
     i, n = 0, len(hs)
     while i < n:

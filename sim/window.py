@@ -28,6 +28,7 @@ from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 from sim.index import Deferred, InProcessBlockIndex
 from sim.latency import LatencyModel, WindowClock
+from sim.pool import SimBlockPool
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 
@@ -97,6 +98,7 @@ class DecodeWindows:
     """SimWorker's decode windows (what they use of the worker is declared here)."""
 
     kv: KVCacheManager
+    pool: SimBlockPool  # kv's
     scheduler: Scheduler
     offload: OffloadConnector | None
     index: InProcessBlockIndex
@@ -110,7 +112,7 @@ class DecodeWindows:
     current: Step | None
     clock: Callable[[], float]
 
-    def publish_events(self) -> None:  # SimWorker's (a method: compiled, Makefile)
+    def publish_events(self) -> None:  # SimWorker's
         raise NotImplementedError
 
     def decode_window(self) -> tuple[int, list[tuple[int, int]]]:
@@ -158,13 +160,13 @@ class DecodeWindows:
 
     def _start_window(self, k: int, takes: list[tuple[int, int]]) -> Step:
         s = self.scheduler
-        pool = self.kv.pool
+        pool = self.pool
         self.publish_events()  # what came before: the window's own events go per iteration
         rows = list(s.running)
         computed = [r.num_computed_tokens for r in rows]
         held = [len(self.kv.req_blocks[r.request_id]) for r in rows]
         taken = pool.peek_free(len(takes))
-        hashes = [b.block_hash for b in taken]
+        hashes: list[Any] = [b.block_hash for b in taken]  # ints (sim/workload.py)
         for r in rows:
             cast(SimRequest, r).hand_ahead(k - 1)
         out = s.schedule()
@@ -288,7 +290,7 @@ class DecodeWindows:
         for j in range(w.kept - 1, keep - 1, -1):  # each owner's latest blocks first
             if tables[w.owners[j]].pop() is not w.blocks[j]:
                 raise RuntimeError("decode window: a block table changed under the window")
-        self.kv.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
+        self.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
         w.kept = keep
 
     def blocks_ahead(self, now: float) -> int:

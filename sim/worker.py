@@ -25,6 +25,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from sim.index import InProcessBlockIndex
 from sim.latency import LatencyModel
+from sim.pool import SimBlockPool
 from sim.profile import HardwareProfile
 from sim.request import SimRequest
 from sim.tiers import SimTiers
@@ -52,7 +53,10 @@ class SimWorker(DecodeWindows):
         self.index = index
         self.max_model_len = max_model_len
         bs = profile.block_size
-        self.kv = KVCacheManager(spec.num_blocks, bs, enable_caching=True)
+        # the engine's manager over the simulator's pool (sim/pool.py: a decode window's
+        # steps on it)
+        self.pool = SimBlockPool(spec.num_blocks)
+        self.kv = KVCacheManager(spec.num_blocks, bs, enable_caching=True, pool=self.pool)
         self.tiers: SimTiers | None = None
         offload = None
         caps = [("host", spec.host_blocks), ("disk", spec.disk_blocks)]

@@ -76,8 +76,7 @@ class BlockHasher:
     prefix of this epoch names it (`_chains`). Made per new prefix and freed as the
     pools evict them, as they were before, the ints came from wherever the allocator
     had a hole, further apart as a run aged, and every pass over a prompt's hashes (the
-    pools' probes, the index's runs, the events) missed the caches per int: at
-    16-token blocks on 512 workers this took the million 962.6 -> 761.0 s. Memory: about
+    pools' probes, the index's runs, the events) missed the caches per int. Memory: about
     twice the chains the pools hold (1.04 M chains, 33 M ints at 200,000 requests).
     `recycle=False` names every chain anew and keeps them all (for tests and short runs:
     what the tests hold recycling runs to)."""

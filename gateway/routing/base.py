@@ -43,7 +43,6 @@ class Candidate:
 
 
 ROLE_CODES = {"prefill": 0, "decode": 1, "colocated": 2}
-_KEEP_ROWS, _KEPT_ROWS = 64, 16  # rows_of keeps the last 16 lists of at least 64 ids
 
 
 class CandidateSet:
@@ -58,7 +57,7 @@ class CandidateSet:
     _DTYPES = (bool, np.int64, np.int64, np.float64, np.int64, np.int64, np.int64)
 
     __slots__ = ("ids", "addresses", "roles", "role_code", *COLUMNS, "_items", "_pos",
-                 "_selected", "_subsets", "_rows")
+                 "_selected", "_subsets")
     ids: list[str]
     addresses: list[str]
     roles: list[str]
@@ -97,7 +96,6 @@ class CandidateSet:
         self._pos: dict[str, int] | None = None
         self._selected: dict[tuple[str, ...], CandidateSet | None] = {}
         self._subsets = False  # some of `_selected` is a subset (not None)
-        self._rows: dict[tuple[str, ...], np.ndarray] = {}
 
     @classmethod
     def of(cls, candidates: CandidateSet | Sequence[Candidate]) -> CandidateSet:
@@ -125,21 +123,9 @@ class CandidateSet:
         return self._pos
 
     def rows_of(self, worker_ids: Iterable[str]) -> np.ndarray:
-        """The row of each of `worker_ids` (-1: not a candidate), at C speed. Long lists'
-        rows are kept for the set's next calls (read-only arrays, the last few): routes
-        ask for the same holders again and again (the workers holding the prefix most
-        prompts start with), and the same misled workers."""
+        """The row of each of `worker_ids` (-1: not a candidate), at C speed."""
         ids = tuple(worker_ids)
-        rows = self._rows.get(ids) if len(ids) >= _KEEP_ROWS else None
-        if rows is None:
-            rows = np.fromiter(map(self.pos.get, ids, itertools.repeat(-1)), np.int64,
-                               len(ids))
-            if len(ids) >= _KEEP_ROWS:
-                rows.flags.writeable = False
-                if len(self._rows) >= _KEPT_ROWS:
-                    del self._rows[next(iter(self._rows))]  # the oldest
-                self._rows[ids] = rows
-        return rows
+        return np.fromiter(map(self.pos.get, ids, itertools.repeat(-1)), np.int64, len(ids))
 
     def ready_in(self, roles: tuple[str, ...]) -> CandidateSet:
         """The ready candidates whose role is one of `roles` (this set itself when all

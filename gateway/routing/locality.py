@@ -27,8 +27,6 @@ from kvtransfer.index import check_tier
 
 log = logging.getLogger(__name__)
 
-_KEEP_SUM, _KEPT_SUMS = 64, 16  # the sums of the last 16 runs shared by >= 64 holders
-
 # device > host > disk > peer; "other": a tier not named here (e.g. an LMCache tier)
 DEFAULT_TIER_WEIGHTS = {"device": 1.0, "host": 0.8, "disk": 0.5, "peer": 0.2, "other": 0.4}
 
@@ -48,10 +46,6 @@ class PrefixLocalityScorer:
             raise ValueError("tier weights must not all be 0")
         self.weights = weights
         self._norm = max(weights.values())
-        # id -> (a run of tiers many holders share, its weights' sum), the object kept
-        # alive so that its id names it: the in-process index hands out one object per
-        # run length, and a long run's sum is most of a score's time
-        self._sums: dict[int, tuple[tuple[str, ...], float]] = {}
 
     def options(self) -> dict[str, Any]:
         return {"tiers": dict(self.weights)}
@@ -69,10 +63,8 @@ class PrefixLocalityScorer:
         if not locality:
             return out
         # Per holder at C speed: its row, its run's total, its trust. The holders' runs
-        # repeat (a shared prefix; the in-process index hands out one object per run
-        # length, the holders of one next to each other): a total per stretch of one
-        # object, once per distinct value (Redis lookups give each node its own tuple;
-        # hashing a long tuple is what the stretches spare).
+        # repeat (a shared prefix): a total per stretch of one object, once per distinct
+        # value (hashing a long tuple is what the stretches spare).
         rows = candidates.rows_of(locality.keys())
         runs = list(locality.values())
         if runs.count(runs[0]) == len(runs):  # one run for all (identity is checked
@@ -84,17 +76,11 @@ class PrefixLocalityScorer:
         by_value: dict[tuple[str, ...], float] = {}  # a Redis lookup's: a tuple per node
         other = itertools.repeat(self.weights["other"])
         totals = []
-        for a, b in zip(starts, ends, strict=True):
+        for a in starts:
             tiers = runs[a]
-            kept = self._sums.get(id(tiers))
-            s: float | None = kept[1] if kept is not None and kept[0] is tiers \
-                else by_value.get(tiers)
+            s = by_value.get(tiers)
             if s is None:
                 s = by_value[tiers] = sum(map(self.weights.get, tiers, other))
-                if b - a >= _KEEP_SUM:  # one object many holders share: kept (alive)
-                    if len(self._sums) >= _KEPT_SUMS:
-                        del self._sums[next(iter(self._sums))]  # the oldest
-                    self._sums[id(tiers)] = (tiers, s)
             totals.append(s + max(0, req.indexed_blocks - len(tiers)) * peer)
         total: np.ndarray | float
         if totals.count(totals[0]) == len(totals):  # the same elementwise arithmetic as

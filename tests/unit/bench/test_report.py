@@ -50,3 +50,27 @@ def test_report_files(tmp_path: Path) -> None:
 def test_one_rate_makes_no_rate_plot(tmp_path: Path) -> None:
     paths = write_report(Report("one", "One", [phase("p", 1.0, 0.1)]), str(tmp_path))
     assert [Path(p).name for p in paths["plots"]] == ["one-latency-cdf.png"]
+
+
+def test_without_matplotlib_the_report_skips_its_plots_with_a_note(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """matplotlib is the `bench` extra's: without it the report is written whole, its
+    plots (the standard ones and a report's own) skipped, with one line saying why."""
+    import importlib.util
+
+    from bench import plots
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    monkeypatch.setattr(plots, "_noted", False)
+    drawn: list[str] = []
+    report = Report("bare", "Bare", [phase("a", 1.0, 0.1), phase("b", 2.0, 0.2)],
+                    plotters=[lambda out, stem: drawn.append(stem)])  # type: ignore[list-item]
+    paths = write_report(report, str(tmp_path))
+    assert paths["plots"] == [] and drawn == []
+    assert json.loads(Path(paths["json"][0]).read_text())["plots"] == []
+    assert "![" not in Path(paths["markdown"]).read_text()
+    write_report(report, str(tmp_path))  # the note once per process
+    err = capsys.readouterr().err
+    assert err.count("plots skipped: matplotlib is not installed") == 1, err

@@ -89,24 +89,6 @@ def test_a_set_selecting_all_of_itself_is_freed_without_the_cyclic_collector() -
     assert cs.ready_in(("colocated", "decode")) is cs
 
 
-def test_long_lists_rows_are_kept_read_only() -> None:
-    """rows_of keeps the rows of long lists (a route's holders, which repeat) for the
-    set's next calls, read-only, the last 16; short lists get new arrays."""
-    cs = CandidateSet([cand(f"w{i}") for i in range(100)])
-    holders = {f"w{i}": ("device",) for i in range(99, 9, -1)} | {"gone": ("device",)}
-    rows = cs.rows_of(holders.keys())
-    assert rows.tolist() == list(range(99, 9, -1)) + [-1]
-    assert cs.rows_of(dict(holders)) is rows and not rows.flags.writeable
-    with pytest.raises(ValueError):
-        rows[0] = 0
-    for k in range(16):  # 16 other lists push it out
-        cs.rows_of([f"w{i}" for i in range(k, k + 70)])
-    again = cs.rows_of(holders)
-    assert again is not rows and again.tolist() == rows.tolist()
-    short = cs.rows_of(["w1", "w2"])
-    assert short.flags.writeable and cs.rows_of(["w1", "w2"]) is not short
-
-
 def test_scorers_are_in_unit_range_and_prefer_idle() -> None:
     cs = CandidateSet([cand("a", num_waiting=4), cand("b", inflight=1),
                        cand("c", num_running=2, inflight=1)])

@@ -240,12 +240,7 @@ def full_key(sim, results, hashes: bool = True):
 
 
 def trust(sim):
-    """The gateway's per-worker trust at the end: its Locality's, or what the gateway's
-    own process sent back (sim/split.py)."""
-    from sim.split import RemoteGateway
-
-    if isinstance(sim.gateway, RemoteGateway):
-        return list(sim.gateway.accuracy)
+    """The gateway's per-worker trust at the end (its Locality's)."""
     return sorted(sim.gateway.locality._accuracy.items())
 
 
