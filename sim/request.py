@@ -27,6 +27,9 @@ class Tokens:
     def append(self, token: int) -> None:
         self.n += 1
 
+    def __getitem__(self, index: slice) -> list[int]:
+        return []  # no ids to give: the pool's BlockStored events carry none here
+
 
 class SimRequest(Request):
     """engine.request.Request with counting token lists and precomputed hashes."""
