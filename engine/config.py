@@ -14,9 +14,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")
 
@@ -33,11 +35,63 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek): the ramp between interpolated and extrapolated frequencies, and
+    # the mscales behind the cos/sin factor and the softmax scale.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ModelDirError(
                 f"unsupported rope scaling type {self.rope_type!r}; supported: {ROPE_TYPES}")
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: queries through an optional low-rank
+    (q_lora_rank), keys and values from one latent of kv_lora_rank per token plus a
+    shared rope key of qk_rope_head_dim. The KV cache holds only latent + rope key."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope over (even, odd) pairs, as DeepSeek's weights
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the cache: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Routed experts (and DeepSeek's shared experts and leading dense layers)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = False
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0  # layers below this index keep a dense MLP
+    correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelDirError(f"num_experts_per_tok {self.top_k} must be in "
+                                f"[1, {self.num_experts}]")
+        if self.n_group is not None and self.num_experts % self.n_group:
+            raise ModelDirError(f"{self.num_experts} experts do not split into "
+                                f"{self.n_group} groups")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +117,20 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+
+    @property
+    def kv_layout_name(self) -> str:
+        return "mla_latent_v1" if self.mla is not None else "block_major_v1"
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(parts, heads, head size) of one token's cache entry in one layer: K and V
+        per KV head, or (MLA) one entry of latent + rope key shared by every head."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -90,6 +158,11 @@ class ModelConfig:
         if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
             window = None  # HF ignores sliding_window for Qwen unless use_sliding_window
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        deepseek = model_type.startswith("deepseek")
+        rope = _rope_from_dict(cfg)
+        if rope.rope_type == "yarn" and not deepseek:
+            raise ModelDirError(f"yarn rope scaling is supported for DeepSeek models only, "
+                                f"not {arch}")
         return cls(
             model_type=model_type,
             architecture=arch,
@@ -99,10 +172,11 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=(_mla_from_dict(cfg).qk_rope_head_dim if deepseek else
+                      int(cfg.get("head_dim") or cfg["hidden_size"] // heads)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_dict(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -110,6 +184,8 @@ class ModelConfig:
             dtype=dtype,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            mla=_mla_from_dict(cfg) if deepseek else None,
+            moe=_deepseek_moe_from_dict(cfg, model_type) if deepseek else None,
         )
 
     @classmethod
@@ -150,6 +226,57 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _mla_from_dict(cfg: dict[str, Any]) -> MLAConfig:
+    missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                           "v_head_dim") if cfg.get(k) is None]
+    if missing:
+        raise ModelDirError(f"config.json lacks the MLA keys {missing}")
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # DeepSeek-V2's complex rotary is the interleaved rotation; V3 says which.
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_moe_from_dict(cfg: dict[str, Any], model_type: str) -> MoEConfig | None:
+    """transformers' DeepSeek routers: V2 softmax, top-k greedy or group-limited (group
+    = its best expert), no renormalisation; V3 sigmoid with the correction bias, groups
+    by their two best, renormalised when norm_topk_prob."""
+    experts = cfg.get("n_routed_experts")
+    if not experts:
+        return None
+    v3 = model_type == "deepseek_v3"
+    group_limited = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    return MoEConfig(
+        num_experts=int(experts),
+        top_k=int(cfg.get("num_experts_per_tok") or 1),
+        intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        scoring="sigmoid" if v3 else "softmax",
+        renormalize=bool(cfg.get("norm_topk_prob", False)) if v3 else False,
+        n_group=int(cfg.get("n_group") or 1) if group_limited else None,
+        topk_group=int(cfg.get("topk_group") or 1) if group_limited else None,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        correction_bias=v3,
     )
 
 
