@@ -2,7 +2,9 @@
 engine step: the roofline `bench engine --model-shape` holds our step times against.
 
 A step's roofline time is max(bytes / bandwidth, FLOPs / matmul peak): decode steps are
-bound by reading the weights and the KV cache, prefill steps by the matmuls.
+bound by reading the weights and the KV cache, prefill steps by the matmuls. A
+mixture-of-experts step reads only the experts its tokens are routed to: the expected
+number of distinct experts for a step's tokens under uniform routing.
 """
 
 from __future__ import annotations
@@ -104,13 +106,16 @@ def _best_seconds(device: torch.device, setup: Any, reps: int) -> float:
 class ModelCost:
     """Bytes and FLOPs of one engine step of a model, counted from its config."""
 
-    layer_params: int  # all decoder layers
+    layer_params: int  # all decoder layers, as one token sees them (top_k experts each)
     head_params: int  # lm_head (the embedding matrix when tied): read every step
     embed_params: int  # rows are gathered, not streamed: no roofline bytes
     norm_params: int  # the final norm
     itemsize: int
     kv_bytes_per_token: int  # all layers, K and V
     attn_flops_per_pair: int  # one query token attending one key, all layers
+    expert_params: int = 0  # one expert's weights summed over the sparse layers
+    num_experts: int = 0  # per sparse layer; 0: dense
+    top_k: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, itemsize: int) -> ModelCost:
@@ -118,26 +123,50 @@ class ModelCost:
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.qkv_bias else 0)
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
-        per_layer = attn + 3 * h * cfg.intermediate_size + norms
+        sparse = len(cfg.sparse_layers)
+        expert = 3 * h * cfg.moe_intermediate_size
+        # A sparse layer: the router, then top_k of its experts per token.
+        moe_mlp = h * cfg.num_experts + cfg.num_experts_per_tok * expert
+        mlps = (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size + sparse * moe_mlp
         vocab = cfg.vocab_size * h
-        return cls(layer_params=cfg.num_layers * per_layer, head_params=vocab,
+        return cls(layer_params=cfg.num_layers * (attn + norms) + mlps, head_params=vocab,
                    embed_params=0 if cfg.tie_word_embeddings else vocab, norm_params=h,
                    itemsize=itemsize,
                    kv_bytes_per_token=cfg.num_layers * 2 * kv * itemsize,
                    # QK^T and PV: 2 FLOPs per multiply-add each, per head and dim
-                   attn_flops_per_pair=cfg.num_layers * 4 * cfg.num_heads * d)
+                   attn_flops_per_pair=cfg.num_layers * 4 * cfg.num_heads * d,
+                   expert_params=sparse * expert,
+                   num_experts=cfg.num_experts if sparse else 0,
+                   top_k=cfg.num_experts_per_tok if sparse else 0)
 
     @property
     def params(self) -> int:
-        return self.layer_params + self.head_params + self.embed_params + self.norm_params
+        idle = (self.num_experts - self.top_k) * self.expert_params
+        return (self.layer_params + idle + self.head_params + self.embed_params
+                + self.norm_params)
 
     @property
     def weight_bytes(self) -> int:
-        """Weights every step streams: layers, final norm, lm_head."""
-        return (self.layer_params + self.norm_params + self.head_params) * self.itemsize
+        """Weights a step streams when every expert is hit (any step of a dense model):
+        layers, final norm, lm_head."""
+        return self.weight_bytes_for(None)
 
-    def step_bytes(self, kv_tokens_read: int) -> int:
-        return self.weight_bytes + kv_tokens_read * self.kv_bytes_per_token
+    def active_experts(self, tokens: int) -> float:
+        """Expected distinct experts per sparse layer that `tokens` tokens, each routed to
+        top_k distinct experts uniformly, reach: E * (1 - (1 - k/E)^tokens)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
+
+    def weight_bytes_for(self, tokens: int | None) -> int:
+        """Weights a step of `tokens` tokens streams (None: every expert)."""
+        experts = self.num_experts if tokens is None else self.active_experts(tokens)
+        layers = self.layer_params + (experts - self.top_k) * self.expert_params
+        return round((layers + self.norm_params + self.head_params) * self.itemsize)
+
+    def step_bytes(self, kv_tokens_read: int, tokens: int | None = None) -> int:
+        """Weights (the experts `tokens` reach; None: all) plus the KV the step reads."""
+        return self.weight_bytes_for(tokens) + kv_tokens_read * self.kv_bytes_per_token
 
     def step_flops(self, tokens: int, sampled: int, attn_pairs: int) -> int:
         """Matmul FLOPs: 2 * params per token through the layers, the lm_head only for
@@ -174,7 +203,8 @@ def step_summary(steps: list[StepRecord], cost: ModelCost, limits: MachineLimits
     if not chosen:
         return None
     measured = sum(s.seconds for s in chosen)
-    mem = [cost.step_bytes(s.kv_tokens_read) / limits.bandwidth_bytes_s for s in chosen]
+    mem = [cost.step_bytes(s.kv_tokens_read, s.tokens) / limits.bandwidth_bytes_s
+           for s in chosen]
     comp = [cost.step_flops(s.tokens, s.sampled, s.attn_pairs) / limits.matmul_flop_s
             for s in chosen]
     both = sum(max(m, c) for m, c in zip(mem, comp, strict=True))

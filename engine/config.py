@@ -14,6 +14,8 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
@@ -70,35 +72,27 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class MoEConfig:
-    """Routed experts (and DeepSeek's shared experts and leading dense layers)."""
+class DeepseekRouting:
+    """DeepSeek's routing beyond ModelConfig's expert fields: the score function,
+    group-limited selection, the scaling of the routed sum, the shared experts."""
 
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    scoring: str = "softmax"  # softmax | sigmoid
-    renormalize: bool = False
-    n_group: int | None = None
+    scoring: str = "softmax"  # softmax (V2) | sigmoid (V3, with e_score_correction_bias)
+    n_group: int | None = None  # None: plain top-k
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
     n_shared_experts: int = 0
-    first_k_dense_replace: int = 0  # layers below this index keep a dense MLP
-    correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias
 
-    def __post_init__(self) -> None:
-        if not 0 < self.top_k <= self.num_experts:
-            raise ModelDirError(f"num_experts_per_tok {self.top_k} must be in "
-                                f"[1, {self.num_experts}]")
-        if self.n_group is not None and self.num_experts % self.n_group:
-            raise ModelDirError(f"{self.num_experts} experts do not split into "
-                                f"{self.n_group} groups")
+    @property
+    def correction_bias(self) -> bool:
+        return self.scoring == "sigmoid"
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The shape of a decoder-only model of the Llama family."""
+    """The shape of a decoder-only model of the Llama family, dense or with
+    mixture-of-experts MLPs in `sparse_layers`."""
 
-    model_type: str  # llama | mistral | qwen2 | qwen3
+    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -117,8 +111,13 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    mla: MLAConfig | None = None
-    moe: MoEConfig | None = None
+    num_experts: int = 0  # 0: dense
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the experts
+    mla: MLAConfig | None = None  # DeepSeek: latent attention, latent KV cache
+    routing: DeepseekRouting | None = None
 
     @property
     def kv_layout_name(self) -> str:
@@ -135,6 +134,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ModelDirError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.sparse_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelDirError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
+                                f"[1, num_experts {self.num_experts}]")
+        if self.sparse_layers and self.moe_intermediate_size <= 0:
+            raise ModelDirError("moe_intermediate_size must be positive")
         if self.dtype not in DTYPES:
             raise ModelDirError(f"unsupported dtype {self.dtype!r}; supported: {DTYPES}")
 
@@ -155,7 +159,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         window = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None  # HF ignores sliding_window for Qwen unless use_sliding_window
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
         deepseek = model_type.startswith("deepseek")
@@ -179,13 +183,14 @@ class ModelConfig:
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=int(window) if window else None,
             dtype=dtype,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             mla=_mla_from_dict(cfg) if deepseek else None,
-            moe=_deepseek_moe_from_dict(cfg, model_type) if deepseek else None,
+            **(_deepseek_moe_from_dict(cfg, model_type) if deepseek
+               else _moe_from_dict(model_type, cfg)),
         )
 
     @classmethod
@@ -210,6 +215,29 @@ class ModelConfig:
             with open(gen) as f:
                 cfg["eos_token_id"] = json.load(f).get("eos_token_id")
         return cls.from_dict(cfg)
+
+
+def _moe_from_dict(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The experts' fields: Mixtral's in every layer (renormalised top-k); Qwen3-MoE's in
+    the layers that decoder_sparse_step picks, less mlp_only_layers (as transformers)."""
+    if model_type not in ("qwen3_moe", "mixtral"):
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if model_type == "mixtral":
+        sparse = tuple(range(layers))
+        inter, norm = int(cfg["intermediate_size"]), True
+    else:
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step <= 0:
+            raise ModelDirError("decoder_sparse_step must be positive")
+        only = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers)
+                       if experts > 0 and i not in only and (i + 1) % step == 0)
+        inter = int(cfg.get("moe_intermediate_size") or 0)
+        norm = bool(cfg.get("norm_topk_prob", False))
+    return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                moe_intermediate_size=inter, norm_topk_prob=norm, sparse_layers=sparse)
 
 
 def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
@@ -256,27 +284,31 @@ def _mla_from_dict(cfg: dict[str, Any]) -> MLAConfig:
     )
 
 
-def _deepseek_moe_from_dict(cfg: dict[str, Any], model_type: str) -> MoEConfig | None:
-    """transformers' DeepSeek routers: V2 softmax, top-k greedy or group-limited (group
-    = its best expert), no renormalisation; V3 sigmoid with the correction bias, groups
+def _deepseek_moe_from_dict(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """transformers' DeepSeek MoE: experts in the layers from first_k_dense_replace on.
+    V2 routes by softmax, top-k greedy or group-limited (a group ranks by its best
+    expert), never renormalised; V3 by sigmoid with the correction bias, groups ranked
     by their two best, renormalised when norm_topk_prob."""
-    experts = cfg.get("n_routed_experts")
+    experts = int(cfg.get("n_routed_experts") or 0)
     if not experts:
-        return None
+        return {}
     v3 = model_type == "deepseek_v3"
     group_limited = v3 or cfg.get("topk_method") == "group_limited_greedy"
-    return MoEConfig(
-        num_experts=int(experts),
-        top_k=int(cfg.get("num_experts_per_tok") or 1),
-        intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-        scoring="sigmoid" if v3 else "softmax",
-        renormalize=bool(cfg.get("norm_topk_prob", False)) if v3 else False,
-        n_group=int(cfg.get("n_group") or 1) if group_limited else None,
-        topk_group=int(cfg.get("topk_group") or 1) if group_limited else None,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
-        correction_bias=v3,
+    n_group = int(cfg.get("n_group") or 1) if group_limited else None
+    if n_group is not None and experts % n_group:
+        raise ModelDirError(f"{experts} experts do not split into n_group {n_group} groups")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if v3 else False,
+        sparse_layers=tuple(range(first_dense, int(cfg["num_hidden_layers"]))),
+        routing=DeepseekRouting(
+            scoring="sigmoid" if v3 else "softmax", n_group=n_group,
+            topk_group=int(cfg.get("topk_group") or 1) if group_limited else None,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0)),
     )
 
 

@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # MLA + MoE: 8 experts (top-2), one shared expert, a dense first layer.
 DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
 _DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
@@ -58,21 +58,30 @@ def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = F
                   max_position_embeddings=1024, tie_word_embeddings=tie,
                   bos_token_id=tok.token_to_id("<|begin_of_text|>"),
                   eos_token_id=tok.token_to_id("<|eot_id|>"))
-    common.update(overrides)
     cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
         "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[arch]
     if arch in DEEPSEEK_ARCHS:
-        common = {**common, **_DEEPSEEK, **overrides}
-    if arch == "qwen3":
+        common.update(_DEEPSEEK)
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         common.setdefault("sliding_window", None)
+    if arch == "qwen3_moe":
+        # 16 experts, top-4 renormalised; of 3 layers the middle one is dense (an
+        # mlp_only layer), so both MLP kinds meet the residual stream.
+        common.update(num_hidden_layers=3, mlp_only_layers=[1], num_experts=16,
+                      num_experts_per_tok=4, moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "mixtral":
+        common.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
+    common.update(overrides)
     cfg = cls[0](**common)
     torch.manual_seed(1234)
     model = cls[1](cfg)

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.mla import MLABackend, TorchMLABackend, make_mla_backend
-from engine.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from engine.config import DeepseekRouting, MLAConfig, ModelConfig, RopeConfig
 from engine.models.llama import MLP, RMSNorm, rope_inv_freq
 from engine.models.moe import SparseMoeBlock
 
@@ -142,15 +142,16 @@ class DeepseekMoE(SparseMoeBlock):
     """Routed experts (SparseMoeBlock: gate, w13, w2) plus the shared experts, one
     dense MLP of n_shared_experts * moe_intermediate_size, added to every token."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig) -> None:
-        super().__init__(cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                         renormalize=moe.renormalize, scoring=moe.scoring,
-                         correction_bias=moe.correction_bias, router_float32=True,
-                         n_group=moe.n_group, topk_group=moe.topk_group,
-                         routed_scaling_factor=moe.routed_scaling_factor)
+    def __init__(self, cfg: ModelConfig, routing: DeepseekRouting) -> None:
+        super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                         cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+                         scoring=routing.scoring, correction_bias=routing.correction_bias,
+                         router_float32=True, n_group=routing.n_group,
+                         topk_group=routing.topk_group,
+                         routed_scaling_factor=routing.routed_scaling_factor)
         self.shared_experts = (
-            MLP(cfg, moe.intermediate_size * moe.n_shared_experts)
-            if moe.n_shared_experts else None)
+            MLP(cfg, cfg.moe_intermediate_size * routing.n_shared_experts)
+            if routing.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
@@ -164,9 +165,8 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         assert cfg.mla is not None
         self.self_attn = MLAttention(cfg, cfg.mla)
-        moe = cfg.moe
-        self.mlp: nn.Module = (DeepseekMoE(cfg, moe)
-                               if moe is not None and index >= moe.first_k_dense_replace
+        self.mlp: nn.Module = (DeepseekMoE(cfg, cfg.routing)
+                               if cfg.routing is not None and index in cfg.sparse_layers
                                else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -224,6 +224,8 @@ class DeepseekForCausalLM(nn.Module):
                 m.ops = ops
             elif isinstance(m, MLAttention):
                 m.backend = mla_backend
+            elif isinstance(m, SparseMoeBlock):
+                m.use_triton = fused
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

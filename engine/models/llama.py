@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral) over
+a paged KV cache.
 
 One class covers the family; the differences are flags in ModelConfig: QKV bias
-(Qwen2), per-head q/k RMSNorm (Qwen3), llama3 RoPE scaling, sliding window (Mistral).
+(Qwen2), per-head q/k RMSNorm (Qwen3), llama3 RoPE scaling, sliding window (Mistral),
+mixture-of-experts MLPs in the config's sparse layers (Qwen3-MoE, Mixtral).
 Projections are fused (qkv, gate_up) for fewer, larger matmuls; the loader splits
 Hugging Face's separate weights into them.
 """
@@ -18,6 +20,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig, RopeConfig
+from engine.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -137,11 +140,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
+    return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                          cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoeBlock = (
+            moe_block(cfg) if index in cfg.sparse_layers else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -163,7 +172,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -184,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
 
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:
         """Chooses the attention backend and, with `fused`, the Triton elementwise
-        kernels (engine.kernels: RMSNorm with residual add, rotary, SiLU*mul)."""
+        kernels (engine.kernels: RMSNorm with residual add, rotary, SiLU*mul) and the
+        fused MoE kernel (engine.fused_moe) for the experts."""
         ops: ModuleType | None = None
         if fused:
             import engine.kernels
@@ -198,6 +208,8 @@ class LlamaForCausalLM(nn.Module):
                 m.ops = ops
             elif isinstance(m, Attention):
                 m.backend = backend
+            elif isinstance(m, SparseMoeBlock):
+                m.use_triton = fused
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,14 @@ _FUSED_MLP = [
     (re.compile(r"(.*)\.mlp\.shared_experts\.up_proj\.weight$"),
      r"\1.mlp.shared_experts.gate_up_proj.weight", 1),
 ]
-# Per-expert HF tensors -> the stacked w13 [E, 2I, H] (gate rows, then up) and w2 [E, H, I].
-_EXPERT = re.compile(r"(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Per-expert HF weights, stacked into SparseMoeBlock's w13 [E, 2*I, H] (gate rows, then up
+# rows) and w2 [E, H, I]. Qwen3-MoE and DeepSeek name them as the dense MLP; Mixtral
+# w1 / w3 / w2 under block_sparse_moe (its gate too).
+_EXPERT = re.compile(
+    r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight$")
+_EXPERT_SLOT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 0, "w2": 0}
+_MIXTRAL_GATE = re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,9 +49,9 @@ def _num_shards(cfg: ModelConfig, name: str, param: torch.Tensor) -> int:
         return 3
     if "gate_up_proj" in name:
         return 2
-    if name.endswith(".w13"):
+    if name.endswith(".mlp.w13"):
         return 2 * param.shape[0]
-    if name.endswith(".w2"):
+    if name.endswith(".mlp.w2"):
         return param.shape[0]
     return 1
 
@@ -60,11 +66,11 @@ def _shard_view(param: torch.Tensor, cfg: ModelConfig, name: str,
     if "gate_up_proj" in name:
         half = param.shape[0] // 2
         return param.narrow(0, shard * half, half)
-    if name.endswith(".w13"):
+    if name.endswith(".mlp.w13"):
         expert, part = divmod(shard, 2)
         half = param.shape[1] // 2
         return param[expert].narrow(0, part * half, half)
-    if name.endswith(".w2"):
+    if name.endswith(".mlp.w2"):
         return param[shard]
     return param
 
@@ -152,7 +158,7 @@ def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig) -> None
                     continue  # DeepSeek-V3's multi-token-prediction layer: not run
                 target, shard = _map_name(key, cfg)
                 param = params.get(target)
-                if param is None:
+                if param is None or shard >= _num_shards(cfg, target, param):  # a 9th expert
                     unexpected.append(key)
                     continue
                 _copy_in(param, f.get_tensor(key), cfg, target, shard)
@@ -165,12 +171,16 @@ def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig) -> None
 
 
 def _map_name(key: str, cfg: ModelConfig) -> tuple[str, int]:
-    expert = _EXPERT.match(key)
-    if expert:
-        prefix, e, kind = expert.group(1), int(expert.group(2)), expert.group(3)
-        if kind == "down":
-            return f"{prefix}.mlp.w2", e
-        return f"{prefix}.mlp.w13", 2 * e + (kind == "up")
+    """(our parameter, shard): the shard of an expert weight is 2 * expert + (0 gate,
+    1 up) in w13, the expert in w2."""
+    m = _EXPERT.match(key)
+    if m is not None:
+        expert, which = int(m.group(2)), m.group(3)
+        if which in ("down_proj", "w2"):
+            return f"{m.group(1)}.mlp.w2", expert
+        return f"{m.group(1)}.mlp.w13", 2 * expert + _EXPERT_SLOT[which]
+    if _MIXTRAL_GATE.match(key):
+        return _MIXTRAL_GATE.sub(r"\1.mlp.gate.weight", key), 0
     # MLA keeps its q projection(s) apart: only Llama-family attention fuses q, k, v.
     for pattern, repl, shard in (_FUSED_MLP if cfg.mla else _FUSED_QKV + _FUSED_MLP):
         if pattern.match(key):

@@ -26,7 +26,7 @@ def _prompts() -> list[list[int]]:
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_on_cuda_equals_transformers(arch: str, eager: bool) -> None:
-    d = tiny_model_dir(arch, **({"sliding_window": 48} if arch == "mistral" else {}))
+    d = tiny_model_dir(arch, **({"sliding_window": 48} if arch in ("mistral", "mixtral") else {}))
     # Few blocks: the batch does not fit, so requests are preempted and recomputed.
     llm = LLM(d, dtype="float32", device="cuda", num_blocks=40, block_size=16,
               max_num_seqs=8, max_num_batched_tokens=64, enforce_eager=eager)
@@ -73,7 +73,7 @@ def test_kv_pool_sized_from_gpu_memory_utilization() -> None:
     assert total - free <= 0.55 * total
 
 
-@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen3-0.6b", "llama3-8b"])
+@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b"])
 def test_dummy_load_format_for_every_shipped_shape(shape: str) -> None:
     from engine.model_shapes import model_shape_dir
 

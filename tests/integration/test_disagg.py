@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from cluster.launcher import ClusterSpec, LocalCluster
+from engine.config import ModelConfig
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
@@ -36,11 +37,11 @@ ALWAYS_REMOTE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: m
                  "  decider: {name: threshold, threshold: 0}\n")
 
 
-def start_cluster(tmp_path, transport: str, extra_worker_args: tuple[str, ...] = ()
-                  ) -> LocalCluster:
+def start_cluster(tmp_path, transport: str, extra_worker_args: tuple[str, ...] = (),
+                  arch: str = "llama") -> LocalCluster:
     profile = tmp_path / "routing.yaml"
     profile.write_text(ALWAYS_REMOTE)
-    spec = ClusterSpec(model_dir=tiny_model_dir("llama"), num_prefill=1, num_decode=1,
+    spec = ClusterSpec(model_dir=tiny_model_dir(arch), num_prefill=1, num_decode=1,
                        num_colocated=0, transport=transport,
                        worker_args=WORKER_ARGS + extra_worker_args,
                        gateway_args=("--routing", str(profile)), ready_timeout_s=150,
@@ -112,6 +113,27 @@ def test_greedy_through_remote_prefill_equals_offline(tmp_path, offline, transpo
         eos = offline.engine.eos_token_ids[0] if offline.engine.eos_token_ids else None
         for i in (3, 9, 15):
             assert hf_greedy(hf, prompts[i], max_tokens[i], eos) == ref[i].token_ids
+
+
+def test_mixture_of_experts_through_remote_prefill_equals_transformers(tmp_path) -> None:
+    """Qwen3-MoE's KV (experts in the MLPs, nothing different in the cache) prefilled on
+    one worker, decoded on the other: transformers' greedy tokens."""
+    prompts, max_tokens = mixed_prompts()
+    picked = [3, 7, 9, 13]  # 9 shares 7's prefix
+    prompts, max_tokens = [prompts[i] for i in picked], [max_tokens[i] for i in picked]
+    cluster = start_cluster(tmp_path, "tcp", arch="qwen3_moe")
+    try:
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
+        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
+        assert ok == len(prompts), logs(cluster)
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()
+    hf = hf_model(tiny_model_dir("qwen3_moe"))
+    eos = ModelConfig.from_model_dir(tiny_model_dir("qwen3_moe")).eos_token_ids
+    for p, m, g in zip(prompts, max_tokens, got, strict=True):
+        assert g == hf_greedy(hf, p, m, eos[0] if eos else None)
 
 
 def test_disconnect_frees_blocks_on_both_workers_and_killed_prefill_is_recomputed(

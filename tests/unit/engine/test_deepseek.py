@@ -86,7 +86,7 @@ def test_latent_cache_and_layout():
     d = tiny_model_dir("deepseek_v2")
     llm = LLM(d, dtype="float32", block_size=16, num_blocks=8)
     cfg = llm.engine.model_config
-    assert cfg.mla is not None and cfg.moe is not None
+    assert cfg.mla is not None and cfg.routing is not None and cfg.sparse_layers == (1, 2)
     # one latent (kv_lora_rank) + rope key (qk_rope_head_dim) per token per layer
     assert tuple(llm.engine.runner.kv_cache.shape) == (8, 3, 1, 16, 1, 32 + 16)
     from kvtransfer.layout import engine_layout

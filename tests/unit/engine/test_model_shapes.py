@@ -25,7 +25,8 @@ from engine.tokenizer import Tokenizer
 
 # Published parameter counts (Hugging Face model cards / safetensors metadata).
 PUBLISHED_PARAMS = {"llama3-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400,
-                    "qwen3-0.6b": 596_049_920}
+                    "qwen3-0.6b": 596_049_920, "qwen3-30b-a3b": 30_532_122_624,
+                    "mixtral-8x7b": 46_702_792_704}
 
 
 def reduced(name: str, root: str) -> str:
@@ -34,6 +35,8 @@ def reduced(name: str, root: str) -> str:
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     cfg |= {"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128,
             "vocab_size": 1024, "torch_dtype": "float32"}
+    if "moe_intermediate_size" in cfg:
+        cfg["moe_intermediate_size"] = 32
     path = os.path.join(root, f"{name}-reduced.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -52,11 +55,30 @@ def test_full_shape_builds_on_meta_with_the_published_size(name):
 
 
 def test_shape_features():
-    l8, l1, q = (ModelConfig.from_dict(load_shape(n)) for n in MODEL_SHAPES)
+    l8, l1, q, qm, mx = (ModelConfig.from_dict(load_shape(n)) for n in MODEL_SHAPES)
     assert (l8.num_layers, l8.hidden_size, l8.num_heads, l8.num_kv_heads, l8.rope.theta) == (
         32, 4096, 32, 8, 500000.0)
     assert l1.rope.rope_type == "llama3" and l1.rope.factor == 32 and l1.tie_word_embeddings
     assert q.qk_norm and q.tie_word_embeddings and q.head_dim == 128 and q.rope.theta == 1e6
+    assert qm.qk_norm and (qm.num_experts, qm.num_experts_per_tok, qm.moe_intermediate_size,
+                           qm.norm_topk_prob) == (128, 8, 768, True)
+    assert qm.sparse_layers == tuple(range(48)) and not l8.sparse_layers
+    assert (mx.num_experts, mx.num_experts_per_tok, mx.moe_intermediate_size) == (8, 2, 14336)
+    assert mx.norm_topk_prob and mx.sliding_window is None and not mx.qk_norm
+
+
+def test_moe_roofline_counts_the_experts_a_step_reads():
+    """Qwen3-30B-A3B: 3.3B parameters per token (the "A3B") of 30.5B; a decode step of one
+    token reads 8 of 128 experts, a large batch all of them."""
+    cost = ModelCost.from_config(ModelConfig.from_dict(load_shape("qwen3-30b-a3b")), 2)
+    active = cost.layer_params + cost.head_params + cost.embed_params + cost.norm_params
+    assert 3.3e9 < active < 3.4e9
+    assert cost.active_experts(1) == pytest.approx(8)
+    assert cost.weight_bytes_for(1) == 2 * (cost.layer_params + cost.head_params
+                                            + cost.norm_params)
+    assert cost.weight_bytes_for(4096) == pytest.approx(cost.weight_bytes, rel=1e-6)
+    assert cost.weight_bytes_for(1) < cost.weight_bytes_for(16) < cost.weight_bytes
+    assert cost.step_bytes(10, 1) == cost.weight_bytes_for(1) + 10 * cost.kv_bytes_per_token
 
 
 @pytest.mark.parametrize("name", MODEL_SHAPES)

@@ -144,3 +144,54 @@ def test_fused_experts_reference_is_the_weighted_sum() -> None:
                                              * (w13[e, INTER:] @ x[t])))
                    for k, e in enumerate(ids[t].tolist()))
         torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers() -> None:
+    from engine.config import ModelConfig, ModelDirError
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    cfg = ModelConfig.from_dict({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert cfg.sparse_layers == (1, 5) and cfg.qk_norm and not cfg.norm_topk_prob
+    assert ModelConfig.from_dict({**base, "num_experts": 0}).sparse_layers == ()
+    mixtral_cfg = ModelConfig.from_dict({**base, "architectures": ["MixtralForCausalLM"],
+                                         "num_local_experts": 4, "num_experts": None})
+    assert mixtral_cfg.sparse_layers == tuple(range(6)) and mixtral_cfg.norm_topk_prob
+    assert mixtral_cfg.moe_intermediate_size == 64 and mixtral_cfg.num_experts == 4
+    with pytest.raises(ModelDirError, match="num_experts_per_tok"):
+        ModelConfig.from_dict({**base, "num_experts_per_tok": 9})
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_loader_names_a_missing_or_extra_expert(arch: str, tmp_path) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.config import ModelConfig, ModelDirError
+    from engine.models.loader import load_model
+    from tests.factories import tiny_model_dir
+
+    src = tiny_model_dir(arch)
+    cfg = ModelConfig.from_model_dir(src)
+    tensors = load_file(f"{src}/model.safetensors")
+    model = load_model(src, cfg, torch.float32, torch.device("cpu"))
+    mlp = "mlp" if arch == "qwen3_moe" else "block_sparse_moe"
+    down = "down_proj" if arch == "qwen3_moe" else "w2"
+    up = "up_proj" if arch == "qwen3_moe" else "w3"
+    layer = model.model.layers[0].mlp
+    e = cfg.num_experts - 1
+    inter = cfg.moe_intermediate_size
+    assert torch.equal(layer.w13[e, inter:], tensors[f"model.layers.0.{mlp}.experts.{e}.{up}.weight"])
+    assert torch.equal(layer.w2[e], tensors[f"model.layers.0.{mlp}.experts.{e}.{down}.weight"])
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    key = f"model.layers.0.{mlp}.experts.{e}.{down}.weight"
+    save_file({k: v for k, v in tensors.items() if k != key}, f"{d}/model.safetensors")
+    with pytest.raises(ModelDirError, match=r"missing.*layers\.0\.mlp\.w2"):
+        load_model(str(d), cfg, torch.float32, torch.device("cpu"))
+    extra = key.replace(f"experts.{e}.", f"experts.{e + 1}.")
+    save_file({**tensors, extra: tensors[key].clone()}, f"{d}/model.safetensors")
+    with pytest.raises(ModelDirError, match="unexpected"):
+        load_model(str(d), cfg, torch.float32, torch.device("cpu"))

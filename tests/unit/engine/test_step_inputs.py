@@ -90,6 +90,8 @@ def test_padded_decode_path_equals_transformers() -> None:
     ("llama", {}),
     ("qwen3", {}),
     ("mistral", {"sliding_window": 24}),
+    ("qwen3_moe", {}),
+    ("mixtral", {"sliding_window": 24}),
 ])
 def test_triton_backend_equals_transformers(arch: str, overrides: dict) -> None:
     pytest.importorskip("triton")
