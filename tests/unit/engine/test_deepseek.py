@@ -147,3 +147,29 @@ def test_config_errors(tmp_path):
     with pytest.raises(ModelDirError, match="layers.2.mlp.w13"):
         load_model(str(d), ModelConfig.from_model_dir(str(d)), torch.float32,
                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_latent_blocks_hit_from_the_host_and_disk_tiers(tier, tmp_path):
+    """Device pressure evicts DeepSeek's latent blocks; the reruns load them back from
+    the tier (bytes = hits x the latent layout's block bytes) and stay transformers'
+    greedy tokens."""
+    import random
+
+    from kvtransfer.tiers import TierConfig
+    from kvtransfer.tiers.manager import TieredCache
+    from tests.unit.engine.test_offload import MAX_TOKENS as N
+    from tests.unit.engine.test_offload import layout_of, run_twice
+
+    d = tiny_model_dir("deepseek_v2")
+    hf = hf_model(d)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(26)] for _ in range(4)]
+    eos = hf.generation_config.eos_token_id
+    ref = [hf_greedy(hf, p, N, eos) for p in prompts]
+    layout = layout_of(d)
+    assert layout.name == "mla_latent_v1" and layout.token_bytes == (32 + 16) * 3 * 4
+    cfg = (TierConfig(host_blocks=64) if tier == "host"
+           else TierConfig(disk_dir=str(tmp_path), disk_blocks=64))
+    with TieredCache(cfg, layout) as tiers:
+        run_twice((d, prompts, ref), tiers, tier)
