@@ -8,6 +8,7 @@
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
+#   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 set -u
 STEPS=${STEPS:-engine tests ipc_first transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -15,7 +16,7 @@ mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
-T_SIMVAL=${T_SIMVAL:-300}
+T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -69,4 +70,13 @@ step engine_hf "$T_HF" python3 -m cluster.cli bench engine --device cuda \
 # 5. TTFT of 8k-token prompts: 1P1D over cuda_ipc and ucx against a colocated worker
 step transports "$T_EXP" python3 -m cluster.cli bench experiment transports --device cuda \
   --out-dir /tmp/gpu-checks-exp --json "$OUT/transports.json" --no-progress
+# 6. mixture of experts: the fused-MoE kernel compiled (float32 within 1e-5 of the loop
+# over experts, bf16 close), Qwen3-MoE / Mixtral token-identical to transformers with
+# graphs on and off, then our steps on the Qwen3-30B-A3B shape against the roofline that
+# counts the experts each step reaches
+step moe "$T_MOE" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
+  tests/unit/engine/test_fused_moe.py tests/unit/engine/test_moe.py \
+  'tests/gpu/test_engine_cuda.py' -k 'moe or mixtral or fused or 30b' && \
+  python3 -m cluster.cli bench engine --device cuda --model-shape qwen3-30b-a3b \
+  --workloads a,b --skip-hf --json $OUT/engine_moe.json"
 grep "^== " "$OUT/gpu.txt"

@@ -142,7 +142,8 @@ class MLP(nn.Module):
 
 def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
     return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                          cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob)
+                          cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
+                          round_weights=cfg.model_type == "qwen3_moe")
 
 
 class DecoderLayer(nn.Module):

@@ -143,7 +143,7 @@ class SparseMoeBlock(nn.Module):
                  top_k: int, *, renormalize: bool, scoring: str = "softmax",
                  correction_bias: bool = False, router_float32: bool = False,
                  n_group: int | None = None, topk_group: int | None = None,
-                 routed_scaling_factor: float = 1.0) -> None:
+                 routed_scaling_factor: float = 1.0, round_weights: bool = False) -> None:
         super().__init__()
         if scoring not in SCORINGS:
             raise ValueError(f"unknown expert scoring {scoring!r}; choose from {SCORINGS}")
@@ -154,6 +154,9 @@ class SparseMoeBlock(nn.Module):
         self.renormalize, self.scoring = renormalize, scoring
         self.n_group, self.topk_group = n_group, topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        # Qwen3-MoE rounds the routing weights to the model dtype before they scale the
+        # experts' outputs; Mixtral and DeepSeek keep them in float32.
+        self.round_weights = round_weights
         self.gate = Router(hidden_size, num_experts, float32=router_float32,
                            correction_bias=correction_bias)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
@@ -166,4 +169,6 @@ class SparseMoeBlock(nn.Module):
             e_score_correction_bias=self.gate.e_score_correction_bias,
             n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor)
+        if self.round_weights and x.dtype != weights.dtype:
+            weights = weights.to(x.dtype).float()
         return fused_experts(x, self.w13, self.w2, weights, ids, use_triton=self.use_triton)

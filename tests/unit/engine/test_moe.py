@@ -195,3 +195,15 @@ def test_loader_names_a_missing_or_extra_expert(arch: str, tmp_path) -> None:
     save_file({**tensors, extra: tensors[key].clone()}, f"{d}/model.safetensors")
     with pytest.raises(ModelDirError, match="unexpected"):
         load_model(str(d), cfg, torch.float32, torch.device("cpu"))
+
+
+def test_bfloat16_block_matches_transformers_up_to_summation_order() -> None:
+    """Qwen3-MoE rounds its routing weights to bf16 before scaling the experts."""
+    ref, ours = _qwen3_moe_block(2)
+    ref, ours = ref.bfloat16(), ours.bfloat16()
+    ours.round_weights = True
+    x = _hidden(6).bfloat16()
+    with torch.no_grad():
+        want = ref(x.unsqueeze(0))[0]
+        got = ours(x)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
