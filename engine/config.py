@@ -92,7 +92,7 @@ class ModelConfig:
     """The shape of a decoder-only model of the Llama family, dense or with
     mixture-of-experts MLPs in `sparse_layers`."""
 
-    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v2/v3
     architecture: str
     vocab_size: int
     hidden_size: int
