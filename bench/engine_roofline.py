@@ -123,18 +123,24 @@ class ModelCost:
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.qkv_bias else 0)
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+        kv_bytes = cfg.num_layers * 2 * kv * itemsize
+        attn_flops = cfg.num_layers * 4 * cfg.num_heads * d
+        if cfg.mla is not None:
+            attn, norms, kv_bytes, attn_flops = _mla_costs(cfg, itemsize)
         sparse = len(cfg.sparse_layers)
         expert = 3 * h * cfg.moe_intermediate_size
-        # A sparse layer: the router, then top_k of its experts per token.
-        moe_mlp = h * cfg.num_experts + cfg.num_experts_per_tok * expert
+        shared = 0 if cfg.routing is None else cfg.routing.n_shared_experts * expert
+        # A sparse layer: the router, then top_k of its experts per token (and any
+        # shared experts, which every token runs).
+        moe_mlp = h * cfg.num_experts + cfg.num_experts_per_tok * expert + shared
         mlps = (cfg.num_layers - sparse) * 3 * h * cfg.intermediate_size + sparse * moe_mlp
         vocab = cfg.vocab_size * h
         return cls(layer_params=cfg.num_layers * (attn + norms) + mlps, head_params=vocab,
                    embed_params=0 if cfg.tie_word_embeddings else vocab, norm_params=h,
                    itemsize=itemsize,
-                   kv_bytes_per_token=cfg.num_layers * 2 * kv * itemsize,
+                   kv_bytes_per_token=kv_bytes,
                    # QK^T and PV: 2 FLOPs per multiply-add each, per head and dim
-                   attn_flops_per_pair=cfg.num_layers * 4 * cfg.num_heads * d,
+                   attn_flops_per_pair=attn_flops,
                    expert_params=sparse * expert,
                    num_experts=cfg.num_experts if sparse else 0,
                    top_k=cfg.num_experts_per_tok if sparse else 0)
@@ -173,6 +179,25 @@ class ModelCost:
         the rows that are sampled, and causal attention over `attn_pairs` (query, key)."""
         return (2 * self.layer_params * tokens + 2 * self.head_params * sampled
                 + self.attn_flops_per_pair * attn_pairs)
+
+
+def _mla_costs(cfg: ModelConfig, itemsize: int) -> tuple[int, int, int, int]:
+    """MLA's (attention params, norm params, KV bytes per token, attention FLOPs per
+    (query, key) pair) per its config: the cache holds latent + rope key per layer, and
+    decode attends in the latent space (score over rank + rope, output over rank)."""
+    m = cfg.mla
+    assert m is not None
+    h, heads = cfg.hidden_size, cfg.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = h * heads * qk if m.q_lora_rank is None else (
+        h * m.q_lora_rank + m.q_lora_rank * heads * qk)
+    attn = (q + h * m.latent_dim + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            + heads * m.v_head_dim * h)
+    if cfg.qkv_bias:
+        attn += (m.q_lora_rank or 0) + m.latent_dim + h
+    norms = 2 * h + m.kv_lora_rank + (m.q_lora_rank or 0)
+    flops = cfg.num_layers * heads * (2 * m.latent_dim + 2 * m.kv_lora_rank)
+    return attn, norms, cfg.num_layers * m.latent_dim * itemsize, flops
 
 
 def causal_pairs(start: int, end: int) -> int:

@@ -9,6 +9,7 @@
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
+#   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 set -u
 STEPS=${STEPS:-engine tests ipc_first transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -16,7 +17,7 @@ mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
-T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300}
+T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -79,4 +80,14 @@ step moe "$T_MOE" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
   'tests/gpu/test_engine_cuda.py' -k 'moe or mixtral or fused or 30b' && \
   python3 -m cluster.cli bench engine --device cuda --model-shape qwen3-30b-a3b \
   --workloads a,b --skip-hf --json $OUT/engine_moe.json"
+# 7. MLA: the paged latent decode kernel compiled (float32 within 1e-5 of the torch
+# reference), DeepSeek-V2/V3 token-identical to transformers with graphs on and off, the
+# DeepSeek-V2-Lite shape against its roofline, and latent hand-offs (bytes per token and
+# time beside the Llama-3-8B layout of step 3)
+step mla "$T_MLA" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
+  tests/unit/engine/test_triton_mla.py 'tests/gpu/test_engine_cuda.py' -k 'mla or deepseek' && \
+  python3 -m cluster.cli bench engine --device cuda --model-shape deepseek-v2-lite \
+  --workloads a,b,d --skip-hf --json $OUT/engine_mla.json && \
+  python3 -m cluster.cli bench transfer --device cuda --layout deepseek-v2-lite \
+  --json $OUT/transfer_mla.json"
 grep "^== " "$OUT/gpu.txt"

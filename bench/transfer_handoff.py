@@ -34,6 +34,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                       dtype="bfloat16"),  # 2 MiB blocks
     "small": dict(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
                   dtype="bfloat16"),  # 32 KiB blocks
+    # DeepSeek-V2-Lite's MLA cache: 512 latent + 64 rope values per token per layer
+    "deepseek-v2-lite": dict(num_layers=27, num_kv_heads=1, head_dim=576, block_size=16,
+                             dtype="bfloat16", name="mla_latent_v1"),  # 486 KiB blocks
 }
 TARGETS = {"cuda_ipc": 0.5, "ucx": 0.3}
 MODES = ("contiguous", "scattered")
@@ -256,7 +259,8 @@ def _fmt(r: Row) -> str:
 
 def report(rows: list[Row], copy: dict[str, float], summary: dict[str, Any],
            layout: Any) -> None:
-    print(f"\nblock {layout.block_bytes / 2**20:.3f} MiB; one hand-off at a time, p50")
+    print(f"\n{layout.name}: block {layout.block_bytes / 2**20:.3f} MiB, "
+          f"{layout.token_bytes} bytes per token; one hand-off at a time, p50")
     for r in rows:
         print(_fmt(r))
     print(f"\nin-process gather-scatter: contiguous {copy['contiguous_gbps']:.1f} GB/s, "

@@ -16,9 +16,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 DTYPES = ("float32", "bfloat16", "float16")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LOAD_FORMATS = ("auto", "dummy")
 SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")
 
@@ -35,6 +37,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (DeepSeek): the ramp between interpolated and extrapolated frequencies, and
+    # the mscales behind the cos/sin factor and the softmax scale.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -43,11 +53,46 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: queries through an optional low-rank
+    (q_lora_rank), keys and values from one latent of kv_lora_rank per token plus a
+    shared rope key of qk_rope_head_dim. The KV cache holds only latent + rope key."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope over (even, odd) pairs, as DeepSeek's weights
+
+    @property
+    def latent_dim(self) -> int:
+        """Values per token per layer in the cache: the latent and the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekRouting:
+    """DeepSeek's routing beyond ModelConfig's expert fields: the score function,
+    group-limited selection, the scaling of the routed sum, the shared experts."""
+
+    scoring: str = "softmax"  # softmax (V2) | sigmoid (V3, with e_score_correction_bias)
+    n_group: int | None = None  # None: plain top-k
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+
+    @property
+    def correction_bias(self) -> bool:
+        return self.scoring == "sigmoid"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The shape of a decoder-only model of the Llama family, dense or with
     mixture-of-experts MLPs in `sparse_layers`."""
 
-    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral
+    model_type: str  # llama | mistral | qwen2 | qwen3 | qwen3_moe | mixtral | deepseek_v2/v3
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -71,6 +116,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's intermediate size
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the experts
+    mla: MLAConfig | None = None  # DeepSeek: latent attention, latent KV cache
+    routing: DeepseekRouting | None = None
+
+    @property
+    def kv_layout_name(self) -> str:
+        return "mla_latent_v1" if self.mla is not None else "block_major_v1"
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(parts, heads, head size) of one token's cache entry in one layer: K and V
+        per KV head, or (MLA) one entry of latent + rope key shared by every head."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -103,6 +162,11 @@ class ModelConfig:
         if model_type in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             window = None  # HF ignores sliding_window for Qwen unless use_sliding_window
         dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+        deepseek = model_type.startswith("deepseek")
+        rope = _rope_from_dict(cfg)
+        if rope.rope_type == "yarn" and not deepseek:
+            raise ModelDirError(f"yarn rope scaling is supported for DeepSeek models only, "
+                                f"not {arch}")
         return cls(
             model_type=model_type,
             architecture=arch,
@@ -112,10 +176,11 @@ class ModelConfig:
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=(_mla_from_dict(cfg).qk_rope_head_dim if deepseek else
+                      int(cfg.get("head_dim") or cfg["hidden_size"] // heads)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_dict(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
@@ -123,7 +188,9 @@ class ModelConfig:
             dtype=dtype,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            **_moe_from_dict(model_type, cfg),
+            mla=_mla_from_dict(cfg) if deepseek else None,
+            **(_deepseek_moe_from_dict(cfg, model_type) if deepseek
+               else _moe_from_dict(model_type, cfg)),
         )
 
     @classmethod
@@ -187,6 +254,61 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
             params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _mla_from_dict(cfg: dict[str, Any]) -> MLAConfig:
+    missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                           "v_head_dim") if cfg.get(k) is None]
+    if missing:
+        raise ModelDirError(f"config.json lacks the MLA keys {missing}")
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # DeepSeek-V2's complex rotary is the interleaved rotation; V3 says which.
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_moe_from_dict(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """transformers' DeepSeek MoE: experts in the layers from first_k_dense_replace on.
+    V2 routes by softmax, top-k greedy or group-limited (a group ranks by its best
+    expert), never renormalised; V3 by sigmoid with the correction bias, groups ranked
+    by their two best, renormalised when norm_topk_prob."""
+    experts = int(cfg.get("n_routed_experts") or 0)
+    if not experts:
+        return {}
+    v3 = model_type == "deepseek_v3"
+    group_limited = v3 or cfg.get("topk_method") == "group_limited_greedy"
+    n_group = int(cfg.get("n_group") or 1) if group_limited else None
+    if n_group is not None and experts % n_group:
+        raise ModelDirError(f"{experts} experts do not split into n_group {n_group} groups")
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 1),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if v3 else False,
+        sparse_layers=tuple(range(first_dense, int(cfg["num_hidden_layers"]))),
+        routing=DeepseekRouting(
+            scoring="sigmoid" if v3 else "softmax", n_group=n_group,
+            topk_group=int(cfg.get("topk_group") or 1) if group_limited else None,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0)),
     )
 
 

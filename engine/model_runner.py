@@ -32,11 +32,14 @@ CPU_KV_BYTES = 512 * 1024 * 1024  # the CPU pool's default size
 
 
 def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """The block-major cache (`kvtransfer.layout` draws it); MLA: one latent part."""
+    parts, heads, head_dim = cfg.kv_cache_dims
+    return (num_blocks, cfg.num_layers, parts, block_size, heads, head_dim)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    parts, heads, head_dim = cfg.kv_cache_dims
+    return cfg.num_layers * parts * block_size * heads * head_dim * dtype.itemsize
 
 
 def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int | None:

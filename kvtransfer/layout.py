@@ -9,6 +9,15 @@ so a block is one contiguous byte range and so is a (block, layer range) slice:
     block b:  | layer 0: K V | layer 1: K V | ... | layer L-1: K V |
               ^ b * block_bytes                  ^ (b+1) * block_bytes
 
+MLA models (DeepSeek) cache one latent vector and one rope key per token per layer,
+shared by every head: layout `mla_latent_v1`, the same tensor with one part and one
+"head" of `kv_lora_rank + qk_rope_head_dim` values,
+
+    [num_blocks, num_layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+
+so every byte count below (and so the hand-off, the tiers, peer fetch and the index)
+follows from the layout with no code of its own.
+
 This module is torch-free (the gateway imports kvtransfer without torch).
 """
 
@@ -26,6 +35,9 @@ if TYPE_CHECKING:
 
 DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 LAYOUT_NAME = "block_major_v1"
+MLA_LAYOUT_NAME = "mla_latent_v1"
+# Parts per token per layer: K and V, or (MLA) the one latent + rope key entry.
+LAYOUT_PARTS: dict[str, int] = {LAYOUT_NAME: 2, MLA_LAYOUT_NAME: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,25 +57,39 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{field} must be positive")
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}")
-        if self.name != LAYOUT_NAME:
-            raise ValueError(f"unsupported KV layout {self.name!r} (want {LAYOUT_NAME!r})")
+        if self.name not in LAYOUT_PARTS:
+            raise ValueError(f"unsupported KV layout {self.name!r} "
+                             f"(want one of {sorted(LAYOUT_PARTS)})")
+        if self.name == MLA_LAYOUT_NAME and self.num_kv_heads != 1:
+            raise ValueError("an MLA latent layout has one entry per token (num_kv_heads 1)")
 
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def num_parts(self) -> int:
+        """2 (K and V) or 1 (an MLA latent)."""
+        return LAYOUT_PARTS[self.name]
+
+    @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer of one block (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        """Bytes of one layer of one block (K and V, or the latent)."""
+        return (self.num_parts * self.block_size * self.num_kv_heads * self.head_dim
+                * self.itemsize)
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token's KV takes over all layers."""
+        return self.block_bytes // self.block_size
 
     @property
     def block_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads,
-                self.head_dim)
+        return (num_blocks, self.num_layers, self.num_parts, self.block_size,
+                self.num_kv_heads, self.head_dim)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -166,6 +192,7 @@ def engine_layout(engine_config: EngineConfig) -> KVLayout:
     from engine.config import ModelConfig
 
     m = ModelConfig.from_model_dir(engine_config.model_dir)
-    return KVLayout(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+    _, heads, head_dim = m.kv_cache_dims
+    return KVLayout(num_layers=m.num_layers, num_kv_heads=heads, head_dim=head_dim,
                     block_size=engine_config.cache.block_size,
-                    dtype=engine_config.dtype or m.dtype)
+                    dtype=engine_config.dtype or m.dtype, name=m.kv_layout_name)

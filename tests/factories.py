@@ -8,6 +8,12 @@ import shutil
 from typing import Any
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# MLA + MoE: 8 experts (top-2), one shared expert, a dense first layer.
+DEEPSEEK_ARCHS = ("deepseek_v2", "deepseek_v3")
+_DEEPSEEK = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+                 n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                 first_k_dense_replace=1)
 _CACHE = os.path.join(os.environ.get("SPLITSERVE_TEST_CACHE", "/tmp/splitserve-test-models"))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +65,11 @@ def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = F
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
     }[arch]
+    if arch in DEEPSEEK_ARCHS:
+        common.update(_DEEPSEEK)
     if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
     if arch in ("mistral", "mixtral"):
@@ -82,6 +92,9 @@ def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = F
                 p.normal_(0.0, 0.08)
             else:  # norms and biases: perturb around their init
                 p.add_(torch.randn_like(p) * 0.02)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+                b.copy_(torch.randn_like(b) * 0.1)
     model.to(getattr(torch, dtype)).save_pretrained(tmp)
     try:
         os.rename(tmp, out)

@@ -3,7 +3,8 @@
 The KV cache is one block-major tensor `[num_blocks, num_layers, 2, block_size,
 kv_heads, head_dim]` (`kvtransfer.layout.engine_layout` is its one definition). A
 layer sees the strided view `cache[:, layer]`: `[num_blocks, 2, block_size, kv_heads,
-head_dim]`, where `[:, 0]` holds K and `[:, 1]` holds V.
+head_dim]`, where `[:, 0]` holds K and `[:, 1]` holds V. MLA models (DeepSeek) cache one
+part of one "head" instead, the latent and rope key per token (`engine.attention.mla`).
 
 A step's batch is flat: the new tokens of every scheduled sequence, one after the
 other, no padding between sequences. For sequence i:

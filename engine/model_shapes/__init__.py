@@ -16,7 +16,8 @@ from typing import Any
 
 from engine.config import ModelConfig, ModelDirError
 
-MODEL_SHAPES = ("llama3-8b", "llama3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "mixtral-8x7b")
+MODEL_SHAPES = ("llama3-8b", "llama3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "mixtral-8x7b",
+                "deepseek-v2-lite")
 SHAPE_NOTICE = ("note: --model-shape {name} has no weights: running it with "
                 "--load-format dummy (random weights; the text is gibberish).")
 

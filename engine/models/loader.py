@@ -11,34 +11,68 @@ import torch
 from safetensors import safe_open
 
 from engine.config import LOAD_FORMATS, ModelConfig, ModelDirError
+from engine.models.deepseek import DeepseekForCausalLM, deepseek_rope
 from engine.models.llama import LlamaForCausalLM, rope_inv_freq
 
+CausalLM = LlamaForCausalLM | DeepseekForCausalLM
+
 # HF name (regex) -> (our parameter name, shard index within the fused parameter).
-_FUSED = [
+_FUSED_QKV = [
     (re.compile(r"(.*)\.self_attn\.q_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", 0),
     (re.compile(r"(.*)\.self_attn\.k_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", 1),
     (re.compile(r"(.*)\.self_attn\.v_proj\.(weight|bias)$"), r"\1.self_attn.qkv_proj.\2", 2),
+]
+_FUSED_MLP = [
     (re.compile(r"(.*)\.mlp\.gate_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 0),
     (re.compile(r"(.*)\.mlp\.up_proj\.weight$"), r"\1.mlp.gate_up_proj.weight", 1),
+    (re.compile(r"(.*)\.mlp\.shared_experts\.gate_proj\.weight$"),
+     r"\1.mlp.shared_experts.gate_up_proj.weight", 0),
+    (re.compile(r"(.*)\.mlp\.shared_experts\.up_proj\.weight$"),
+     r"\1.mlp.shared_experts.gate_up_proj.weight", 1),
 ]
-
 # Per-expert HF weights, stacked into SparseMoeBlock's w13 [E, 2*I, H] (gate rows, then up
-# rows) and w2 [E, H, I]. Qwen3-MoE names them as the dense MLP; Mixtral w1 / w3 / w2
-# under block_sparse_moe (its gate too).
+# rows) and w2 [E, H, I]. Qwen3-MoE and DeepSeek name them as the dense MLP; Mixtral
+# w1 / w3 / w2 under block_sparse_moe (its gate too).
 _EXPERT = re.compile(
     r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
     r"\.weight$")
 _EXPERT_SLOT = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 0, "w2": 0}
 _MIXTRAL_GATE = re.compile(r"(.*)\.block_sparse_moe\.gate\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _shard_sizes(cfg: ModelConfig, name: str) -> list[int]:
+def _num_shards(cfg: ModelConfig, name: str, param: torch.Tensor) -> int:
+    """How many HF tensors fill our parameter `name`."""
+    if "qkv_proj" in name:
+        return 3
+    if "gate_up_proj" in name:
+        return 2
+    if name.endswith(".mlp.w13"):
+        return 2 * param.shape[0]
+    if name.endswith(".mlp.w2"):
+        return param.shape[0]
+    return 1
+
+
+def _shard_view(param: torch.Tensor, cfg: ModelConfig, name: str,
+                shard: int) -> torch.Tensor:
+    """The part of `param` that HF tensor number `shard` fills."""
     if "qkv_proj" in name:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return [q, kv, kv]
-    return [cfg.intermediate_size, cfg.intermediate_size]
+        sizes = [q, kv, kv]
+        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if "gate_up_proj" in name:
+        half = param.shape[0] // 2
+        return param.narrow(0, shard * half, half)
+    if name.endswith(".mlp.w13"):
+        expert, part = divmod(shard, 2)
+        half = param.shape[1] // 2
+        return param[expert].narrow(0, part * half, half)
+    if name.endswith(".mlp.w2"):
+        return param[shard]
+    return param
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -50,7 +84,7 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+               load_format: str = "auto", seed: int = 0) -> CausalLM:
     """Returns the model in eval mode on `device`. load_format "auto" loads every
     parameter from the directory's *.safetensors (raises ModelDirError naming missing
     or unexpected tensors); "dummy" needs only the config and fills the parameters with
@@ -65,15 +99,20 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     return model.eval()
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     """The model with uninitialised parameters on the device, allocated once in `dtype`
     (casting on the meta device first avoids a float32 copy of every weight)."""
+    model: CausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = (DeepseekForCausalLM(cfg) if cfg.mla is not None
+                 else LlamaForCausalLM(cfg)).to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    if cfg.mla is not None:
+        model.inv_freq = deepseek_rope(cfg)[0].to(device)
+    else:
+        model.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
     return model
 
 
@@ -100,12 +139,12 @@ def _generator(gens: dict[torch.device, torch.Generator], p: torch.Tensor,
     return g
 
 
-def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig) -> None:
+def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig) -> None:
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # shares embed_tokens' tensor
     loaded: set[tuple[str, int]] = set()
-    expected = {(n, i) for n in params for i in range(_num_shards(cfg, n))}
+    expected = {(n, i) for n, p in params.items() for i in range(_num_shards(cfg, n, p))}
     unexpected = []
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -114,9 +153,12 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig)
                     continue
                 if cfg.tie_word_embeddings and key == "lm_head.weight":
                     continue
-                target, shard = _map_name(key)
+                layer = _LAYER.match(key)
+                if layer and int(layer.group(1)) >= cfg.num_layers:
+                    continue  # DeepSeek-V3's multi-token-prediction layer: not run
+                target, shard = _map_name(key, cfg)
                 param = params.get(target)
-                if param is None or shard >= _num_shards(cfg, target):  # e.g. a 9th expert
+                if param is None or shard >= _num_shards(cfg, target, param):  # a 9th expert
                     unexpected.append(key)
                     continue
                 _copy_in(param, f.get_tensor(key), cfg, target, shard)
@@ -128,17 +170,7 @@ def _load_safetensors(model: LlamaForCausalLM, model_dir: str, cfg: ModelConfig)
         raise ModelDirError(f"unexpected tensors in {model_dir!r}: {unexpected[:8]}")
 
 
-def _num_shards(cfg: ModelConfig, name: str) -> int:
-    if "qkv_proj" in name or "gate_up" in name:
-        return len(_shard_sizes(cfg, name))
-    if name.endswith(".mlp.w13"):
-        return 2 * cfg.num_experts
-    if name.endswith(".mlp.w2"):
-        return cfg.num_experts
-    return 1
-
-
-def _map_name(key: str) -> tuple[str, int]:
+def _map_name(key: str, cfg: ModelConfig) -> tuple[str, int]:
     """(our parameter, shard): the shard of an expert weight is 2 * expert + (0 gate,
     1 up) in w13, the expert in w2."""
     m = _EXPERT.match(key)
@@ -149,7 +181,8 @@ def _map_name(key: str) -> tuple[str, int]:
         return f"{m.group(1)}.mlp.w13", 2 * expert + _EXPERT_SLOT[which]
     if _MIXTRAL_GATE.match(key):
         return _MIXTRAL_GATE.sub(r"\1.mlp.gate.weight", key), 0
-    for pattern, repl, shard in _FUSED:
+    # MLA keeps its q projection(s) apart: only Llama-family attention fuses q, k, v.
+    for pattern, repl, shard in (_FUSED_MLP if cfg.mla else _FUSED_QKV + _FUSED_MLP):
         if pattern.match(key):
             return pattern.sub(repl, key), shard
     return key, 0
@@ -158,17 +191,7 @@ def _map_name(key: str) -> tuple[str, int]:
 def _copy_in(param: torch.nn.Parameter, tensor: torch.Tensor, cfg: ModelConfig,
              name: str, shard: int) -> None:
     with torch.no_grad():
-        if "qkv_proj" in name or "gate_up_proj" in name:
-            sizes = _shard_sizes(cfg, name)
-            start = sum(sizes[:shard])
-            dst = param.narrow(0, start, sizes[shard])
-        elif name.endswith(".mlp.w13"):
-            inter = param.shape[1] // 2
-            dst = param[shard // 2].narrow(0, (shard % 2) * inter, inter)
-        elif name.endswith(".mlp.w2"):
-            dst = param[shard]
-        else:
-            dst = param
+        dst = _shard_view(param, cfg, name, shard)
         if dst.shape != tensor.shape:
             raise ModelDirError(
                 f"tensor {name} (shard {shard}) has shape {tuple(tensor.shape)}, "

@@ -7,8 +7,8 @@ batched. A tier owns its storage (pinned host memory, files, an LMCache engine);
 tensors passed to `get`/`put` stay the caller's.
 
 One block in transit is a tensor of the layout's block shape
-`[num_layers, 2, block_size, num_kv_heads, head_dim]` (a view of one block of the
-engine's block-major cache, or a host copy of one).
+`[num_layers, parts, block_size, num_kv_heads, head_dim]` (`KVLayout.tensor_shape`: a
+view of one block of the engine's block-major cache, or a host copy of one).
 """
 
 from __future__ import annotations

@@ -109,6 +109,9 @@ class LMCacheTier:
         if is_usage_tracking_enabled():
             raise TierError("LMCache usage telemetry is on: set LMCACHE_TRACK_USAGE=false "
                             "(the splitserve CLI does)")
+        if layout.num_parts != 2:
+            raise TierError(f"the lmcache tier stores K/V layouts only, not {layout.name!r} "
+                            "(use the host and disk tiers for MLA latent blocks)")
         self.layout = layout
         self.config = config
         bs = layout.block_size

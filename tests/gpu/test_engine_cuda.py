@@ -11,7 +11,7 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.factories import ARCHS, hf_greedy, hf_model, tiny_model_dir
+from tests.factories import ARCHS, DEEPSEEK_ARCHS, hf_greedy, hf_model, tiny_model_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + DEEPSEEK_ARCHS)
 def test_float32_on_cuda_equals_transformers(arch: str, eager: bool) -> None:
     d = tiny_model_dir(arch, **({"sliding_window": 48} if arch in ("mistral", "mixtral") else {}))
     # Few blocks: the batch does not fit, so requests are preempted and recomputed.
@@ -73,7 +73,8 @@ def test_kv_pool_sized_from_gpu_memory_utilization() -> None:
     assert total - free <= 0.55 * total
 
 
-@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen3-0.6b", "llama3-8b", "qwen3-30b-a3b",
+                                   "deepseek-v2-lite"])
 def test_dummy_load_format_for_every_shipped_shape(shape: str) -> None:
     from engine.model_shapes import model_shape_dir
 

@@ -136,6 +136,49 @@ def test_mixture_of_experts_through_remote_prefill_equals_transformers(tmp_path)
         assert g == hf_greedy(hf, p, m, eos[0] if eos else None)
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
+def test_deepseek_latent_kv_through_remote_prefill_equals_transformers(tmp_path,
+                                                                       transport) -> None:
+    """DeepSeek-V2's MLA cache (one latent + rope key per token per layer) prefilled on
+    one worker, decoded on the other: transformers' greedy tokens, and exactly the
+    latent layout's bytes per token crossed the transport."""
+    from kvtransfer.layout import KVLayout
+
+    model_dir = tiny_model_dir("deepseek_v2")
+    # whole 16-token blocks, no shared prefixes: every prompt token's KV is sent once
+    prompts = [[(13 * i + 7 * j) % 480 + 5 for j in range(n)]
+               for i, n in enumerate((16, 48, 32, 80))]
+    max_tokens = [6, 9, 5, 8]
+    cluster = start_cluster(tmp_path, transport, arch="deepseek_v2")
+    try:
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
+        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
+        assert ok == len(prompts), logs(cluster)
+        moved = metric(decode_metrics, "splitserve:kv_transfer_bytes_total",
+                       transport=transport)
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()
+    cfg = ModelConfig.from_model_dir(model_dir)
+    assert cfg.mla is not None
+    per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * cfg.num_layers * 4
+    layout = KVLayout.from_json(_layout_json(model_dir))
+    assert layout.name == "mla_latent_v1" and layout.token_bytes == per_token
+    assert moved == sum(len(p) for p in prompts) * per_token
+    hf = hf_model(model_dir)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+    for p, m, g in zip(prompts, max_tokens, got, strict=True):
+        assert g == hf_greedy(hf, p, m, eos)
+
+
+def _layout_json(model_dir: str) -> str:
+    from engine.llm import make_engine_config
+    from kvtransfer.layout import engine_layout
+
+    return engine_layout(make_engine_config(model_dir, dtype="float32")).to_json()
+
+
 def test_disconnect_frees_blocks_on_both_workers_and_killed_prefill_is_recomputed(
         tmp_path, offline) -> None:
     cluster = start_cluster(tmp_path, "tcp", ("--prefill-timeout", "20"))

@@ -16,6 +16,7 @@ from kvtransfer import KVLayout, make_sender
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     LAYOUT_F32,
+    LAYOUT_MLA,
     PeerProcess,
     fast_config,
     make_kv,
@@ -92,7 +93,8 @@ def check_bit_exact(kv: torch.Tensor, src: torch.Tensor, plan: list[dict[str, An
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("layout", [LAYOUT_F32, LAYOUT_BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", [LAYOUT_F32, LAYOUT_BF16, LAYOUT_MLA],
+                         ids=["f32", "bf16", "mla"])
 def test_round_trip_bit_exact(transport: str, layout: KVLayout, no_leaks: None) -> None:
     async def main() -> None:
         config = fast_config(transport)
@@ -214,6 +216,36 @@ def test_large_regions_bit_exact(transport: str, no_leaks: None) -> None:
             assert await peer.wait() == 0
             check_bit_exact(receiver.kv.tensor, make_kv(LAYOUT_3K, n + 10, 1234), plan)
             receiver.table.check_integrity()
+        finally:
+            await peer.aclose()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_latent_and_kv_layouts_of_equal_size_are_refused(transport: str,
+                                                         no_leaks: None) -> None:
+    """A prefill with K/V blocks and a decode with MLA latent blocks of the same byte
+    size disagree on the layout: the handshake refuses them by name."""
+    assert LAYOUT_MLA.block_bytes == LAYOUT_F32.block_bytes
+
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_MLA, 16)
+        plan = [{"xfer": "x", "gen": 1, "src": [[[0]]], "dst": [[[0]]]}]
+        # a lease longer than a slow peer start: the transfer is still waiting at the end
+        future = receiver.expect("x", [_r([0])], 1, lease_s=120)
+        peer = await PeerProcess(spec("sender", config, LAYOUT_F32, 4, plan,
+                                      address=receiver.address())).start()
+        try:
+            refused = await peer.line()
+            assert (refused["connect"], refused["kind"]) == (False, "layout")
+            assert "mla_latent_v1" in refused["message"]
+            assert receiver.metrics.value("splitserve:kv_transfer_handshakes_refused_total",
+                                          reason="layout") == 1
+            assert not future.done() and not receiver.kv.tensor.any()
         finally:
             await peer.aclose()
             await receiver.close()

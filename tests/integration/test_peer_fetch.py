@@ -19,10 +19,13 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm", "ucx"])
-def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport) -> None:
+@pytest.mark.parametrize("transport,arch", [
+    ("tcp", "llama"), ("shm", "llama"), ("ucx", "llama"),
+    ("tcp", "deepseek_v2"),  # MLA: the latent blocks, sized by their layout
+])
+def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch) -> None:
     (tmp_path / "routing.yaml").write_text(PROFILE)
-    model = tiny_model_dir("llama")
+    model = tiny_model_dir(arch)
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
                        worker_args=("--num-blocks", str(NUM_BLOCKS)),
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
@@ -53,6 +56,8 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport) -> N
         sent = sum(metric(p, "splitserve:kv_transfer_bytes_total", role="sender")
                    for p in ports.values())
         assert sent > 0
+        if arch == "deepseek_v2":  # the 6 blocks' latents: (32 + 16) x 3 layers x 4 bytes
+            assert sent == 96 * (32 + 16) * 3 * 4
         # Pins released, nothing leaked on either worker.
         wait_for(lambda: all(load_report(c.grpc_address).num_free_blocks == NUM_BLOCKS
                              for c in decodes), 10, "every block free on both decodes")

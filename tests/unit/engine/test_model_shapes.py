@@ -26,7 +26,7 @@ from engine.tokenizer import Tokenizer
 # Published parameter counts (Hugging Face model cards / safetensors metadata).
 PUBLISHED_PARAMS = {"llama3-8b": 8_030_261_248, "llama3.2-1b": 1_235_814_400,
                     "qwen3-0.6b": 596_049_920, "qwen3-30b-a3b": 30_532_122_624,
-                    "mixtral-8x7b": 46_702_792_704}
+                    "mixtral-8x7b": 46_702_792_704, "deepseek-v2-lite": 15_706_484_224}
 
 
 def reduced(name: str, root: str) -> str:
@@ -37,6 +37,9 @@ def reduced(name: str, root: str) -> str:
             "vocab_size": 1024, "torch_dtype": "float32"}
     if "moe_intermediate_size" in cfg:
         cfg["moe_intermediate_size"] = 32
+    if "kv_lora_rank" in cfg:  # MLA; a second layer, so a MoE layer follows the dense one
+        cfg |= {"num_hidden_layers": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 16, "v_head_dim": 16}
     path = os.path.join(root, f"{name}-reduced.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
@@ -55,7 +58,13 @@ def test_full_shape_builds_on_meta_with_the_published_size(name):
 
 
 def test_shape_features():
-    l8, l1, q, qm, mx = (ModelConfig.from_dict(load_shape(n)) for n in MODEL_SHAPES)
+    l8, l1, q, qm, mx, ds = (ModelConfig.from_dict(load_shape(n)) for n in MODEL_SHAPES)
+    assert ds.mla is not None and ds.routing is not None
+    assert (ds.mla.kv_lora_rank, ds.mla.qk_rope_head_dim, ds.num_experts,
+            ds.num_experts_per_tok, ds.routing.n_shared_experts) == (512, 64, 64, 6, 2)
+    assert ds.sparse_layers == tuple(range(1, 27)) and ds.rope.rope_type == "yarn"
+    # the latent cache: 576 values per token per layer, 27 layers, bfloat16
+    assert ModelCost.from_config(ds, 2).kv_bytes_per_token == 576 * 27 * 2
     assert (l8.num_layers, l8.hidden_size, l8.num_heads, l8.num_kv_heads, l8.rope.theta) == (
         32, 4096, 32, 8, 500000.0)
     assert l1.rope.rope_type == "llama3" and l1.rope.factor == 32 and l1.tie_word_embeddings
