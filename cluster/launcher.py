@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.errors import ClusterError, CrashLoopError
 from cluster.supervisor import Child, RestartPolicy, Supervisor
@@ -89,6 +90,8 @@ class ClusterSpec:
     stop_timeout_s: float = 15.0
     log_dir: str | None = None  # None: a fresh temporary directory
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # worker id -> its cluster.placement.WorkerPlacement (TP size, GPUs); none: defaults
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -120,9 +123,11 @@ class LocalCluster:
         self.grpc_port = spec.grpc_port or free_port(spec.host)
 
     # -- children ------------------------------------------------------------------------
-    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
+    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None,
+              extra_env: tuple[tuple[str, str], ...] = ()) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ)
+        env.update(extra_env)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -162,7 +167,11 @@ class LocalCluster:
                          "--metrics-port", str(free_port(self.spec.host)),
                          "--redis", self.redis_url, "--model", self.spec.model_dir,
                          "--transport", self.spec.transport, *self.spec.worker_args)
-        child = self.spawn(wid, argv, f"{self.spec.host}:{port}")
+        place = self.spec.placement.get(wid)
+        if place is not None:
+            argv += place.args
+        child = self.spawn(wid, argv, f"{self.spec.host}:{port}",
+                           place.env if place is not None else ())
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child
 
