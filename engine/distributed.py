@@ -25,11 +25,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 log = logging.getLogger(__name__)
 
 # Exit status of a process that a failed peer took down.
 TP_FAILURE_EXIT = 70
+# How long the rendezvous waits for ranks to start (import torch, load their shards):
+# a rank that dies meanwhile ends rank 0 at once anyway (TPGroup.watch).
+START_TIMEOUT_S = 600.0
 
 
 def fatal(message: str) -> None:
@@ -40,9 +44,10 @@ def fatal(message: str) -> None:
     os._exit(TP_FAILURE_EXIT)
 
 
-def make_group(store: Any, rank: int, size: int, device: torch.device,
-               timeout_s: float) -> Any:
-    timeout = timedelta(seconds=timeout_s)
+def make_group(store: Any, rank: int, size: int, device: torch.device) -> Any:
+    """The group, its own timeout the start's (its rendezvous waits on ranks still
+    loading); every collective passes the collective timeout itself."""
+    timeout = timedelta(seconds=START_TIMEOUT_S)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -70,21 +75,29 @@ class TPGroup:
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001  (gloo raises RuntimeError, NCCL DistBackendError)
+            self.closing = True
+            for proc in self.procs:  # rank 0: a hung rank goes too (SIGKILL ends it stopped)
+                proc.kill()
             fatal(f"tensor-parallel rank {self.rank}: {what} failed "
                   f"(collective timeout {self.timeout_s:g}s): {e}")
 
+    def _opts(self, kind: Any) -> Any:
+        opts = kind()
+        opts.timeout = timedelta(seconds=self.timeout_s)
+        return opts
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self._wait(self.pg.allreduce([t]), "all-reduce")
+        self._wait(self.pg.allreduce([t], self._opts(dist.AllreduceOptions)), "all-reduce")
         return t
 
     def all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
-        opts = dist.AllreduceOptions()
+        opts = self._opts(dist.AllreduceOptions)
         opts.reduceOp = dist.ReduceOp.MIN
         self._wait(self.pg.allreduce([t], opts), "all-reduce")
         return t
 
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
-        opts = dist.BroadcastOptions()
+        opts = self._opts(dist.BroadcastOptions)
         opts.rootRank = root
         self._wait(self.pg.broadcast([t], opts), "broadcast")
         return t
@@ -93,7 +106,8 @@ class TPGroup:
         """Every rank's `t` concatenated along `dim`, in rank order."""
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._wait(self.pg.allgather([parts], [t]), "all-gather")
+        opts = self._opts(AllgatherOptions)
+        self._wait(self.pg.allgather([parts], [t], opts), "all-gather")
         return torch.cat(parts, dim=dim)
 
     # -- rank 0: commands to the other ranks ------------------------------------------
@@ -170,7 +184,7 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
             raise ValueError(f"tensor parallel size {size} on {device} needs {need} visible "
                              f"GPUs; {torch.cuda.device_count()} visible")
     store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False,
-                          timeout=timedelta(seconds=config.collective_timeout_s))
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
     from engine import tp_ranks
 
     ctx = mp.get_context("spawn")
@@ -186,7 +200,7 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
         procs.append(proc)
     group = TPGroup(0, size, device, None, config.collective_timeout_s, pipes, procs)
     group.watch()  # before the rendezvous: a rank that fails to start ends it too
-    group.pg = make_group(store, 0, size, device, config.collective_timeout_s)
+    group.pg = make_group(store, 0, size, device)
     group.store = store
     return group
 
@@ -194,9 +208,8 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
 def join_group(config: Any, rank: int, port: int, device: torch.device) -> TPGroup:
     """Ranks 1..N-1: joins rank 0's group."""
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
-                          timeout=timedelta(seconds=config.collective_timeout_s))
-    pg = make_group(store, rank, config.tensor_parallel_size, device,
-                    config.collective_timeout_s)
+                          timeout=timedelta(seconds=START_TIMEOUT_S))
+    pg = make_group(store, rank, config.tensor_parallel_size, device)
     group = TPGroup(rank, config.tensor_parallel_size, device, pg, config.collective_timeout_s,
                     store=store)
     return group

@@ -174,7 +174,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens: nn.Module = (
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_layers))

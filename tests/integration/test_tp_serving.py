@@ -1,21 +1,37 @@
 """A tensor-parallel (TP 2, CPU, gloo) colocated worker under `splitserve up`, real
 processes: greedy output through the gateway equals transformers'; SIGKILL to rank 1
-takes the worker down whole at once (its other rank too, no hang), and the supervisor's
-restart serves again."""
+takes the worker down whole at once, and the supervisor's restart serves again; a hung
+rank ends the engine within the collective timeout."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
-import psutil
-
-from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from cluster.launcher import ROOT
+from tests.factories import child_env, hf_greedy, hf_model, tiny_model_dir
 from tests.integration.serving_util import wait_for
 from tests.integration.test_up_supervision import MAX_TOKENS, PROMPT, Up, _gone, pytestmark
 
 __all__ = ["pytestmark"]
+
+
+def _ranks(pid: int) -> list[int]:
+    """The tensor-parallel ranks a process spawned (its children but multiprocessing's
+    resource tracker), from /proc."""
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(x) for x in f.read().split()]
+    out = []
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                out.append(k)
+    return out
 
 
 def test_tp2_worker_serves_and_a_dead_rank_takes_it_down_whole() -> None:
@@ -27,11 +43,10 @@ def test_tp2_worker_serves_and_a_dead_rank_takes_it_down_whole() -> None:
     try:
         assert up.generate(PROMPT) == expected
         worker = up.child("colocated-0")
-        ranks = [p for p in psutil.Process(worker["pid"]).children()
-                 if "resource_tracker" not in " ".join(p.cmdline())]
-        assert len(ranks) == 1, [p.cmdline() for p in ranks]
+        ranks = _ranks(worker["pid"])
+        assert len(ranks) == 1, ranks
         t0 = time.monotonic()
-        os.kill(ranks[0].pid, signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         wait_for(lambda: _gone(worker["pid"]), 10, "the worker to go down with its rank")
         assert time.monotonic() - t0 < 10
         with open(os.path.join(os.path.dirname(up.status_path), "colocated-0.log")) as f:
@@ -42,3 +57,33 @@ def test_tp2_worker_serves_and_a_dead_rank_takes_it_down_whole() -> None:
         assert up.generate(PROMPT) == expected
     finally:
         up.kill()
+
+
+def test_a_hung_rank_ends_generate_within_the_collective_timeout() -> None:
+    """Rank 1 stopped (SIGSTOP) mid-generation: rank 0's next collective times out, the
+    process exits with the reason and takes the stopped rank with it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "generate", "--model", tiny_model_dir("llama"),
+         "-tp", "2", "--collective-timeout", "3", "--device", "cpu", "--num-blocks", "128",
+         "--prompt", "hello", "--max-tokens", "1000", "--ignore-eos"],
+        cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        err = ""
+        while "rank 1 of 2 ready" not in err:
+            line = proc.stderr.readline()
+            assert line, err
+            err += line
+        [rank] = _ranks(proc.pid)
+        os.kill(rank, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rest = proc.communicate(timeout=30)[1]
+        assert time.monotonic() - t0 < 3 + 10
+        assert proc.returncode == 70, err + rest
+        assert "collective timeout 3s" in rest and "goes down whole" in rest
+        wait_for(lambda: _gone(rank), 10, "the stopped rank to be killed")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
