@@ -14,6 +14,7 @@ group, so one process can hold more than one engine (tests) and nothing global l
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -199,6 +200,9 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
         pipes.append(ours)
         procs.append(proc)
     group = TPGroup(0, size, device, None, config.collective_timeout_s, pipes, procs)
+    # At exit, ranks are stopped on purpose (before multiprocessing's own exit hook,
+    # registered earlier, terminates them: the watch would take that for a failure).
+    atexit.register(group.close)
     group.watch()  # before the rendezvous: a rank that fails to start ends it too
     group.pg = make_group(store, 0, size, device)
     group.store = store

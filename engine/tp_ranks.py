@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -48,6 +49,10 @@ def rank_main(config: Any, rank: int, port: int, conn: Connection, parent_pid: i
         level=os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO").upper(),
         format=f"ts=%(asctime)s level=%(levelname)s service=worker tp_rank={rank} "
                "logger=%(name)s %(message)s")
+    # A signal to the worker's process group (a supervisor's SIGTERM, Ctrl-C) is rank
+    # 0's to act on: it drains, then stops us; we go when it says so or when it is gone.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _watch_parent(parent_pid)
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner

@@ -55,6 +55,14 @@ def test_tp2_worker_serves_and_a_dead_rank_takes_it_down_whole() -> None:
         wait_for(lambda: up.child("colocated-0")["pid"] != worker["pid"]
                  and up.routable("colocated-0"), 60, "the worker's restart")
         assert up.generate(PROMPT) == expected
+        # Ctrl-C: the worker drains and stops its rank itself (the rank ignores the
+        # group's signal), a clean exit, not a rank failure
+        up.proc.send_signal(signal.SIGINT)
+        assert up.proc.wait(60) == 0, up.out[-3000:]
+        with open(os.path.join(os.path.dirname(up.status_path), "colocated-0.log")) as f:
+            log = f.read()
+        assert log.count("goes down whole") == 1, log[-2000:]  # the SIGKILL's only
+        assert "stopped" in log.rsplit("goes down whole", 1)[1], log[-2000:]
     finally:
         up.kill()
 

@@ -61,8 +61,9 @@ def _run(model_dir: str, tp: int, n_prompts: int = 10, num_blocks: int = 40) -> 
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
-    tp = llm.engine.runner.tp
-    assert tp is not None and tp.procs and all(not proc.is_alive() for proc in tp.procs)
+    group = llm.engine.runner.tp
+    assert group is not None and group.procs
+    assert all(not proc.is_alive() for proc in group.procs)
 
 
 @pytest.mark.parametrize("arch", list(CASES))
