@@ -232,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting redis, {spec.num_prefill} prefill, {spec.num_decode} decode, "
           f"{spec.num_colocated} colocated worker(s) and the gateway (logs: {cluster.log_dir})",
           flush=True)
+    for wid, place in spec.placement.items():
+        if place.gpus:
+            print(f"  {wid}: GPUs {','.join(place.gpus)} (CUDA_VISIBLE_DEVICES)", flush=True)
     try:
         cluster.start()
     except ClusterError as e:

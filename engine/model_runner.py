@@ -77,6 +77,8 @@ class ModelRunner:
                                  "tensor parallelism")
             from engine.distributed import start_group
 
+            if self.device.type == "cuda":  # NCCL's communicator binds the current device
+                torch.cuda.set_device(self.device)
             tp = start_group(config, self.device)
             weakref.finalize(self, tp.close)
         self.tp = tp
