@@ -37,9 +37,15 @@ TP_FAILURE_EXIT = 70
 START_TIMEOUT_S = 600.0
 
 
+_fatal_once = threading.Lock()
+
+
 def fatal(message: str) -> None:
     """Ends this process at once: a tensor-parallel peer failed and the rest of the
-    group cannot go on (a collective would wait on it forever)."""
+    group cannot go on (a collective would wait on it forever). The first failure
+    noticed (the watch, or a collective that failed) says why; a second waits for it."""
+    if not _fatal_once.acquire(blocking=False):
+        threading.Event().wait()
     log.critical("%s; the worker goes down whole", message)
     logging.shutdown()
     os._exit(TP_FAILURE_EXIT)
