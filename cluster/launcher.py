@@ -123,11 +123,12 @@ class LocalCluster:
         self.grpc_port = spec.grpc_port or free_port(spec.host)
 
     # -- children ------------------------------------------------------------------------
-    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None,
-              extra_env: tuple[tuple[str, str], ...] = ()) -> Child:
+    def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ)
-        env.update(extra_env)
+        place = self.spec.placement.get(name)
+        if place is not None:  # a worker's GPUs (CUDA_VISIBLE_DEVICES)
+            env.update(place.env)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -170,8 +171,7 @@ class LocalCluster:
         place = self.spec.placement.get(wid)
         if place is not None:
             argv += place.args
-        child = self.spawn(wid, argv, f"{self.spec.host}:{port}",
-                           place.env if place is not None else ())
+        child = self.spawn(wid, argv, f"{self.spec.host}:{port}")
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child
 

@@ -52,7 +52,7 @@ def test_shared_gpus_split_memory_utilization():
         plan([("colocated-0", "colocated", 4)], visible=["0", "1"], share=True)
 
 
-def _spec(*argv, gpu_count=0):
+def _spec(*argv):
     p = argparse.ArgumentParser()
     add_arguments(p)
     args = p.parse_args(["--model", "/m", *argv])
@@ -80,3 +80,22 @@ def test_up_refuses_tp_for_prefill_and_decode_in_one_line():
                  "--device", "cpu")
     with pytest.raises(ValueError, match="TP > 1 runs colocated workers only"):
         build_spec(args)
+
+
+def test_launcher_gives_each_worker_its_gpus(tmp_path):
+    import sys
+
+    from cluster.launcher import ClusterSpec, LocalCluster
+    from tests.integration.serving_util import wait_for
+
+    placement = plan([("colocated-0", "colocated", 2), ("colocated-1", "colocated", 2)],
+                     visible=["0", "1", "2", "3"])
+    cluster = LocalCluster(ClusterSpec("/m", num_colocated=2, placement=placement,
+                                       log_dir=str(tmp_path)))
+    try:
+        child = cluster.spawn("colocated-1", [sys.executable, "-c",
+                                              "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"])
+        wait_for(lambda: child.proc.poll() is not None, 30, "the child")
+        assert open(child.log_path).read().strip() == "2,3"
+    finally:
+        cluster.stop()
