@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Any
 
+from engine.cli import add_parallel_arguments, parallel_kwargs
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
@@ -32,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default 2048 (shape bench: 16384 on CUDA, and at least workload "
                         "d's prompt)")
     p.add_argument("--seed", type=int, default=0)
+    add_parallel_arguments(p)
     p.add_argument("--json", default=None, help="write results here")
     add_shape_arguments(p)
 
@@ -76,13 +79,14 @@ def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
 
 
 def run_ours(model_dir: str, prompts: list[list[int]], out_lens: list[int],
-             max_batched: int) -> float:
+             max_batched: int, **parallel: Any) -> float:
+    """`parallel`: tensor_parallel_size / collective_timeout_s for the engine."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     total = sum(len(p) + o for p, o in zip(prompts, out_lens, strict=True))
     llm = LLM(model_dir, dtype="float32", block_size=16, num_blocks=total // 16 + 2 * len(prompts),
-              max_num_seqs=len(prompts), max_num_batched_tokens=max_batched)
+              max_num_seqs=len(prompts), max_num_batched_tokens=max_batched, **parallel)
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in out_lens]
     llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     t0 = time.perf_counter()
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                    for _ in range(args.num_prompts)]
         out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
         n_out = sum(out_lens)
-        ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048)
+        ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048,
+                        **parallel_kwargs(args))
         hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
     result: dict[str, Any] = {
         "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,

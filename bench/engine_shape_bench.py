@@ -35,6 +35,7 @@ from bench.engine_roofline import (
     measure_limits,
     step_summary,
 )
+from engine.cli import parallel_kwargs
 from engine.config import ModelConfig
 
 WORKLOADS = ("a", "b", "c", "d", "e")
@@ -200,7 +201,8 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                max_model_len=max_len,
                enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                attention_backend=args.attention_backend,
-               gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               **parallel_kwargs(args), **kw)
 
 
 def warm_up(llm: Any, w: Workload) -> None:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.errors import ClusterError, CrashLoopError
 from cluster.gateways import (
@@ -98,6 +99,8 @@ class ClusterSpec:
     stop_timeout_s: float = 15.0
     log_dir: str | None = None  # None: a fresh temporary directory
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    # worker id -> its cluster.placement.WorkerPlacement (TP size, GPUs); none: defaults
+    placement: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -139,6 +142,9 @@ class LocalCluster:
     def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ)
+        place = self.spec.placement.get(name)
+        if place is not None:  # a worker's GPUs (CUDA_VISIBLE_DEVICES)
+            env.update(place.env)
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH")
                                     else "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -180,6 +186,9 @@ class LocalCluster:
                          "--metrics-port", str(free_port(self.spec.host)),
                          "--redis", self.redis_url, "--model", self.spec.model_dir,
                          "--transport", self.spec.transport, *self.spec.worker_args)
+        place = self.spec.placement.get(wid)
+        if place is not None:
+            argv += place.args
         child = self.spawn(wid, argv, f"{self.spec.host}:{port}")
         child.extra["metrics_port"] = argv[argv.index("--metrics-port") + 1]
         return child

@@ -41,6 +41,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="every worker's dtype (default auto: the model's own on CUDA, "
                    "float32 on CPU)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="every worker's tensor parallel size (GPUs per worker; default 1)")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="prefill workers' tensor parallel size (default -tp)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="decode workers' tensor parallel size (default -tp)")
+    p.add_argument("--gpus", default=None, metavar="0,1,...",
+                   help="the GPUs workers get, disjoint sets in order (default: every "
+                        "visible GPU)")
+    p.add_argument("--share-gpus", action="store_true", default=None,
+                   help="let workers share GPUs (round robin), splitting each GPU's "
+                        "--gpu-memory-utilization between its workers")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of each GPU's memory the cluster may use (default 0.9)")
     p.add_argument("--demo-request", action="store_true",
                    help="send one request through the HTTP endpoint once ready")
     p.add_argument("--restart-backoff", type=float, default=None,
@@ -67,6 +81,10 @@ RESTART_KEYS: dict[str, tuple[str, type]] = {
     "restart_window": ("window_s", float)}
 
 
+PLACEMENT_KEYS = ("tensor_parallel_size", "prefill_tensor_parallel_size",
+                  "decode_tensor_parallel_size", "gpus", "share_gpus", "gpu_memory_utilization")
+
+
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     conf: dict[str, Any] = {}
     if args.config:
@@ -77,7 +95,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(conf, dict):
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
-                "grpc_port", "gateways", "num_blocks", "device", "dtype", *RESTART_KEYS):
+                "grpc_port", "gateways", "num_blocks", "device", "dtype", *PLACEMENT_KEYS,
+                *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
     return conf
@@ -96,7 +115,9 @@ def build_spec(args: argparse.Namespace) -> Any:
     for key in ("num_blocks", "device", "dtype"):  # after worker_args: the flags win
         if s.get(key):
             worker_args += [f"--{key.replace('_', '-')}", str(s[key])]
+    placement = place_workers(s, prefill, decode, colocated)
     return ClusterSpec(
+        placement=placement,
         model_dir=resolve_model(s.get("model")), num_prefill=prefill, num_decode=decode,
         num_colocated=colocated, transport=str(s.get("transport", "tcp")),
         http_port=int(s.get("http_port", 8000)), grpc_port=int(s.get("grpc_port", 50051)),
@@ -105,6 +126,51 @@ def build_spec(args: argparse.Namespace) -> Any:
         num_gateways=int(s.get("gateways", 1)),
         restart=RestartPolicy(**{field: kind(s[key])
                                  for key, (field, kind) in RESTART_KEYS.items() if key in s}))
+
+
+def place_workers(s: dict[str, Any], prefill: int, decode: int, colocated: int,
+                  gpu_count: int | None = None) -> dict[str, Any]:
+    """Each worker's TP size and, on GPUs, its CUDA_VISIBLE_DEVICES (cluster/placement.py).
+    Without -tp, --gpus or --share-gpus nothing is placed: every worker sees every GPU.
+    `gpu_count`: the visible GPUs (default: torch's count)."""
+    from cluster.placement import parse_gpus, plan, plan_cpu, visible_gpus
+
+    tp = int(s.get("tensor_parallel_size") or 1)
+    sizes = {"prefill": int(s.get("prefill_tensor_parallel_size") or tp),
+             "decode": int(s.get("decode_tensor_parallel_size") or tp), "colocated": tp}
+    if min(sizes.values()) < 1:
+        raise ValueError("tensor parallel sizes must be >= 1")
+    for role, n in (("prefill", prefill), ("decode", decode)):
+        if n and sizes[role] > 1:
+            raise ValueError(f"tensor parallel size {sizes[role]} for {role} workers: TP > 1 "
+                             "runs colocated workers only (--colocated N -tp "
+                             f"{sizes[role]}); the prefill-to-decode KV hand-off needs TP 1")
+    workers = [(f"{role}-{i}", role, sizes[role])
+               for role, n in (("prefill", prefill), ("decode", decode),
+                               ("colocated", colocated)) for i in range(n)]
+    gpus = s.get("gpus")
+    share = bool(s.get("share_gpus"))
+    util = s.get("gpu_memory_utilization")
+    if max(sizes.values()) == 1 and gpus is None and not share:
+        if util is None:
+            return {}
+        return {wid: _util_only(("--gpu-memory-utilization", str(util)))
+                for wid, _, _ in workers}
+    device = str(s.get("device") or "auto")
+    visible = [] if device == "cpu" else visible_gpus(gpu_count)
+    if device == "cpu" or (device == "auto" and not visible):
+        if gpus is not None or share:
+            raise ValueError("--gpus / --share-gpus place workers on GPUs; the device is cpu")
+        return dict(plan_cpu(workers))
+    return dict(plan(workers, visible=visible,
+                     gpus=parse_gpus(str(gpus)) if gpus is not None else None,
+                     share=share, memory_utilization=util))
+
+
+def _util_only(args: tuple[str, ...]) -> Any:
+    from cluster.placement import WorkerPlacement
+
+    return WorkerPlacement(args)
 
 
 # Long enough (> the default decider threshold of 256 tokens) that a disaggregated
@@ -182,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
           f"{spec.num_colocated} colocated worker(s) and {spec.num_gateways} gateway(s) "
           f"(logs: {cluster.log_dir})",
           flush=True)
+    for wid, place in spec.placement.items():
+        if place.gpus:
+            print(f"  {wid}: GPUs {','.join(place.gpus)} (CUDA_VISIBLE_DEVICES)", flush=True)
     try:
         cluster.start()
     except ClusterError as e:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from engine.config import (
     DTYPES,
@@ -47,6 +48,32 @@ def model_shape_arg(text: str) -> str:
         "or pass the path of a config.json file")
 
 
+def add_parallel_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Tensor parallelism's flags (engine/distributed.py)."""
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes), on N GPUs on CUDA "
+                        "(cuda:0..N-1 of the visible ones)")
+    p.add_argument("--collective-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a collective between ranks that takes longer ends the process: "
+                        "a dead or hung rank takes the whole engine down, never a hang")
+
+
+def check_parallel_args(args: argparse.Namespace) -> None:
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp < 1:
+        raise SystemExit(f"--tensor-parallel-size must be >= 1, got {tp}")
+    if getattr(args, "collective_timeout", 60.0) <= 0:
+        raise SystemExit("--collective-timeout must be positive")
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's tensor-parallel fields from the flags (for commands that build
+    an LLM themselves)."""
+    check_parallel_args(args)
+    return {"tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+            "collective_timeout_s": getattr(args, "collective_timeout", 60.0)}
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags every engine-running command shares."""
     which = p.add_mutually_exclusive_group()
@@ -67,6 +94,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: cuda when a GPU is visible, else cpu; or cpu, cuda, cuda:N")
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
+    add_parallel_arguments(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly (no CUDA graphs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -144,8 +172,11 @@ def resolve_device_and_dtype(args: argparse.Namespace) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     resolve_device_and_dtype(args)
+    check_parallel_args(args)
     model_dir, load_format = resolve_model_and_format(args)
     return EngineConfig(
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        collective_timeout_s=getattr(args, "collective_timeout", 60.0),
         model_dir=model_dir, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, load_format=load_format,
         attention_backend=getattr(args, "attention_backend", None),

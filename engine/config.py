@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -216,6 +216,40 @@ class ModelConfig:
                 cfg["eos_token_id"] = json.load(f).get("eos_token_id")
         return cls.from_dict(cfg)
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raises ModelDirError unless the model splits evenly over `tp` ranks: query
+        heads and the MLP's intermediate size by tp; KV heads by tp, or tp by the KV
+        heads when there are fewer (each KV head then replicated on tp / KV ranks)."""
+        if tp <= 1:
+            return
+        if self.mla is not None or self.sparse_layers:
+            raise ModelDirError(
+                f"tensor parallel size {tp}: {self.architecture} (mixture of experts / MLA) "
+                "runs at tensor parallel size 1; tensor parallelism covers the dense Llama "
+                "family (Llama, Mistral, Qwen2, Qwen3)")
+        kv = self.num_kv_heads
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.intermediate_size % tp:
+            problems.append(f"intermediate size {self.intermediate_size}")
+        if (kv % tp) if kv >= tp else (tp % kv):
+            problems.append(f"{kv} KV heads (a multiple or a divisor of the TP size)")
+        if problems:
+            raise ModelDirError(f"tensor parallel size {tp} does not divide the model's "
+                                + ", ".join(problems))
+
+    def shard(self, tp: int) -> ModelConfig:
+        """This model's shape on one of `tp` ranks: its share of the query heads, KV
+        heads (at least one: replicated when fewer than ranks) and intermediate size.
+        The vocabulary stays whole: the embedding and LM head shard it themselves."""
+        if tp <= 1:
+            return self
+        self.check_tensor_parallel(tp)
+        return replace(self, num_heads=self.num_heads // tp,
+                       num_kv_heads=max(1, self.num_kv_heads // tp),
+                       intermediate_size=self.intermediate_size // tp)
+
 
 def _moe_from_dict(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The experts' fields: Mixtral's in every layer (renormalised top-k); Qwen3-MoE's in
@@ -367,6 +401,11 @@ class EngineConfig:
     attention_backend: str | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json
+    # Ranks the model is split over (engine/distributed.py); rank 0 runs the engine,
+    # ranks 1..N-1 the model only, on the next devices.
+    tensor_parallel_size: int = 1
+    # Seconds a collective between ranks may take before the worker gives up whole.
+    collective_timeout_s: float = 60.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -381,6 +420,10 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load format {self.load_format!r}; "
                              f"choose from {LOAD_FORMATS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ValueError("collective_timeout_s must be positive")
 
     @property
     def backend(self) -> str:
@@ -391,4 +434,6 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return self.device.startswith("cuda") and not self.enforce_eager
+        # Under TP every rank would have to replay its graphs in lockstep: eager for now.
+        return (self.device.startswith("cuda") and not self.enforce_eager
+                and self.tensor_parallel_size == 1)

@@ -412,6 +412,11 @@ class LLMEngine:
             out.error = f"token {req.grammar.rejected} is outside the request's grammar"
         return out
 
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any (also done when the engine is
+        collected, and at exit)."""
+        self.runner.close()
+
     # -- introspection ------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

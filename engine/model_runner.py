@@ -6,12 +6,18 @@ A step's inputs are built once on the host and copied to the device in one trans
 backend reads the step's metadata tensors). On CUDA, decode-only steps replay CUDA
 graphs (engine.cuda_graphs) and the KV pool is sized from free GPU memory after a
 profiled forward pass of the largest batch.
+
+With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..N-1
+(engine/distributed.py); each builds this same runner over its shard of the model
+and of the KV cache (its KV heads), and then follows rank 0's commands
+(engine/tp_ranks.py): a step's forward, the logits of some rows, block copies.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +30,9 @@ from engine.request import Request
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
+
+if TYPE_CHECKING:
+    from engine.distributed import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -56,17 +65,56 @@ def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
-                 kv_cache: torch.Tensor | None = None) -> None:
+                 kv_cache: torch.Tensor | None = None, tp: TPGroup | None = None) -> None:
         """`kv_cache`, if given, is a preallocated block-major tensor (e.g. in shared
-        memory for the shm transport); otherwise one is allocated here."""
+        memory for the shm transport); otherwise one is allocated here. `tp`: given to
+        ranks 1..N-1 (engine/tp_ranks.py); rank 0 starts the group itself."""
         self.config = config
         self.model_cfg = model_cfg
+        size = config.tensor_parallel_size
         self.device = torch.device(config.device)
+        if size > 1 and tp is None:
+            model_cfg.check_tensor_parallel(size)
+            if kv_cache is not None:
+                raise ValueError("a preallocated KV cache holds one rank's heads: not with "
+                                 "tensor parallelism")
+            from engine.distributed import start_group
+
+            if self.device.type == "cuda":  # NCCL's communicator binds the current device
+                torch.cuda.set_device(self.device)
+            tp = start_group(config, self.device)
+            weakref.finalize(self, tp.close)
+        self.tp = tp
+        try:
+            self._init(config, model_cfg, kv_cache)
+        except BaseException:
+            if tp is not None and tp.rank == 0:
+                tp.close()
+            raise
+
+    def _init(self, config: EngineConfig, model_cfg: ModelConfig,
+              kv_cache: torch.Tensor | None) -> None:
+        tp = self.tp
+        if tp is not None:
+            from engine.distributed import rank_device, share_cpu_threads
+
+            self.device = rank_device(self.device, tp.rank)
+            share_cpu_threads(self.device, tp.size)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+        # Device memory other processes (and this one's CUDA context) held before this
+        # runner: not ours, so the profile does not count it against our share.
+        self._used_at_start = 0
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._used_at_start = total - free - torch.cuda.memory_reserved(self.device)
+        # this rank's shape: its KV heads size the KV cache
+        self.rank_cfg = model_cfg.shard(tp.size) if tp is not None else model_cfg
         self.dtype = TORCH_DTYPES[config.dtype or model_cfg.dtype]
         self.block_size = config.cache.block_size
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device,
-                                config.load_format)
+                                config.load_format, tp=tp)
         self.model.set_kernels(make_backend(config.backend), config.backend == "triton",
                                self.max_model_len)
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
@@ -75,7 +123,7 @@ class ModelRunner:
             self.graphs = self._make_graphs(capture=True)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
-        expected = kv_cache_shape(model_cfg, kv_cache.shape[0], self.block_size)
+        expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
         if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
             raise ValueError(f"kv cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
                              f"the model's layout {expected} {self.dtype}")
@@ -108,11 +156,24 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta))
 
     # -- the KV pool ------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops ranks 1..N-1 under tensor parallelism (rank 0); else nothing."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.close()
+
+    def _tell(self, command: tuple) -> None:
+        """Rank 0: a command ranks 1..N-1 run along (engine/tp_ranks.py)."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send(command)
+
     def _allocate_kv(self) -> torch.Tensor:
-        num_blocks = num_kv_blocks(self.config, self.model_cfg, self.dtype)
+        num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.dtype)
         if num_blocks is None:
             budget = self._profile_kv_budget()
-            num_blocks = budget // kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+            num_blocks = budget // kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            if self.tp is not None:  # every rank's pool has rank 0's block ids: the least
+                num_blocks = int(self.tp.all_reduce_min(
+                    torch.tensor([num_blocks], device=self.device))[0])
             if num_blocks < cdiv(self.max_model_len, self.block_size):
                 raise ValueError(
                     f"{budget / 2**30:.2f} GiB left for the KV cache holds {num_blocks} blocks, "
@@ -120,21 +181,23 @@ class ModelRunner:
                     "raise --gpu-memory-utilization or lower --max-model-len")
             log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
                      num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
-        return torch.zeros(kv_cache_shape(self.model_cfg, num_blocks, self.block_size),
+        return torch.zeros(kv_cache_shape(self.rank_cfg, num_blocks, self.block_size),
                            dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
         """Bytes the KV pool may take on CUDA: gpu_memory_utilization of the device,
         less the weights, the peak of a forward pass of the largest prefill batch (and
-        its logits for max_num_seqs rows), memory outside torch, and the CUDA graphs'
-        pool (estimated by a decode forward of the largest graph bucket)."""
+        its logits for max_num_seqs rows), memory outside torch this process took since
+        the runner started (what other processes sharing the GPU hold is theirs, not
+        counted: each worker's utilization is its own share of the GPU), and the CUDA
+        graphs' pool (estimated by a decode forward of the largest graph bucket)."""
         dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         sched = self.config.scheduler
         t = min(sched.max_num_batched_tokens, self.max_model_len)
-        scratch = torch.zeros(kv_cache_shape(self.model_cfg, cdiv(t, self.block_size) + 1,
+        scratch = torch.zeros(kv_cache_shape(self.rank_cfg, cdiv(t, self.block_size) + 1,
                                              self.block_size), dtype=self.dtype, device=dev)
         self.kv_cache = scratch
         hidden = self.model(*self._dummy_batch(t, 1))
@@ -153,7 +216,8 @@ class ModelRunner:
         del scratch, hidden, self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
-        non_torch = total - free - torch.cuda.memory_reserved(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev)
+                        - self._used_at_start)
         budget = int(self.config.cache.gpu_memory_utilization * total - peak - non_torch
                      - graph_bytes)
         log.info("memory profile: peak %.2f GiB, outside torch %.2f GiB, graphs ~%.2f GiB",
@@ -194,10 +258,13 @@ class ModelRunner:
             logits = self.graphs.run(bucket, step)[:len(out.scheduled)]
         else:
             step = self.inputs.build(out.scheduled, kv)
+            if self.tp is not None:
+                self.inputs.send(self.tp, step.meta)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
             if not step.sample_reqs:
                 return {}
+            self._tell(("logits", None))
             logits = self.model.compute_logits(hidden[step.sample_rows])
         reqs = step.sample_reqs
         if any(r.forks for r in reqs):
@@ -238,6 +305,7 @@ class ModelRunner:
             targets += r.prompt_token_ids[first + 1:last + 1]
         if not rows:
             return
+        self._tell(("logits", rows))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
         ids = torch.tensor(targets, device=logits.device)
         _, lps = token_logprobs(logits, ids, [r.sampling_params.prompt_logprobs
@@ -249,6 +317,7 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV block copies (source, destination), e.g. a forked sample's partial block."""
         if pairs:
+            self._tell(("copy", pairs))
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 

@@ -9,7 +9,8 @@ rows:
     # | input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
     # | block_tables B*W | sample_rows S |
 
-and one `copy_` moves it into a device buffer whose views the forward pass reads. A
+and one `copy_` moves it into a device buffer whose views the forward pass reads
+(under tensor parallelism, one broadcast of that buffer gives every rank the step). A
 decode-only step replayed from a CUDA graph is built the same way, padded to the
 graph's batch size, straight into the graph's own input buffer (fixed addresses).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +28,9 @@ from engine.attention.base import AttentionMetadata
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
+
+if TYPE_CHECKING:
+    from engine.distributed import TPGroup
 
 
 @dataclass(slots=True)
@@ -62,6 +67,8 @@ class StepInputBuilder:
         self._dev = torch.empty(0, dtype=torch.int32, device=device)
         # The staging buffer is reused: its last async copy must be done before refill.
         self._copied: torch.cuda.Event | None = None
+        # The last build's device buffer, its used length and (t, b, w, s).
+        self._last: tuple[torch.Tensor, int, tuple[int, int, int, int]] | None = None
 
     def _reserve(self, n: int) -> None:
         if self._host.numel() >= n:
@@ -126,6 +133,7 @@ class StepInputBuilder:
             if dev.is_cuda:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
+        self._last = (dev, n, (t, b, w, s))
         d = views(dev, t, b, w, s)
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
@@ -133,3 +141,25 @@ class StepInputBuilder:
             max_seq_len=int(ends.max()), query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
         return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples])
+
+    def send(self, tp: TPGroup, meta: AttentionMetadata) -> None:
+        """Rank 0: the last built step to ranks 1..N-1 (its shape and host-side lists
+        on their command pipes, then one broadcast of the buffer itself)."""
+        assert self._last is not None
+        dev, n, shape = self._last
+        tp.send(("forward", n, shape, meta.max_query_len, meta.max_seq_len,
+                 meta.query_start_loc_cpu, meta.seq_lens_cpu))
+        tp.broadcast(dev[:n])
+
+    def receive(self, tp: TPGroup, command: tuple) -> StepInputs:
+        """Ranks 1..N-1: the step rank 0 `send`s (`command` from the pipe)."""
+        _, n, (t, b, w, s), max_query_len, max_seq_len, qsl_cpu, seq_lens_cpu = command
+        self._reserve(n)
+        tp.broadcast(self._dev[:n])
+        d = views(self._dev, t, b, w, s)
+        meta = AttentionMetadata(
+            num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
+            seq_lens=d[4], block_tables=d[5], max_query_len=max_query_len,
+            max_seq_len=max_seq_len, query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu, sliding_window=self.sliding_window)
+        return StepInputs(d[0], d[1], meta, d[6], [])

@@ -24,6 +24,14 @@ def _has_cuda() -> bool:
         return False
 
 
+def _gpu_count() -> int:
+    if not _has_cuda():
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
 if not _has_cuda():
     # Without a GPU the Triton kernels run under Triton's interpreter (read when triton
     # is first imported, so here, before any test imports it).
@@ -31,6 +39,11 @@ if not _has_cuda():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("multi_gpu" in item.keywords for item in items) and _gpu_count() < 2:
+        few = pytest.mark.skip(reason=f"needs two or more CUDA GPUs ({_gpu_count()} here)")
+        for item in items:
+            if "multi_gpu" in item.keywords:
+                item.add_marker(few)
     if any("gpu" in item.keywords for item in items) and not _has_cuda():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
         for item in items:

@@ -168,11 +168,27 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
         raise SystemExit(f"invalid KV-transfer settings: {e}") from None
 
 
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """Refuses, in one line, what tensor parallelism does not cover yet: a KV hand-off
+    between workers (each rank holds only its KV heads) and the offload tiers."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    if tp <= 1:
+        return
+    if args.role != "colocated":
+        raise SystemExit(f"--tensor-parallel-size {tp} runs colocated "
+                         f"workers only; a {args.role} worker's KV hand-off needs TP 1")
+    if (getattr(args, "host_cache_blocks", 0) or getattr(args, "disk_cache_blocks", 0)
+            or getattr(args, "lmcache_config", None)):
+        raise SystemExit(f"--tensor-parallel-size {tp} runs without offload "
+                         "tiers (--host-cache-blocks, --disk-cache-blocks, --lmcache-config)")
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.cli import engine_config_from_args
     from worker.config import WorkerConfig
     from worker.server import serve, with_model_id
 
+    check_tensor_parallel(args)
     worker_id = args.worker_id or f"{socket.gethostname()}-{args.role}-{uuid.uuid4().hex[:6]}"
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -6,6 +6,10 @@ One class covers the family; the differences are flags in ModelConfig: QKV bias
 mixture-of-experts MLPs in the config's sparse layers (Qwen3-MoE, Mixtral).
 Projections are fused (qkv, gate_up) for fewer, larger matmuls; the loader splits
 Hugging Face's separate weights into them.
+
+Under tensor parallelism (`tp`, engine/models/parallel_layers.py) the model is built
+from the rank's share of the shape (ModelConfig.shard: its heads and intermediate
+size); o_proj and down_proj end in an all-reduce, the vocabulary is split over ranks.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig, RopeConfig
 from engine.models.moe import SparseMoeBlock
+from engine.models.parallel_layers import VocabParallelEmbedding, gather_logits, vocab_shard
 
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from engine.distributed import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +103,9 @@ class Rope:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -121,12 +129,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
         o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.inter = inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
@@ -135,9 +146,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.ops.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
@@ -147,11 +160,11 @@ def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.mlp: MLP | SparseMoeBlock = (
-            moe_block(cfg) if index in cfg.sparse_layers else MLP(cfg))
+            moe_block(cfg) if index in cfg.sparse_layers else MLP(cfg, tp=tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -170,21 +183,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Forward over a flat batch of tokens from many sequences (no padding)."""
+    """Forward over a flat batch of tokens from many sequences (no padding). With `tp`,
+    `cfg` is this rank's share of the shape (ModelConfig.shard)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DecoderModel(cfg, tp)
+        rows = cfg.vocab_size if tp is None else vocab_shard(cfg.vocab_size, tp.size)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim),
@@ -235,4 +253,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
+        if self.tp is not None:
+            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
         return self.lm_head(hidden).float()

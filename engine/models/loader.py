@@ -1,11 +1,16 @@
 """Builds a model from a Hugging Face directory: config.json + *.safetensors (sharded
-too), or from config.json alone with random weights (load_format "dummy")."""
+too), or from config.json alone with random weights (load_format "dummy").
+
+Under tensor parallelism each rank reads only its slices of each tensor
+(safetensors' get_slice; engine/models/parallel_layers.py says which), so no rank
+holds the whole model in memory, not even on the host."""
 
 from __future__ import annotations
 
 import glob
 import os
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -13,6 +18,10 @@ from safetensors import safe_open
 from engine.config import LOAD_FORMATS, ModelConfig, ModelDirError
 from engine.models.deepseek import DeepseekForCausalLM, deepseek_rope
 from engine.models.llama import LlamaForCausalLM, rope_inv_freq
+from engine.models.parallel_layers import shard_range
+
+if TYPE_CHECKING:
+    from engine.distributed import TPGroup
 
 CausalLM = LlamaForCausalLM | DeepseekForCausalLM
 
@@ -84,28 +93,32 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
+               load_format: str = "auto", seed: int = 0,
+               tp: TPGroup | None = None) -> CausalLM:
     """Returns the model in eval mode on `device`. load_format "auto" loads every
     parameter from the directory's *.safetensors (raises ModelDirError naming missing
     or unexpected tensors); "dummy" needs only the config and fills the parameters with
-    random values generated on the device (deterministic for a seed)."""
+    random values generated on the device (deterministic for a seed; each TP rank
+    fills its own shard, from seed + rank). `cfg` is the full model's shape; with `tp`
+    the model holds this rank's shard of it."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
-    model = _empty_model(cfg, dtype, device)
+    model = _empty_model(cfg, dtype, device, tp)
     if load_format == "dummy":
-        init_dummy_weights(model, seed)
+        init_dummy_weights(model, seed + (tp.rank if tp is not None else 0))
     else:
-        _load_safetensors(model, model_dir, cfg)
+        _load_safetensors(model, model_dir, cfg, tp)
     return model.eval()
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TPGroup | None = None) -> CausalLM:
     """The model with uninitialised parameters on the device, allocated once in `dtype`
     (casting on the meta device first avoids a float32 copy of every weight)."""
     model: CausalLM
     with torch.device("meta"):
         model = (DeepseekForCausalLM(cfg) if cfg.mla is not None
-                 else LlamaForCausalLM(cfg)).to(dtype)
+                 else LlamaForCausalLM(cfg.shard(tp.size) if tp else cfg, tp)).to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -139,7 +152,10 @@ def _generator(gens: dict[torch.device, torch.Generator], p: torch.Tensor,
     return g
 
 
-def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig) -> None:
+def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig,
+                      tp: TPGroup | None = None) -> None:
+    full = cfg
+    cfg = model.config  # this rank's shape: the fused shards' sizes
     params = dict(model.named_parameters())
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)  # shares embed_tokens' tensor
@@ -161,13 +177,23 @@ def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig) -> None
                 if param is None or shard >= _num_shards(cfg, target, param):  # a 9th expert
                     unexpected.append(key)
                     continue
-                _copy_in(param, f.get_tensor(key), cfg, target, shard)
+                _copy_in(param, _read(f, key, full, tp), cfg, target, shard, tp is not None)
                 loaded.add((target, shard))
     missing = sorted({n for n, _ in expected - loaded})
     if missing:
         raise ModelDirError(f"weights missing from {model_dir!r}: {missing[:8]}")
     if unexpected:
         raise ModelDirError(f"unexpected tensors in {model_dir!r}: {unexpected[:8]}")
+
+
+def _read(f: object, key: str, cfg: ModelConfig, tp: TPGroup | None) -> torch.Tensor:
+    """The tensor `key`, or under TP only this rank's rows / columns of it."""
+    part = shard_range(cfg, key, tp.rank, tp.size) if tp is not None else None
+    if part is None:
+        return f.get_tensor(key)  # type: ignore[attr-defined]
+    dim, start, end = part
+    sl = f.get_slice(key)  # type: ignore[attr-defined]
+    return sl[start:end] if dim == 0 else sl[:, start:end]
 
 
 def _map_name(key: str, cfg: ModelConfig) -> tuple[str, int]:
@@ -189,9 +215,14 @@ def _map_name(key: str, cfg: ModelConfig) -> tuple[str, int]:
 
 
 def _copy_in(param: torch.nn.Parameter, tensor: torch.Tensor, cfg: ModelConfig,
-             name: str, shard: int) -> None:
+             name: str, shard: int, vocab_sharded: bool = False) -> None:
     with torch.no_grad():
         dst = _shard_view(param, cfg, name, shard)
+        if vocab_sharded and ("embed_tokens" in name or "lm_head" in name) \
+                and tensor.shape[0] < dst.shape[0]:
+            # the last TP rank's vocab shard: rows past the vocabulary stay zero
+            dst[tensor.shape[0]:].zero_()
+            dst = dst.narrow(0, 0, tensor.shape[0])
         if dst.shape != tensor.shape:
             raise ModelDirError(
                 f"tensor {name} (shard {shard}) has shape {tuple(tensor.shape)}, "

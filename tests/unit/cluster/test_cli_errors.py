@@ -69,3 +69,20 @@ def test_the_process_exits_2_without_a_traceback(tmp_path: str) -> None:
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("splitserve: error: "), done.stderr
+
+
+def test_tensor_parallel_refusals_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.factories import tiny_model_dir
+
+    d = tiny_model_dir("llama")
+    line = one_line_error(capsys, ["generate", "--model", d, "--device", "cpu", "-tp", "3",
+                                   "--prompt", "hi"])
+    assert "tensor parallel size 3 does not divide the model's 4 attention heads" in line
+    line = one_line_error(capsys, ["worker", "--role", "decode", "--model", d, "-tp", "2"])
+    assert "runs colocated workers only" in line
+    line = one_line_error(capsys, ["worker", "--model", d, "-tp", "2",
+                                   "--host-cache-blocks", "8"])
+    assert "without offload tiers" in line
+    line = one_line_error(capsys, ["up", "--model", d, "--colocated", "2", "-tp", "2",
+                                   "--device", "cuda", "--gpus", "0"])
+    assert "2 workers × TP 2 need 4 GPUs; 1 given by --gpus" in line or "--gpus names GPU 0" in line
