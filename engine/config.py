@@ -218,22 +218,20 @@ class ModelConfig:
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raises ModelDirError unless the model splits evenly over `tp` ranks: query
-        heads and the MLP's intermediate size by tp; KV heads by tp, or tp by the KV
-        heads when there are fewer (each KV head then replicated on tp / KV ranks)."""
+        heads, the dense MLP's and each expert's intermediate size by tp; KV heads by
+        tp, or tp by the KV heads when there are fewer (each KV head then replicated on
+        tp / KV ranks). MLA has no KV heads to split: every rank holds the whole latent."""
         if tp <= 1:
             return
-        if self.mla is not None or self.sparse_layers:
-            raise ModelDirError(
-                f"tensor parallel size {tp}: {self.architecture} (mixture of experts / MLA) "
-                "runs at tensor parallel size 1; tensor parallelism covers the dense Llama "
-                "family (Llama, Mistral, Qwen2, Qwen3)")
         kv = self.num_kv_heads
         problems = []
         if self.num_heads % tp:
             problems.append(f"{self.num_heads} attention heads")
         if self.intermediate_size % tp:
             problems.append(f"intermediate size {self.intermediate_size}")
-        if (kv % tp) if kv >= tp else (tp % kv):
+        if self.sparse_layers and self.moe_intermediate_size % tp:
+            problems.append(f"expert intermediate size {self.moe_intermediate_size}")
+        if self.mla is None and ((kv % tp) if kv >= tp else (tp % kv)):
             problems.append(f"{kv} KV heads (a multiple or a divisor of the TP size)")
         if problems:
             raise ModelDirError(f"tensor parallel size {tp} does not divide the model's "
@@ -241,14 +239,17 @@ class ModelConfig:
 
     def shard(self, tp: int) -> ModelConfig:
         """This model's shape on one of `tp` ranks: its share of the query heads, KV
-        heads (at least one: replicated when fewer than ranks) and intermediate size.
-        The vocabulary stays whole: the embedding and LM head shard it themselves."""
+        heads (at least one: replicated when fewer than ranks), the dense and each
+        expert's intermediate size (a DeepSeek model's shared experts follow the
+        experts'). The vocabulary stays whole: the embedding and LM head shard it
+        themselves; so does an MLA latent (replicated on every rank)."""
         if tp <= 1:
             return self
         self.check_tensor_parallel(tp)
         return replace(self, num_heads=self.num_heads // tp,
                        num_kv_heads=max(1, self.num_kv_heads // tp),
-                       intermediate_size=self.intermediate_size // tp)
+                       intermediate_size=self.intermediate_size // tp,
+                       moe_intermediate_size=self.moe_intermediate_size // tp)
 
 
 def _moe_from_dict(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,13 @@ per token, and the cache holds only those. The MLP of layers below
 (engine.models.moe) plus shared experts. V2 routes by softmax (greedy or
 group-limited), V3 by sigmoid with a selection bias and group-limited top-k.
 Rope runs on the rope part of q and k only, with yarn scaling and its mscale.
+
+Under tensor parallelism (`tp`) the model is built from the rank's share of the shape
+(ModelConfig.shard): its query heads (q / q_b, kv_b and o_proj split by head) and its
+slice of every MLP's intermediate size (dense, shared and routed experts). The latent
+(kv_a_proj_with_mqa, kv_a_layernorm) is whole on every rank, so every rank caches the
+same latent: the simplest correct choice, which keeps the hand-off per rank unchanged.
+o_proj and each MLP end in one all-reduce; the vocabulary is split over ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
@@ -23,9 +31,12 @@ from engine.attention.mla import MLABackend, TorchMLABackend, make_mla_backend
 from engine.config import DeepseekRouting, MLAConfig, ModelConfig, RopeConfig
 from engine.models.llama import MLP, RMSNorm, rope_inv_freq
 from engine.models.moe import SparseMoeBlock
+from engine.models.parallel_layers import VocabParallelEmbedding, gather_logits, vocab_shard
 
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from engine.distributed import TPGroup
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -95,9 +106,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, mla: MLAConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mla: MLAConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.mla = mla
+        self.mla, self.tp = mla, tp
         self.num_heads = cfg.num_heads
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         h = cfg.hidden_size
@@ -135,39 +146,46 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin, mla.rope_interleave).squeeze(1)
         o = self.backend.forward(q_nope, q_pe, latent, k_pe, kv_layer, meta, self.scale,
                                  self.kv_b_proj.weight)
-        return self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim))
+        o = o.reshape(t, self.num_heads * mla.v_head_dim)
+        if self.tp is None:
+            return self.o_proj(o)
+        # row-parallel: the ranks' partial sums meet first, the bias is added once
+        out = self.tp.all_reduce(F.linear(o, self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
 class DeepseekMoE(SparseMoeBlock):
     """Routed experts (SparseMoeBlock: gate, w13, w2) plus the shared experts, one
-    dense MLP of n_shared_experts * moe_intermediate_size, added to every token."""
+    dense MLP of n_shared_experts * moe_intermediate_size, added to every token. Under
+    TP both are this rank's slices, summed before the one all-reduce."""
 
-    def __init__(self, cfg: ModelConfig, routing: DeepseekRouting) -> None:
+    def __init__(self, cfg: ModelConfig, routing: DeepseekRouting,
+                 tp: TPGroup | None = None) -> None:
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                          cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
                          scoring=routing.scoring, correction_bias=routing.correction_bias,
                          router_float32=True, n_group=routing.n_group,
                          topk_group=routing.topk_group,
-                         routed_scaling_factor=routing.routed_scaling_factor)
+                         routed_scaling_factor=routing.routed_scaling_factor, tp=tp)
         self.shared_experts = (
             MLP(cfg, cfg.moe_intermediate_size * routing.n_shared_experts)
             if routing.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = self.routed(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPGroup | None = None) -> None:
         super().__init__()
         assert cfg.mla is not None
-        self.self_attn = MLAttention(cfg, cfg.mla)
-        self.mlp: nn.Module = (DeepseekMoE(cfg, cfg.routing)
+        self.self_attn = MLAttention(cfg, cfg.mla, tp)
+        self.mlp: nn.Module = (DeepseekMoE(cfg, cfg.routing, tp)
                                if cfg.routing is not None and index in cfg.sparse_layers
-                               else MLP(cfg))
+                               else MLP(cfg, tp=tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -184,25 +202,30 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekForCausalLM(nn.Module):
     """DeepSeek-V2 / V3 over a flat batch of tokens from many sequences (no padding);
-    the same interface as LlamaForCausalLM."""
+    the same interface as LlamaForCausalLM. With `tp`, `cfg` is this rank's share of
+    the shape (ModelConfig.shard)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         if cfg.mla is None:
             raise ValueError("DeepseekForCausalLM needs an MLA config")
         self.config = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = DeepseekModel(cfg, tp)
+        rows = cfg.vocab_size if tp is None else vocab_shard(cfg.vocab_size, tp.size)
+        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_factor = deepseek_rope(cfg)
@@ -249,4 +272,7 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
+        if self.tp is not None:
+            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
         return self.lm_head(hidden).float()

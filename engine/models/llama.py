@@ -9,7 +9,8 @@ Hugging Face's separate weights into them.
 
 Under tensor parallelism (`tp`, engine/models/parallel_layers.py) the model is built
 from the rank's share of the shape (ModelConfig.shard: its heads and intermediate
-size); o_proj and down_proj end in an all-reduce, the vocabulary is split over ranks.
+sizes, each expert's too); o_proj, down_proj and the experts end in an all-reduce, the
+vocabulary is split over ranks.
 """
 
 from __future__ import annotations
@@ -153,10 +154,10 @@ class MLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
+def moe_block(cfg: ModelConfig, tp: TPGroup | None = None) -> SparseMoeBlock:
     return SparseMoeBlock(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                           cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
-                          round_weights=cfg.model_type == "qwen3_moe")
+                          round_weights=cfg.model_type == "qwen3_moe", tp=tp)
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +165,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, tp)
         self.mlp: MLP | SparseMoeBlock = (
-            moe_block(cfg) if index in cfg.sparse_layers else MLP(cfg, tp=tp))
+            moe_block(cfg, tp) if index in cfg.sparse_layers else MLP(cfg, tp=tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -117,8 +117,9 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     (casting on the meta device first avoids a float32 copy of every weight)."""
     model: CausalLM
     with torch.device("meta"):
-        model = (DeepseekForCausalLM(cfg) if cfg.mla is not None
-                 else LlamaForCausalLM(cfg.shard(tp.size) if tp else cfg, tp)).to(dtype)
+        rank_cfg = cfg.shard(tp.size) if tp else cfg
+        model = (DeepseekForCausalLM(rank_cfg, tp) if cfg.mla is not None
+                 else LlamaForCausalLM(rank_cfg, tp)).to(dtype)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own tensor: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -7,14 +7,20 @@ instead. Expert parallelism replaces this one function.
 
 Expert weights are stacked: w13 [E, 2*I, H] holds each expert's gate rows then up
 rows (Hugging Face's gate_proj / up_proj, Mixtral's w1 / w3); w2 [E, H, I] its down
-projection (down_proj / w2).
+projection (down_proj / w2). Under tensor parallelism I is this rank's slice of each
+expert's intermediate size; the router is whole, and the block ends in one all-reduce.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.distributed import TPGroup
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -143,7 +149,8 @@ class SparseMoeBlock(nn.Module):
                  top_k: int, *, renormalize: bool, scoring: str = "softmax",
                  correction_bias: bool = False, router_float32: bool = False,
                  n_group: int | None = None, topk_group: int | None = None,
-                 routed_scaling_factor: float = 1.0, round_weights: bool = False) -> None:
+                 routed_scaling_factor: float = 1.0, round_weights: bool = False,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         if scoring not in SCORINGS:
             raise ValueError(f"unknown expert scoring {scoring!r}; choose from {SCORINGS}")
@@ -162,8 +169,15 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.use_triton: bool | None = None  # None: by device (see fused_experts)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output; under TP this rank's partial sum (its slice of
+        each expert's intermediate size), before the all-reduce."""
         weights, ids = select_experts(
             self.gate(x), self.top_k, scoring=self.scoring, renormalize=self.renormalize,
             e_score_correction_bias=self.gate.e_score_correction_bias,

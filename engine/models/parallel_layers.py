@@ -8,6 +8,13 @@ their input and end in one all-reduce each. Vocab-parallel: the embedding and th
 head hold ceil(vocab / tp) rows each (the last rank's tail zero-padded); the embedding
 sums the ranks' lookups with one all-reduce, the LM head's logits are gathered.
 
+Mixtures of experts split each expert as an MLP: w13 holds this rank's gate and up rows
+of every expert, w2 the matching down columns; the router is whole on every rank, so
+every rank routes every token alike, and one all-reduce ends the block (routed and
+shared experts summed first). MLA (DeepSeek) splits the query heads (q / q_b, kv_b,
+o_proj) and keeps the latent projections whole: every rank computes and caches the
+same latent.
+
 `shard_range` says which rows (or columns) of each Hugging Face tensor a rank holds;
 the loader reads only those (engine/models/loader.py).
 """
@@ -41,29 +48,67 @@ def kv_head_range(cfg: ModelConfig, rank: int, tp: int) -> tuple[int, int]:
     return head, head + 1
 
 
+def _split(size: int, rank: int, tp: int, dim: int) -> tuple[int, int, int]:
+    n = size // tp
+    return dim, rank * n, (rank + 1) * n
+
+
 def shard_range(cfg: ModelConfig, name: str, rank: int, tp: int,
                 ) -> tuple[int, int, int] | None:
     """(dim, start, end) of the full Hugging Face tensor `name` that rank holds, or None
-    when every rank holds it whole (norms). `cfg` is the full model's shape."""
-    d = cfg.head_dim
-    if name.endswith(("q_proj.weight", "q_proj.bias")):
-        n = cfg.num_heads // tp * d
-        return 0, rank * n, (rank + 1) * n
-    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        first, end = kv_head_range(cfg, rank, tp)
-        return 0, first * d, end * d
-    if name.endswith(("gate_proj.weight", "up_proj.weight")):
-        n = cfg.intermediate_size // tp
-        return 0, rank * n, (rank + 1) * n
-    if name.endswith("o_proj.weight"):
-        n = cfg.num_heads // tp * d
-        return 1, rank * n, (rank + 1) * n
-    if name.endswith("down_proj.weight"):
-        n = cfg.intermediate_size // tp
-        return 1, rank * n, (rank + 1) * n
+    when every rank holds it whole (norms, routers, an MLA latent's projections).
+    `cfg` is the full model's shape."""
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         n = vocab_shard(cfg.vocab_size, tp)
         return 0, min(rank * n, cfg.vocab_size), min((rank + 1) * n, cfg.vocab_size)
+    mlp = _mlp_range(cfg, name, rank, tp)
+    if mlp is not None or ".mlp." in name or ".block_sparse_moe." in name:
+        return mlp
+    if cfg.mla is not None:
+        return _mla_range(cfg, name, rank, tp)
+    d = cfg.head_dim
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _split(cfg.num_heads * d, rank, tp, 0)
+    if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        first, end = kv_head_range(cfg, rank, tp)
+        return 0, first * d, end * d
+    if name.endswith("o_proj.weight"):
+        return _split(cfg.num_heads * d, rank, tp, 1)
+    return None
+
+
+def _mlp_range(cfg: ModelConfig, name: str, rank: int, tp: int,
+               ) -> tuple[int, int, int] | None:
+    """Dense MLPs, routed experts (each one's intermediate size split: gate / up rows,
+    down columns) and DeepSeek's shared experts; the router stays whole."""
+    if ".experts." in name:  # Qwen3-MoE / DeepSeek gate_proj, Mixtral w1 / w3 / w2
+        inter = cfg.moe_intermediate_size
+    elif ".shared_experts." in name:
+        assert cfg.routing is not None
+        inter = cfg.moe_intermediate_size * cfg.routing.n_shared_experts
+    else:
+        inter = cfg.intermediate_size
+    if name.endswith(("gate_proj.weight", "up_proj.weight", ".w1.weight", ".w3.weight")):
+        return _split(inter, rank, tp, 0)
+    if name.endswith(("down_proj.weight", ".w2.weight")):
+        return _split(inter, rank, tp, 1)
+    return None
+
+
+def _mla_range(cfg: ModelConfig, name: str, rank: int, tp: int,
+               ) -> tuple[int, int, int] | None:
+    """MLA splits by query head: q_proj / q_b_proj rows (qk_head_dim each), kv_b_proj
+    rows (nope + v each), o_proj columns (v each). q_a_proj, kv_a_proj_with_mqa and
+    their norms make the latent, the same on every rank."""
+    mla = cfg.mla
+    assert mla is not None
+    heads = cfg.num_heads
+    if name.endswith(("q_proj.weight", "q_b_proj.weight")):
+        return _split(heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), rank, tp, 0)
+    if name.endswith("kv_b_proj.weight"):
+        return _split(heads * (mla.qk_nope_head_dim + mla.v_head_dim), rank, tp, 0)
+    if name.endswith("o_proj.weight"):
+        return _split(heads * mla.v_head_dim, rank, tp, 1)
     return None
 
 

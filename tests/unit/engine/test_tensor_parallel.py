@@ -2,6 +2,7 @@
 transformers for every architecture through chunked prefill, prefix-cache hits and
 preemption, with the ranks as real processes."""
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,6 +27,14 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2": {},  # qkv bias
     "qwen3": dict(tie=True),  # q/k norms; tied embeddings share the vocab shard
     "mistral": dict(num_key_value_heads=1),  # one KV head: replicated on both ranks
+    # 16 experts top-4 split along their intermediate size; a dense mlp_only layer
+    "qwen3_moe": {},
+    "mixtral": dict(vocab_pad=1),  # 8 experts top-2 (w1 / w3 / w2 names)
+    # MLA: query heads split, the latent replicated; a dense first layer, shared experts
+    "deepseek_v2": {},
+    # q LoRA (q_a replicated, q_b split), sigmoid group-limited routing
+    "deepseek_v3": dict(q_lora_rank=24, n_group=4, topk_group=2, num_experts_per_tok=4,
+                        norm_topk_prob=True),
 }
 
 
@@ -127,9 +136,76 @@ def test_tp_refuses_a_model_it_cannot_split():
         LLM(tiny_model_dir("llama"), dtype="float32", num_blocks=8, tensor_parallel_size=8)
 
 
+def _cols(t: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    return t[..., r * n:(r + 1) * n]
+
+
+def test_each_rank_loads_only_its_expert_and_mla_slices():
+    """Both ranks' MoE and MLA parameters against the whole model's: every expert's
+    gate / up rows and down columns, the router whole, the shared experts and the dense
+    first layer split, q_b / kv_b rows and o_proj columns by head, the latent
+    projections (q_a, kv_a, their norms) whole; dummy shards have the same shapes."""
+    d = tiny_model_dir("deepseek_v3", q_lora_rank=24, n_group=4, topk_group=2,
+                       num_experts_per_tok=4, norm_topk_prob=True)
+    cfg = ModelConfig.from_model_dir(d)
+    assert cfg.mla is not None and cfg.routing is not None
+    cpu = torch.device("cpu")
+    full = dict(load_model(d, cfg, torch.float32, cpu).named_parameters())
+    heads = cfg.num_heads // 2
+    qk = cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim
+    kvb = cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim
+    inter, dense = cfg.moe_intermediate_size, cfg.intermediate_size
+    shared = inter * cfg.routing.n_shared_experts
+    for r in range(2):
+        tp = TPGroup(r, 2, cpu, None, 1.0)
+        part = dict(load_model(d, cfg, torch.float32, cpu, tp=tp).named_parameters())
+        att = "model.layers.1.self_attn."
+        rows = slice(r * heads * qk, (r + 1) * heads * qk)
+        assert torch.equal(part[att + "q_b_proj.weight"], full[att + "q_b_proj.weight"][rows])
+        rows = slice(r * heads * kvb, (r + 1) * heads * kvb)
+        assert torch.equal(part[att + "kv_b_proj.weight"], full[att + "kv_b_proj.weight"][rows])
+        assert torch.equal(part[att + "o_proj.weight"],
+                           _cols(full[att + "o_proj.weight"], r, heads * cfg.mla.v_head_dim))
+        for name in ("q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight",
+                     "kv_a_layernorm.weight"):
+            assert torch.equal(part[att + name], full[att + name])
+        moe = "model.layers.1.mlp."
+        for name in ("gate.weight", "gate.e_score_correction_bias"):
+            assert torch.equal(part[moe + name], full[moe + name])
+        fg, fu = full[moe + "w13"].split(inter, dim=1)
+        pg, pu = part[moe + "w13"].split(inter // 2, dim=1)
+        sl = slice(r * inter // 2, (r + 1) * inter // 2)
+        assert torch.equal(pg, fg[:, sl]) and torch.equal(pu, fu[:, sl])
+        assert torch.equal(part[moe + "w2"], _cols(full[moe + "w2"], r, inter // 2))
+        for mlp, size in ((moe + "shared_experts.", shared), ("model.layers.0.mlp.", dense)):
+            fg, fu = full[mlp + "gate_up_proj.weight"].split(size)
+            pg, pu = part[mlp + "gate_up_proj.weight"].split(size // 2)
+            sl = slice(r * size // 2, (r + 1) * size // 2)
+            assert torch.equal(pg, fg[sl]) and torch.equal(pu, fu[sl])
+            assert torch.equal(part[mlp + "down_proj.weight"],
+                               _cols(full[mlp + "down_proj.weight"], r, size // 2))
+        dummy = dict(load_model(d, cfg, torch.float32, cpu, "dummy", tp=tp).named_parameters())
+        assert {k: v.shape for k, v in dummy.items()} == {k: v.shape for k, v in part.items()}
+
+
+def test_mixtral_expert_names_shard_along_the_intermediate_size():
+    cfg = ModelConfig.from_model_dir(tiny_model_dir("mixtral", vocab_pad=1))
+    moe = "model.layers.0.block_sparse_moe."
+    assert shard_range(cfg, moe + "experts.7.w1.weight", 1, 2) == (0, 24, 48)
+    assert shard_range(cfg, moe + "experts.7.w3.weight", 0, 2) == (0, 0, 24)
+    assert shard_range(cfg, moe + "experts.7.w2.weight", 1, 2) == (1, 24, 48)
+    assert shard_range(cfg, moe + "gate.weight", 1, 2) is None
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v2"])
-def test_tp_refuses_moe_and_mla_models(arch: str) -> None:
+def test_tp_refuses_moe_and_mla_models_it_cannot_split(arch: str) -> None:
     cfg = ModelConfig.from_model_dir(tiny_model_dir(arch))
-    with pytest.raises(ModelDirError, match="runs at tensor parallel size 1"):
-        cfg.check_tensor_parallel(2)
-    cfg.check_tensor_parallel(1)
+    cfg.check_tensor_parallel(2)
+    assert cfg.shard(2).moe_intermediate_size == cfg.moe_intermediate_size // 2
+    with pytest.raises(ModelDirError, match="divide the model's 4 attention heads"):
+        cfg.check_tensor_parallel(3)
+    odd = replace(cfg, moe_intermediate_size=33)
+    with pytest.raises(ModelDirError, match="expert intermediate size 33"):
+        odd.check_tensor_parallel(2)
+    if cfg.mla is not None:  # no KV heads to split: the latent is whole on every rank
+        assert cfg.shard(2).kv_cache_dims == cfg.kv_cache_dims
