@@ -1,5 +1,5 @@
 """Tensor parallelism on CUDA (NCCL): TP 2 greedy output token-identical to
-transformers' for each architecture, float32, through chunked prefill, prefix hits and
+transformers' for each architecture (mixtures of experts and MLA too), float32, through chunked prefill, prefix hits and
 preemption. Needs two GPUs (skipped on fewer: a one-GPU machine runs none of these)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.factories import ARCHS, hf_greedy, hf_model, tiny_model_dir
+from tests.factories import ARCHS, DEEPSEEK_ARCHS, hf_greedy, hf_model, tiny_model_dir
 from tests.unit.engine.test_correctness import MAX_TOKENS, make_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + DEEPSEEK_ARCHS)
 def test_tp2_on_two_gpus_matches_transformers(arch: str) -> None:
     d = tiny_model_dir(arch, **({"num_key_value_heads": 1} if arch == "mistral" else {}))
     hf = hf_model(d)
