@@ -99,13 +99,18 @@ def load_model(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: tor
     parameter from the directory's *.safetensors (raises ModelDirError naming missing
     or unexpected tensors); "dummy" needs only the config and fills the parameters with
     random values generated on the device (deterministic for a seed; each TP rank
-    fills its own shard, from seed + rank). `cfg` is the full model's shape; with `tp`
-    the model holds this rank's shard of it."""
+    fills its own shard from seed + rank, and the tensors every rank holds whole, as
+    routers and MLA's latent projections, from seed alone, so every rank routes alike).
+    `cfg` is the full model's shape; with `tp` the model holds this rank's shard of it."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose from {LOAD_FORMATS}")
     model = _empty_model(cfg, dtype, device, tp)
     if load_format == "dummy":
-        init_dummy_weights(model, seed + (tp.rank if tp is not None else 0))
+        if tp is None:
+            init_dummy_weights(model, seed)
+        else:
+            init_dummy_weights(model, seed + tp.rank, whole=_whole_matrices(model, cfg),
+                               whole_seed=seed)
     else:
         _load_safetensors(model, model_dir, cfg, tp)
     return model.eval()
@@ -130,13 +135,34 @@ def _empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def _whole_matrices(model: CausalLM, cfg: ModelConfig) -> set[str]:
+    """The matrices of a rank's `model` that have the full model's shape: every rank
+    holds them whole (routers, MLA's q_a / kv_a projections)."""
+    with torch.device("meta"):
+        full = DeepseekForCausalLM(cfg) if cfg.mla is not None else LlamaForCausalLM(cfg)
+    shapes = {n: p.shape for n, p in full.named_parameters()}
+    return {n for n, p in model.named_parameters() if p.dim() >= 2 and shapes.get(n) == p.shape}
+
+
 @torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02,
+                       whole: set[str] | frozenset[str] = frozenset(),
+                       whole_seed: int = 0) -> None:
     """vLLM's dummy format: one fill per tensor, on the tensor's own device (no host
     round trip): N(0, std) for matrices, ones for norm scales, zeros for biases.
-    Tied tensors are filled once (named_parameters yields a shared tensor once)."""
+    Tied tensors are filled once (named_parameters yields a shared tensor once). The
+    matrices named in `whole` are filled first, in order, from `whole_seed`: under TP
+    each rank passes the same names and seed, so they come out the same on every rank."""
     gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+    whole_gens: dict[torch.device, torch.Generator] = {}
+    params = list(model.named_parameters())
+    for name, p in params:
+        if name in whole:
+            p.normal_(0.0, std,
+                      generator=None if p.is_meta else _generator(whole_gens, p, whole_seed))
+    for name, p in params:
+        if name in whole:
+            continue
         if p.dim() >= 2:
             p.normal_(0.0, std, generator=None if p.is_meta else _generator(gens, p, seed))
         elif name.endswith("bias"):

@@ -156,6 +156,7 @@ def test_each_rank_loads_only_its_expert_and_mla_slices():
     kvb = cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim
     inter, dense = cfg.moe_intermediate_size, cfg.intermediate_size
     shared = inter * cfg.routing.n_shared_experts
+    dummies = []
     for r in range(2):
         tp = TPGroup(r, 2, cpu, None, 1.0)
         part = dict(load_model(d, cfg, torch.float32, cpu, tp=tp).named_parameters())
@@ -186,6 +187,13 @@ def test_each_rank_loads_only_its_expert_and_mla_slices():
                                _cols(full[mlp + "down_proj.weight"], r, size // 2))
         dummy = dict(load_model(d, cfg, torch.float32, cpu, "dummy", tp=tp).named_parameters())
         assert {k: v.shape for k, v in dummy.items()} == {k: v.shape for k, v in part.items()}
+        dummies.append(dummy)
+    # dummy weights: the router and the latent projections alike on both ranks (every
+    # rank routes every token alike), the split tensors each rank's own
+    for name in (moe + "gate.weight", att + "kv_a_proj_with_mqa.weight", att + "q_a_proj.weight"):
+        assert torch.equal(dummies[0][name], dummies[1][name])
+    for name in (moe + "w13", att + "kv_b_proj.weight"):
+        assert not torch.equal(dummies[0][name], dummies[1][name])
 
 
 def test_mixtral_expert_names_shard_along_the_intermediate_size():
