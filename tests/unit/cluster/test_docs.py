@@ -94,9 +94,12 @@ INLINE = [(p, n, words) for p in DOCS for n, words in inline_commands(p)]
 
 
 def test_the_docs_show_commands() -> None:
-    # the README's own: a cluster on GPUs, a worker and the gateway by hand
+    # the README's own: a cluster on GPUs and a model over several; operations.md's: a
+    # worker and the gateway by hand
     readme = {tuple(argv[:1]) for _, argv in code_commands(ROOT / "README.md")}
-    assert {("up",), ("worker",), ("gateway",)} <= readme, readme
+    assert {("up",), ("generate",)} <= readme, readme
+    ops = {tuple(argv[:1]) for _, argv in code_commands(ROOT / "docs" / "operations.md")}
+    assert {("worker",), ("gateway",)} <= ops, ops
     assert len(CODE) >= 20 and len(INLINE) >= 10, (len(CODE), len(INLINE))
 
 
