@@ -169,14 +169,12 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """Refuses, in one line, what tensor parallelism does not cover yet: a KV hand-off
-    between workers (each rank holds only its KV heads) and the offload tiers."""
+    """Refuses, in one line, what tensor parallelism does not cover yet: the offload
+    tiers (they copy the cache of one process; each rank holds only its KV heads). The
+    prefill and decode roles hand KV off as full-head blocks gathered on rank 0."""
     tp = getattr(args, "tensor_parallel_size", 1)
     if tp <= 1:
         return
-    if args.role != "colocated":
-        raise SystemExit(f"--tensor-parallel-size {tp} runs colocated "
-                         f"workers only; a {args.role} worker's KV hand-off needs TP 1")
     if (getattr(args, "host_cache_blocks", 0) or getattr(args, "disk_cache_blocks", 0)
             or getattr(args, "lmcache_config", None)):
         raise SystemExit(f"--tensor-parallel-size {tp} runs without offload "
