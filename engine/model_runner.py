@@ -85,6 +85,7 @@ class ModelRunner:
             tp = start_group(config, self.device)
             weakref.finalize(self, tp.close)
         self.tp = tp
+        self.kv_staging: torch.Tensor | None = None  # see `staging`
         try:
             self._init(config, model_cfg, kv_cache)
         except BaseException:
@@ -170,7 +171,10 @@ class ModelRunner:
         num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.dtype)
         if num_blocks is None:
             budget = self._profile_kv_budget()
-            num_blocks = budget // kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            per_block = kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            if self.config.kv_staging and self.tp is not None and self.tp.rank == 0:
+                per_block += kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+            num_blocks = budget // per_block
             if self.tp is not None:  # every rank's pool has rank 0's block ids: the least
                 num_blocks = int(self.tp.all_reduce_min(
                     torch.tensor([num_blocks], device=self.device))[0])
@@ -329,6 +333,14 @@ class ModelRunner:
     # and scattered from it to the ranks after they land.
     def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
+
+    def staging(self) -> torch.Tensor:
+        """Rank 0's full-head staging copy (allocated on first use, unless the worker
+        set `kv_staging` to one it allocated: shm's shared segment)."""
+        if self.kv_staging is None:
+            self.kv_staging = torch.zeros(self.full_kv_shape(self.num_blocks),
+                                          dtype=self.dtype, device=self.device)
+        return self.kv_staging
 
     @torch.inference_mode()
     def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:

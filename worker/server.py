@@ -138,15 +138,12 @@ class KVSide:
         runner = llm.engine.runner
         if runner.tp is None:
             return runner.kv_cache
-        staging = self._staging
-        if staging is None:
-            import torch
-
-            staging = torch.zeros(runner.full_kv_shape(runner.num_blocks), dtype=runner.dtype,
-                                  device=runner.device)
-        elif staging.shape[0] < runner.num_blocks:
-            raise ValueError(f"the shared KV staging holds {staging.shape[0]} blocks, the "
-                             f"engine's pool {runner.num_blocks}")
+        if self._staging is not None:  # shm's shared segment
+            if self._staging.shape[0] != runner.num_blocks:
+                raise ValueError(f"the shared KV staging holds {self._staging.shape[0]} "
+                                 f"blocks, the engine's pool {runner.num_blocks}")
+            runner.kv_staging = self._staging
+        staging = runner.staging()
 
         async def stage(ids: list[int]) -> None:
             await llm.call(lambda eng: eng.runner.gather_blocks(ids, staging))
@@ -197,6 +194,10 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
+    if engine_config.tensor_parallel_size > 1 and (config.role != "colocated"
+                                                   or (tier_config is not None and tier_config.enabled)):
+        # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies)
+        engine_config = replace(engine_config, kv_staging=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
