@@ -10,7 +10,8 @@ profiled forward pass of the largest batch.
 With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..N-1
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
-(engine/tp_ranks.py): a step's forward, the logits of some rows, block copies.
+(engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
+the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off" below).
 """
 
 from __future__ import annotations
