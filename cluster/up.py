@@ -140,11 +140,6 @@ def place_workers(s: dict[str, Any], prefill: int, decode: int, colocated: int,
              "decode": int(s.get("decode_tensor_parallel_size") or tp), "colocated": tp}
     if min(sizes.values()) < 1:
         raise ValueError("tensor parallel sizes must be >= 1")
-    for role, n in (("prefill", prefill), ("decode", decode)):
-        if n and sizes[role] > 1:
-            raise ValueError(f"tensor parallel size {sizes[role]} for {role} workers: TP > 1 "
-                             "runs colocated workers only (--colocated N -tp "
-                             f"{sizes[role]}); the prefill-to-decode KV hand-off needs TP 1")
     workers = [(f"{role}-{i}", role, sizes[role])
                for role, n in (("prefill", prefill), ("decode", decode),
                                ("colocated", colocated)) for i in range(n)]

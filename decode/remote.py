@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -93,6 +94,10 @@ class RemotePrefiller:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._address = ""
         self.failures = 0
+        # Makes landed blocks the engine's before the request runs: under tensor
+        # parallelism the receiver writes rank 0's full-head staging copy, scattered to
+        # the ranks' heads here (worker/server.py)
+        self.land: Callable[[list[int]], Awaitable[None]] | None = None
 
     def allocate_kv(self, layout: KVLayout, num_blocks: int) -> object | None:
         """For `shm`: the KV cache tensor, allocated in shared memory the prefill can
@@ -174,6 +179,8 @@ class RemotePrefiller:
             await pb_grpc.WorkerStub(self._channel(peer.address)).FetchKV(
                 call, timeout=rpc_timeout, metadata=(("x-request-id", alloc.request_id),))
             await asyncio.wait_for(asyncio.shield(landed), lease)
+            if self.land is not None:
+                await self.land(list(alloc.block_ids[first:end]))
         except asyncio.CancelledError:
             await self._fence(xid, landed, "request cancelled")
             raise
@@ -214,6 +221,8 @@ class RemotePrefiller:
             resp = await self._stub(peer.address).Prefill(
                 call, timeout=rpc_timeout, metadata=(("x-request-id", rid),))
             await asyncio.wait_for(asyncio.shield(landed), lease)
+            if self.land is not None:
+                await self.land(list(alloc.missing_block_ids))
             self._outcomes.labels("ok").inc()
             return resp
         except asyncio.CancelledError:

@@ -407,6 +407,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seconds a collective between ranks may take before the worker gives up whole.
     collective_timeout_s: float = 60.0
+    # Rank 0 keeps a full-head staging copy of the KV pool for the KV hand-off (a
+    # prefill or decode worker under tensor parallelism): the pool sized from free GPU
+    # memory leaves room for it.
+    kv_staging: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
-from engine.offload import KVOffload, OffloadConnector
+from engine.offload import KVOffload, OffloadConnector, RankGatheredOffload
 from engine.outputs import RequestOutput
 from engine.parallel import SampleGroup
 from engine.pins import Pins
@@ -74,6 +74,8 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching)
         self.offload: OffloadConnector | None = None
         if offload is not None and config.cache.enable_prefix_caching:
+            if self.runner.tp is not None:  # the tiers hold full-head blocks
+                offload = RankGatheredOffload(offload, self.runner)
             self.offload = OffloadConnector(offload, self.block_size)
             self.kv.pool.track_new_cached = True
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)

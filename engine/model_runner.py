@@ -10,7 +10,8 @@ profiled forward pass of the largest batch.
 With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..N-1
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
-(engine/tp_ranks.py): a step's forward, the logits of some rows, block copies.
+(engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
+the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off" below).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class ModelRunner:
             tp = start_group(config, self.device)
             weakref.finalize(self, tp.close)
         self.tp = tp
+        self.kv_staging: torch.Tensor | None = None  # see `staging`
         try:
             self._init(config, model_cfg, kv_cache)
         except BaseException:
@@ -170,7 +172,10 @@ class ModelRunner:
         num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.dtype)
         if num_blocks is None:
             budget = self._profile_kv_budget()
-            num_blocks = budget // kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            per_block = kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            if self.config.kv_staging and self.tp is not None and self.tp.rank == 0:
+                per_block += kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+            num_blocks = budget // per_block
             if self.tp is not None:  # every rank's pool has rank 0's block ids: the least
                 num_blocks = int(self.tp.all_reduce_min(
                     torch.tensor([num_blocks], device=self.device))[0])
@@ -320,6 +325,69 @@ class ModelRunner:
             self._tell(("copy", pairs))
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+
+    # -- the KV hand-off under tensor parallelism ---------------------------------------
+    # Each rank holds its KV heads of every block; the wire carries whole blocks with
+    # every head (`kvtransfer.layout.engine_layout`, what a TP 1 worker sends). Rank 0
+    # keeps `staging`, a full-head tensor with the pool's block ids, that the transports
+    # register instead of the cache: blocks are gathered into it before they are sent
+    # and scattered from it to the ranks after they land.
+    def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
+
+    def staging(self) -> torch.Tensor:
+        """Rank 0's full-head staging copy (allocated on first use, unless the worker
+        set `kv_staging` to one it allocated: shm's shared segment)."""
+        if self.kv_staging is None:
+            self.kv_staging = torch.zeros(self.full_kv_shape(self.num_blocks),
+                                          dtype=self.dtype, device=self.device)
+        return self.kv_staging
+
+    @torch.inference_mode()
+    def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
+        """Rank 0: blocks `ids` with every KV head, from every rank, into staging[ids]."""
+        if ids:
+            self._tell(("read", list(ids)))
+            staging[ids] = self.read_blocks(ids).to(staging.device)
+            if self.device.type == "cuda":  # a transport reads staging from another stream
+                torch.cuda.current_stream(self.device).synchronize()
+
+    @torch.inference_mode()
+    def scatter_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
+        """Rank 0: staging[ids] (every KV head) into each rank's heads of blocks `ids`."""
+        if ids:
+            self._tell(("write", list(ids)))
+            self.write_blocks(ids, staging[ids].to(self.device))
+
+    def read_blocks(self, ids: list[int]) -> torch.Tensor:
+        """Every rank (rank 0's "read" command): this rank's heads of blocks `ids`,
+        all-gathered; the full-head blocks (replicated heads taken once)."""
+        from engine.models.parallel_layers import kv_head_range
+
+        assert self.tp is not None
+        local = self.kv_cache[torch.tensor(ids, device=self.device)]
+        parts = self.tp.all_gather(local.unsqueeze(0), dim=0)
+        owners: list[int] = []  # for each rank in head order, one holding new heads
+        covered = 0
+        for r in range(self.tp.size):
+            first, end = kv_head_range(self.model_cfg, r, self.tp.size)
+            if first >= covered:
+                owners.append(r)
+                covered = end
+        return torch.cat([parts[r] for r in owners], dim=4)
+
+    def write_blocks(self, ids: list[int], full: torch.Tensor | None = None) -> None:
+        """Every rank (rank 0's "write" command): blocks `ids` with every head, broadcast
+        from rank 0 (`full` there); this rank keeps its heads."""
+        from engine.models.parallel_layers import kv_head_range
+
+        assert self.tp is not None
+        if full is None:
+            full = torch.empty(self.full_kv_shape(len(ids)), dtype=self.dtype,
+                               device=self.device)
+        self.tp.broadcast(full)
+        first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
+        self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
 
     def _graph_bucket(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The graph bucket for a decode-only step (every sequence computes its one

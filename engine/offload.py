@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVBlock
@@ -111,3 +111,38 @@ class OffloadConnector:
         """Drops the references of blocks whose copy finished."""
         done = self.offload.take_saved(timeout) if self.saving else []
         pool.free(self.saving.pop(b) for b in done)
+
+
+class RankGatheredOffload:
+    """A KVOffload for a tensor-parallel engine, whose ranks each hold their KV heads:
+    the tiers keep full-head blocks (the same as a TP 1 worker's) and copy them through
+    rank 0's staging copy of the pool: saves gather the blocks from every rank into it
+    first; loads land in it and are then scattered to the ranks. A block a save still
+    reads is held by the engine (`OffloadConnector.saving`), so no load or transfer
+    rewrites its staging copy meanwhile."""
+
+    def __init__(self, inner: KVOffload, runner: Any) -> None:
+        self.inner = inner
+        self.runner = runner  # engine.model_runner.ModelRunner, rank 0
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        return self.inner.lookup(hashes)
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> int:
+        staging = self.runner.staging()
+        got = self.inner.load(hashes, block_ids, staging)
+        self.runner.scatter_blocks(list(block_ids[:got]), staging)
+        return got
+
+    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> list[int]:
+        staging = self.runner.staging()
+        self.runner.gather_blocks(list(block_ids), staging)
+        return self.inner.save(hashes, block_ids, staging)
+
+    def take_saved(self, timeout: float = 0.0) -> list[int]:
+        return self.inner.take_saved(timeout)
+
+    def __getattr__(self, name: str) -> Any:  # the rest (stats, close) is the tiers'
+        return getattr(self.inner, name)

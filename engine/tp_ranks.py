@@ -10,6 +10,10 @@ commands in order:
     ("logits", rows)  the LM head on rows of the last forward (None: its sampled rows);
                       the logits gather's other side
     ("copy", pairs)   KV block copies (a forked sample's partial block)
+    ("read", ids)     this rank's heads of those blocks, all-gathered (the KV hand-off's
+                      send side: rank 0 assembles full-head blocks)
+    ("write", ids)    those blocks' full heads by one broadcast; keeps its own (the
+                      hand-off's receive side)
     ("exit",)         rank 0's engine is done
 
 A closed pipe means rank 0's process is gone: the rank exits. The pipe has no timeout
@@ -87,6 +91,10 @@ def serve(runner: Any, conn: Connection) -> None:
             runner.model.compute_logits(hidden[rows])
         elif op == "copy":
             runner.copy_blocks(command[1])
+        elif op == "read":
+            runner.read_blocks(command[1])
+        elif op == "write":
+            runner.write_blocks(command[1])
         elif op == "exit":
             return
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.config import TransferConfig
@@ -28,6 +28,9 @@ class KVPusher:
                  registry: CollectorRegistry | None = None) -> None:
         self.sender: KVSender = make_sender(config, registry)
         self.sender.register(kv, layout)
+        # Makes blocks of `kv` current before they are sent: under tensor parallelism
+        # `kv` is rank 0's full-head staging copy, gathered from the ranks (worker/server.py)
+        self.stage: Callable[[list[int]], Awaitable[None]] | None = None
         self._peers: dict[str, Any] = {}
         self._lock = asyncio.Lock()
 
@@ -50,6 +53,8 @@ class KVPusher:
         the receiver's verdict; on any failure the transfer is cancelled (fenced there)
         and the error raised."""
         peer = await self.peer(address)
+        if self.stage is not None:
+            await self.stage(list(src_blocks))
         try:
             await self.sender.write(peer, whole_blocks(src_blocks), whole_blocks(dst_blocks),
                                     xfer_id, generation, timeout_s=timeout_s)

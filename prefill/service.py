@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -109,7 +110,8 @@ class PrefillService(pb_grpc.PrefillServicer):
                          n=asked.num_samples, best_of=None, logprobs=k)
         firsts: dict[int, RequestOutput] = {}  # sample index -> its (only) output
         queue: asyncio.Queue[_Batch | None] = asyncio.Queue()
-        writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue))
+        writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue,
+                                                      self.pusher.stage if self.pusher else None))
         pid = f"prefill-{rid}"
         sent = dest.num_computed_tokens // bs
         final: RequestOutput | None = None
@@ -172,9 +174,14 @@ class PrefillService(pb_grpc.PrefillServicer):
 
     @staticmethod
     async def _write_loop(sender: KVSender, peer: Peer, rid: str, gen: int,
-                          queue: asyncio.Queue[_Batch | None]) -> None:
-        """Writes batches in order, one at a time, until None."""
+                          queue: asyncio.Queue[_Batch | None],
+                          stage: Callable[[list[int]], Awaitable[None]] | None = None,
+                          ) -> None:
+        """Writes batches in order, one at a time, until None (each staged first, when
+        the pusher stages: tensor parallelism's gather)."""
         while (batch := await queue.get()) is not None:
             src, dst, ready = batch
+            if stage is not None:
+                await stage(src)
             await sender.write(peer, whole_blocks(src), whole_blocks(dst), rid, gen,
                                ready=ready)

@@ -169,18 +169,13 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig | None:
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """Refuses, in one line, what tensor parallelism does not cover yet: a KV hand-off
-    between workers (each rank holds only its KV heads) and the offload tiers."""
+    """Refuses, in one line, what tensor parallelism does not cover yet: LMCache (it
+    reads the engine's cache itself; each rank holds only its KV heads). The KV
+    hand-off, peer fetch and the host and disk tiers move full-head blocks gathered on
+    rank 0."""
     tp = getattr(args, "tensor_parallel_size", 1)
-    if tp <= 1:
-        return
-    if args.role != "colocated":
-        raise SystemExit(f"--tensor-parallel-size {tp} runs colocated "
-                         f"workers only; a {args.role} worker's KV hand-off needs TP 1")
-    if (getattr(args, "host_cache_blocks", 0) or getattr(args, "disk_cache_blocks", 0)
-            or getattr(args, "lmcache_config", None)):
-        raise SystemExit(f"--tensor-parallel-size {tp} runs without offload "
-                         "tiers (--host-cache-blocks, --disk-cache-blocks, --lmcache-config)")
+    if tp > 1 and getattr(args, "lmcache_config", None):
+        raise SystemExit(f"--tensor-parallel-size {tp} runs without --lmcache-config")
 
 
 def run(args: argparse.Namespace) -> int:

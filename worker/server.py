@@ -20,6 +20,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, cast
 
@@ -90,6 +91,8 @@ class KVSide:
 
             self.prefill = PrefillService(service)
         self._shared = False
+        self._staging: torch.Tensor | None = None
+        self._stage: Callable[[list[int]], Awaitable[None]] | None = None
 
     def add_to(self, server: grpc.aio.Server) -> None:
         if self.prefill is not None:
@@ -101,15 +104,19 @@ class KVSide:
             return None
         m = ModelConfig.from_model_dir(engine_config.model_dir)
         dtype = TORCH_DTYPES[engine_config.dtype or m.dtype]
-        num_blocks = num_kv_blocks(engine_config, m, dtype)
+        tp = engine_config.tensor_parallel_size
+        num_blocks = num_kv_blocks(engine_config, m.shard(tp), dtype)
         if num_blocks is None:  # CUDA, sized from free memory: the engine allocates it
             return None
         kv = self.prefiller.allocate_kv(self.layout, num_blocks)
         self._shared = kv is not None
+        if tp > 1:  # the transport's memory is rank 0's full-head staging copy
+            self._staging = cast("torch.Tensor | None", kv)
+            return None
         return cast("torch.Tensor | None", kv)
 
     async def start(self, llm: AsyncLLM, advertise_host: str) -> None:
-        kv = llm.engine.runner.kv_cache
+        kv = self._transport_kv(llm)
         if self.prefiller is not None:
             address = await self.prefiller.start(kv, self.layout, self._shared)
             self.service.transport_address = advertised(address, advertise_host)
@@ -117,10 +124,37 @@ class KVSide:
             log.info("kv receiver listening: %s", self.service.transport_address)
         if self.transfer is not None:
             self.pusher = KVPusher(self.transfer, kv, self.layout, self.registry)
+            self.pusher.stage = self._stage
             self.service.kv_source = KVSource(llm, self.pusher, self.transfer.io_timeout_s,
                                               self.registry)
             if self.prefill is not None:
                 self.prefill.pusher = self.pusher
+
+    def _transport_kv(self, llm: AsyncLLM) -> torch.Tensor:
+        """What the transports register: the engine's KV cache; under tensor parallelism
+        (each rank holds its KV heads) rank 0's staging copy with every head and the
+        pool's block ids, gathered from the ranks before a send and scattered to them
+        after a receive lands (so the wire carries what a TP 1 worker sends)."""
+        runner = llm.engine.runner
+        if runner.tp is None:
+            return runner.kv_cache
+        if self._staging is not None:  # shm's shared segment
+            if self._staging.shape[0] != runner.num_blocks:
+                raise ValueError(f"the shared KV staging holds {self._staging.shape[0]} "
+                                 f"blocks, the engine's pool {runner.num_blocks}")
+            runner.kv_staging = self._staging
+        staging = runner.staging()
+
+        async def stage(ids: list[int]) -> None:
+            await llm.call(lambda eng: eng.runner.gather_blocks(ids, staging))
+
+        async def land(ids: list[int]) -> None:
+            await llm.call(lambda eng: eng.runner.scatter_blocks(ids, staging))
+
+        if self.prefiller is not None:
+            self.prefiller.land = land
+        self._stage = stage
+        return staging
 
     async def close(self) -> None:
         if self.prefiller is not None:
@@ -160,6 +194,10 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
+    if engine_config.tensor_parallel_size > 1 and (config.role != "colocated"
+                                                   or (tier_config is not None and tier_config.enabled)):
+        # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies)
+        engine_config = replace(engine_config, kv_staging=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -19,15 +19,21 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
 
 
-@pytest.mark.parametrize("transport,arch", [
-    ("tcp", "llama"), ("shm", "llama"), ("ucx", "llama"),
-    ("tcp", "deepseek_v2"),  # MLA: the latent blocks, sized by their layout
+@pytest.mark.parametrize("transport,arch,tp", [
+    ("tcp", "llama", 1), ("shm", "llama", 1), ("ucx", "llama", 1),
+    ("tcp", "deepseek_v2", 1),  # MLA: the latent blocks, sized by their layout
+    ("tcp", "llama", 2),  # TP 2 decodes: full-head blocks gathered, then scattered
 ])
-def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch) -> None:
+def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch,
+                                                       tp) -> None:
+    from cluster.placement import WorkerPlacement
+
     (tmp_path / "routing.yaml").write_text(PROFILE)
     model = tiny_model_dir(arch)
+    placement = {} if tp == 1 else {
+        f"decode-{i}": WorkerPlacement(("--tensor-parallel-size", str(tp))) for i in range(2)}
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
-                       worker_args=("--num-blocks", str(NUM_BLOCKS)),
+                       worker_args=("--num-blocks", str(NUM_BLOCKS)), placement=placement,
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
                        ready_timeout_s=150, log_dir=str(tmp_path / "logs"))
     prompt = [(7 * j) % 480 + 3 for j in range(100)]  # 6 full blocks of 16 + 4 tokens

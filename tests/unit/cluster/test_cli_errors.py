@@ -78,11 +78,9 @@ def test_tensor_parallel_refusals_are_one_line(capsys: pytest.CaptureFixture[str
     line = one_line_error(capsys, ["generate", "--model", d, "--device", "cpu", "-tp", "3",
                                    "--prompt", "hi"])
     assert "tensor parallel size 3 does not divide the model's 4 attention heads" in line
-    line = one_line_error(capsys, ["worker", "--role", "decode", "--model", d, "-tp", "2"])
-    assert "runs colocated workers only" in line
     line = one_line_error(capsys, ["worker", "--model", d, "-tp", "2",
-                                   "--host-cache-blocks", "8"])
-    assert "without offload tiers" in line
+                                   "--lmcache-config", "lmcache.yaml"])
+    assert "runs without --lmcache-config" in line
     line = one_line_error(capsys, ["up", "--model", d, "--colocated", "2", "-tp", "2",
                                    "--device", "cuda", "--gpus", "0"])
     assert "2 workers × TP 2 need 4 GPUs; 1 given by --gpus" in line or "--gpus names GPU 0" in line

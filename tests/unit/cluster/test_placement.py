@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from cluster.placement import parse_gpus, plan, visible_gpus
-from cluster.up import add_arguments, build_spec, place_workers
+from cluster.up import add_arguments, place_workers
 
 
 def _env(p):
@@ -75,11 +75,15 @@ def test_up_flags_place_workers():
         "colocated-0"].env
 
 
-def test_up_refuses_tp_for_prefill_and_decode_in_one_line():
+def test_up_places_each_role_at_its_own_tp_size():
+    from cluster.up import _settings
+
     args = _spec("--prefill", "1", "--decode", "1", "--decode-tensor-parallel-size", "2",
                  "--device", "cpu")
-    with pytest.raises(ValueError, match="TP > 1 runs colocated workers only"):
-        build_spec(args)
+    s = _settings(args)
+    out = place_workers(s, 1, 1, 0)
+    assert out["decode-0"].args == ("--tensor-parallel-size", "2")
+    assert out["prefill-0"].args == ("--tensor-parallel-size", "1")
 
 
 def test_launcher_gives_each_worker_its_gpus(tmp_path):

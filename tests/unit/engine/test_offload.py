@@ -48,9 +48,9 @@ def assert_no_leaks(llm: LLM) -> None:
     assert st.num_free_blocks == st.num_blocks  # idle: nothing held, copies done
 
 
-def run_twice(model, tiers: TieredCache, tier: str) -> None:
+def run_twice(model, tiers: TieredCache, tier: str, llm: LLM | None = None) -> None:
     model_dir, prompts, ref = model
-    llm = make_llm(model_dir, tiers)
+    llm = llm or make_llm(model_dir, tiers)
     first = llm.generate(prompts, PARAMS)
     assert [o.token_ids for o in first] == ref
     assert_no_leaks(llm)
@@ -156,3 +156,16 @@ def test_host_tier_with_a_cuda_kv_cache(model, tmp_path):
         assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == ref
         assert tiers.stats().hits.get("disk", 0) > 0
         assert_no_leaks(llm)
+
+
+def test_tensor_parallel_host_tier_hits_match_transformers(model):
+    """TP 2 (gloo, one KV head a rank): the tier keeps full-head blocks, gathered from
+    both ranks on save and scattered to them on load; a TP 1 layout's bytes."""
+    model_dir = model[0]
+    with TieredCache(TierConfig(host_blocks=64), layout_of(model_dir)) as tiers:
+        llm = LLM(model_dir, offload=tiers, dtype="float32", block_size=BS, num_blocks=16,
+                  tensor_parallel_size=2)
+        try:
+            run_twice(model, tiers, "host", llm)
+        finally:
+            llm.engine.runner.close()

@@ -1,0 +1,72 @@
+"""Disaggregated serving with tensor-parallel workers (CPU, gloo, real processes): the
+prefill worker at TP p, the decode worker at TP d, every prompt prefilled remotely
+(decider threshold 0). The wire carries full-head blocks: rank 0 of the prefill gathers
+them from its ranks, rank 0 of the decode scatters them to its ranks' heads. Greedy
+output through the gateway equals transformers' for p != d, p == d, a model with
+fewer KV heads than ranks (each replicated), over tcp and shm."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.launcher import ClusterSpec, LocalCluster
+from cluster.placement import WorkerPlacement
+from engine.config import ModelConfig
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.integration.serving_util import grpc_generate, metric, wait_for
+from tests.integration.test_disagg import (
+    ALWAYS_REMOTE,
+    WORKER_ARGS,
+    all_blocks_free,
+    child,
+    logs,
+)
+
+# 9 shares 7's first 48 tokens: its prefix is a hit on the decode, the rest is sent
+_LENGTHS = (17, 40, 90, 64)
+
+
+def _prompts() -> tuple[list[list[int]], list[int]]:
+    prompts = [[(11 * i + 17 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(_LENGTHS)]
+    prompts.append(prompts[3][:48] + [(5 * j) % 500 + 3 for j in range(21)])
+    return prompts, [5, 9, 6, 4, 7]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport", "kv_heads"), [
+    (1, 2, "tcp", 2), (2, 1, "tcp", 2), (2, 2, "tcp", 1), (2, 2, "shm", 2)])
+def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
+                                                     decode_tp: int, transport: str,
+                                                     kv_heads: int) -> None:
+    model_dir = tiny_model_dir("llama", num_key_value_heads=kv_heads)
+    profile = tmp_path / "routing.yaml"
+    profile.write_text(ALWAYS_REMOTE)
+    spec = ClusterSpec(
+        model_dir=model_dir, num_prefill=1, num_decode=1, num_colocated=0,
+        transport=transport, worker_args=(*WORKER_ARGS, "--dtype", "float32"),
+        gateway_args=("--routing", str(profile)), ready_timeout_s=180,
+        log_dir=str(tmp_path / "logs"),
+        placement={"prefill-0": WorkerPlacement(("--tensor-parallel-size", str(prefill_tp))),
+                   "decode-0": WorkerPlacement(("--tensor-parallel-size", str(decode_tp)))})
+    prompts, max_tokens = _prompts()
+    cluster = LocalCluster(spec)
+    cluster.start()
+    try:
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
+        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
+        assert ok == len(prompts), logs(cluster)
+        moved = metric(decode_metrics, "splitserve:kv_transfer_bytes_total",
+                       transport=transport)
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()
+    cfg = ModelConfig.from_model_dir(model_dir)
+    # full-head blocks crossed the wire: K and V of every KV head, every layer
+    block_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * 4 * 16
+    assert moved > 0 and moved % block_bytes == 0
+    hf = hf_model(model_dir)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+    for p, m, g in zip(prompts, max_tokens, got, strict=True):
+        assert g == hf_greedy(hf, p, m, eos), logs(cluster)
