@@ -127,7 +127,10 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
 
     names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
              "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
-             "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum")
+             "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum",
+             "vllm:request_time_per_output_token_seconds_count",
+             "vllm:request_decode_time_seconds_sum",
+             "vllm:request_time_per_output_token_seconds_sum")
     before = {n: over_pods(n) for n in names}
     prompt = completion = 0
     for i in range(4):
@@ -148,6 +151,11 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
     for n in ("vllm:request_prefill_time_seconds_count",
               "vllm:request_decode_time_seconds_count"):
         assert after[n] - before[n] == 4, n
+    # TPOT: each request's decode time over its 4 tokens after the first.
+    tpot = {n: after[n] - before[n] for n in names if "decode_time" in n or "per_output" in n}
+    assert tpot["vllm:request_time_per_output_token_seconds_count"] == 4
+    assert abs(tpot["vllm:request_time_per_output_token_seconds_sum"]
+               - tpot["vllm:request_decode_time_seconds_sum"] / 4) < 1e-6
     # Every token computed in some step: prompts (less cache hits) and outputs (the
     # last output token is sampled, never computed).
     assert 0 < after["vllm:iteration_tokens_total_sum"] \
