@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.body import check_request_id, parse_json
+from gateway.body import PIECEWISE_BYTES, check_request_id, parse_json
 from gateway.choices import Choices, merged_streams
 from gateway.core import Gateway
 from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
@@ -93,6 +93,8 @@ async def _body(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         raise InvalidRequest(f"the request body is too large (limit "
                              f"{request.app[GATEWAY_KEY].config.client_max_size} bytes)") from e
+    if len(raw) >= PIECEWISE_BYTES:  # tens of ms of parsing: off the event loop
+        return await request.app[GATEWAY_KEY].ctx.off_loop(parse_json, raw)
     return parse_json(raw)
 
 
