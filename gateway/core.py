@@ -211,6 +211,7 @@ class Gateway:
                             inp.ttft |= {"worker_queue": w.worker_queue_s,
                                          "prefill": w.prefill_s,
                                          "kv_transfer": w.kv_transfer_s}
+                        self.metrics.observe_ttft_parts(model, inp.ttft)
                     ticket.charge(resp.num_output_tokens)
                     yield resp
         finally:

@@ -3,7 +3,8 @@
 the admin key, /admin/v1/routing, /api/v1/scheduling/strategies and /debug/workers.
 
 Every response carries `x-request-id` (the client's, or a new one); the id goes to the
-worker in gRPC metadata and into every log line. Errors use vLLM's JSON shape. A
+worker in gRPC metadata and into every log line. A completion or chat request that sends
+`x-splitserve-ttft: 1` gets its first token's breakdown back under the same header. Errors use vLLM's JSON shape. A
 streamed request waits for its first token before sending headers, so routing errors
 (429, 503) still get their status; an error after that is sent as an SSE `error`
 event followed by `[DONE]`.
@@ -22,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.body import check_request_id, parse_json
+from gateway.body import PIECEWISE_BYTES, check_request_id, parse_json
 from gateway.choices import Choices, merged_streams
 from gateway.core import Gateway
 from gateway.errors import APIError, Forbidden, InvalidRequest, Unauthorized
@@ -92,6 +93,8 @@ async def _body(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         raise InvalidRequest(f"the request body is too large (limit "
                              f"{request.app[GATEWAY_KEY].config.client_max_size} bytes)") from e
+    if len(raw) >= PIECEWISE_BYTES:  # tens of ms of parsing: off the event loop
+        return await request.app[GATEWAY_KEY].ctx.off_loop(parse_json, raw)
     return parse_json(raw)
 
 
@@ -129,6 +132,7 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
     t0 = time.monotonic()
     deadline = t0 + gw.config.request_timeout_s
     inp = inps[0]
+    ttft = inp.ttft if wants_ttft(request.headers.get(TTFT_HEADER)) else None
     choices = Choices(inps, b, lambda ids: gw.ctx.tokenizer.decode(ids, False))
     resp: web.StreamResponse | None = None
     gw.metrics.in_flight.inc()
@@ -141,7 +145,7 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
                 if not inp.stream:
                     continue
                 if resp is None:
-                    resp = await _open_sse(request, rid, inp.ttft)
+                    resp = await _open_sse(request, rid, ttft)
                     if b.chat:  # every choice opens with the assistant role
                         for i in range(len(choices.choices)):
                             await resp.write(sse(choices.opening(i)))
@@ -159,7 +163,8 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
         gw.metrics.in_flight.dec()
     gw.metrics.e2e.labels(inp.model).observe(time.monotonic() - t0)
     if not inp.stream:
-        return web.json_response(choices.full(), headers={TTFT_HEADER: ttft_header(inp.ttft)})
+        return web.json_response(choices.full(),
+                                 headers={TTFT_HEADER: ttft_header(ttft)} if ttft else None)
     if resp is None:  # finished without a single response (cannot happen normally)
         resp = await _open_sse(request, rid)
     if inp.include_usage:
@@ -167,6 +172,19 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
     await resp.write(DONE)
     await resp.write_eof()
     return resp
+
+
+def wants_ttft(value: str | None) -> bool:
+    """Whether a request asked for its first token's breakdown (`x-splitserve-ttft: 1`);
+    off by default: the figures are the gateway's internals."""
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v in ("1", "true"):
+        return True
+    if v in ("0", "false"):
+        return False
+    raise InvalidRequest(f"{TTFT_HEADER} must be 1 or 0 (true or false), not {value!r}")
 
 
 def ttft_header(ttft: dict[str, float]) -> str:

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from gateway.routing.base import Candidate
 
 SERVING_ROLES = ("decode", "colocated")  # where a request's KV lives while it decodes
+TTFT_PARTS = ("queue", "route", "worker_queue", "prefill", "kv_transfer")
 
 
 class PoolLoad(Collector):
@@ -102,6 +103,15 @@ class GatewayMetrics:
                               "Arrival at the gateway to the first token", ["model_name", "tenant"],
                               registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                                                    10, 30, 60))
+        # The first token's time by part: the figures of the x-splitserve-ttft header,
+        # observed for every request (the header itself only when a request asks).
+        self.ttft_part = Histogram(
+            "splitserve:gateway_ttft_part_seconds", "Time to first token by part (queue: "
+            "admission queue, route: routing decision, worker_queue, prefill, kv_transfer: "
+            "remote fill, other: network, gRPC and the gateway's own work)",
+            ["model_name", "part"], registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                     5, 10, 30, 60))
         self.prompt_tokens = Counter("splitserve:gateway_prompt_tokens", "Prompt tokens dispatched",
                                      ["model_name", "tenant"], registry=r)
         self.generation_tokens = Counter("splitserve:gateway_generation_tokens", "Tokens generated",
@@ -111,6 +121,17 @@ class GatewayMetrics:
         self.strategies_version = Gauge("splitserve:scheduling_strategies_version",
                                         "Version of the scheduling strategies in force",
                                         registry=r)
+
+    def observe_ttft_parts(self, model: str, ttft: dict[str, float]) -> None:
+        """One request's first-token breakdown (GenerateInput.ttft, in seconds): each
+        part present, and `other`, the total less the parts."""
+        total = ttft.get("total")
+        if total is None:
+            return
+        parts = {k: v for k, v in ttft.items() if k in TTFT_PARTS}
+        for part, seconds in parts.items():
+            self.ttft_part.labels(model, part).observe(seconds)
+        self.ttft_part.labels(model, "other").observe(max(total - sum(parts.values()), 0.0))
 
     def watch_pool(self, model: str, candidates: Callable[[], Sequence[Candidate]],
                    admission_waiting: Callable[[], int]) -> None:

@@ -214,7 +214,7 @@ class TransferTable:
             xfer.timer.cancel()
         if error is None:
             self.metrics.bytes.inc(xfer.nbytes)
-            self.metrics.seconds.observe(time.perf_counter() - xfer.started)
+            self.metrics.completed(time.perf_counter() - xfer.started, xfer.nbytes)
             xfer.future.set_result(None)
         else:
             self.metrics.failure(error.kind)

@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 # Transfers range from one 16 KiB region to GiBs; seconds buckets cover both.
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0, 30.0)
+# Per transfer: one request's hand-off is one 16 KiB block to a long prompt's GiBs.
+_BYTES_BUCKETS = tuple(float(1 << n) for n in range(14, 35, 2))  # 16 KiB .. 16 GiB
 _LABELS = ("role", "transport")
 
 
@@ -22,6 +24,7 @@ _LABELS = ("role", "transport")
 class _Families:
     bytes: Counter
     seconds: Histogram
+    transfer_bytes: Histogram
     failures: Counter
     stale_dropped: Counter
     refused: Counter
@@ -42,6 +45,10 @@ def _families(registry: CollectorRegistry) -> _Families:
             seconds=Histogram("splitserve:kv_transfer_seconds",
                               "Seconds from expect/first write to completion", _LABELS,
                               buckets=_SECONDS_BUCKETS, registry=registry),
+            transfer_bytes=Histogram(
+                "splitserve:kv_transfer_request_bytes",
+                "Bytes of each completed transfer (one request's hand-off or one peer "
+                "fetch)", _LABELS, buckets=_BYTES_BUCKETS, registry=registry),
             failures=Counter("splitserve:kv_transfer_failures", "Failed transfers by kind",
                              (*_LABELS, "kind"), registry=registry),
             stale_dropped=Counter(
@@ -64,7 +71,13 @@ class TransferMetrics:
         self._fam = _families(self.registry)
         self.bytes = self._fam.bytes.labels(**self._labels)
         self.seconds = self._fam.seconds.labels(**self._labels)
+        self.transfer_bytes = self._fam.transfer_bytes.labels(**self._labels)
         self.stale_dropped = self._fam.stale_dropped.labels(**self._labels)
+
+    def completed(self, seconds: float, nbytes: int) -> None:
+        """One transfer done: its time and its bytes, each a histogram observation."""
+        self.seconds.observe(seconds)
+        self.transfer_bytes.observe(nbytes)
 
     def failure(self, kind: str) -> None:
         self._fam.failures.labels(kind=kind, **self._labels).inc()

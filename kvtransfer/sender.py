@@ -184,7 +184,7 @@ class SenderBase:
                 await self._send_frame(peer, wire.pack_json(
                     Frame.FINISH, {"xfer": xfer_id, "gen": gen}))
             await asyncio.wait_for(asyncio.shield(out.verdict), timeout)
-            self.metrics.seconds.observe(time.perf_counter() - out.started)
+            self.metrics.completed(time.perf_counter() - out.started, out.nbytes)
         except asyncio.TimeoutError:
             self.metrics.failure("timeout")
             raise TransferTimeout(f"{xfer_id}: no verdict within {timeout}s") from None

@@ -116,6 +116,10 @@ class WorkerMetrics:
             "vllm:request_inference_time_seconds",
             "Histogram of time spent in RUNNING phase for request.", labels,
             buckets=REQUEST_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", labels,
+            buckets=ITL_BUCKETS, registry=self.registry)
         self.iteration_tokens = Histogram(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             ["model_name"], buckets=ITERATION_BUCKETS, registry=self.registry)
@@ -125,12 +129,16 @@ class WorkerMetrics:
         self.iteration_tokens.labels(self.model).observe(num_tokens)
 
     def observe_phases(self, scheduled: float, first_token: float, last_token: float,
-                       tenant: str = "") -> None:
-        """A finished request's prefill, decode and inference times (monotonic s)."""
+                       output_tokens: int, tenant: str = "") -> None:
+        """A finished request's prefill, decode and inference times (monotonic s), and
+        its time per output token after the first (with two tokens or more)."""
         self.prefill_time.labels(self.model, tenant).observe(max(first_token - scheduled, 0.0))
         self.decode_time.labels(self.model, tenant).observe(max(last_token - first_token, 0.0))
         self.inference_time.labels(self.model, tenant).observe(
             max(last_token - scheduled, 0.0))
+        if output_tokens > 1:
+            self.tpot.labels(self.model, tenant).observe(
+                max(last_token - first_token, 0.0) / (output_tokens - 1))
 
     def observe_finished(self, reason: str, prompt_tokens: int, output_tokens: int,
                          tenant: str = "") -> None:

@@ -124,7 +124,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                                                       n_out, request.tenant)
                         if first is not None:
                             self.metrics.observe_phases(scheduled or start, first, last,
-                                                        request.tenant)
+                                                        n_out, request.tenant)
                         log.info("event=finished request_id=%s reason=%s prompt_tokens=%d "
                                  "output_tokens=%d", rid, out.finish_reason, n_prompt, n_out)
                     yield resp

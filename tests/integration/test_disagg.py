@@ -272,7 +272,7 @@ def test_samples_logprobs_and_echo_through_remote_prefill(tmp_path, offline) -> 
         before = load_report(prefill).prefix_cache_queries
         _, r, headers = call_http(port, "POST", "/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "n": 3,
-            "seed": 77, "logprobs": 1})
+            "seed": 77, "logprobs": 1}, headers={"x-splitserve-ttft": "1"})
         # The first token's breakdown: computed on the prefill worker, its KV landed here.
         ttft = ttft_parts(headers["x-splitserve-ttft"])
         assert set(ttft) == {"queue", "route", "worker_queue", "prefill", "kv_transfer",

@@ -127,7 +127,10 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
 
     names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
              "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
-             "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum")
+             "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum",
+             "vllm:request_time_per_output_token_seconds_count",
+             "vllm:request_decode_time_seconds_sum",
+             "vllm:request_time_per_output_token_seconds_sum")
     before = {n: over_pods(n) for n in names}
     prompt = completion = 0
     for i in range(4):
@@ -148,6 +151,11 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
     for n in ("vllm:request_prefill_time_seconds_count",
               "vllm:request_decode_time_seconds_count"):
         assert after[n] - before[n] == 4, n
+    # TPOT: each request's decode time over its 4 tokens after the first.
+    tpot = {n: after[n] - before[n] for n in names if "decode_time" in n or "per_output" in n}
+    assert tpot["vllm:request_time_per_output_token_seconds_count"] == 4
+    assert abs(tpot["vllm:request_time_per_output_token_seconds_sum"]
+               - tpot["vllm:request_decode_time_seconds_sum"] / 4) < 1e-6
     # Every token computed in some step: prompts (less cache hits) and outputs (the
     # last output token is sampled, never computed).
     assert 0 < after["vllm:iteration_tokens_total_sum"] \
@@ -158,9 +166,17 @@ def test_tokens_summed_over_every_pod_count_once(cluster, model) -> None:
 
 def test_ttft_breakdown_header_on_plain_and_streamed_responses(cluster, model) -> None:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 3}
+    port = cluster.http_port
+    before = {part: metric(port, "splitserve:gateway_ttft_part_seconds_count",
+                           model_name=model, part=part) for part in ("prefill", "other")}
     for stream in (False, True):
-        status, _, headers = call_http(cluster.http_port, "POST", "/v1/completions",
+        # Off by default: the breakdown comes back only to a request that asks.
+        status, _, headers = call_http(port, "POST", "/v1/completions",
                                        body | {"stream": stream})
+        assert status == 200 and "x-splitserve-ttft" not in headers
+        status, _, headers = call_http(port, "POST", "/v1/completions",
+                                       body | {"stream": stream},
+                                       headers={"x-splitserve-ttft": "1"})
         assert status == 200
         ttft = ttft_parts(headers["x-splitserve-ttft"])
         # Colocated: the prefill ran on the worker itself, no KV moved.
@@ -170,3 +186,10 @@ def test_ttft_breakdown_header_on_plain_and_streamed_responses(cluster, model) -
         assert min(ttft.values()) >= 0
         # The parts fit in the total (the rest: network, gRPC, the gateway's own work).
         assert sum(v for k, v in ttft.items() if k != "total") <= ttft["total"] + 1.0
+    # Every request's parts are observed, asked for or not.
+    for part, n in before.items():
+        assert metric(port, "splitserve:gateway_ttft_part_seconds_count", model_name=model,
+                      part=part) - n == 4, part
+    status, r, _ = call_http(port, "POST", "/v1/completions", body,
+                             headers={"x-splitserve-ttft": "please"})
+    assert status == 400 and "x-splitserve-ttft must be 1 or 0" in r["error"]["message"]

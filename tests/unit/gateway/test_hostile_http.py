@@ -107,3 +107,42 @@ def test_a_long_token_id_body_parses() -> None:
     raw = json.dumps({"prompt": list(range(10**6, 10**6 + 500_000)), "n": [[1, 2**63]]})
     body = parse_json(raw.encode())
     assert body["prompt"][-1] == 10**6 + 499_999 and body["n"] == [[1, 2**63]]
+
+
+def test_a_long_body_parsed_in_pieces_reads_as_one_call(monkeypatch) -> None:
+    """Pieces of a few bytes split every long integer array at every comma: each body,
+    valid or broken (a missing item at a split, a trailing comma, a repeated key whose
+    skipped value one call refuses, an array that is not all integers), parses to the
+    same value, or fails, as one msgspec call does."""
+    import random
+
+    import msgspec
+
+    from gateway import body as gw_body
+
+    monkeypatch.setattr(gw_body, "PIECEWISE_BYTES", 0)
+    monkeypatch.setattr(gw_body, "_PIECE_BYTES", 4)
+    rng = random.Random(7)
+    ids = ",".join(str(rng.randrange(-5, 10**6)) for _ in range(40))
+    bodies = [f'{{"prompt": [{ids}], "max_tokens": 4}}', f'{{"p": [ {ids} ] , "q": [[{ids}]]}}',
+              f'{{"p": [{ids},]}}', f'{{"p": [{ids},,1]}}', f'{{"p": [,{ids}]}}',
+              f'{{"p": [{ids}], "p": [1e400]}}', f'{{"p": [1e400], "p": [{ids}]}}',
+              f'{{"p": [{ids}, 2.5]}}', f'{{"p": [{ids}, 99999999999999999999999]}}',
+              f'[{ids}]', f'{{"p": [{ids}]', f'{{"\\u0070": 1, "p": [{ids}]}}',
+              f'{{"p": [{ids}1-2]}}', f'{{"p": [{ids}]}}x', f'{{"p": [{ids}, "7,8", 9]}}',
+              f'{{"p": [{ids}, "7,8", 9, 1e400]}}']
+    bodies += [f'{{"p": [{ids[:i]},{ids[i:]}]}}'  # a missing item at every comma
+               for i, c in enumerate(ids) if c == ","]
+    for text in bodies:
+        raw = text.encode()
+        try:
+            want: Any = msgspec.json.decode(raw)
+            gw_body._check_json(want)
+        except (msgspec.DecodeError, ValueError):
+            want = InvalidRequest
+        try:
+            got: Any = parse_json(raw)
+        except InvalidRequest:
+            got = InvalidRequest
+        assert got == want, text
+    assert sum(b.count(",,") for b in bodies) == 40

@@ -69,3 +69,29 @@ def test_fenced_generation_drops_late_writes_and_lease_expires() -> None:
         table.check_integrity()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_completed_transfer_is_observed_once_with_its_bytes() -> None:
+    """Each hand-off is one observation of kv_transfer_seconds and of
+    kv_transfer_request_bytes (its bytes); a failed one is neither."""
+    async def main() -> None:
+        table = make_table()
+        fut = table.expect("x", [Region(3), Region(5, 1, 3)], 1, lease_s=5)
+        for region in (Region(3), Region(5, 1, 3)):
+            assert table.admit("x", 1, region, writer=1)
+            table.landed("x", region)
+        await fut
+        failed = table.expect("y", [Region(4)], 1, lease_s=5)
+        table.cancel("y")
+        with pytest.raises(TransferCancelled):
+            await failed
+        value = table.metrics.value
+        assert value("splitserve:kv_transfer_request_bytes_count") == 1
+        assert value("splitserve:kv_transfer_seconds_count") == 1
+        assert value("splitserve:kv_transfer_request_bytes_sum") \
+            == LAYOUT.block_bytes + 2 * LAYOUT.layer_bytes \
+            == value("splitserve:kv_transfer_bytes_total")
+        assert value("splitserve:kv_transfer_request_bytes_bucket", le="16384.0") == 1
+
+    asyncio.run(main())
