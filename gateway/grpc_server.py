@@ -115,6 +115,10 @@ class GenerateService(pb_grpc.GenerateServicer):
                         finish_reason=r.finish_reason, index=r.index, logprobs=r.logprobs,
                         prompt_logprobs=r.prompt_logprobs,
                         cumulative_logprob=r.cumulative_logprob)
+                    if r.HasField("stop_str"):
+                        out.stop_str = r.stop_str
+                    elif r.HasField("stop_token_id"):
+                        out.stop_token_id = r.stop_token_id
                     if inp.tools is not None:
                         texts.setdefault(r.index, []).append(r.text)
                         if r.finish_reason:

@@ -98,8 +98,10 @@ def test_include_stop_str_in_output(cluster, model, offline) -> None:
         _, r, _ = call_http(port, "POST", "/v1/completions",
                             body | {"include_stop_str_in_output": include})
         assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+        assert r["choices"][0]["stop_reason"] == stop  # vLLM's: the matched string
         chunks = _events(port, "/v1/completions", body | {"include_stop_str_in_output": include})
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert [c["choices"][0]["stop_reason"] for c in chunks][-1] == stop
 
 
 def test_chat_template_kwargs_reach_the_template(cluster, model, offline) -> None:

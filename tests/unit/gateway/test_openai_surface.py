@@ -193,3 +193,25 @@ def test_responses_match_vllm_golden_files(gw: Gateway, chat: bool, stream: bool
             f.write("\n")
     with open(path) as f:
         assert got == json.load(f)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_reason_names_the_stop_string_or_token(gw: Gateway, chat: bool) -> None:
+    """vLLM's `stop_reason`: the matched stop string or stop token id, null for EOS and
+    length; on the finishing chunk of a stream and in the whole response."""
+    ctx = gw.ctx
+    body: dict[str, Any] = {"max_tokens": 3, "n": 3, "stream": True}
+    inps = [parse_chat(body | {"messages": [{"role": "user", "content": "Hi"}]}, ctx)] \
+        if chat else parse_completion(body | {"prompt": "Hello"}, ctx)
+    choices = Choices(inps, ResponseBuilder("tiny", chat=chat),
+                      lambda ids: ctx.tokenizer.decode(ids, False))
+    ends = [{"stop_str": "fox"}, {"stop_token_id": 7}, {}]
+    chunks = []
+    for i, end in enumerate(ends):
+        for r in (pb.WorkerGenerateResponse(index=i, token_ids=[5], text="a",
+                                            num_output_tokens=1),
+                  pb.WorkerGenerateResponse(index=i, token_ids=[6], text="b",
+                                            finish_reason="stop", num_output_tokens=2, **end)):
+            chunks.append(choices.chunk(choices.add(0, r))["choices"][0])
+    assert [c.get("stop_reason") for c in chunks] == [None, "fox", None, 7, None, None]
+    assert [c["stop_reason"] for c in choices.full()["choices"]] == ["fox", 7, None]
