@@ -49,7 +49,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
                             else 1.0),
-        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens, min_p=msg.min_p,
+        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         structured=structured_from_proto(msg.structured))
 
