@@ -113,6 +113,8 @@ class Choices:
         tools = inps[0].tools if b.chat else None
         self.tools = [ChatOutput(tools) for _ in self.choices] if tools is not None else []
         self._decode = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        if inps[0].tokens_as_ids:  # vLLM's return_tokens_as_token_ids
+            self._decode = lambda t: f"token_id:{t}"  # type: ignore[assignment]
 
     @property
     def logprobs(self) -> int | None:

@@ -106,6 +106,9 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise InvalidRequest("`stop_token_ids` must be a list of integers", "stop_token_ids")
     ignore_eos = get_field(body, "ignore_eos", bool, False)
+    # Accepted no-ops (gateway/params.py), still typed as vLLM types them.
+    get_field(body, "length_penalty", (int, float), 1.0)
+    get_field(body, "spaces_between_special_tokens", bool, True)
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # placeholder until the prompt length is known
         temperature=float(get_field(body, "temperature", (int, float), 1.0)),

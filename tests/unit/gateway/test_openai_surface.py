@@ -39,7 +39,7 @@ OPENAI = {
              "verbosity", "web_search_options"],
 }
 # A value that asks for something, where `True` would not.
-ASKING = {"spaces_between_special_tokens": False, "length_penalty": 2.0, "min_p": 0.1,
+ASKING = {"min_p": 0.1,
           "modalities": ["text", "audio"], "service_tier": "flex"}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BASE: dict[str, dict[str, Any]] = {
@@ -215,3 +215,25 @@ def test_stop_reason_names_the_stop_string_or_token(gw: Gateway, chat: bool) -> 
             chunks.append(choices.chunk(choices.add(0, r))["choices"][0])
     assert [c.get("stop_reason") for c in chunks] == [None, "fox", None, 7, None, None]
     assert [c["stop_reason"] for c in choices.full()["choices"]] == ["fox", 7, None]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(gw: Gateway) -> None:
+    ctx = gw.ctx
+    for chat in (False, True):
+        body: dict[str, Any] = {"max_tokens": 3, "n": 2, "return_tokens_as_token_ids": True}
+        inps = [parse_chat(body | {"messages": [{"role": "user", "content": "Hi"}],
+                                   "logprobs": True, "top_logprobs": 2}, ctx)] if chat \
+            else parse_completion(body | {"prompt": "Hello", "logprobs": 2}, ctx)
+        choices = Choices(inps, ResponseBuilder("tiny", chat=chat),
+                          lambda ids: ctx.tokenizer.decode(ids, False))
+        for r in _deltas(ctx, inps[0].prompt_token_ids):
+            choices.add(0, r)
+        lps = choices.full()["choices"][0]["logprobs"]
+        if chat:
+            entry = lps["content"][0]
+            assert entry["token"] == f"token_id:{_deltas(ctx, [1])[0].token_ids[0]}"
+            assert entry["bytes"] == list(entry["token"].encode())
+            assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+        else:
+            assert all(t.startswith("token_id:") for t in lps["tokens"])
+            assert all(k.startswith("token_id:") for top in lps["top_logprobs"] for k in top)
