@@ -172,3 +172,43 @@ def test_ttft_breakdown_header_on_plain_and_streamed_responses(cluster, model) -
         assert min(ttft.values()) >= 0
         # The parts fit in the total (the rest: network, gRPC, the gateway's own work).
         assert sum(v for k, v in ttft.items() if k != "total") <= ttft["total"] + 1.0
+
+
+def test_disable_any_whitespace_fixes_the_json_layout(cluster, model) -> None:
+    """structured_outputs.disable_any_whitespace reaches the worker's grammar: every
+    sample is laid out as json.dumps writes it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    for seed in range(4):
+        _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+            "model": model, "prompt": PROMPT, "max_tokens": 60, "temperature": 1.0,
+            "seed": seed, "structured_outputs": {"json": schema,
+                                                 "disable_any_whitespace": True}})
+        text = r["choices"][0]["text"]
+        assert text == json.dumps(json.loads(text)), text
+
+
+def test_grpc_defaults_and_stop_reason_match_http(cluster, model, offline) -> None:
+    """The gRPC front: 16 tokens without max_tokens for prompt input (as
+    /v1/completions), and the stop string that ended a sample as `stop_str`."""
+    import grpc
+
+    from protos import splitserve_pb2 as pb
+    from protos import splitserve_pb2_grpc as pb_grpc
+
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0].text
+    at = next(i for i in range(3, len(ref) - 3) if ref.find(ref[i:i + 3]) == i
+              and ref[i:i + 3].strip())
+    stop = ref[at:at + 3]
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        stub = pb_grpc.GenerateStub(ch)
+        outs = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, ignore_eos=True)), timeout=60))
+        assert outs[-1].usage.completion_tokens == 16 and outs[-1].finish_reason == "length"
+        assert outs[-1].WhichOneof("stop_reason") is None
+        outs = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, ignore_eos=True, stop=[stop])), timeout=60))
+        assert "".join(o.text for o in outs) == ref[:at]
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_str == stop
