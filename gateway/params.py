@@ -40,7 +40,7 @@ _SAMPLING: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _given,  # completions: echo + logprobs returns them
     "logits_processors": _given,
     "kv_transfer_params": _given, "vllm_xargs": _given,
-    "prompt_embeds": _given, "request_id": _given,  # ours: the x-request-id header
+    "prompt_embeds": _given,
     # vLLM's stop on repeated token patterns.
     "max_repetition_pattern_size": _not(0), "min_repetition_pattern_size": _not(0),
     "repetition_min_count": _not(0),
@@ -68,6 +68,7 @@ _COMMON = {
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
     "return_token_ids", "truncate_prompt_tokens", "return_tokens_as_token_ids",
+    "request_id",  # the request's id when no x-request-id header names one (gateway/http_server.py)
     # No-ops in vLLM for us, accepted as it accepts them: length_penalty only weighs
     # beam search (refused above); spaces_between_special_tokens only reaches vLLM's
     # slow-tokenizer detokenizer, and ours is a fast (`tokenizers`) one.

@@ -212,3 +212,15 @@ def test_grpc_defaults_and_stop_reason_match_http(cluster, model, offline) -> No
             temperature=0, ignore_eos=True, stop=[stop])), timeout=60))
         assert "".join(o.text for o in outs) == ref[:at]
         assert outs[-1].finish_reason == "stop" and outs[-1].stop_str == stop
+
+
+def test_a_bodys_request_id_is_the_response_id(cluster, model) -> None:
+    """vLLM: the response `id` is "cmpl-" / "chatcmpl-" and the request's id (the
+    x-request-id header, else the body's `request_id`)."""
+    port = cluster.http_port
+    _, r, h = call_http(port, "POST", "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 2, "request_id": "rid-1"})
+    assert r["id"] == "cmpl-rid-1" and h["x-request-id"] == "rid-1"
+    _, r, _ = call_http(port, "POST", "/v1/chat/completions", {
+        "model": model, "messages": MSGS, "max_tokens": 2}, headers={"x-request-id": "rid-2"})
+    assert r["id"] == "chatcmpl-rid-2"
