@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self.text = ""  # full output text so far (the stop string cut unless included)
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
+        self.stop_str: str | None = None  # the stop string that matched
 
     def add(self, token_ids: Sequence[int]) -> None:
         """Appends output tokens (none after a stop string has matched)."""
@@ -68,7 +69,7 @@ class IncrementalDetokenizer:
             if hits:
                 i, s = min(hits)
                 self.text = self.text[:i + len(s) if self._include else i]
-                self.stopped = True
+                self.stopped, self.stop_str = True, s
 
     def take_delta(self, final: bool = False) -> str:
         """The text not yet returned that may be shown now (all of it when final)."""

@@ -374,9 +374,13 @@ class LLMEngine:
         tok = req.output_token_ids[-1]
         track.detok.add([tok])
         if track.detok.stopped:
+            req.stop_reason = track.detok.stop_str
             return RequestStatus.FINISHED_STOPPED
         p = req.sampling_params
-        if tok in req.eos_token_ids or tok in p.stop_token_ids:
+        if tok in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if tok in p.stop_token_ids:
+            req.stop_reason = tok
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
             if not req.grammar.advance(req.output_token_ids):
@@ -398,6 +402,7 @@ class LLMEngine:
             token_ids=list(req.output_token_ids), text=track.detok.text,
             new_token_ids=new_ids, new_text=track.detok.take_delta(final),
             finished=final, finish_reason=req.status.value if final else None,
+            stop_reason=req.stop_reason if final else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,

@@ -24,6 +24,9 @@ class RequestOutput:
     new_text: str = ""
     finished: bool = False
     finish_reason: str | None = None
+    # With finish_reason "stop": the matched stop string or stop token id (vLLM's
+    # stop_reason); None for EOS.
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds

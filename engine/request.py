@@ -46,6 +46,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
+    # What ended it with "stop", as vLLM's stop_reason: the matched stop string or stop
+    # token id; None for EOS (and a completed grammar).
+    stop_reason: int | str | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0

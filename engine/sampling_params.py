@@ -13,12 +13,15 @@ class StructuredOutput:
 
     `spec` by kind: json_schema, a serialized JSON Schema; json_object, unused (any JSON
     object); regex, the pattern; choice, unused (`choices` holds the allowed strings);
-    grammar, EBNF in xgrammar's (GBNF) syntax.
+    grammar, EBNF in xgrammar's (GBNF) syntax. `any_whitespace` False (vLLM's
+    disable_any_whitespace): JSON kinds allow xgrammar's one layout only (separators
+    ", " and ": ", as json.dumps writes them; no other whitespace).
     """
 
     kind: str
     spec: str = ""
     choices: tuple[str, ...] = ()
+    any_whitespace: bool = True
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -32,9 +35,9 @@ class StructuredOutput:
             raise ValueError(f"the {self.kind} constraint is empty")
 
     @property
-    def key(self) -> tuple[str, str, tuple[str, ...]]:
+    def key(self) -> tuple[str, str, tuple[str, ...], bool]:
         """What the compiled grammar depends on (the compile cache's key)."""
-        return self.kind, self.spec, self.choices
+        return self.kind, self.spec, self.choices, self.any_whitespace
 
 
 @dataclass(slots=True)

@@ -79,7 +79,7 @@ class StructuredOutputs:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str, tuple[str, ...]], xgr.CompiledGrammar] = \
+        self._cache: OrderedDict[tuple[str, str, tuple[str, ...], bool], xgr.CompiledGrammar] = \
             OrderedDict()
         self.compiles = 0  # cache misses (tests read it)
 
@@ -137,9 +137,11 @@ class StructuredOutputs:
         if kind == "json_schema":
             json.loads(spec.spec)  # a clear "not JSON" error before xgrammar's
             # vLLM's default: any whitespace between tokens; schemas strict (no extra keys).
-            return compiler.compile_grammar(json_schema_grammar(spec.spec))
+            return compiler.compile_grammar(json_schema_grammar(spec.spec,
+                                                                spec.any_whitespace))
         if kind == "json_object":  # as vLLM: any object (xgrammar's builtin takes any value)
-            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}'))
+            return compiler.compile_grammar(json_schema_grammar('{"type": "object"}',
+                                                                spec.any_whitespace))
         if kind == "regex":
             return compiler.compile_regex(spec.spec)
         if kind == "choice":

@@ -18,7 +18,13 @@ from functools import lru_cache
 from typing import Any, NamedTuple
 
 from gateway.core import Gateway
-from gateway.openai_format import ResponseBuilder, chat_logprobs, completion_logprobs, usage
+from gateway.openai_format import (
+    ResponseBuilder,
+    StopReason,
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+)
 from gateway.protocol import GenerateInput
 from gateway.tools import ChatOutput
 from protos import splitserve_pb2 as pb
@@ -65,6 +71,13 @@ async def merged_streams(gw: Gateway, inps: list[GenerateInput], request_id: str
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def stop_reason(r: pb.WorkerGenerateResponse | pb.GenerateResponse) -> StopReason:
+    """The stop string or stop token id a response says ended its sample (None: EOS,
+    length, or not ended)."""
+    which = r.WhichOneof("stop_reason")
+    return None if which is None else getattr(r, which)  # type: ignore[no-any-return]
+
+
 class Delta(NamedTuple):
     choice: int
     text: str
@@ -84,6 +97,7 @@ class _Choice:
     output_chars: int = 0  # generated text so far (vLLM's streaming text_offset base)
     started: bool = False
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     num_output_tokens: int = 0
 
 
@@ -99,6 +113,8 @@ class Choices:
         tools = inps[0].tools if b.chat else None
         self.tools = [ChatOutput(tools) for _ in self.choices] if tools is not None else []
         self._decode = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        if inps[0].tokens_as_ids:  # vLLM's return_tokens_as_token_ids
+            self._decode = lambda t: f"token_id:{t}"  # type: ignore[assignment]
 
     @property
     def logprobs(self) -> int | None:
@@ -113,6 +129,7 @@ class Choices:
         self.cached[prompt] = r.num_cached_tokens
         c.num_output_tokens = r.num_output_tokens
         c.finish_reason = r.finish_reason or None
+        c.stop_reason = stop_reason(r)
         text, ids = r.text, list(r.token_ids)
         lps: list[Logprobs | None] = list(logprobs_from_proto(list(r.logprobs)))
         if inp.echo_only:
@@ -152,7 +169,8 @@ class Choices:
         elif not (d.text or finish or ((k is not None or ids) and d.token_ids)):
             return None
         lps = None if k is None else self._logprobs(d.token_ids, d.logprobs, k, d.offset)
-        out = self.b.chunk(d.text, finish, index=d.choice, logprobs=lps, delta=delta)
+        out = self.b.chunk(d.text, finish, index=d.choice, logprobs=lps, delta=delta,
+                           stop_reason=self.choices[d.choice].stop_reason)
         if ids:
             choice = out["choices"][0]
             choice["token_ids"] = d.generated
@@ -183,7 +201,8 @@ class Choices:
                 text, calls, finish = self.tools[i].message(text or "", finish)
             out.append(self.b.choice(text, finish, index=i, tool_calls=calls,
                                      logprobs=None if k is None else self._logprobs(
-                                         c.token_ids, c.logprobs, k, 0)))
+                                         c.token_ids, c.logprobs, k, 0),
+                                     stop_reason=c.stop_reason))
             if self.inps[0].return_token_ids:
                 out[-1]["token_ids"] = c.output_ids
                 if not self.b.chat:

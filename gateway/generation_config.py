@@ -14,8 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,28 @@ class GenerationDefaults:
 
     sampling: dict[str, float | int] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+
+    def apply(self, params: SamplingParams, unset: Collection[str]) -> None:
+        """Fills the sampling fields the request left unset (`unset`: their names, as
+        in SAMPLING_FIELDS) with these defaults, and adds the extra EOS ids to its stop
+        tokens unless it ignores EOS. The one place both fronts (HTTP body, gRPC
+        SamplingParams) take the model's defaults; max_tokens is capped in
+        gateway/protocol.finish_input."""
+        for key in SAMPLING_FIELDS:
+            value = self.sampling.get(key)
+            if value is None or key not in unset:
+                continue
+            if key == "top_k":
+                params.top_k = None if value in (0, -1) else int(value)
+            else:
+                setattr(params, key, float(value))
+        if not params.ignore_eos:
+            params.stop_token_ids = params.stop_token_ids + [
+                t for t in self.eos_token_ids if t not in params.stop_token_ids]
+
+
+# The request fields a generation config gives defaults for (SamplingParams' names).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _read(path: str) -> dict[str, Any]:

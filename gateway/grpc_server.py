@@ -21,8 +21,15 @@ import grpc
 from gateway.body import check_request_id
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest
+from gateway.generation_config import SAMPLING_FIELDS
 from gateway.identity import bearer_token, check_labels
-from gateway.protocol import GenerateInput, chat_tools, finish_input, message_text
+from gateway.protocol import (
+    COMPLETION_MAX_TOKENS,
+    GenerateInput,
+    chat_tools,
+    finish_input,
+    message_text,
+)
 from gateway.tools import ChatOutput, forced_structure, tools_from_json
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
@@ -58,6 +65,8 @@ class GenerateService(pb_grpc.GenerateServicer):
         else:
             raise InvalidRequest("give one of prompt, chat or token_ids", "input")
         params = sampling_from_proto(req.sampling)
+        ctx.defaults.apply(params, [k for k in SAMPLING_FIELDS
+                                    if not req.sampling.HasField(k)])
         forced = forced_structure(tools)
         if forced is not None:  # tool_choice required / named
             if params.structured is not None:
@@ -73,7 +82,10 @@ class GenerateService(pb_grpc.GenerateServicer):
         salt = req.cache_salt if req.HasField("cache_salt") else None
         text = (req.prompt if which == "prompt" else ctx.tokenizer.decode(ids, False)) \
             if req.echo else ""
-        return finish_input(ctx, model, ids, params, given, cache_salt=salt,
+        # vLLM's completions default of 16 tokens for prompt / token_ids input; chat
+        # gets the rest of the context.
+        default_max = None if which == "chat" else COMPLETION_MAX_TOKENS
+        return finish_input(ctx, model, ids, params, given, default_max, cache_salt=salt,
                             priority=req.priority, echo=req.echo, prompt_text=text,
                             tools=tools)
 
@@ -115,6 +127,10 @@ class GenerateService(pb_grpc.GenerateServicer):
                         finish_reason=r.finish_reason, index=r.index, logprobs=r.logprobs,
                         prompt_logprobs=r.prompt_logprobs,
                         cumulative_logprob=r.cumulative_logprob)
+                    if r.HasField("stop_str"):
+                        out.stop_str = r.stop_str
+                    elif r.HasField("stop_token_id"):
+                        out.stop_token_id = r.stop_token_id
                     if inp.tools is not None:
                         texts.setdefault(r.index, []).append(r.text)
                         if r.finish_reason:

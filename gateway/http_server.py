@@ -73,6 +73,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
             gw.identity.authenticate(_bearer(request))
         resp = await handler(request)
     except APIError as e:
+        rid = request[REQUEST_ID]  # a body's request_id may have named it
         log.info("event=http_error request_id=%s path=%s status=%d message=%r", rid, endpoint,
                  e.status, e.message)
         gw.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -83,7 +84,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         return _json_error(err, rid)
     gw.metrics.requests.labels(endpoint, str(resp.status)).inc()
     if not resp.prepared:
-        resp.headers["x-request-id"] = rid
+        resp.headers["x-request-id"] = request[REQUEST_ID]
     return resp
 
 
@@ -101,16 +102,35 @@ async def _body(request: web.Request) -> Any:
 async def completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     body = await _body(request)
+    rid = _request_id(request, body)
     inps = [_identify(request, inp, body)
             for inp in await gw.ctx.off_loop(parse_completion, body, gw.ctx)]
-    return await _generate(request, inps, ResponseBuilder(inps[0].model, chat=False))
+    return await _generate(request, inps, ResponseBuilder(inps[0].model, chat=False,
+                                                          id=f"cmpl-{rid}"))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw = request.app[GATEWAY_KEY]
     body = await _body(request)
+    rid = _request_id(request, body)
     inp = _identify(request, await gw.ctx.off_loop(parse_chat, body, gw.ctx), body)
-    return await _generate(request, [inp], ResponseBuilder(inp.model, chat=True))
+    return await _generate(request, [inp], ResponseBuilder(inp.model, chat=True,
+                                                           id=f"chatcmpl-{rid}"))
+
+
+def _request_id(request: web.Request, body: Any) -> str:
+    """vLLM's request id: the x-request-id header, else the body's `request_id`, else
+    a fresh one; the response's `id` is it behind "cmpl-" / "chatcmpl-", as vLLM's."""
+    given = body.get("request_id") if isinstance(body, dict) else None
+    if given is not None and "x-request-id" not in request.headers:
+        if not isinstance(given, str):
+            raise InvalidRequest("`request_id` must be a string", "request_id")
+        try:
+            request[REQUEST_ID] = check_request_id(given)
+        except InvalidRequest as e:
+            raise InvalidRequest(e.message.replace("(x-request-id)", "(`request_id`)"),
+                                 "request_id") from e
+    return str(request[REQUEST_ID])
 
 
 def _identify(request: web.Request, inp: GenerateInput, body: dict[str, Any]) -> GenerateInput:

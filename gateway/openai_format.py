@@ -17,6 +17,10 @@ from typing import Any
 
 DONE = b"data: [DONE]\n\n"
 
+# vLLM's `stop_reason`: the stop string or stop token id that ended a choice; None for
+# EOS, length and the rest.
+StopReason = int | str | None
+
 
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() \
@@ -47,18 +51,20 @@ class ResponseBuilder:
 
     def chunk(self, text: str, finish_reason: str | None, first: bool = False,
               index: int = 0, logprobs: dict[str, Any] | None = None,
-              delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`delta`: a chat delta other than plain content (tool calls, gateway/tools.py)."""
+              delta: dict[str, Any] | None = None,
+              stop_reason: StopReason = None) -> dict[str, Any]:
+        """`delta`: a chat delta other than plain content (tool calls, gateway/tools.py);
+        `stop_reason`: the stop string / token id that ended the choice (vLLM's)."""
         if self.chat:
             if delta is None:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}
             if finish_reason is not None:
-                choice["stop_reason"] = None
+                choice["stop_reason"] = stop_reason
             return self._head("chat.completion.chunk") | {"choices": [choice]}
         choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish_reason, "stop_reason": None}
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         return self._head("text_completion") | {"choices": [choice], "usage": None}
 
     def usage_chunk(self, prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -72,15 +78,18 @@ class ResponseBuilder:
 
     def choice(self, text: str | None, finish_reason: str | None, index: int = 0,
                logprobs: dict[str, Any] | None = None,
-               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+               tool_calls: list[dict[str, Any]] | None = None,
+               stop_reason: StopReason = None) -> dict[str, Any]:
         """One choice of a non-streamed response (chat: `text` is the content, None
         beside tool calls)."""
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": text,
                                                 "tool_calls": tool_calls or []},
-                    "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": None}
+                    "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
         return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": None, "prompt_logprobs": None}
+                "finish_reason": finish_reason, "stop_reason": stop_reason,
+                "prompt_logprobs": None}
 
     def full_choices(self, choices: list[dict[str, Any]], prompt: int, completion: int,
                      cached: int) -> dict[str, Any]:

@@ -35,13 +35,15 @@ def _not(*defaults: Any) -> Callable[[Any], bool]:
 
 # Both endpoints: vLLM's sampling extras we do not implement.
 _SAMPLING: dict[str, Callable[[Any], bool]] = {
-    "use_beam_search": _truthy, "length_penalty": _not(1, 1.0),
-    "spaces_between_special_tokens": _not(True),
+    "use_beam_search": _truthy,
     "allowed_token_ids": _given, "bad_words": _truthy,
     "prompt_logprobs": _given,  # completions: echo + logprobs returns them
-    "logits_processors": _given, "return_tokens_as_token_ids": _truthy,
+    "logits_processors": _given,
     "kv_transfer_params": _given, "vllm_xargs": _given,
-    "prompt_embeds": _given, "request_id": _given,  # ours: the x-request-id header
+    "prompt_embeds": _given,
+    # vLLM's stop on repeated token patterns.
+    "max_repetition_pattern_size": _not(0), "min_repetition_pattern_size": _not(0),
+    "repetition_min_count": _not(0),
 }
 
 REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
@@ -65,7 +67,12 @@ _COMMON = {
     "seed", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "logprobs",
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
-    "return_token_ids", "truncate_prompt_tokens",
+    "return_token_ids", "truncate_prompt_tokens", "return_tokens_as_token_ids",
+    "request_id",  # the request's id when no x-request-id header names one (gateway/http_server.py)
+    # No-ops in vLLM for us, accepted as it accepts them: length_penalty only weighs
+    # beam search (refused above); spaces_between_special_tokens only reaches vLLM's
+    # slow-tokenizer detokenizer, and ours is a fast (`tokenizers`) one.
+    "length_penalty", "spaces_between_special_tokens",
     # structured outputs and tools (their own modules read them)
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "guided_json_object", "guided_decoding_backend",

@@ -39,6 +39,7 @@ class GenerateInput:
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name "token_id:N"
     cache_salt: str | None = None
     priority: int = 0
     tenant: str = ""  # set by the front from the request's identity (gateway/identity.py)
@@ -178,7 +179,8 @@ def _stream_flags(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest("`cache_salt` must be a non-empty string", "cache_salt")
     return {"stream": stream, "include_usage": include_usage, "continuous_usage": continuous,
             "cache_salt": salt, "priority": get_field(body, "priority", int, 0),
-            "return_token_ids": get_field(body, "return_token_ids", bool, False)}
+            "return_token_ids": get_field(body, "return_token_ids", bool, False),
+            "tokens_as_ids": get_field(body, "return_tokens_as_token_ids", bool, False)}
 
 
 def _token_ids(p: Any) -> bool:

@@ -5,13 +5,12 @@ checked against the context in gateway/protocol.finish_input.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from engine.sampling_params import SamplingParams
 from gateway.body import get_field
 from gateway.errors import InvalidRequest
-from gateway.generation_config import GenerationDefaults
+from gateway.generation_config import SAMPLING_FIELDS, GenerationDefaults
 
 MAX_SAMPLES = 128  # n / best_of
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -28,10 +27,8 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise InvalidRequest("`stop` must be null, a string or a list of strings", "stop")
 
 
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float,
-            defaults: Mapping[str, float | int] | None = None) -> float:
-    """`defaults`: the model's generation config, before `default` (vLLM's order)."""
-    v = float(get_field(body, key, (int, float), (defaults or {}).get(key, default)))
+def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = float(get_field(body, key, (int, float), default))
     if not lo <= v <= hi:  # also rejects NaN
         raise InvalidRequest(f"`{key}` must be in [{lo:g}, {hi:g}], got {v}", key)
     return v
@@ -60,8 +57,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
-def _classic(body: dict[str, Any], chat: bool, defaults: Mapping[str, float | int],
-             ) -> dict[str, Any]:
+def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """n, best_of, logprobs, penalties, logit_bias, min_tokens as SamplingParams fields."""
     n = _count(body, "n", 1, MAX_SAMPLES)
     best_of = None if chat else _count(body, "best_of", 1, MAX_SAMPLES)
@@ -86,8 +82,7 @@ def _classic(body: dict[str, Any], chat: bool, defaults: Mapping[str, float | in
             else None,
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0,
-                                          defaults),
+            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0),
             "logit_bias": _logit_bias(body), "min_tokens": min_tokens}
 
 
@@ -97,7 +92,6 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
     """Returns (params, max_tokens_given). Checks types and ranges (not the context).
     `defaults`: the model's generation config (gateway/generation_config.py), for the
     fields the body leaves unset; its extra EOS ids become stop tokens."""
-    gen = defaults.sampling if defaults is not None else {}
     max_tokens = None
     for key in max_tokens_keys:
         max_tokens = get_field(body, key, int, None)
@@ -105,32 +99,34 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
             if max_tokens <= 0:
                 raise InvalidRequest(f"`{key}` must be at least 1, got {max_tokens}", key)
             break
-    top_k = get_field(body, "top_k", int, gen.get("top_k"))
+    top_k = get_field(body, "top_k", int, None)
     if top_k is not None and top_k < -1:
         raise InvalidRequest(f"`top_k` must be -1 (disable) or at least 0, got {top_k}", "top_k")
     stop_ids = get_field(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise InvalidRequest("`stop_token_ids` must be a list of integers", "stop_token_ids")
     ignore_eos = get_field(body, "ignore_eos", bool, False)
-    if defaults is not None and not ignore_eos:
-        stop_ids = stop_ids + [t for t in defaults.eos_token_ids if t not in stop_ids]
+    # Accepted no-ops (gateway/params.py), still typed as vLLM types them.
+    get_field(body, "length_penalty", (int, float), 1.0)
+    get_field(body, "spaces_between_special_tokens", bool, True)
     params = SamplingParams(
         max_tokens=max_tokens or 1,  # placeholder until the prompt length is known
-        temperature=float(get_field(body, "temperature", (int, float),
-                                    gen.get("temperature", 1.0))),
-        top_p=float(get_field(body, "top_p", (int, float), gen.get("top_p", 1.0))),
+        temperature=float(get_field(body, "temperature", (int, float), 1.0)),
+        top_p=float(get_field(body, "top_p", (int, float), 1.0)),
         top_k=None if top_k in (None, -1, 0) else top_k,
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0, gen),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", bool, False),
         seed=get_field(body, "seed", int, None),
         stop=_stop(body), stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
-        **_classic(body, chat, gen))
+        **_classic(body, chat))
     if params.min_tokens and max_tokens is not None and params.min_tokens > max_tokens:
         raise InvalidRequest(f"`min_tokens` ({params.min_tokens}) must not exceed max_tokens "
                              f"({max_tokens})", "min_tokens")
     if not 0.0 <= params.temperature <= 2.0:
         raise InvalidRequest(f"`temperature` must be in [0, 2], got {params.temperature}",
                              "temperature")
+    if defaults is not None:
+        defaults.apply(params, [k for k in SAMPLING_FIELDS if body.get(k) is None])
     return params, max_tokens is not None

@@ -14,6 +14,7 @@ regex or grammar compiles is the worker's call (xgrammar's message comes back as
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from engine.sampling_params import StructuredOutput
@@ -25,8 +26,8 @@ STRUCTURED_KEYS = ("response_format", "structured_outputs", "guided_json", "guid
                    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
 _SO_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 # structured_outputs options we accept: xgrammar is the only backend, so there is no
-# fallback to disable.
-_SO_NOOP_OPTIONS = ("disable_fallback",)
+# fallback to disable; disable_any_whitespace fixes JSON's layout, as xgrammar does in vLLM.
+_SO_OPTIONS = ("disable_fallback", "disable_any_whitespace")
 
 
 def _schema_text(value: Any, where: str) -> str:
@@ -94,7 +95,7 @@ def _structured_outputs(so: Any) -> list[tuple[str, StructuredOutput | None]]:
     if not isinstance(so, dict):
         raise InvalidRequest("`structured_outputs` must be an object", "structured_outputs")
     for key, value in so.items():
-        if key not in _SO_FIELDS and key not in _SO_NOOP_OPTIONS and value not in (
+        if key not in _SO_FIELDS and key not in _SO_OPTIONS and value not in (
                 None, False):
             raise InvalidRequest(f"`structured_outputs.{key}` is not supported",
                                  f"structured_outputs.{key}")
@@ -133,4 +134,20 @@ def structured_from_body(body: dict[str, Any],
         raise InvalidRequest("You can only use one kind of structured outputs constraint "
                              f"but multiple are specified: {', '.join(s for s, _ in real)}",
                              real[1][0])
-    return real[0][1] if real else None
+    if not real:
+        return None
+    return replace(real[0][1], any_whitespace=False) if _compact(body) else real[0][1]
+
+
+def _compact(body: dict[str, Any]) -> bool:
+    """vLLM's disable_any_whitespace: `structured_outputs.disable_any_whitespace`, or
+    the older `guided_decoding_backend` option "xgrammar:disable-any-whitespace"."""
+    so = body.get("structured_outputs")
+    flag = so.get("disable_any_whitespace") if isinstance(so, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise InvalidRequest("`structured_outputs.disable_any_whitespace` must be a boolean",
+                             "structured_outputs.disable_any_whitespace")
+    backend = body.get("guided_decoding_backend")
+    options = backend.split(":", 1)[1].split(",") if isinstance(backend, str) \
+        and ":" in backend else []
+    return bool(flag) or "disable-any-whitespace" in options

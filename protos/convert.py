@@ -49,7 +49,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
         repetition_penalty=(msg.repetition_penalty if msg.HasField("repetition_penalty")
                             else 1.0),
-        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens, min_p=msg.min_p,
+        logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         structured=structured_from_proto(msg.structured))
 
@@ -75,12 +76,13 @@ def logprobs_from_proto(msgs: list[pb.TokenLogprob]) -> list[Logprobs]:
 
 
 def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:
+    msg = pb.StructuredOutput(disable_any_whitespace=not s.any_whitespace)
     if s.kind == "choice":
-        return pb.StructuredOutput(choice=pb.ChoiceList(choices=list(s.choices)))
-    if s.kind == "json_object":
-        return pb.StructuredOutput(json_object=True)
-    msg = pb.StructuredOutput()
-    setattr(msg, s.kind, s.spec)  # json_schema | regex | grammar: the text
+        msg.choice.choices.extend(s.choices)
+    elif s.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, s.kind, s.spec)  # json_schema | regex | grammar: the text
     return msg
 
 
@@ -89,11 +91,12 @@ def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
     kind = msg.WhichOneof("kind")
     if kind is None or (kind == "json_object" and not msg.json_object):
         return None
+    ws = not msg.disable_any_whitespace
     if kind == "choice":
-        return StructuredOutput("choice", choices=tuple(msg.choice.choices))
+        return StructuredOutput("choice", choices=tuple(msg.choice.choices), any_whitespace=ws)
     if kind == "json_object":
-        return StructuredOutput("json_object")
-    return StructuredOutput(kind, getattr(msg, kind))
+        return StructuredOutput("json_object", any_whitespace=ws)
+    return StructuredOutput(kind, getattr(msg, kind), any_whitespace=ws)
 
 
 def request_id_from(context: grpc.aio.ServicerContext, fallback: str) -> str:

@@ -10,8 +10,12 @@ multipart message `[topic, 8-byte big-endian sequence number, payload]`. The las
 The first batch (sequence 0) is `AllBlocksCleared`: a restarted worker holds nothing.
 
 The device tier's blocks are medium "GPU" (vLLM's name for the engine's own cache,
-whatever the device). The Redis index (worker/kv_events.py) stays the gateway's source;
-this publisher is beside it.
+whatever the device); the offload tiers' (kvtransfer/tiers) are "CPU" (host) and "DISK"
+(disk), as vLLM's offloading connector names its media, sent when a block is stored in
+or removed from a tier (demotion: removed from one, stored in the next). Tier events
+carry no token ids and no parent hash, as vLLM's offloading events do. LMCache's tier
+is shared storage, not this node's medium: not published. The Redis index
+(worker/kv_events.py) stays the gateway's source; this publisher is beside it.
 
 Ownership: the publisher owns its sockets and its thread (`start` / `close`); the engine
 calls `on_engine_events` from its own thread (a non-blocking queue put).
@@ -26,17 +30,21 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 import msgspec
 
+from engine.block_hash import BlockHash
 from engine.block_pool import BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"
+# Offload tier name (kvtransfer/tiers) -> vLLM's medium.
+TIER_MEDIUM = {"host": "CPU", "disk": "DISK"}
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -179,6 +187,24 @@ class ZmqKVEventPublisher:
             elif isinstance(ev, BlockRemoved):
                 out.append(ZmqBlockRemoved(block_hashes=list(ev.block_hashes),
                                            medium=MEDIUM_GPU))
+        if out:
+            self._put(KVEventBatch(ts=time.time(), events=out, data_parallel_rank=self.rank))
+
+    def on_tier_events(self, stored: Sequence[tuple[BlockHash, str]] = (),
+                       removed: Sequence[tuple[BlockHash, str]] = ()) -> None:
+        """The offload tiers' listener (TieredCache.add_listener; any thread): one call,
+        one batch, removals first (a demotion leaves one medium, then enters the next)."""
+        out: list[ZmqBlockStored | ZmqBlockRemoved | AllBlocksCleared] = []
+        for entries, stores in ((removed, False), (stored, True)):
+            by_medium: dict[str, list[BlockHash]] = {}
+            for h, tier in entries:
+                if tier in TIER_MEDIUM:
+                    by_medium.setdefault(TIER_MEDIUM[tier], []).append(h)
+            for medium, hashes in by_medium.items():
+                out.append(ZmqBlockStored(
+                    block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                    block_size=self.block_size, lora_id=None, medium=medium) if stores
+                    else ZmqBlockRemoved(block_hashes=list(hashes), medium=medium))
         if out:
             self._put(KVEventBatch(ts=time.time(), events=out, data_parallel_rank=self.rank))
 

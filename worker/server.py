@@ -269,6 +269,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
         zmq_events = ZmqKVEventPublisher(config.kv_events, engine_config.cache.block_size)
         zmq_events.start()
         llm.add_kv_event_sink(zmq_events.on_engine_events)
+        if tiers is not None:  # host and disk stores / removals as CPU / DISK events
+            tiers.add_listener(zmq_events.on_tier_events)
     strategies = None  # scheduling strategies, polled and applied live
     if config.redis_url:
         strategies = StrategyWatcher(config.redis_url, model, llm, config.redis_timeout_s)

@@ -207,6 +207,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             num_prompt_tokens=n_prompt, num_output_tokens=len(out.token_ids),
             num_cached_tokens=out.num_cached_tokens, error=out.error or "",
             cumulative_logprob=out.cumulative_logprob)
+        if isinstance(out.stop_reason, str):
+            resp.stop_str = out.stop_reason
+        elif out.stop_reason is not None:
+            resp.stop_token_id = out.stop_reason
         if out.logprobs is not None and params.logprobs is not None and new:
             resp.logprobs.extend(logprobs_to_proto(out.logprobs[-len(new):], new,
                                                    params.logprobs))

@@ -6,8 +6,9 @@ thread gathers their KV off the step loop, reports the device blocks free again
 (`take_saved`), and stores the copies in the first tier. A full tier's LRU victims are
 demoted to the next tier; the last tier's victims are dropped. Every store and
 eviction goes to `publish(stored=[(hash, tier)], removed=[(hash, tier)])` when one is
-wired (the index publisher; it is called from this cache's threads, so it must be
-thread-safe and non-blocking).
+wired (the index publisher), and to every listener added with `add_listener` (vLLM's
+KV events wire); they are called from this cache's threads, so they must be
+thread-safe and non-blocking.
 
 Read path: `lookup` walks the tiers for the longest leading run (a run may continue
 in another tier: blocks 0-3 on disk, 4-7 in host); `load` copies that run into the
@@ -75,6 +76,7 @@ class TieredCache:
         self.config = config
         self.layout = layout
         self.publish = publish
+        self._listeners: list[PublishFn] = []
         self.spare = spare
         self._lock = threading.RLock()
         self.tiers: list[CacheTier] = []
@@ -254,12 +256,23 @@ class TieredCache:
             self._stats.add(self._stats.evictions, tier, len(hashes))
 
     def _publish(self, stored: list[TierEntry], removed: list[TierEntry]) -> None:
-        if self.publish is None or not (stored or removed):
+        if not (stored or removed):
             return
-        try:
-            self.publish(stored=stored, removed=removed)
-        except Exception as e:  # the index is advisory
-            log.warning("index publish failed: %s", e)
+        for fn in ([self.publish] if self.publish is not None else []) + self._listeners:
+            try:
+                fn(stored=stored, removed=removed)
+            except Exception as e:  # the index and the event streams are advisory
+                log.warning("tier event publish failed: %s", e)
+
+    def add_listener(self, fn: PublishFn) -> None:
+        """`fn(stored=[(hash, tier)], removed=[(hash, tier)])` gets every block held now
+        as stored (a disk tier keeps blocks across restarts), then every later store and
+        eviction, beside the index publisher (same threads, same rules)."""
+        with self._lock:  # atomic with our publishes: nothing missed, nothing twice
+            held = [(h, t.name) for t in self.tiers for h in t.hashes()]
+            if held:
+                fn(stored=held, removed=[])
+            self._listeners.append(fn)
 
     def attach_publisher(self, publisher: Any) -> None:
         """Wires the index publisher (worker/kv_events.py KVEventPublisher): our stores and

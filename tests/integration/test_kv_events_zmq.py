@@ -133,3 +133,42 @@ def test_vllm_subscriber_decodes_the_workers_kv_events(tmp_path) -> None:
     assert removed and removed <= hashes
     # Replay from a later number resends from there only.
     assert replayed[-1][0] == seqs[-1] and tail == replayed[-1:]
+
+
+def test_host_tier_blocks_are_cpu_events(tmp_path) -> None:
+    """A worker with a host tier: the blocks it copies there are announced as medium
+    "CPU" (hashes of blocks first stored on the GPU), with no token ids, as vLLM's
+    offloading connector announces them."""
+    pub, replay = free_port(), free_port()
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
+           "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+    spec = ClusterSpec(model_dir=tiny_model_dir("llama"), num_colocated=1,
+                       worker_args=("--num-blocks", "24", "--block-size", str(BLOCK),
+                                    "--host-cache-blocks", "64",
+                                    "--kv-events-config", json.dumps(cfg)),
+                       log_dir=str(tmp_path / "logs"))
+    ctx = zmq.Context()
+    try:
+        with LocalCluster(spec) as cluster:
+            for i in range(4):
+                p = [(11 * i + j) % 500 + 3 for j in range(4 * BLOCK + 1)]
+                status, body, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+                    "prompt": p, "max_tokens": 2, "temperature": 0})
+                assert status == 200, body
+            deadline = time.monotonic() + 20
+            while True:  # the tier copies run off the step loop: wait for them
+                events = [e for _, b in _replay(ctx, f"tcp://127.0.0.1:{replay}", 0)
+                          for e in b.events]
+                cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+                if len({h for e in cpu for h in e.block_hashes}) >= 16 \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    finally:
+        ctx.term()
+    gpu = {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+           for h in e.block_hashes}
+    on_host = {h for e in cpu for h in e.block_hashes}
+    assert len(on_host) >= 16 and on_host <= gpu
+    assert all(e.token_ids == [] and e.parent_block_hash is None and e.block_size == BLOCK
+               for e in cpu)

@@ -98,8 +98,10 @@ def test_include_stop_str_in_output(cluster, model, offline) -> None:
         _, r, _ = call_http(port, "POST", "/v1/completions",
                             body | {"include_stop_str_in_output": include})
         assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+        assert r["choices"][0]["stop_reason"] == stop  # vLLM's: the matched string
         chunks = _events(port, "/v1/completions", body | {"include_stop_str_in_output": include})
         assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert [c["choices"][0]["stop_reason"] for c in chunks][-1] == stop
 
 
 def test_chat_template_kwargs_reach_the_template(cluster, model, offline) -> None:
@@ -193,3 +195,55 @@ def test_ttft_breakdown_header_on_plain_and_streamed_responses(cluster, model) -
     status, r, _ = call_http(port, "POST", "/v1/completions", body,
                              headers={"x-splitserve-ttft": "please"})
     assert status == 400 and "x-splitserve-ttft must be 1 or 0" in r["error"]["message"]
+
+
+def test_disable_any_whitespace_fixes_the_json_layout(cluster, model) -> None:
+    """structured_outputs.disable_any_whitespace reaches the worker's grammar: every
+    sample is laid out as json.dumps writes it."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99},
+                                               "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    for seed in range(4):
+        _, r, _ = call_http(cluster.http_port, "POST", "/v1/completions", {
+            "model": model, "prompt": PROMPT, "max_tokens": 60, "temperature": 1.0,
+            "seed": seed, "structured_outputs": {"json": schema,
+                                                 "disable_any_whitespace": True}})
+        text = r["choices"][0]["text"]
+        assert text == json.dumps(json.loads(text)), text
+
+
+def test_grpc_defaults_and_stop_reason_match_http(cluster, model, offline) -> None:
+    """The gRPC front: 16 tokens without max_tokens for prompt input (as
+    /v1/completions), and the stop string that ended a sample as `stop_str`."""
+    import grpc
+
+    from protos import splitserve_pb2 as pb
+    from protos import splitserve_pb2_grpc as pb_grpc
+
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0].text
+    at = next(i for i in range(3, len(ref) - 3) if ref.find(ref[i:i + 3]) == i
+              and ref[i:i + 3].strip())
+    stop = ref[at:at + 3]
+    with grpc.insecure_channel(f"127.0.0.1:{cluster.grpc_port}") as ch:
+        stub = pb_grpc.GenerateStub(ch)
+        outs = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, ignore_eos=True)), timeout=60))
+        assert outs[-1].usage.completion_tokens == 16 and outs[-1].finish_reason == "length"
+        assert outs[-1].WhichOneof("stop_reason") is None
+        outs = list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(
+            temperature=0, ignore_eos=True, stop=[stop])), timeout=60))
+        assert "".join(o.text for o in outs) == ref[:at]
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_str == stop
+
+
+def test_a_bodys_request_id_is_the_response_id(cluster, model) -> None:
+    """vLLM: the response `id` is "cmpl-" / "chatcmpl-" and the request's id (the
+    x-request-id header, else the body's `request_id`)."""
+    port = cluster.http_port
+    _, r, h = call_http(port, "POST", "/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 2, "request_id": "rid-1"})
+    assert r["id"] == "cmpl-rid-1" and h["x-request-id"] == "rid-1"
+    _, r, _ = call_http(port, "POST", "/v1/chat/completions", {
+        "model": model, "messages": MSGS, "max_tokens": 2}, headers={"x-request-id": "rid-2"})
+    assert r["id"] == "chatcmpl-rid-2"

@@ -45,7 +45,7 @@ def test_stop_string_cuts_text_exactly(llm):
     cut = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0,
                                                     ignore_eos=True, stop=[stop]))[0]
     assert cut.text == text[:text.find(stop)]
-    assert cut.finish_reason == "stop"
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop  # vLLM's stop_reason
     assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
 
 
@@ -53,11 +53,19 @@ def test_stop_token_ids_and_max_tokens(llm):
     full = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0,
                                                      ignore_eos=True))[0]
     assert len(full.token_ids) == 10 and full.finish_reason == "length"
+    assert full.stop_reason is None
     stop_tok = full.token_ids[4]
     first = full.token_ids.index(stop_tok)
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0,
                                                     stop_token_ids=[stop_tok]))[0]
     assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == stop_tok
+    # The model's EOS ends with no stop_reason, as in vLLM, even when also listed.
+    eos = llm.engine.eos_token_ids[0]
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0,
+                                                    logit_bias={eos: 100.0},
+                                                    stop_token_ids=[eos]))[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
 
 
 def test_streamed_text_deltas_add_up_to_the_text(llm):

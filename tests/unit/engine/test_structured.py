@@ -181,3 +181,26 @@ def test_seeded_samples_with_and_without_max_length_parse_strictly(llm) -> None:
                 finished += 1
                 jsonschema.validate(json.loads(o.text), schema)  # strict: no raw controls
     assert finished >= 22
+
+
+def test_disable_any_whitespace_makes_json_compact(llm) -> None:
+    """vLLM's disable_any_whitespace: the grammar admits xgrammar's one layout only
+    (json.dumps' default separators ", " and ": ", no other whitespace), and compiles
+    apart from the same schema with whitespace allowed."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from engine.structured import json_schema_grammar
+
+    compact = json_schema_grammar(json.dumps(BOUNDED), any_whitespace=False)
+    assert accepts(compact, '{"name": "a b", "age": 1}')
+    for loose in ('{"name":"a b","age":1}', '{ "name": "a b", "age": 1}',
+                  '{"name":  "a b",\n"age": 1}'):
+        assert not accepts(compact, loose), loose
+        assert accepts(json_schema_grammar(json.dumps(BOUNDED)), loose), loose
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMA), any_whitespace=False)
+    assert spec.key != StructuredOutput("json_schema", json.dumps(SCHEMA)).key
+    outs = llm.generate([[4 + i, 5, 6] for i in range(6)],
+                        [constrained(spec, seed=i) for i in range(6)])
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        assert o.text == json.dumps(json.loads(o.text))

@@ -10,8 +10,10 @@ import shutil
 
 import pytest
 
+from gateway.grpc_server import GenerateService
 from gateway.protocol import ModelContext, parse_chat, parse_completion
-from tests.factories import tiny_model_dir
+from protos import splitserve_pb2 as pb
+from tests.factories import tiny_model_dir, workerless_gateway
 
 GEN = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
        "repetition_penalty": 1.1, "eos_token_id": [7, 9], "do_sample": True}
@@ -66,3 +68,26 @@ def test_a_directory_and_transformers_defaults(tmp_path) -> None:
     assert parse_chat({"messages": MSGS, "max_tokens": 9}, ctx).params.max_tokens == 5
     with pytest.raises(ValueError, match="generation-config"):
         ModelContext(tiny_model_dir("llama"), "tiny", generation_config=str(tmp_path))
+
+
+def test_the_grpc_front_takes_the_same_defaults_as_http(tmp_path) -> None:
+    """One function fills both fronts' unset fields: a gRPC request without sampling
+    fields gets the HTTP body's parameters, max_tokens included (16 for prompt and
+    token_ids input, the rest of the context for chat)."""
+    gw = workerless_gateway()
+    gw.ctx = ModelContext(_model_dir(tmp_path, GEN), "tiny")
+    svc = GenerateService(gw)
+    ids = gw.ctx.tokenizer.encode("hello")
+    http = parse_completion({"prompt": "hello"}, gw.ctx)[0].params
+    for req in (pb.GenerateRequest(prompt="hello"),
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))):
+        assert svc._input(req).params == http
+    assert http.max_tokens == 16 and http.stop_token_ids == [7, 9]
+    chat = pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(**MSGS[0])]))
+    assert svc._input(chat).params == parse_chat({"messages": MSGS}, gw.ctx).params
+    given = svc._input(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(
+        temperature=0, top_p=1, top_k=0, min_p=0, repetition_penalty=1, max_tokens=3,
+        ignore_eos=True))).params
+    assert (given.temperature, given.top_p, given.top_k, given.min_p,
+            given.repetition_penalty, given.max_tokens, given.stop_token_ids) == \
+        (0.0, 1.0, None, 0.0, 1.0, 3, [])

@@ -131,3 +131,22 @@ def test_remote_prefill_decision_fills_the_prefill_peer() -> None:
     assert list(req.prompt_token_ids) == [1, 2, 3] and req.sampling.max_tokens == 4
     local = gw._worker_request(inp, "rid", RouteDecision(d, None, {}), [])
     assert not local.HasField("prefill_peer")
+
+
+def test_a_bodys_request_id_names_the_request_unless_the_header_does() -> None:
+    """vLLM's `request_id` field: the request's id when no x-request-id header gives
+    one (echoed in the response header and error logs); checked as the header is."""
+    gw = _gateway()
+    body = {"prompt": "hi", "max_tokens": 2, "request_id": "from-body"}
+    res = asyncio.run(_calls(gw, [
+        ("POST", "/v1/completions", body, {}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                          "request_id": "chat-body"}, {}),
+        ("POST", "/v1/completions", body, {"x-request-id": "from-header"}),
+        ("POST", "/v1/completions", body | {"request_id": "has space"}, {}),
+        ("POST", "/v1/completions", body | {"request_id": 7}, {}),
+    ]))
+    assert [(r[0], r[2]) for r in res[:3]] == [(503, "from-body"), (503, "chat-body"),
+                                               (503, "from-header")]
+    assert [r[0] for r in res[3:]] == [400, 400]
+    assert all(r[1]["error"]["param"] == "request_id" for r in res[3:])

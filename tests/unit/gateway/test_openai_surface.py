@@ -39,7 +39,7 @@ OPENAI = {
              "verbosity", "web_search_options"],
 }
 # A value that asks for something, where `True` would not.
-ASKING = {"spaces_between_special_tokens": False, "length_penalty": 2.0, "min_p": 0.1,
+ASKING = {"min_p": 0.1,
           "modalities": ["text", "audio"], "service_tier": "flex"}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 BASE: dict[str, dict[str, Any]] = {
@@ -193,3 +193,47 @@ def test_responses_match_vllm_golden_files(gw: Gateway, chat: bool, stream: bool
             f.write("\n")
     with open(path) as f:
         assert got == json.load(f)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_reason_names_the_stop_string_or_token(gw: Gateway, chat: bool) -> None:
+    """vLLM's `stop_reason`: the matched stop string or stop token id, null for EOS and
+    length; on the finishing chunk of a stream and in the whole response."""
+    ctx = gw.ctx
+    body: dict[str, Any] = {"max_tokens": 3, "n": 3, "stream": True}
+    inps = [parse_chat(body | {"messages": [{"role": "user", "content": "Hi"}]}, ctx)] \
+        if chat else parse_completion(body | {"prompt": "Hello"}, ctx)
+    choices = Choices(inps, ResponseBuilder("tiny", chat=chat),
+                      lambda ids: ctx.tokenizer.decode(ids, False))
+    ends = [{"stop_str": "fox"}, {"stop_token_id": 7}, {}]
+    chunks = []
+    for i, end in enumerate(ends):
+        for r in (pb.WorkerGenerateResponse(index=i, token_ids=[5], text="a",
+                                            num_output_tokens=1),
+                  pb.WorkerGenerateResponse(index=i, token_ids=[6], text="b",
+                                            finish_reason="stop", num_output_tokens=2, **end)):
+            chunks.append(choices.chunk(choices.add(0, r))["choices"][0])
+    assert [c.get("stop_reason") for c in chunks] == [None, "fox", None, 7, None, None]
+    assert [c["stop_reason"] for c in choices.full()["choices"]] == ["fox", 7, None]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(gw: Gateway) -> None:
+    ctx = gw.ctx
+    for chat in (False, True):
+        body: dict[str, Any] = {"max_tokens": 3, "n": 2, "return_tokens_as_token_ids": True}
+        inps = [parse_chat(body | {"messages": [{"role": "user", "content": "Hi"}],
+                                   "logprobs": True, "top_logprobs": 2}, ctx)] if chat \
+            else parse_completion(body | {"prompt": "Hello", "logprobs": 2}, ctx)
+        choices = Choices(inps, ResponseBuilder("tiny", chat=chat),
+                          lambda ids: ctx.tokenizer.decode(ids, False))
+        for r in _deltas(ctx, inps[0].prompt_token_ids):
+            choices.add(0, r)
+        lps = choices.full()["choices"][0]["logprobs"]
+        if chat:
+            entry = lps["content"][0]
+            assert entry["token"] == f"token_id:{_deltas(ctx, [1])[0].token_ids[0]}"
+            assert entry["bytes"] == list(entry["token"].encode())
+            assert all(t["token"].startswith("token_id:") for t in entry["top_logprobs"])
+        else:
+            assert all(t.startswith("token_id:") for t in lps["tokens"])
+            assert all(k.startswith("token_id:") for top in lps["top_logprobs"] for k in top)

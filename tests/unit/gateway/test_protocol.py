@@ -145,3 +145,24 @@ def test_continue_final_message_and_add_special_tokens(ctx: ModelContext) -> Non
     special = parse_chat({"messages": msgs[:1], "add_special_tokens": True},
                          ctx).prompt_token_ids
     assert special != plain and special[-len(plain):] == plain  # BOS added again
+
+
+def test_disable_any_whitespace_reaches_the_worker_request() -> None:
+    """vLLM's two spellings: structured_outputs.disable_any_whitespace and the backend
+    option "xgrammar:disable-any-whitespace"; the flag survives the wire."""
+    from engine.sampling_params import StructuredOutput
+    from gateway.structured import structured_from_body
+    from protos.convert import structured_from_proto, structured_to_proto
+
+    schema = {"type": "object"}
+    for body in ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                 {"response_format": {"type": "json_object"},
+                  "structured_outputs": {"disable_any_whitespace": True}},
+                 {"guided_json": schema,
+                  "guided_decoding_backend": "xgrammar:disable-any-whitespace"}):
+        s = structured_from_body(body)
+        assert s is not None and not s.any_whitespace, body
+        assert structured_from_proto(structured_to_proto(s)) == s
+    assert structured_from_body({"guided_json": schema}).any_whitespace
+    choice = StructuredOutput("choice", choices=("a", "b"))
+    assert structured_from_proto(structured_to_proto(choice)) == choice
