@@ -25,6 +25,7 @@ from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_quant import FP8_DTYPE, load_kv_scales
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.request import Request
 from engine.sampler import Logprobs, Sampler, token_logprobs
@@ -49,6 +50,17 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     parts, heads, head_dim = cfg.kv_cache_dims
     return cfg.num_layers * parts * block_size * heads * head_dim * dtype.itemsize
+
+
+def kv_cache_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """The KV cache tensor's dtype: the compute dtype, or float8 e4m3 under
+    --kv-cache-dtype fp8 (refused for MLA's latent cache, which has no scales)."""
+    if not config.fp8_kv:
+        return TORCH_DTYPES[config.dtype or model_cfg.dtype]
+    if model_cfg.mla is not None:
+        raise ValueError(f"--kv-cache-dtype {config.cache.cache_dtype} is not supported for "
+                         "MLA models (DeepSeek's latent cache); use --kv-cache-dtype auto")
+    return FP8_DTYPE
 
 
 def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int | None:
@@ -111,12 +123,15 @@ class ModelRunner:
         # this rank's shape: its KV heads size the KV cache
         self.rank_cfg = model_cfg.shard(tp.size) if tp is not None else model_cfg
         self.dtype = TORCH_DTYPES[config.dtype or model_cfg.dtype]
+        self.kv_dtype = kv_cache_dtype(config, model_cfg)
         self.block_size = config.cache.block_size
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device,
                                 config.load_format, tp=tp)
         self.model.set_kernels(make_backend(config.backend), config.backend == "triton",
                                self.max_model_len)
+        if config.fp8_kv:
+            self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
         self.graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs:
@@ -124,15 +139,25 @@ class ModelRunner:
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
-        if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
+        if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.kv_dtype:
             raise ValueError(f"kv cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
-                             f"the model's layout {expected} {self.dtype}")
+                             f"the model's layout {expected} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
         self.sampler = Sampler(self.device, config.seed)
         if self.graphs is not None:
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def _set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each attention layer's (k_scale, v_scale) for the float8 cache."""
+        from engine.models.llama import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn, (k_scale, v_scale) in zip(layers, scales, strict=True):
+            attn.k_scale = k_scale
+            attn.v_scale = v_scale
+        self.kv_scales = scales
 
     def _make_graphs(self, capture: bool) -> DecodeGraphs:
         # The graphs call back into the runner that owns them through a weak reference:
@@ -167,10 +192,10 @@ class ModelRunner:
             self.tp.send(command)
 
     def _allocate_kv(self) -> torch.Tensor:
-        num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.dtype)
+        num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.kv_dtype)
         if num_blocks is None:
             budget = self._profile_kv_budget()
-            num_blocks = budget // kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            num_blocks = budget // kv_block_bytes(self.rank_cfg, self.block_size, self.kv_dtype)
             if self.tp is not None:  # every rank's pool has rank 0's block ids: the least
                 num_blocks = int(self.tp.all_reduce_min(
                     torch.tensor([num_blocks], device=self.device))[0])
@@ -182,7 +207,7 @@ class ModelRunner:
             log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
                      num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
         return torch.zeros(kv_cache_shape(self.rank_cfg, num_blocks, self.block_size),
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -198,7 +223,7 @@ class ModelRunner:
         sched = self.config.scheduler
         t = min(sched.max_num_batched_tokens, self.max_model_len)
         scratch = torch.zeros(kv_cache_shape(self.rank_cfg, cdiv(t, self.block_size) + 1,
-                                             self.block_size), dtype=self.dtype, device=dev)
+                                             self.block_size), dtype=self.kv_dtype, device=dev)
         self.kv_cache = scratch
         hidden = self.model(*self._dummy_batch(t, 1))
         self.model.compute_logits(hidden[:sched.max_num_seqs]).sort(dim=-1)
