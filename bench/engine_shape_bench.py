@@ -387,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
                                cfg.max_position_embeddings, args.seed)
     limits = measure_limits(device, TORCH_DTYPES[dtype])
     _free(device)
-    cost = ModelCost.from_config(cfg, TORCH_DTYPES[dtype].itemsize)
+    fp8_kv = getattr(args, "kv_cache_dtype", "auto") != "auto"
+    cost = ModelCost.from_config(cfg, TORCH_DTYPES[dtype].itemsize, 1 if fp8_kv else None)
     print(f"measured: {limits.bandwidth_bytes_s / 1e9:.4g} GB/s, "
           f"{limits.matmul_flop_s / 1e12:.4g} TFLOP/s; running our engine...", file=sys.stderr)
     ours, engine_info = run_ours_all(model_dir, device, dtype, workloads, args)

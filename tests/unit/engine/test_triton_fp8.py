@@ -87,3 +87,29 @@ def test_unified_over_fp8_cache(dtype, tol):
     case.cache = quantize(case.cache, 1.0)
     out, ref = run_both(case)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_llama_through_the_triton_backend_with_an_fp8_cache() -> None:
+    """The whole model on the triton backend over an FP8 cache (chunked prefill, a
+    prefix-cache hit, decode): the torch backend's greedy tokens over the same cache."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.factories import tiny_model_dir
+
+    d = tiny_model_dir("llama")
+    base = [(7 * j) % 400 + 9 for j in range(40)]
+    prompts = [base, base[:33] + [11, 12, 13], [5, 6, 7]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(d, dtype="float32", device=str(base_device()), attention_backend=backend,
+                  enforce_eager=True, block_size=16, num_blocks=32, max_num_batched_tokens=32,
+                  cache_dtype="fp8")
+        assert llm.engine.runner.kv_cache.dtype == FP8_DTYPE
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.engine.stats().prefix_cache_hits > 0
+    assert outs["triton"] == outs["torch"]
+
+
+def base_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
