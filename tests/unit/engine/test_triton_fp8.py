@@ -19,7 +19,7 @@ from engine.attention.torch_sdpa import TorchSDPABackend  # noqa: E402
 from engine.attention.torch_sdpa import write_kv as ref_write_kv  # noqa: E402
 from engine.attention.triton_backend import TritonBackend  # noqa: E402
 from engine.kv_quant import FP8_DTYPE, quantize  # noqa: E402
-from tests.unit.engine.test_triton_attention import LAYER, make_case  # noqa: E402
+from tests.unit.engine.test_triton_attention import DEVICE, LAYER, make_case  # noqa: E402
 
 K_SCALE, V_SCALE = 0.5, 2.0
 
@@ -54,9 +54,9 @@ def test_e4m3_codes_round_trip():
     mids = (values[1:] + values[:-1]) / 2
     x = torch.cat([values, mids, values * 1.01, values * 0.99])
     n = 16 * ((x.numel() + 15) // 16)
-    x = torch.cat([x, torch.zeros(n - x.numel())]).reshape(-1, 1, 16)
-    cache = torch.zeros(x.shape[0], 2, 1, 1, 16, dtype=FP8_DTYPE)
-    slots = torch.arange(x.shape[0], dtype=torch.int32)
+    x = torch.cat([x, torch.zeros(n - x.numel())]).reshape(-1, 1, 16).to(DEVICE)
+    cache = torch.zeros(x.shape[0], 2, 1, 1, 16, dtype=FP8_DTYPE, device=DEVICE)
+    slots = torch.arange(x.shape[0], dtype=torch.int32, device=DEVICE)
     triton_attn.write_kv(x, x, cache, slots)
     assert torch.equal(cache[:, 0, 0].view(torch.uint8), quantize(x, 1.0).view(torch.uint8))
 
@@ -102,14 +102,10 @@ def test_llama_through_the_triton_backend_with_an_fp8_cache() -> None:
     params = SamplingParams(max_tokens=6, temperature=0)
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(d, dtype="float32", device=str(base_device()), attention_backend=backend,
+        llm = LLM(d, dtype="float32", device=DEVICE.type, attention_backend=backend,
                   enforce_eager=True, block_size=16, num_blocks=32, max_num_batched_tokens=32,
                   cache_dtype="fp8")
         assert llm.engine.runner.kv_cache.dtype == FP8_DTYPE
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.stats().prefix_cache_hits > 0
     assert outs["triton"] == outs["torch"]
-
-
-def base_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
