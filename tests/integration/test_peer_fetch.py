@@ -19,19 +19,22 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
 
 
-@pytest.mark.parametrize("transport,arch", [
-    ("tcp", "llama"), ("shm", "llama"), ("ucx", "llama"),
-    ("tcp", "deepseek_v2"),  # MLA: the latent blocks, sized by their layout
+@pytest.mark.parametrize("transport,arch,kv_dtype", [
+    ("tcp", "llama", "auto"), ("shm", "llama", "auto"), ("ucx", "llama", "auto"),
+    ("tcp", "deepseek_v2", "auto"),  # MLA: the latent blocks, sized by their layout
+    ("tcp", "llama", "fp8"),  # an FP8 cache: one byte a value
 ])
-def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch) -> None:
+def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch,
+                                                       kv_dtype) -> None:
     (tmp_path / "routing.yaml").write_text(PROFILE)
     model = tiny_model_dir(arch)
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
-                       worker_args=("--num-blocks", str(NUM_BLOCKS)),
+                       worker_args=("--num-blocks", str(NUM_BLOCKS),
+                                    "--kv-cache-dtype", kv_dtype),
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
                        ready_timeout_s=150, log_dir=str(tmp_path / "logs"))
     prompt = [(7 * j) % 480 + 3 for j in range(100)]  # 6 full blocks of 16 + 4 tokens
-    ref = LLM(model, num_blocks=NUM_BLOCKS).generate(
+    ref = LLM(model, num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype).generate(
         [prompt], SamplingParams(max_tokens=10, temperature=0))[0]
     with LocalCluster(spec) as cluster:
         name = model.rstrip("/").rsplit("/", 1)[-1]
@@ -58,6 +61,8 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
         assert sent > 0
         if arch == "deepseek_v2":  # the 6 blocks' latents: (32 + 16) x 3 layers x 4 bytes
             assert sent == 96 * (32 + 16) * 3 * 4
+        if kv_dtype == "fp8":  # K and V x 2 layers x 2 heads x 16 dims x 1 byte
+            assert sent == 96 * 2 * 2 * 2 * 16
         # Pins released, nothing leaked on either worker.
         wait_for(lambda: all(load_report(c.grpc_address).num_free_blocks == NUM_BLOCKS
                              for c in decodes), 10, "every block free on both decodes")
