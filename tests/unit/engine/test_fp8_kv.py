@@ -157,3 +157,24 @@ def test_fp8_cache_through_the_host_tier():
         assert s.bytes_loaded["host"] == s.hits["host"] * layout.block_bytes
         assert second[0].num_cached_tokens == 24
         tiers.check_integrity()
+
+
+def test_fp8_cache_under_tensor_parallelism():
+    """TP 2 (gloo, two processes): each rank's float8 cache holds its KV heads, with the
+    checkpoint's scales; greedy tokens as TP 1 over the same FP8 cache."""
+    from tests.unit.engine.test_correctness import make_prompts
+
+    d = tiny_model_dir("llama")
+    prompts = make_prompts(4)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    kw = dict(dtype="float32", block_size=4, num_blocks=80, max_num_batched_tokens=32,
+              cache_dtype="fp8")
+    one = [o.token_ids for o in LLM(d, **kw).generate(prompts, params)]
+    llm = LLM(d, tensor_parallel_size=2, **kw)
+    try:
+        assert llm.engine.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert llm.engine.runner.kv_cache.shape[4] == 1  # one of the 2 KV heads
+        assert [o.token_ids for o in llm.generate(prompts, params)] == one
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
