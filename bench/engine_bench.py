@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from engine.cli import add_parallel_arguments, parallel_kwargs
+from engine.cli import add_kv_cache_dtype_argument, add_parallel_arguments, parallel_kwargs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default 2048 (shape bench: 16384 on CUDA, and at least workload "
                         "d's prompt)")
     p.add_argument("--seed", type=int, default=0)
+    add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
     p.add_argument("--json", default=None, help="write results here")
     add_shape_arguments(p)
@@ -79,14 +80,15 @@ def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
 
 
 def run_ours(model_dir: str, prompts: list[list[int]], out_lens: list[int],
-             max_batched: int, **parallel: Any) -> float:
+             max_batched: int, cache_dtype: str = "auto", **parallel: Any) -> float:
     """`parallel`: tensor_parallel_size / collective_timeout_s for the engine."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     total = sum(len(p) + o for p, o in zip(prompts, out_lens, strict=True))
     llm = LLM(model_dir, dtype="float32", block_size=16, num_blocks=total // 16 + 2 * len(prompts),
-              max_num_seqs=len(prompts), max_num_batched_tokens=max_batched, **parallel)
+              max_num_seqs=len(prompts), max_num_batched_tokens=max_batched,
+              cache_dtype=cache_dtype, **parallel)
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for o in out_lens]
     llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
     t0 = time.perf_counter()
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
         n_out = sum(out_lens)
         ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048,
-                        **parallel_kwargs(args))
+                        args.kv_cache_dtype, **parallel_kwargs(args))
         hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
     result: dict[str, Any] = {
         "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,

@@ -118,12 +118,15 @@ class ModelCost:
     top_k: int = 0
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, itemsize: int) -> ModelCost:
+    def from_config(cls, cfg: ModelConfig, itemsize: int,
+                    kv_itemsize: int | None = None) -> ModelCost:
+        """`kv_itemsize`: the KV cache's bytes a value when not the weights' (1 for an
+        FP8 cache)."""
         h, d = cfg.hidden_size, cfg.head_dim
         q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h + (q + 2 * kv if cfg.qkv_bias else 0)
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
-        kv_bytes = cfg.num_layers * 2 * kv * itemsize
+        kv_bytes = cfg.num_layers * 2 * kv * (kv_itemsize or itemsize)
         attn_flops = cfg.num_layers * 4 * cfg.num_heads * d
         if cfg.mla is not None:
             attn, norms, kv_bytes, attn_flops = _mla_costs(cfg, itemsize)

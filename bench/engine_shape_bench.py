@@ -202,6 +202,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                attention_backend=args.attention_backend,
                gpu_memory_utilization=args.gpu_memory_utilization,
+               cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                **parallel_kwargs(args), **kw)
 
 
@@ -386,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
                                cfg.max_position_embeddings, args.seed)
     limits = measure_limits(device, TORCH_DTYPES[dtype])
     _free(device)
-    cost = ModelCost.from_config(cfg, TORCH_DTYPES[dtype].itemsize)
+    fp8_kv = getattr(args, "kv_cache_dtype", "auto") != "auto"
+    cost = ModelCost.from_config(cfg, TORCH_DTYPES[dtype].itemsize, 1 if fp8_kv else None)
     print(f"measured: {limits.bandwidth_bytes_s / 1e9:.4g} GB/s, "
           f"{limits.matmul_flop_s / 1e12:.4g} TFLOP/s; running our engine...", file=sys.stderr)
     ours, engine_info = run_ours_all(model_dir, device, dtype, workloads, args)
@@ -417,6 +419,7 @@ def _config(args: argparse.Namespace, cfg: ModelConfig, cost: ModelCost,
     except ImportError:
         tf_version = None
     return {"model_shape": args.model_shape, "device": str(device), "dtype": dtype,
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "params": cost.params, "weight_bytes_per_step": cost.weight_bytes,
             "kv_bytes_per_token": cost.kv_bytes_per_token, "layers": cfg.num_layers,
             "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,

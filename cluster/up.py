@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="every worker's dtype (default auto: the model's own on CUDA, "
                    "float32 on CPU)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="every worker's KV cache dtype (default auto: the model's dtype)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="every worker's tensor parallel size (GPUs per worker; default 1)")
     p.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -95,7 +97,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(conf, dict):
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
-                "grpc_port", "gateways", "num_blocks", "device", "dtype", *PLACEMENT_KEYS,
+                "grpc_port", "gateways", "num_blocks", "device", "dtype", "kv_cache_dtype",
+                *PLACEMENT_KEYS,
                 *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
@@ -112,7 +115,8 @@ def build_spec(args: argparse.Namespace) -> Any:
     decode = int(s.get("decode", 1 if disagg_default else 0))
     colocated = int(s.get("colocated", 0 if (disagg_default or decode) else 1))
     worker_args = [str(a) for a in s.get("worker_args", [])]
-    for key in ("num_blocks", "device", "dtype"):  # after worker_args: the flags win
+    # after worker_args: the flags win
+    for key in ("num_blocks", "device", "dtype", "kv_cache_dtype"):
         if s.get(key):
             worker_args += [f"--{key.replace('_', '-')}", str(s[key])]
     placement = place_workers(s, prefill, decode, colocated)

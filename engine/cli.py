@@ -10,11 +10,13 @@ from typing import Any
 
 from engine.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    check_kv_cache_dtype,
 )
 from engine.default_model import RANDOM_WEIGHTS_NOTICE, ensure_default_model
 from engine.model_shapes import MODEL_SHAPES, SHAPE_NOTICE, model_shape_dir
@@ -74,6 +76,21 @@ def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "collective_timeout_s": getattr(args, "collective_timeout", 60.0)}
 
 
+def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", type=kv_cache_dtype_arg, default="auto",
+                   metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3 KV with "
+                        "per-tensor k/v scales from the checkpoint, else 1.0")
+
+
+def kv_cache_dtype_arg(value: str) -> str:
+    try:
+        check_kv_cache_dtype(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Flags every engine-running command shares."""
     which = p.add_mutually_exclusive_group()
@@ -92,6 +109,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "on CPU")
     p.add_argument("--device", default="auto",
                    help="auto: cuda when a GPU is visible, else cpu; or cpu, cuda, cuda:N")
+    add_kv_cache_dtype_argument(p)
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
     add_parallel_arguments(p)
@@ -183,7 +201,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=getattr(args, "enforce_eager", False),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
-                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9)),
+                          gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                          cache_dtype=getattr(args, "kv_cache_dtype", "auto")),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=getattr(args, "scheduling_policy", "fcfs")))

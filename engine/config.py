@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = {
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's --kv-cache-dtype: auto keeps the model's dtype; fp8 is e4m3 (as vLLM on NVIDIA).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_DTYPE = "float8_e4m3fn"  # the cache tensor's dtype name under fp8
 SCHEDULING_POLICIES = ("fcfs", "priority", "vtc")
 
 
@@ -356,8 +359,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9  # vLLM's flag: share of the GPU's memory we may use
     enable_prefix_caching: bool = True
+    # vLLM's cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (float8 e4m3
+    # with per-tensor k/v scales, engine.kv_quant).
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -366,6 +373,14 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """ValueError (one line, naming what works) for a KV cache dtype not supported."""
+    if name not in KV_CACHE_DTYPES:
+        hint = " (fp8_e5m2 is not supported: fp8 is e4m3)" if "e5m2" in name else ""
+        raise ValueError(f"unsupported kv cache dtype {name!r}{hint}; "
+                         f"choose from {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,6 +451,15 @@ class EngineConfig:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.cache.cache_dtype != "auto"
+
+    def kv_dtype_name(self, model_dtype: str) -> str:
+        """The KV cache tensor's dtype name (a kvtransfer.layout dtype): the compute
+        dtype, or float8_e4m3fn under --kv-cache-dtype fp8."""
+        return FP8_KV_DTYPE if self.fp8_kv else (self.dtype or model_dtype)
 
     @property
     def use_cuda_graphs(self) -> bool:

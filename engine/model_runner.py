@@ -26,6 +26,7 @@ from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_quant import FP8_DTYPE, load_kv_scales
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.request import Request
 from engine.sampler import Logprobs, Sampler, token_logprobs
@@ -50,6 +51,17 @@ def kv_cache_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     parts, heads, head_dim = cfg.kv_cache_dims
     return cfg.num_layers * parts * block_size * heads * head_dim * dtype.itemsize
+
+
+def kv_cache_dtype(config: EngineConfig, model_cfg: ModelConfig) -> torch.dtype:
+    """The KV cache tensor's dtype: the compute dtype, or float8 e4m3 under
+    --kv-cache-dtype fp8 (refused for MLA's latent cache, which has no scales)."""
+    if not config.fp8_kv:
+        return TORCH_DTYPES[config.dtype or model_cfg.dtype]
+    if model_cfg.mla is not None:
+        raise ValueError(f"--kv-cache-dtype {config.cache.cache_dtype} is not supported for "
+                         "MLA models (DeepSeek's latent cache); use --kv-cache-dtype auto")
+    return FP8_DTYPE
 
 
 def num_kv_blocks(config: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int | None:
@@ -113,12 +125,15 @@ class ModelRunner:
         # this rank's shape: its KV heads size the KV cache
         self.rank_cfg = model_cfg.shard(tp.size) if tp is not None else model_cfg
         self.dtype = TORCH_DTYPES[config.dtype or model_cfg.dtype]
+        self.kv_dtype = kv_cache_dtype(config, model_cfg)
         self.block_size = config.cache.block_size
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device,
                                 config.load_format, tp=tp)
         self.model.set_kernels(make_backend(config.backend), config.backend == "triton",
                                self.max_model_len)
+        if config.fp8_kv:
+            self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
         self.graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs:
@@ -126,15 +141,25 @@ class ModelRunner:
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
-        if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.dtype:
+        if tuple(kv_cache.shape) != expected or kv_cache.dtype != self.kv_dtype:
             raise ValueError(f"kv cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match "
-                             f"the model's layout {expected} {self.dtype}")
+                             f"the model's layout {expected} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
         self.sampler = Sampler(self.device, config.seed)
         if self.graphs is not None:
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def _set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each attention layer's (k_scale, v_scale) for the float8 cache."""
+        from engine.models.llama import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for attn, (k_scale, v_scale) in zip(layers, scales, strict=True):
+            attn.k_scale = k_scale
+            attn.v_scale = v_scale
+        self.kv_scales = scales
 
     def _make_graphs(self, capture: bool) -> DecodeGraphs:
         # The graphs call back into the runner that owns them through a weak reference:
@@ -169,12 +194,12 @@ class ModelRunner:
             self.tp.send(command)
 
     def _allocate_kv(self) -> torch.Tensor:
-        num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.dtype)
+        num_blocks = num_kv_blocks(self.config, self.rank_cfg, self.kv_dtype)
         if num_blocks is None:
             budget = self._profile_kv_budget()
-            per_block = kv_block_bytes(self.rank_cfg, self.block_size, self.dtype)
+            per_block = kv_block_bytes(self.rank_cfg, self.block_size, self.kv_dtype)
             if self.config.kv_staging and self.tp is not None and self.tp.rank == 0:
-                per_block += kv_block_bytes(self.model_cfg, self.block_size, self.dtype)
+                per_block += kv_block_bytes(self.model_cfg, self.block_size, self.kv_dtype)
             num_blocks = budget // per_block
             if self.tp is not None:  # every rank's pool has rank 0's block ids: the least
                 num_blocks = int(self.tp.all_reduce_min(
@@ -187,7 +212,7 @@ class ModelRunner:
             log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
                      num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
         return torch.zeros(kv_cache_shape(self.rank_cfg, num_blocks, self.block_size),
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -203,7 +228,7 @@ class ModelRunner:
         sched = self.config.scheduler
         t = min(sched.max_num_batched_tokens, self.max_model_len)
         scratch = torch.zeros(kv_cache_shape(self.rank_cfg, cdiv(t, self.block_size) + 1,
-                                             self.block_size), dtype=self.dtype, device=dev)
+                                             self.block_size), dtype=self.kv_dtype, device=dev)
         self.kv_cache = scratch
         hidden = self.model(*self._dummy_batch(t, 1))
         self.model.compute_logits(hidden[:sched.max_num_seqs]).sort(dim=-1)
@@ -340,7 +365,7 @@ class ModelRunner:
         set `kv_staging` to one it allocated: shm's shared segment)."""
         if self.kv_staging is None:
             self.kv_staging = torch.zeros(self.full_kv_shape(self.num_blocks),
-                                          dtype=self.dtype, device=self.device)
+                                          dtype=self.kv_dtype, device=self.device)
         return self.kv_staging
 
     @torch.inference_mode()
@@ -365,7 +390,8 @@ class ModelRunner:
         from engine.models.parallel_layers import kv_head_range
 
         assert self.tp is not None
-        local = self.kv_cache[torch.tensor(ids, device=self.device)]
+        # as bytes: the collectives and cat take any 1-byte cache (FP8) that way
+        local = _as_bytes(self.kv_cache[torch.tensor(ids, device=self.device)])
         parts = self.tp.all_gather(local.unsqueeze(0), dim=0)
         owners: list[int] = []  # for each rank in head order, one holding new heads
         covered = 0
@@ -374,7 +400,7 @@ class ModelRunner:
             if first >= covered:
                 owners.append(r)
                 covered = end
-        return torch.cat([parts[r] for r in owners], dim=4)
+        return torch.cat([parts[r] for r in owners], dim=4).view(self.kv_cache.dtype)
 
     def write_blocks(self, ids: list[int], full: torch.Tensor | None = None) -> None:
         """Every rank (rank 0's "write" command): blocks `ids` with every head, broadcast
@@ -383,9 +409,9 @@ class ModelRunner:
 
         assert self.tp is not None
         if full is None:
-            full = torch.empty(self.full_kv_shape(len(ids)), dtype=self.dtype,
+            full = torch.empty(self.full_kv_shape(len(ids)), dtype=self.kv_cache.dtype,
                                device=self.device)
-        self.tp.broadcast(full)
+        self.tp.broadcast(_as_bytes(full))
         first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
         self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
 
@@ -399,3 +425,8 @@ class ModelRunner:
             if s.num_new_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens:
                 return None
         return self.graphs.bucket_for(len(scheduled))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor as uint8 (the same bytes), others as they are."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

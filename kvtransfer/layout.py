@@ -33,7 +33,9 @@ from kvtransfer.errors import LayoutMismatch
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# float8_e4m3fn: an FP8 KV cache (--kv-cache-dtype fp8), one byte per value.
+DTYPE_SIZES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2,
+                               "float8_e4m3fn": 1}
 LAYOUT_NAME = "block_major_v1"
 MLA_LAYOUT_NAME = "mla_latent_v1"
 # Parts per token per layer: K and V, or (MLA) the one latent + rope key entry.
@@ -195,4 +197,4 @@ def engine_layout(engine_config: EngineConfig) -> KVLayout:
     _, heads, head_dim = m.kv_cache_dims
     return KVLayout(num_layers=m.num_layers, num_kv_heads=heads, head_dim=head_dim,
                     block_size=engine_config.cache.block_size,
-                    dtype=engine_config.dtype or m.dtype, name=m.kv_layout_name)
+                    dtype=engine_config.kv_dtype_name(m.dtype), name=m.kv_layout_name)

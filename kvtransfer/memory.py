@@ -15,7 +15,7 @@ import xxhash
 from kvtransfer.layout import KVLayout, Region
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                 "float16": torch.float16}
+                 "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:

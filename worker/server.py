@@ -32,8 +32,7 @@ from prometheus_client import start_http_server
 from decode.remote import RemotePrefillConfig, RemotePrefiller
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import num_kv_blocks
-from engine.models.loader import TORCH_DTYPES
+from engine.model_runner import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, engine_layout
@@ -103,7 +102,7 @@ class KVSide:
         if self.prefiller is None:
             return None
         m = ModelConfig.from_model_dir(engine_config.model_dir)
-        dtype = TORCH_DTYPES[engine_config.dtype or m.dtype]
+        dtype = kv_cache_dtype(engine_config, m)
         tp = engine_config.tensor_parallel_size
         num_blocks = num_kv_blocks(engine_config, m.shard(tp), dtype)
         if num_blocks is None:  # CUDA, sized from free memory: the engine allocates it
@@ -213,7 +212,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
             return None
         c = engine_config.cache
         return {"block_size": str(c.block_size), "num_gpu_blocks": str(holder[0].stats().num_blocks),
-                "cache_dtype": engine_config.dtype or "auto",
+                "cache_dtype": engine_config.cache.cache_dtype,
                 "enable_prefix_caching": str(c.enable_prefix_caching),
                 "gpu_memory_utilization": str(c.gpu_memory_utilization)}
 

@@ -66,7 +66,9 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_layer: cache[:, layer].
-        Returns the attention output [T, H, D] (a new tensor)."""
+        Returns the attention output [T, H, D] (a new tensor). A float8 cache
+        (engine.kv_quant) stores K / k_scale and V / v_scale, and reads them back
+        multiplied by the scales, in q's dtype."""
         ...

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
+from engine.kv_quant import FP8_DTYPE, dequantize, quantize
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -30,9 +31,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatters the new tokens' K/V into their slots (padding slots, -1, skipped)."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatters the new tokens' K/V into their slots (padding slots, -1, skipped);
+    into a float8 cache quantized by the scales."""
     bs = kv_layer.shape[2]
+    if kv_layer.dtype == FP8_DTYPE:
+        k, v = quantize(k, k_scale), quantize(v, v_scale)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
@@ -46,8 +50,14 @@ class TorchSDPABackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_layer, meta.slot_mapping)
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        write_kv(k, v, kv_layer, meta.slot_mapping, k_scale, v_scale)
+        fp8 = kv_layer.dtype == FP8_DTYPE
+        if fp8:
+            # Attention sees what the cache holds, fresh tokens included (as the
+            # Triton kernels, which read every key from the cache).
+            k = dequantize(quantize(k, k_scale), k_scale, q.dtype)
+            v = dequantize(quantize(v, v_scale), v_scale, q.dtype)
         out = torch.zeros_like(q)
         bs = kv_layer.shape[2]
         window = meta.sliding_window
@@ -69,6 +79,9 @@ class TorchSDPABackend:
                 kv = kv_layer.index_select(0, table).permute(1, 3, 0, 2, 4).flatten(2, 3)
                 lo = max(0, ctx_len - window) if q_len == 1 and window is not None else 0
                 kv = kv[:, :, lo:ctx_len].unsqueeze(1)
+                if fp8:
+                    kv = torch.stack([dequantize(kv[0], k_scale, q.dtype),
+                                      dequantize(kv[1], v_scale, q.dtype)])
                 mask = _causal_mask(q_len, ctx_len, window, q.device) if q_len > 1 else None
                 o = _sdpa(qs, kv[0], kv[1], mask, False, scale)
             out[sl] = o.squeeze(0).transpose(0, 1)

@@ -15,6 +15,13 @@ program (GQA), so K/V tiles are read once per KV head, not once per query head:
     # rows of a program: | tok0 h0 .. tok0 hG-1 | tok1 h0 .. | ... | padding rows |
     #                      <-------- BLOCK_Q tokens x GROUP heads ------>  (BLOCK_M)
 
+A float8 cache (`--kv-cache-dtype fp8`, engine.kv_quant) is written as K / k_scale and
+V / v_scale clamped to +-448 and read back times the scale in q's dtype. On a GPU the
+conversions are Triton's own; Triton's interpreter converts to and from float8 wrongly
+(a value that rounds up into the next power of two, and subnormals), so off CUDA the
+kernels see the cache as bytes and encode / decode e4m3 in integer arithmetic
+(`_e4m3_bits`, `_e4m3_value`), bit-exact with torch's conversion.
+
 No grid depends on device data: they are sized from host ints (token and sequence
 counts, heads, static config) and programs find their work in-kernel, so every launch
 is capturable in a CUDA graph.
@@ -28,17 +35,67 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv_quant import FP8_DTYPE
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 CPU_SPLITS = 4  # the interpreter: enough splits to exercise the reduction, few programs
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads,
+def _e4m3_bits(x):
+    """float32 (already within +-448) -> its float8 e4m3fn code as uint8, rounded to
+    nearest even as torch's conversion does."""
+    a = tl.abs(x)
+    ab = a.to(tl.int32, bitcast=True)
+    # Normal numbers: round the float32 mantissa to 3 bits (a carry moves the exponent).
+    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) & -0x100000
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # Subnormals (below 2**-6): multiples of 2**-9; adding 2**14 rounds to them (RNE).
+    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit (-0.0 included)
+    return tl.where(negative, code | 0x80, code).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(c):
+    """A float8 e4m3fn code (uint8) -> its float32 value."""
+    c = c.to(tl.int32)
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((c & 0x80) != 0, -a, a)
+
+
+@triton.jit
+def _kv_store(x, scale, cache_ptr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+    """A K or V tile as the cache stores it (float8: x / scale, clamped to +-448)."""
+    if FP8:
+        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+        if FP8_BITS:
+            return _e4m3_bits(y)
+        return y.to(cache_ptr.dtype.element_ty)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _kv_load(x, scale, dtype, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+    """A loaded K or V tile in the compute dtype (float8: stored value * scale)."""
+    if FP8:
+        if FP8_BITS:
+            return (_e4m3_value(x) * scale).to(dtype)
+        return (x.to(tl.float32) * scale).to(dtype)
+    return x
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads, k_scale, v_scale,
                      k_st, k_sh, k_sd, v_st, v_sh, v_sd,
                      c_sb, c_skv, c_so, c_sh, c_sd,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr):
+                     BLOCK_H: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
     """One program per new token: copies its K and V (all KV heads) into its slot."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -52,8 +109,8 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads,
     kx = tl.load(k_ptr + t * k_st + h * k_sh + d * k_sd, mask=mask)
     vx = tl.load(v_ptr + t * v_st + h * v_sh + d * v_sd, mask=mask)
     dst = cache_ptr + blk * c_sb + off * c_so + h * c_sh + d * c_sd
-    tl.store(dst, kx.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + c_skv, vx.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, _kv_store(kx, k_scale, cache_ptr, FP8, FP8_BITS), mask=mask)
+    tl.store(dst + c_skv, _kv_store(vx, v_scale, cache_ptr, FP8, FP8_BITS), mask=mask)
 
 
 @triton.jit
@@ -76,10 +133,10 @@ def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_ptr, bt_st,
-                 kvh, c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
+                 kvh, c_sb, c_skv, c_so, c_sh, c_sd, scale_log2, k_scale, v_scale,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
     """One online-softmax step over keys start .. start + TILE_N - 1 (those < hi).
     `pos` is each row's absolute query position: a row sees key j iff j <= pos (and,
     with a window, j > pos - window). Softmax runs in base 2 (scale folded in)."""
@@ -88,8 +145,10 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
     d = tl.arange(0, HEAD_DIM)
     blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
     base = cache_ptr + blk.to(tl.int64) * c_sb + (kpos % BLOCK_SIZE) * c_so + kvh * c_sh
-    k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0.0)
-    v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None], other=0.0)
+    k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0)
+    v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None], other=0)
+    k = _kv_load(k, k_scale, q.dtype, FP8, FP8_BITS)
+    v = _kv_load(v, v_scale, q.dtype, FP8, FP8_BITS)
     if DOT_F32:
         # Triton's interpreter multiplies bfloat16 operands as their raw uint16 bits;
         # on the CPU the dots run in float32 (p is still rounded to v's dtype below).
@@ -124,13 +183,13 @@ _PER_STEP = ["num_seqs", "bt_st"]
 
 @triton.jit(do_not_specialize=_PER_STEP)
 def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-                    num_seqs: tl.int32, scale_log2, window,
+                    num_seqs: tl.int32, scale_log2, window, k_scale, v_scale,
                     q_st, q_sh, q_sd, o_st, o_sh, o_sd,
                     c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
                     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
     """Grid (num_tokens // BLOCK_Q + num_seqs, kv_heads): one program per query block
     of BLOCK_Q tokens of one sequence and one KV head; surplus programs exit."""
     q_block = tl.program_id(0)
@@ -168,8 +227,8 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window,
                                      cache_ptr, bt_ptr, bt_st, kvh,
                                      c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
-                                     BLOCK_SIZE, HEAD_DIM, TILE_N, USE_WINDOW, DOT_PRECISION,
-                                     DOT_F32)
+                                     k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, TILE_N,
+                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + tok[:, None] * o_st + head[:, None] * o_sh + d[None, :] * o_sd,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -177,13 +236,14 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
 
 @triton.jit(do_not_specialize=["bt_st"])  # see _PER_STEP (its grid carries the count)
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
-                         qsl_ptr, num_heads, scale_log2, window,
+                         qsl_ptr, num_heads, scale_log2, window, k_scale, v_scale,
                          q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
                          GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         DOT_F32: tl.constexpr, FP8: tl.constexpr,
+                         FP8_BITS: tl.constexpr):
     """Grid (num_seqs, kv_heads, NUM_SPLITS): the one query of a decode sequence, the
     GROUP heads of one KV head, over one split's share of the key tiles. Writes that
     split's normalized output and base-2 log-sum-exp (-inf for an empty split)."""
@@ -218,8 +278,8 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, end, window,
                                      cache_ptr, bt_ptr, bt_st, kvh,
                                      c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
-                                     BLOCK_SIZE, HEAD_DIM, TILE_N, USE_WINDOW, DOT_PRECISION,
-                                     DOT_F32)
+                                     k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, TILE_N,
+                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS)
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
@@ -265,18 +325,28 @@ def _cache_strides(kv_layer: torch.Tensor) -> tuple[int, ...]:
     return tuple(kv_layer.stride())
 
 
+def _fp8_args(kv_layer: torch.Tensor) -> tuple[torch.Tensor, dict[str, bool]]:
+    """The cache as the kernels address it, and its float8 flags: off CUDA a float8
+    cache is passed as bytes (the interpreter's float8 conversions are wrong)."""
+    fp8 = kv_layer.dtype == FP8_DTYPE
+    bits = fp8 and not kv_layer.is_cuda
+    return (kv_layer.view(torch.uint8) if bits else kv_layer), {"FP8": fp8, "FP8_BITS": bits}
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatters the new tokens' K/V ([T, KVH, D]) into their slots of `kv_layer` (the
-    strided view cache[:, layer]) in one launch; slot -1 (padding) is skipped."""
+    strided view cache[:, layer]) in one launch; slot -1 (padding) is skipped. A float8
+    cache stores K / k_scale and V / v_scale."""
     num_tokens, kv_heads, head_dim = k.shape
     _check_head_dim(head_dim)
     if num_tokens == 0:
         return
+    cache, fp8 = _fp8_args(kv_layer)
     _write_kv_kernel[(num_tokens,)](
-        k, v, kv_layer, slot_mapping, kv_heads, *k.stride(), *v.stride(),
-        *_cache_strides(kv_layer), BLOCK_SIZE=kv_layer.shape[2], HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads))
+        k, v, cache, slot_mapping, kv_heads, float(k_scale), float(v_scale),
+        *k.stride(), *v.stride(), *_cache_strides(kv_layer), BLOCK_SIZE=kv_layer.shape[2],
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), **fp8)
 
 
 def _dot_args(q: torch.Tensor) -> dict[str, str | bool]:
@@ -291,7 +361,7 @@ def _group(q: torch.Tensor, kv_layer: torch.Tensor) -> int:
     heads, kv_heads = q.shape[1], kv_layer.shape[3]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not share {kv_heads} kv heads evenly")
-    if q.dtype != kv_layer.dtype:
+    if q.dtype != kv_layer.dtype and kv_layer.dtype != FP8_DTYPE:
         raise ValueError(f"q is {q.dtype} but the KV cache is {kv_layer.dtype}")
     _check_head_dim(q.shape[2])
     return heads // kv_heads
@@ -315,7 +385,8 @@ def _new_output(q: torch.Tensor, query_start_loc_cpu: list[int]) -> torch.Tensor
 def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       query_start_loc_cpu: list[int], max_query_len: int, scale: float,
-                      sliding_window: int | None = None) -> torch.Tensor:
+                      sliding_window: int | None = None, k_scale: float = 1.0,
+                      v_scale: float = 1.0) -> torch.Tensor:
     """Causal paged attention for any mix of decode rows and prefill chunks over a
     cached prefix, in one launch. q: [T, H, D]; returns a new [T, H, D] in q's dtype."""
     group = _group(q, kv_layer)
@@ -330,13 +401,15 @@ def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: tor
     block_m = max(rows, triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, kv_layer.shape[3])
+    cache, fp8 = _fp8_args(kv_layer)
     _unified_kernel[grid](
-        out, q, kv_layer, block_tables, seq_lens, query_start_loc, num_seqs,
-        scale * LOG2E, sliding_window or 0, *q.stride(), *out.stride(),
+        out, q, cache, block_tables, seq_lens, query_start_loc, num_seqs,
+        scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
+        *q.stride(), *out.stride(),
         *_cache_strides(kv_layer), block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=kv_layer.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_Q=block_q, TILE_N=_tile_n(q), USE_WINDOW=sliding_window is not None,
-        **_dot_args(q))
+        **_dot_args(q), **fp8)
     return out
 
 
@@ -360,7 +433,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      query_start_loc_cpu: list[int], scale: float,
                      sliding_window: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Split-K paged decode (every sequence has at most one query): a split kernel
     writes float32 partials and log-sum-exps, a reduce kernel merges them."""
     group = _group(q, kv_layer)
@@ -375,13 +449,15 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     part = torch.empty((num_seqs, heads, splits, head_dim), dtype=torch.float32,
                        device=q.device)
     lse = torch.empty((num_seqs, heads, splits), dtype=torch.float32, device=q.device)
+    cache, fp8 = _fp8_args(kv_layer)
     _decode_split_kernel[(num_seqs, kv_heads, splits)](
-        part, lse, q, kv_layer, block_tables, seq_lens, query_start_loc, heads,
-        scale * LOG2E, sliding_window or 0, *q.stride(), *_cache_strides(kv_layer),
+        part, lse, q, cache, block_tables, seq_lens, query_start_loc, heads,
+        scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
+        *q.stride(), *_cache_strides(kv_layer),
         block_tables.stride(0), GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
         HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)),
         TILE_N=_tile_n(q), NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
-        **_dot_args(q))
+        **_dot_args(q), **fp8)
     _decode_reduce_kernel[(num_seqs, heads)](
         out, part, lse, query_start_loc, heads, *out.stride(),
         HEAD_DIM=head_dim, NUM_SPLITS=splits)

@@ -21,12 +21,14 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        triton_attn.write_kv(k, v, kv_layer, meta.slot_mapping)
+                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        triton_attn.write_kv(k, v, kv_layer, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode_only:
             return triton_attn.decode_attention(
                 q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits)
+                meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits,
+                k_scale, v_scale)
         return triton_attn.unified_attention(
             q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window)
+            meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window,
+            k_scale, v_scale)

@@ -117,6 +117,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
+        # A float8 KV cache's per-tensor scales (engine.kv_quant); unused otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         self.backend: AttentionBackend = TorchSDPABackend()
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor,
@@ -129,7 +132,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
-        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv_layer, meta, self.scale, self.k_scale,
+                                 self.v_scale)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

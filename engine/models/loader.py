@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import LOAD_FORMATS, ModelConfig, ModelDirError
+from engine.kv_quant import is_kv_scale_key
 from engine.models.deepseek import DeepseekForCausalLM, deepseek_rope
 from engine.models.llama import LlamaForCausalLM, rope_inv_freq
 from engine.models.parallel_layers import shard_range
@@ -192,8 +193,8 @@ def _load_safetensors(model: CausalLM, model_dir: str, cfg: ModelConfig,
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for key in f.keys():
-                if "rotary_emb" in key:
-                    continue
+                if "rotary_emb" in key or is_kv_scale_key(key):
+                    continue  # (KV scales: engine.kv_quant reads them)
                 if cfg.tie_word_embeddings and key == "lm_head.weight":
                     continue
                 layer = _LAYER.match(key)

@@ -22,6 +22,9 @@ TOKEN = "cluster-secret"
 LAYOUT_F32 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
 LAYOUT_BF16 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8,
                        dtype="bfloat16")
+# An FP8 KV cache (--kv-cache-dtype fp8): one byte a value.
+LAYOUT_FP8 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8,
+                      dtype="float8_e4m3fn")
 # DeepSeek's MLA cache: one latent + rope key "head" per token, one part (not K and V);
 # the same bytes per block as LAYOUT_F32, so only the layout's name tells them apart.
 LAYOUT_MLA = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=8, dtype="float32",

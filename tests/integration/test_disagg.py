@@ -172,6 +172,34 @@ def test_deepseek_latent_kv_through_remote_prefill_equals_transformers(tmp_path,
         assert g == hf_greedy(hf, p, m, eos)
 
 
+def test_fp8_kv_through_remote_prefill_over_tcp(tmp_path) -> None:
+    """Workers with --kv-cache-dtype fp8: the prefill's float8 blocks cross tcp into the
+    decode's float8 cache, one byte a value (a quarter of the float32 cache's bytes per
+    token), and greedy output equals the offline engine with the same FP8 cache."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [[(13 * i + 7 * j) % 480 + 5 for j in range(n)]
+               for i, n in enumerate((16, 48, 32, 80))]
+    max_tokens = [6, 9, 5, 8]
+    offline = LLM(model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=32,
+                  max_num_batched_tokens=64, cache_dtype="fp8")
+    ref = offline.generate(prompts, [SamplingParams(max_tokens=m, temperature=0)
+                                     for m in max_tokens])
+    cluster = start_cluster(tmp_path, "tcp", ("--kv-cache-dtype", "fp8"))
+    try:
+        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
+        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
+        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
+        assert ok == len(prompts), logs(cluster)
+        moved = metric(decode_metrics, "splitserve:kv_transfer_bytes_total", transport="tcp")
+        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+    finally:
+        cluster.stop()
+    assert got == [r.token_ids for r in ref]
+    cfg = ModelConfig.from_model_dir(model_dir)
+    fp32_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert moved == sum(len(p) for p in prompts) * fp32_per_token // 4
+
+
 def _layout_json(model_dir: str) -> str:
     from engine.llm import make_engine_config
     from kvtransfer.layout import engine_layout

@@ -16,6 +16,7 @@ from kvtransfer import KVLayout, make_sender
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     LAYOUT_F32,
+    LAYOUT_FP8,
     LAYOUT_MLA,
     PeerProcess,
     fast_config,
@@ -93,31 +94,48 @@ def check_bit_exact(kv: torch.Tensor, src: torch.Tensor, plan: list[dict[str, An
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("layout", [LAYOUT_F32, LAYOUT_BF16, LAYOUT_MLA],
-                         ids=["f32", "bf16", "mla"])
+@pytest.mark.parametrize("layout", [LAYOUT_F32, LAYOUT_BF16, LAYOUT_FP8, LAYOUT_MLA],
+                         ids=["f32", "bf16", "fp8", "mla"])
 def test_round_trip_bit_exact(transport: str, layout: KVLayout, no_leaks: None) -> None:
+    asyncio.run(round_trip(transport, layout))
+
+
+async def round_trip(transport: str, layout: KVLayout) -> float:
+    """The plan's transfers sent and checked bit-exact; returns the bytes moved."""
+    config = fast_config(transport)
+    receiver = await start_receiver(config, layout, DST_BLOCKS)
+    plan = make_plan(layout, seed=7)
+    futures = [receiver.expect(t["xfer"], [_r(e) for e in t["expect"]], t["gen"])
+               for t in plan]
+    peer = await PeerProcess(spec("sender", config, layout, SRC_BLOCKS, plan,
+                                  address=receiver.address())).start()
+    try:
+        assert (await peer.line())["ready"]
+        sender_side = await peer.lines(N_XFERS)  # all in flight at once on the sender
+        await asyncio.wait_for(asyncio.gather(*futures), 30)
+        assert all(r["ok"] for r in sender_side), sender_side
+        assert await peer.wait() == 0
+        check_bit_exact(receiver.kv.tensor, make_kv(layout, SRC_BLOCKS, 1234), plan)
+        want = sum(len(t["expect"]) for t in plan) * layout.block_bytes
+        got = receiver.metrics.value("splitserve:kv_transfer_bytes_total")
+        assert got <= want and got > 0.6 * want  # partial-layer transfers move less
+        receiver.table.check_integrity()
+        return float(got)
+    finally:
+        await peer.aclose()
+        await receiver.close()
+
+
+@pytest.mark.timeout(90)
+def test_fp8_blocks_move_half_the_bytes_of_bf16_over_tcp(no_leaks: None) -> None:
+    """The same transfers of an FP8 cache move half the bytes of bfloat16 and a
+    quarter of float32 (one byte a value), bit-exact."""
     async def main() -> None:
-        config = fast_config(transport)
-        receiver = await start_receiver(config, layout, DST_BLOCKS)
-        plan = make_plan(layout, seed=7)
-        futures = [receiver.expect(t["xfer"], [_r(e) for e in t["expect"]], t["gen"])
-                   for t in plan]
-        peer = await PeerProcess(spec("sender", config, layout, SRC_BLOCKS, plan,
-                                      address=receiver.address())).start()
-        try:
-            assert (await peer.line())["ready"]
-            sender_side = await peer.lines(N_XFERS)  # all in flight at once on the sender
-            await asyncio.wait_for(asyncio.gather(*futures), 30)
-            assert all(r["ok"] for r in sender_side), sender_side
-            assert await peer.wait() == 0
-            check_bit_exact(receiver.kv.tensor, make_kv(layout, SRC_BLOCKS, 1234), plan)
-            want = sum(len(t["expect"]) for t in plan) * layout.block_bytes
-            got = receiver.metrics.value("splitserve:kv_transfer_bytes_total")
-            assert got <= want and got > 0.6 * want  # partial-layer transfers move less
-            receiver.table.check_integrity()
-        finally:
-            await peer.aclose()
-            await receiver.close()
+        moved = {lay.dtype: await round_trip("tcp", lay)
+                 for lay in (LAYOUT_F32, LAYOUT_BF16, LAYOUT_FP8)}
+        assert moved["float8_e4m3fn"] * 2 == moved["bfloat16"]
+        assert moved["float8_e4m3fn"] * 4 == moved["float32"]
+        assert LAYOUT_FP8.token_bytes * 2 == LAYOUT_BF16.token_bytes
 
     asyncio.run(main())
 
@@ -216,6 +234,30 @@ def test_large_regions_bit_exact(transport: str, no_leaks: None) -> None:
             assert await peer.wait() == 0
             check_bit_exact(receiver.kv.tensor, make_kv(LAYOUT_3K, n + 10, 1234), plan)
             receiver.table.check_integrity()
+        finally:
+            await peer.aclose()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_fp8_and_bf16_peers_are_refused(transport: str, no_leaks: None) -> None:
+    """A prefill with an FP8 cache and a decode with a bfloat16 one disagree on the KV
+    dtype: the handshake refuses them, naming it, and nothing lands."""
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        plan = [{"xfer": "x", "gen": 1, "src": [[[0]]], "dst": [[[0]]]}]
+        future = receiver.expect("x", [_r([0])], 1, lease_s=120)
+        peer = await PeerProcess(spec("sender", config, LAYOUT_FP8, 4, plan,
+                                      address=receiver.address())).start()
+        try:
+            refused = await peer.line()
+            assert (refused["connect"], refused["kind"]) == (False, "layout")
+            assert "float8_e4m3fn" in refused["message"] and "bfloat16" in refused["message"]
+            assert not future.done() and not receiver.kv.tensor.any()
         finally:
             await peer.aclose()
             await receiver.close()

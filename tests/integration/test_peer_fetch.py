@@ -19,13 +19,15 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
 
 
-@pytest.mark.parametrize("transport,arch,tp", [
-    ("tcp", "llama", 1), ("shm", "llama", 1), ("ucx", "llama", 1),
-    ("tcp", "deepseek_v2", 1),  # MLA: the latent blocks, sized by their layout
-    ("tcp", "llama", 2),  # TP 2 decodes: full-head blocks gathered, then scattered
+@pytest.mark.parametrize("transport,arch,tp,kv_dtype", [
+    ("tcp", "llama", 1, "auto"), ("shm", "llama", 1, "auto"), ("ucx", "llama", 1, "auto"),
+    ("tcp", "deepseek_v2", 1, "auto"),  # MLA: the latent blocks, sized by their layout
+    ("tcp", "llama", 1, "fp8"),  # an FP8 cache: one byte a value
+    # TP 2 decodes with an FP8 cache: full-head blocks gathered, then scattered, as bytes
+    ("tcp", "llama", 2, "fp8"),
 ])
-def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch,
-                                                       tp) -> None:
+def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch, tp,
+                                                       kv_dtype) -> None:
     from cluster.placement import WorkerPlacement
 
     (tmp_path / "routing.yaml").write_text(PROFILE)
@@ -33,11 +35,12 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
     placement = {} if tp == 1 else {
         f"decode-{i}": WorkerPlacement(("--tensor-parallel-size", str(tp))) for i in range(2)}
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
-                       worker_args=("--num-blocks", str(NUM_BLOCKS)), placement=placement,
+                       worker_args=("--num-blocks", str(NUM_BLOCKS),
+                                    "--kv-cache-dtype", kv_dtype), placement=placement,
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
                        ready_timeout_s=150, log_dir=str(tmp_path / "logs"))
     prompt = [(7 * j) % 480 + 3 for j in range(100)]  # 6 full blocks of 16 + 4 tokens
-    ref = LLM(model, num_blocks=NUM_BLOCKS).generate(
+    ref = LLM(model, num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype).generate(
         [prompt], SamplingParams(max_tokens=10, temperature=0))[0]
     with LocalCluster(spec) as cluster:
         name = model.rstrip("/").rsplit("/", 1)[-1]
@@ -64,6 +67,8 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
         assert sent > 0
         if arch == "deepseek_v2":  # the 6 blocks' latents: (32 + 16) x 3 layers x 4 bytes
             assert sent == 96 * (32 + 16) * 3 * 4
+        if kv_dtype == "fp8":  # K and V x 2 layers x 2 heads x 16 dims x 1 byte
+            assert sent == 96 * 2 * 2 * 2 * 16
         # Pins released, nothing leaked on either worker.
         wait_for(lambda: all(load_report(c.grpc_address).num_free_blocks == NUM_BLOCKS
                              for c in decodes), 10, "every block free on both decodes")

@@ -71,3 +71,16 @@ def test_roofline_counts():
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
     assert cost.step_bytes(10) == cost.weight_bytes + 10 * cost.kv_bytes_per_token
     assert cost.step_flops(3, 1, 0) == 2 * cost.layer_params * 3 + 2 * 1024 * 64
+
+
+def test_bench_engine_with_an_fp8_kv_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shape, out = tmp_path / "tiny.json", tmp_path / "bench.json"
+    shape.write_text(json.dumps(TINY))
+    assert main(["bench", "engine", "--device", "cpu", "--model-shape", str(shape),
+                 "--workloads", "a", "--scale", "0.04", "--dtype", "float32", "--skip-hf",
+                 "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["kv_cache_dtype"] == "fp8"
+    # 2 layers x K and V x 2 heads x 16 dims, one byte each
+    assert config["kv_bytes_per_token"] == 2 * 2 * 2 * 16

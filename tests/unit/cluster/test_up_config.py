@@ -55,3 +55,14 @@ def test_device_and_dtype_reach_every_worker(tmp_path) -> None:
     assert spec.worker_args == ("--device", "cuda:1", "--max-num-seqs", "8",
                                 "--device", "cpu", "--dtype", "bfloat16")
     assert "--device" not in up.build_spec(_args("--model", tiny_model_dir("llama"))).worker_args
+
+
+def test_kv_cache_dtype_reaches_every_worker(tmp_path) -> None:
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--kv-cache-dtype", "fp8"))
+    assert spec.worker_args == ("--kv-cache-dtype", "fp8")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kv_cache_dtype: fp8_e4m3\n")
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--config", str(cfg)))
+    assert spec.worker_args == ("--kv-cache-dtype", "fp8_e4m3")
+    with pytest.raises(SystemExit):
+        _args("--kv-cache-dtype", "fp8_e5m2")

@@ -170,3 +170,25 @@ def test_save_copies_device_blocks_off_thread_and_reports_them_done():
         out = torch.zeros_like(kv)
         assert tc.load(hashes, [1, 3, 5], out) == 3
         assert torch.equal(out[[1, 3, 5]], data)
+
+
+def test_fp8_blocks_round_trip_host_and_disk_exactly(tmp_path):
+    """An FP8 cache's blocks (--kv-cache-dtype fp8) through the host tier and, demoted,
+    the disk tier: bit-exact, at one byte a value (half a bfloat16 block's bytes)."""
+    fp8 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4,
+                   dtype="float8_e4m3fn")
+    bf16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4, dtype="bfloat16")
+    assert fp8.block_bytes * 2 == bf16.block_bytes
+    hashes, data = make_blocks(4, layout=fp8)
+    data = data.to(torch.float8_e4m3fn)
+    cfg = TierConfig(host_blocks=2, disk_dir=str(tmp_path), disk_blocks=4)
+    with TieredCache(cfg, fp8) as tc:
+        tc.put(hashes[:2], list(data[:2]))
+        tc.put(hashes[2:], list(data[2:]))  # host full: blocks 0, 1 go to disk
+        assert tc.stats().blocks == {"host": 2, "disk": 2}
+        kv = torch.zeros(fp8.tensor_shape(6), dtype=torch.float8_e4m3fn)
+        assert tc.load(hashes, [5, 1, 3, 0], kv) == 4
+        assert torch.equal(kv[[5, 1, 3, 0]].view(torch.uint8), data.view(torch.uint8))
+        s = tc.stats()
+        assert s.bytes_loaded == {"disk": 2 * fp8.block_bytes, "host": 2 * fp8.block_bytes}
+        tc.check_integrity()
