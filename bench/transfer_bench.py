@@ -12,6 +12,8 @@ shm >= 0.7x memcpy, ucx >= 0.5x memcpy, tcp >= 0.8x raw TCP.
 
 `--device cuda` (and `--device cpu --handoffs`) run whole-prompt hand-offs instead,
 contiguous and scattered, against an in-process gather-scatter: bench/transfer_handoff.py.
+`--prefill-tensor-parallel-size P --decode-tensor-parallel-size D` hand prompts off
+between a TP P and a TP D engine, beside TP 1 -> TP 1: bench/transfer_tp.py.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from bench.transfer_handoff import add_arguments as add_handoff_arguments
 
     add_handoff_arguments(p)
+    from bench.transfer_tp import add_arguments as add_tp_arguments
+
+    add_tp_arguments(p)
 
 
 def parse_size(text: str) -> int:
@@ -75,6 +80,10 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bench import transfer_tp
+
+    if transfer_tp.wanted(args):
+        return transfer_tp.run(args)
     if args.device.startswith("cuda") or args.handoffs:
         from bench.transfer_handoff import run as run_handoffs
 
