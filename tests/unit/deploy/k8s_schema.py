@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 DEPLOY = os.path.join(ROOT, "deploy")
 KUBE = os.path.join(DEPLOY, "kubernetes")
-OVERLAYS = ("cpu", "cuda", "cuda-lws", "external-redis")
+OVERLAYS = ("cpu", "cuda", "cuda-lws", "cuda-tp", "external-redis")
 # Oldest version we claim (native gRPC probes are GA since 1.27) and the newest known.
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 DEFS_ID = "https://kubernetes.io/api/_definitions.json"

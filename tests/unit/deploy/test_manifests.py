@@ -262,6 +262,30 @@ def test_overlays_differ_where_they_should() -> None:
     assert {o["metadata"]["namespace"] for o in cpu} == {"splitserve"}
 
 
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_gpus_per_worker_pod_equal_its_tensor_parallel_size(name: str) -> None:
+    """A TP N worker's ranks run on its pod's GPUs: nvidia.com/gpu (request = limit) is the
+    --tensor-parallel-size its command line gives (one flag, no stale duplicate)."""
+    objs = overlay(name)
+    sizes = {}
+    for _w, _t, c in our_containers(objs):
+        args = splitserve_args(objs, c)
+        if args.command != "worker":
+            continue
+        assert sum(a.startswith(("--tensor-parallel-size", "-tp")) for a in c["args"]) <= 1
+        res = c.get("resources", {})
+        gpus = res.get("limits", {}).get("nvidia.com/gpu")
+        assert res.get("requests", {}).get("nvidia.com/gpu") == gpus
+        if gpus is None:  # CPU pods: the ranks are gloo processes on the pod's cores
+            assert args.device == "cpu"
+            continue
+        assert args.device == "cuda" and int(gpus) == args.tensor_parallel_size
+        sizes[args.role] = args.tensor_parallel_size
+    expected = {"cuda": {"prefill": 1, "decode": 1}, "cuda-lws": {"prefill": 1, "decode": 1},
+                "cuda-tp": {"prefill": 2, "decode": 4}}
+    assert sizes == expected.get(name, {})
+
+
 def test_routing_configmap_is_the_example_profile(tmp_path) -> None:
     from gateway.routing.profile import RoutingProfile
 
