@@ -7,6 +7,13 @@ from every visible GPU; when they do not fit, the refusal names the arithmetic.
 `--share-gpus` instead lets workers share GPUs round robin, each GPU's memory split
 between its workers (--gpu-memory-utilization, which applies per GPU, divided by the
 most workers any of the worker's GPUs hosts).
+
+With `--transport cuda_ipc` or `auto` a prefill writes into a decode's cache on another
+GPU through peer access, which needs both GPUs visible to the sender: there every
+worker sees the whole pool in CUDA_VISIBLE_DEVICES and is given its first GPU with
+`--device cuda:N` (its tensor-parallel ranks take cuda:N, N+1, ..., the same GPUs as
+in its own set). A worker whose set wraps around the pool (`--share-gpus`) keeps
+CUDA_VISIBLE_DEVICES naming its own GPUs.
 """
 
 from __future__ import annotations
@@ -73,10 +80,12 @@ def _arithmetic(workers: Sequence[tuple[str, str, int]], need: int, have: int,
 
 def plan(workers: Sequence[tuple[str, str, int]], *, visible: Sequence[str],
          gpus: Sequence[int] | None = None, share: bool = False,
-         memory_utilization: float | None = None) -> dict[str, WorkerPlacement]:
+         memory_utilization: float | None = None,
+         peer_view: bool = False) -> dict[str, WorkerPlacement]:
     """workers: (worker id, role, TP size) in start order; visible: the GPU names this
-    process sees (visible_gpus). Returns each worker's placement; raises ValueError
-    when they do not fit."""
+    process sees (visible_gpus); peer_view: every worker sees the pool and gets
+    `--device cuda:N` (for cuda_ipc between GPUs). Returns each worker's placement;
+    raises ValueError when they do not fit."""
     if memory_utilization is not None and not 0 < memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must be in (0, 1]")
     if gpus is not None:
@@ -116,7 +125,11 @@ def plan(workers: Sequence[tuple[str, str, int]], *, visible: Sequence[str],
         if util is not None:
             args += ["--gpu-memory-utilization", str(util)]
         names = tuple(pool[g] for g in s)
-        out[wid] = WorkerPlacement(tuple(args), (("CUDA_VISIBLE_DEVICES", ",".join(names)),),
+        seen = names
+        if peer_view and s == list(range(s[0], s[0] + tp)):
+            seen = tuple(pool)
+            args += ["--device", f"cuda:{s[0]}"]
+        out[wid] = WorkerPlacement(tuple(args), (("CUDA_VISIBLE_DEVICES", ",".join(seen)),),
                                    names)
     return out
 

@@ -136,7 +136,9 @@ def place_workers(s: dict[str, Any], prefill: int, decode: int, colocated: int,
                   gpu_count: int | None = None) -> dict[str, Any]:
     """Each worker's TP size and, on GPUs, its CUDA_VISIBLE_DEVICES (cluster/placement.py).
     Without -tp, --gpus or --share-gpus nothing is placed: every worker sees every GPU.
-    `gpu_count`: the visible GPUs (default: torch's count)."""
+    With --transport cuda_ipc / auto the workers see the whole pool and each gets its
+    `--device cuda:N` (peer access between GPUs needs both visible). `gpu_count`: the
+    visible GPUs (default: torch's count)."""
     from cluster.placement import parse_gpus, plan, plan_cpu, visible_gpus
 
     tp = int(s.get("tensor_parallel_size") or 1)
@@ -163,7 +165,8 @@ def place_workers(s: dict[str, Any], prefill: int, decode: int, colocated: int,
         return dict(plan_cpu(workers))
     return dict(plan(workers, visible=visible,
                      gpus=parse_gpus(str(gpus)) if gpus is not None else None,
-                     share=share, memory_utilization=util))
+                     share=share, memory_utilization=util,
+                     peer_view=str(s.get("transport") or "") in ("cuda_ipc", "auto")))
 
 
 def _util_only(args: tuple[str, ...]) -> Any:
@@ -249,7 +252,10 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     for wid, place in spec.placement.items():
         if place.gpus:
-            print(f"  {wid}: GPUs {','.join(place.gpus)} (CUDA_VISIBLE_DEVICES)", flush=True)
+            how = ("CUDA_VISIBLE_DEVICES" if "--device" not in place.args else
+                   f"--device {place.args[place.args.index('--device') + 1]} of "
+                   f"CUDA_VISIBLE_DEVICES={dict(place.env)['CUDA_VISIBLE_DEVICES']}")
+            print(f"  {wid}: GPUs {','.join(place.gpus)} ({how})", flush=True)
     try:
         cluster.start()
     except ClusterError as e:

@@ -2,10 +2,12 @@
 
 `cuda_ipc` and `ucx` speak the same in-place protocol (RESERVE/GRANT, a batched copy,
 WRITE notices) and differ only in how the bytes move, so one receiver can offer
-both: its WELCOME carries the exported cache (CUDA IPC handle, or pid/address for a
-host cache) and the UCX remote key. Each sender picks at connect: on the receiver's
-node (same boot id) it maps the cache and copies with one batched launch per chunk
-(`cuda_ipc`); from another node it puts over UCX (RDMA where the fabric has it).
+both: its WELCOME carries the exported cache (CUDA IPC handle and the GPU's UUID, or
+pid/address for a host cache) and the UCX remote key. Each sender picks at connect:
+when it can map the cache (`cuda_ipc.ipc_refusal`: the receiver's node, same boot id;
+the same memory kind; on CUDA, the receiver's GPU visible here and the same GPU or a
+P2P peer of its own) it copies with one batched launch per chunk (`cuda_ipc`, over
+NVLink / PCIe between GPUs); otherwise it puts over UCX (RDMA where the fabric has it).
 Fencing, leases and metrics are the receiver's, whichever path a sender takes.
 
 Workers use it for `--transport auto` with CUDA caches (worker/cli.py).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtransfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, boot_id
+from kvtransfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, local_refusal
 from kvtransfer.layout import Region
 from kvtransfer.memory import Ready
 from kvtransfer.sender import Peer
@@ -34,7 +36,8 @@ class AutoSender(CudaIpcSender, UcxSender):
         self.paths: dict[int, str] = {}  # id(peer) -> "cuda_ipc" | "ucx"
 
     async def _on_connected(self, peer: Peer) -> None:
-        local = peer.welcome.get("boot_id") == boot_id()
+        assert self.kv is not None
+        local = local_refusal(peer.welcome, self.kv) is None
         self.paths[id(peer)] = "cuda_ipc" if local else "ucx"
         if local:
             await CudaIpcSender._on_connected(self, peer)

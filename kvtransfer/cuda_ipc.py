@@ -27,6 +27,15 @@ The data mover is the only part that differs by device, and is small:
 
 Both need the two processes on one node: WELCOME carries the receiver's boot id and
 a sender elsewhere refuses at connect with an error naming `ucx`.
+
+Across the GPUs of one node the receiver's export also names its GPU by UUID, since
+device ordinals are per process (CUDA_VISIBLE_DEVICES renumbers them). The sender finds
+that GPU among those it sees and maps the handle in its own device's context: CUDA
+then enables peer access from the sender's GPU to the receiver's (torch opens IPC
+handles with `cudaIpcMemLazyEnablePeerAccess`), and the one copy launch runs on the
+sender's GPU, pushing over NVLink / PCIe, ordered after the chunk's event on the same
+device. Peer access needs both GPUs visible to the sender: `ipc_refusal` says why a
+pair cannot use the path, and `auto` then takes `ucx` for that peer.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
@@ -54,6 +64,65 @@ def boot_id() -> str:
         return f.read().strip()
 
 
+def gpu_uuid(index: int) -> str:
+    """A GPU's identity across processes (ordinals differ between processes)."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def local_gpus() -> dict[str, int]:
+    """The GPUs this process sees: UUID -> ordinal."""
+    import torch
+
+    return {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
+
+
+def ipc_refusal(welcome: Mapping[str, Any], *, node: str, kind: str, own_gpu: int | None,
+                gpus: Mapping[str, int] | None,
+                can_access: Callable[[int, int], bool] | None) -> str | None:
+    """Why this sender cannot map the receiver's cache that `welcome` describes, or None
+    when it can. `node`: this node's boot id; `kind`: this sender's cache memory ("cuda"
+    or "host"); `own_gpu`: its cache's ordinal; `gpus`: UUID -> ordinal of the GPUs it
+    sees; `can_access(a, b)`: whether ordinal a can reach ordinal b's memory (peer)."""
+    exported = welcome.get("cuda_ipc")
+    if not isinstance(exported, dict):
+        return "cuda_ipc WELCOME without an exported cache"
+    if welcome.get("boot_id") != node:
+        return "cuda_ipc needs both workers on one node; between nodes use --transport ucx"
+    if exported.get("kind") != kind:
+        return (f"cuda_ipc: the receiver's KV cache is in {exported.get('kind')} memory, "
+                f"this sender's in {kind} memory; run both workers with one --device, or "
+                "use --transport ucx")
+    if kind != "cuda":
+        return None
+    theirs = exported.get("gpu")
+    if not isinstance(theirs, str) or gpus is None or own_gpu is None:
+        return "cuda_ipc: the receiver's export does not name its GPU"
+    if theirs not in gpus:
+        return (f"cuda_ipc: the receiver's GPU ({theirs}) is not visible to this sender; "
+                "give both workers every GPU of the pair in CUDA_VISIBLE_DEVICES and each "
+                "its own --device cuda:N, or use --transport ucx")
+    peer = gpus[theirs]
+    if peer != own_gpu and (can_access is None or not can_access(own_gpu, peer)):
+        return (f"cuda_ipc: GPU cuda:{own_gpu} cannot access cuda:{peer} as a peer (no "
+                "NVLink / PCIe P2P between them); use --transport ucx")
+    return None
+
+
+def local_refusal(welcome: Mapping[str, Any], kv: RegisteredKV) -> str | None:
+    """`ipc_refusal` for this process and its cache `kv`."""
+    if not kv.is_cuda:
+        return ipc_refusal(welcome, node=boot_id(), kind="host", own_gpu=None, gpus=None,
+                           can_access=None)
+    import torch
+
+    own = kv.tensor.device.index
+    own = torch.cuda.current_device() if own is None else own
+    return ipc_refusal(welcome, node=boot_id(), kind="cuda", own_gpu=own, gpus=local_gpus(),
+                       can_access=torch.cuda.can_device_access_peer)
+
+
 class Mover(Protocol):
     """Moves a chunk's bytes into an exported cache; one implementation per device."""
 
@@ -62,8 +131,9 @@ class Mover(Protocol):
     def export(self, kv: RegisteredKV) -> dict[str, Any]:
         """Receiver: describe the registered cache for senders (JSON-able, once)."""
 
-    def open(self, exported: dict[str, Any]) -> Any:
-        """Sender: map a receiver's exported cache; returns the destination handle."""
+    def open(self, exported: dict[str, Any], kv: RegisteredKV) -> Any:
+        """Sender: map a receiver's exported cache for copies from `kv`; returns the
+        destination handle."""
 
     def prepare(self, kv: RegisteredKV) -> None:
         """Sender, in a worker thread, before the first copy: set up what a first copy
@@ -119,17 +189,24 @@ class CudaMover:
                 "ref_offset": int(ref_offset),
                 "event_handle": bytes(event_handle or b"").hex(),
                 "event_sync": bool(event_sync),
-                "tensor_offset": t.storage_offset() * t.element_size(), "nbytes": kv.nbytes}
+                "tensor_offset": t.storage_offset() * t.element_size(), "nbytes": kv.nbytes,
+                "gpu": gpu_uuid(int(device))}
 
-    def open(self, exported: dict[str, Any]) -> Any:
+    def open(self, exported: dict[str, Any], kv: RegisteredKV) -> Any:
+        """Maps the handle in the context of the sender's own GPU (the receiver's
+        ordinal means nothing here): on another GPU, CUDA enables peer access to the
+        receiver's at this open, and the mapping is addressable by kernels launched on
+        the sender's GPU, where `copy` launches."""
         import torch
 
         e = exported
+        own = kv.tensor.device.index
+        own = torch.cuda.current_device() if own is None else own
         storage = torch.UntypedStorage._new_shared_cuda(
-            e["device"], bytes.fromhex(e["handle"]), e["size"], e["offset"],
+            own, bytes.fromhex(e["handle"]), e["size"], e["offset"],
             bytes.fromhex(e["ref_handle"]), e["ref_offset"],
             bytes.fromhex(e["event_handle"]) or None, e["event_sync"])
-        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{e['device']}")
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{own}")
         flat.set_(storage, e["tensor_offset"], (e["nbytes"],), (1,))
         return flat
 
@@ -203,7 +280,7 @@ class HostMover:
     def export(self, kv: RegisteredKV) -> dict[str, Any]:
         return {"pid": os.getpid(), "address": kv.address, "nbytes": kv.nbytes}
 
-    def open(self, exported: dict[str, Any]) -> Any:
+    def open(self, exported: dict[str, Any], kv: RegisteredKV) -> Any:
         return (int(exported["pid"]), int(exported["address"]))
 
     def prepare(self, kv: RegisteredKV) -> None:
@@ -269,19 +346,12 @@ class CudaIpcSender(InPlaceSender):
 
     async def _on_connected(self, peer: Peer) -> None:
         assert self.kv is not None
-        exported = peer.welcome.get("cuda_ipc")
-        if not isinstance(exported, dict):
-            raise ProtocolError("cuda_ipc WELCOME without an exported cache")
-        if peer.welcome.get("boot_id") != boot_id():
-            raise ProtocolError("cuda_ipc needs both workers on one node; between nodes "
-                                "use --transport ucx")
+        refusal = local_refusal(peer.welcome, self.kv)
+        if refusal is not None:
+            raise ProtocolError(refusal)
         if self._mover is None:
             self._mover = mover_for(self.kv)
-        if exported.get("kind") != self._mover.kind:
-            raise ProtocolError(f"cuda_ipc: the receiver's KV cache is in {exported.get('kind')}"
-                                f" memory, this sender's in {self._mover.kind} memory; run "
-                                "both workers with one --device, or use --transport ucx")
-        peer.state = self._mover.open(exported)
+        peer.state = self._mover.open(peer.welcome["cuda_ipc"], self.kv)
         await asyncio.to_thread(self._mover.prepare, self.kv)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
@@ -301,4 +371,5 @@ class CudaIpcSender(InPlaceSender):
             await asyncio.to_thread(self._mover.close, held)
 
 
-__all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaMover", "HostMover", "boot_id"]
+__all__ = ["CudaIpcReceiver", "CudaIpcSender", "CudaMover", "HostMover", "boot_id",
+           "gpu_uuid", "ipc_refusal", "local_gpus", "local_refusal"]

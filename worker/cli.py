@@ -42,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=["tcp", "shm", "ucx", "cuda_ipc", "auto"],
                    default="tcp",
                    help="KV transfer between prefill and decode workers. GPU caches: "
-                        "cuda_ipc (one node), ucx (RMA, between nodes), auto (per peer: "
-                        "cuda_ipc on this node, ucx elsewhere). Host caches: tcp, shm "
+                        "cuda_ipc (one node; another GPU must be visible and a P2P peer), "
+                        "ucx (RMA, between nodes), auto (per peer: cuda_ipc where it can "
+                        "map the decode's cache, ucx elsewhere). Host caches: tcp, shm "
                         "(one node), ucx; auto means tcp there")
     p.add_argument("--transfer-host", default=None,
                    help="address the decode's KV receiver binds (default --host)")

@@ -47,6 +47,8 @@ async def run_sender(spec: dict[str, Any]) -> None:
     config = TransferConfig(**spec["config"])
     sender = make_sender(config)
     kv = make_kv(layout, spec["num_blocks"], spec["seed"]).to(spec.get("device", "cpu"))
+    if kv.is_cuda:  # the process's own GPU, as a worker's engine sets it (--device cuda:N)
+        torch.cuda.set_device(kv.device)
     before = torch.cuda.memory_allocated() if kv.is_cuda else 0
     sender.register(kv, layout)
     if spec.get("corrupt"):
@@ -60,7 +62,7 @@ async def run_sender(spec: dict[str, Any]) -> None:
     except KVTransferError as e:
         emit({"connect": False, "kind": e.kind, "message": str(e)})
         return
-    emit({"ready": True})
+    emit({"ready": True, "path": getattr(sender, "paths", {}).get(id(peer), config.transport)})
     await asyncio.gather(*(send_one(sender, peer, t, spec) for t in spec["transfers"]))
     await sender.close()
     if spec.get("hold_after_close"):

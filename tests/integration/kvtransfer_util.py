@@ -53,12 +53,13 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
 class PeerProcess:
     """The other process; lines are JSON objects read with a deadline."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.proc: asyncio.subprocess.Process | None = None
         self.spec = spec
+        self.env = env or {}
 
     async def start(self) -> PeerProcess:
-        env = child_env()
+        env = {**child_env(), **self.env}
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.integration.kvtransfer_peer", json.dumps(self.spec),
             stdout=subprocess.PIPE, env=env, cwd=str(ROOT))

@@ -103,3 +103,33 @@ def test_launcher_gives_each_worker_its_gpus(tmp_path):
         assert open(child.log_path).read().strip() == "2,3"
     finally:
         cluster.stop()
+
+
+def test_cuda_ipc_placement_lets_workers_see_the_pool_each_on_its_own_device():
+    """Peer access needs both GPUs visible to the sender: with cuda_ipc / auto every
+    worker sees the pool and gets --device cuda:N (its ranks take N, N+1, ...)."""
+    workers = [("prefill-0", "prefill", 1), ("decode-0", "decode", 2)]
+    out = plan(workers, visible=["0", "1", "2", "3"], gpus=[1, 2, 3], peer_view=True)
+    assert _env(out["prefill-0"]) == _env(out["decode-0"]) == "1,2,3"
+    assert out["prefill-0"].args == ("--tensor-parallel-size", "1", "--device", "cuda:0")
+    assert out["decode-0"].args == ("--tensor-parallel-size", "2", "--device", "cuda:1")
+    assert out["prefill-0"].gpus == ("1",) and out["decode-0"].gpus == ("2", "3")
+    # A set that wraps around the pool (--share-gpus) is not consecutive: isolated.
+    wrap = plan([("prefill-0", "prefill", 2), ("decode-0", "decode", 2)], visible=["0", "1", "2"],
+                share=True, peer_view=True)
+    assert _env(wrap["prefill-0"]) == "0,1,2" and "--device" in wrap["prefill-0"].args
+    assert _env(wrap["decode-0"]) == "2,0" and "--device" not in wrap["decode-0"].args
+
+
+def test_up_transport_decides_the_gpu_view():
+    from cluster.up import _settings
+
+    for transport, seen in (("auto", ["0,1", "0,1"]), ("cuda_ipc", ["0,1", "0,1"]),
+                            ("ucx", ["0", "1"])):
+        s = _settings(_spec("--prefill", "1", "--decode", "1", "--gpus", "0,1",
+                            "--transport", transport, "--device", "cuda"))
+        out = place_workers(s, 1, 1, 0, gpu_count=2)
+        assert [_env(out[w]) for w in ("prefill-0", "decode-0")] == seen, transport
+        devices = [dict(zip(out[w].args[::2], out[w].args[1::2], strict=True)).get("--device")
+                   for w in ("prefill-0", "decode-0")]
+        assert devices == (["cuda:0", "cuda:1"] if transport != "ucx" else [None, None])

@@ -1,6 +1,8 @@
 """cuda_ipc's pieces that need no second process: the batched gather-scatter kernel
-(Triton's interpreter on the CPU; the same kernel runs on the GPU), and the node
-check that refuses a sender on another node with an error naming `ucx`."""
+(Triton's interpreter on the CPU; the same kernel runs on the GPU), the node check
+that refuses a sender on another node with an error naming `ucx`, and the decision
+between GPUs (by UUID, node and peer access) that `cuda_ipc` enforces and `auto`
+follows."""
 
 from __future__ import annotations
 
@@ -86,3 +88,61 @@ def test_auto_maps_the_cache_on_one_node_and_puts_over_ucx_from_another() -> Non
             await receiver.close()
 
     asyncio.run(main())
+
+
+def _welcome(node: str = "n1", kind: str = "cuda", gpu: str | None = "GPU-b") -> dict:
+    exported = {"kind": kind, **({"gpu": gpu} if gpu is not None else {})}
+    return {"boot_id": node, "cuda_ipc": exported}
+
+
+# This sender: on GPU-a (its cuda:0); it also sees GPU-b as cuda:1, and GPU-c as cuda:2,
+# which is not a P2P peer of cuda:0.
+_GPUS = {"GPU-a": 0, "GPU-b": 1, "GPU-c": 2}
+
+
+def _refusal(welcome: dict, own_gpu: int = 0, gpus: dict | None = None) -> str | None:
+    from kvtransfer.cuda_ipc import ipc_refusal
+
+    return ipc_refusal(welcome, node="n1", kind="cuda", own_gpu=own_gpu,
+                       gpus=_GPUS if gpus is None else gpus,
+                       can_access=lambda a, b: {a, b} == {0, 1})
+
+
+def test_ipc_path_between_gpus_is_decided_by_uuid_node_and_peer_access() -> None:
+    # The same GPU, found by UUID whatever its ordinal in the receiver's process.
+    assert _refusal(_welcome(gpu="GPU-a")) is None
+    # Another GPU that is a P2P peer: the cross-GPU path.
+    assert _refusal(_welcome(gpu="GPU-b")) is None
+    assert _refusal(_welcome(gpu="GPU-a"), own_gpu=1) is None
+    no_p2p = _refusal(_welcome(gpu="GPU-c"))
+    assert no_p2p is not None and "cannot access cuda:2 as a peer" in no_p2p
+    hidden = _refusal(_welcome(gpu="GPU-b"), gpus={"GPU-a": 0})
+    assert hidden is not None and "not visible" in hidden and "--device cuda:N" in hidden
+    other_node = _refusal(_welcome(node="n2", gpu="GPU-a"))
+    assert other_node is not None and "--transport ucx" in other_node
+    assert "host memory" in (_refusal(_welcome(kind="host")) or "")
+    assert "does not name its GPU" in (_refusal(_welcome(gpu=None)) or "")
+    assert "without an exported cache" in (_refusal({"boot_id": "n1"}) or "")
+
+
+def test_host_caches_need_only_the_node() -> None:
+    from kvtransfer.cuda_ipc import ipc_refusal
+
+    same = ipc_refusal(_welcome(kind="host", gpu=None), node="n1", kind="host",
+                       own_gpu=None, gpus=None, can_access=None)
+    assert same is None
+    assert ipc_refusal(_welcome(node="n2", kind="host", gpu=None), node="n1", kind="host",
+                       own_gpu=None, gpus=None, can_access=None) is not None
+
+
+def test_auto_takes_the_ipc_path_exactly_when_the_sender_can_map_the_cache() -> None:
+    """`auto`'s choice is `local_refusal` being None: with host caches (these tests'),
+    same node -> cuda_ipc; the decision for GPUs is the pure one above."""
+    from kvtransfer.cuda_ipc import boot_id, local_refusal
+    from kvtransfer.memory import RegisteredKV
+    from tests.integration.kvtransfer_util import make_kv
+
+    kv = RegisteredKV(make_kv(LAYOUT_BF16, 4, 1), LAYOUT_BF16)
+    here = {"boot_id": boot_id(), "cuda_ipc": {"kind": "host"}}
+    assert local_refusal(here, kv) is None
+    assert local_refusal({**here, "boot_id": "elsewhere"}, kv) is not None
