@@ -133,20 +133,29 @@ class DecodeWindows:
             return 1, []
         bs = self.profile.block_size
         blocks = self.kv.req_blocks
-        k = s.config.max_num_batched_tokens // len(s.running)
-        for r in s.running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.hold_kv:
+        running: list[Any] = s.running  # SimRequests
+        k = s.config.max_num_batched_tokens // len(running)
+        most = self.max_model_len
+        firsts = []
+        for r in running:
+            n = r.num_tokens
+            c = r.num_computed_tokens
+            if n - c != 1 or r.hold_kv:
                 return 1, []
-            k = min(k, cast(SimRequest, r).max_output - r.num_output_tokens,
-                    self.max_model_len - r.num_tokens)
+            left = r.max_output - r.num_output_tokens
+            if left < k:
+                k = left
+            if most - n < k:
+                k = most - n
+            # Iteration i computes token c + i - 1 of a request that has computed c: it
+            # takes a block when that token starts one past the blocks the request holds.
+            firsts.append(len(blocks[r.request_id]) * bs - c + 1)
         if k <= 1:
             return 1, []
-        # Iteration i computes token c + i - 1 of a request that has computed c: it
-        # takes a block when that token starts one past the blocks the request holds.
         takes = []
-        for row, r in enumerate(s.running):
-            first = len(blocks[r.request_id]) * bs - r.num_computed_tokens + 1
-            takes += [(i, row) for i in range(first, k + 1, bs)]
+        for row, first in enumerate(firsts):
+            if first <= k:
+                takes += [(i, row) for i in range(first, k + 1, bs)]
         free = self.kv.pool.num_free_blocks
         if len(takes) > free:
             takes.sort()
