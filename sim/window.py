@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from engine.block_pool import BlockRemoved, KVBlock
 from engine.kv_cache_manager import KVCacheManager
@@ -30,7 +30,6 @@ from sim.index import Deferred, InProcessBlockIndex
 from sim.latency import LatencyModel, WindowClock
 from sim.pool import SimBlockPool
 from sim.profile import HardwareProfile
-from sim.request import SimRequest
 
 INF: Final = float("inf")
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
@@ -171,13 +170,13 @@ class DecodeWindows:
         s = self.scheduler
         pool = self.pool
         self.publish_events()  # what came before: the window's own events go per iteration
-        rows = list(s.running)
+        rows: list[Any] = list(s.running)  # SimRequests
         computed = [r.num_computed_tokens for r in rows]
         held = [len(self.kv.req_blocks[r.request_id]) for r in rows]
         taken = pool.peek_free(len(takes))
         hashes: list[Any] = [b.block_hash for b in taken]  # ints (sim/workload.py)
         for r in rows:
-            cast(SimRequest, r).hand_ahead(k - 1)
+            r.hand_ahead(k - 1)
         out = s.schedule()
         if out.preempted or len(out.scheduled) != len(rows) or any(
                 x.num_new_tokens != k for x in out.scheduled):
@@ -214,7 +213,7 @@ class DecodeWindows:
         # the later iterations' evictions: the index applies each at its time
         later = [j for j in range(first, len(takes)) if hashes[j] is not None]
         if later:
-            gone = [cast(int, hashes[j]) for j in later]
+            gone = [hashes[j] for j in later]  # ints
             window.deferred = self.index.defer(self.worker_id, gone,
                                                [window.starts[j] for j in later])
         if self.offload is not None:
