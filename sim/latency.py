@@ -84,9 +84,15 @@ class WindowClock:
     `dt(i)`: what `LatencyModel.step` gives it as a one-token step of every row, plus
     `extra`; it ends at `start + dt(1) + ... + dt(i)`, added one after the other as the
     one-iteration steps' clock adds them (the same float operations on the same
-    numbers: to the bit). Nothing is kept per iteration: a question is one pass over
+    numbers: to the bit). No list is kept per iteration: a question is one pass over
     the iterations it needs (`walk`; a window stands for ~200 iterations, and lists of
-    their times cost more to make and free than the passes)."""
+    their times cost more to make and free than the passes). A long walk's arrays are
+    kept: a window's later questions (a cut, with the same busy time) are prefixes of
+    its first, answered by a search in them."""
+
+    _ends: Any = None  # a long walk's running sums (`_walk_arrays`): the ends,
+    _busy: Any = None  # and the busy time from `_busy0`
+    _busy0 = 0.0
 
     def __init__(self, model: LatencyModel, computed: Sequence[int], start: float,
                  extra: float) -> None:
@@ -130,6 +136,8 @@ class WindowClock:
         their times (added as a worker's one-iteration steps add them to its busy
         time), and when each iteration in `marks` (nondecreasing, from 1, up to i)
         ends."""
+        if self._ends is not None and n < len(self._ends) and busy == self._busy0:
+            return self._search(n, now, marks or [])
         if n >= _ARRAY_WALK:
             return self._walk_arrays(n, busy, now, marks or [])
         base, rows, flops, flop_pair = self.base, self.rows, self.flops, self.flop_pair
@@ -162,14 +170,36 @@ class WindowClock:
                      ) -> tuple[int, float, float, float, list[float]]:
         """`walk` over arrays: each iteration's time as `dt` computes it (elementwise,
         in the same order), the ends and the busy time as running sums."""
-        pairs = self.base + self.rows * np.arange(1, n + 1, dtype=np.int64)
-        c = (self.flops + pairs * self.flop_pair) * self.s_flop
-        m = (self.weights + pairs * self.kv_token) * self.s_byte
-        dt = (self.fixed + (np.maximum(c, m) if self.biggest else c + m)) + self.extra
-        t = np.add.accumulate(np.concatenate(([self.start], dt)))  # t[i]: the i-th's end
+        # In place, with fewer temporaries: x += a is a + x to the bit (IEEE addition
+        # and multiplication commute), in the order `dt` computes.
+        pairs = np.arange(self.base + self.rows, self.base + self.rows * (n + 1),
+                          self.rows, dtype=np.int64)
+        c = (pairs * self.flop_pair + self.flops) * self.s_flop  # floats from here
+        m = (pairs * self.kv_token + self.weights) * self.s_byte
+        if self.biggest:
+            np.maximum(c, m, out=c)
+        else:
+            c += m
+        c += self.fixed
+        c += self.extra
+        t = np.empty(n + 1)  # t[i]: the i-th's end
+        t[0] = self.start
+        t[1:] = c
+        np.add.accumulate(t, out=t)
+        b = t.copy()  # b[i]: busy + the first i's times
+        b[0] = busy
+        b[1:] = c
+        np.add.accumulate(b, out=b)
+        self._ends, self._busy, self._busy0 = t, b, busy
+        return self._search(n, now, marks)
+
+    def _search(self, n: int, now: float, marks: list[int]
+                ) -> tuple[int, float, float, float, list[float]]:
+        """`walk` in the kept arrays (a prefix of a running sum is the running sum of
+        the prefix)."""
+        t = self._ends
         # the one running at `now`: the first to end at or after it (the ends increase)
-        i = min(n, int(np.searchsorted(t[1:], now, side="left")) + 1)
-        busy_end = float(np.add.accumulate(np.concatenate(([busy], dt[:i])))[-1])
+        i = n if now == INF else min(n, int(np.searchsorted(t[1:n + 1], now, side="left")) + 1)
         out = t[marks[:bisect_right(marks, i)]].tolist() if marks else []
-        return i, float(t[i]), float(t[i - 1]) if i > 1 else -INF, busy_end, out
+        return i, float(t[i]), float(t[i - 1]) if i > 1 else -INF, float(self._busy[i]), out
 

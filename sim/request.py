@@ -40,6 +40,19 @@ class SimRequest(Request):
         self.all_token_ids = cast(list[int], Tokens(len(self.prompt_token_ids)))
         self.output_token_ids = cast(list[int], Tokens())
 
+    # Request's counts, read off the Tokens (no __len__ call: the scheduler asks often)
+    @property
+    def num_tokens(self) -> int:
+        return self.all_token_ids.n  # type: ignore[attr-defined]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_token_ids.n  # type: ignore[attr-defined]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.output_token_ids.n  # type: ignore[attr-defined]
+
     def update_block_hashes(self, block_size: int) -> list[Any]:
         return self.block_hashes  # every full block's hash is known from the start
 

@@ -60,9 +60,21 @@ def runs_of(hashes: Sequence[int], ordered: bool = True) -> list[tuple[int, int,
     """`hashes` as runs of consecutive blocks of one segment: (segment, first block,
     count), in order, or (not `ordered`: a set of blocks, e.g. evictions, which come
     tail first) sorted, a repeat as a run of its own."""
+    hs: list[int] = hashes if isinstance(hashes, list) else list(hashes)
     if not ordered:
-        return _sorted_runs(hashes if isinstance(hashes, list) else list(hashes))
-    return list(runs_of_lazily(hashes))
+        return _sorted_runs(hs)
+    out = []  # runs_of_lazily's loop, without a generator's resumes
+    i, n = 0, len(hs)
+    while i < n:
+        h = hs[i]
+        j = h & LOW
+        lim = min(LOW + 1 - j, n - i)
+        k = 1
+        while k < lim and hs[i + k] == h + k:
+            k += 1
+        out.append((h >> SEGMENT_SHIFT, j, k))
+        i += k
+    return out
 
 
 def _sorted_runs(hs: list[int]) -> list[tuple[int, int, int]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from engine.block_pool import BlockRemoved, KVBlock
 from engine.kv_cache_manager import KVCacheManager
@@ -30,7 +30,6 @@ from sim.index import Deferred, InProcessBlockIndex
 from sim.latency import LatencyModel, WindowClock
 from sim.pool import SimBlockPool
 from sim.profile import HardwareProfile
-from sim.request import SimRequest
 
 INF: Final = float("inf")
 NO_KV: Any = None  # where the engine passes its KV cache tensor: there are no bytes here
@@ -133,20 +132,29 @@ class DecodeWindows:
             return 1, []
         bs = self.profile.block_size
         blocks = self.kv.req_blocks
-        k = s.config.max_num_batched_tokens // len(s.running)
-        for r in s.running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.hold_kv:
+        running: list[Any] = s.running  # SimRequests
+        k = s.config.max_num_batched_tokens // len(running)
+        most = self.max_model_len
+        firsts = []
+        for r in running:
+            n = r.num_tokens
+            c = r.num_computed_tokens
+            if n - c != 1 or r.hold_kv:
                 return 1, []
-            k = min(k, cast(SimRequest, r).max_output - r.num_output_tokens,
-                    self.max_model_len - r.num_tokens)
+            left = r.max_output - r.num_output_tokens
+            if left < k:
+                k = left
+            if most - n < k:
+                k = most - n
+            # Iteration i computes token c + i - 1 of a request that has computed c: it
+            # takes a block when that token starts one past the blocks the request holds.
+            firsts.append(len(blocks[r.request_id]) * bs - c + 1)
         if k <= 1:
             return 1, []
-        # Iteration i computes token c + i - 1 of a request that has computed c: it
-        # takes a block when that token starts one past the blocks the request holds.
         takes = []
-        for row, r in enumerate(s.running):
-            first = len(blocks[r.request_id]) * bs - r.num_computed_tokens + 1
-            takes += [(i, row) for i in range(first, k + 1, bs)]
+        for row, first in enumerate(firsts):
+            if first <= k:
+                takes += [(i, row) for i in range(first, k + 1, bs)]
         free = self.kv.pool.num_free_blocks
         if len(takes) > free:
             takes.sort()
@@ -162,13 +170,13 @@ class DecodeWindows:
         s = self.scheduler
         pool = self.pool
         self.publish_events()  # what came before: the window's own events go per iteration
-        rows = list(s.running)
+        rows: list[Any] = list(s.running)  # SimRequests
         computed = [r.num_computed_tokens for r in rows]
         held = [len(self.kv.req_blocks[r.request_id]) for r in rows]
         taken = pool.peek_free(len(takes))
         hashes: list[Any] = [b.block_hash for b in taken]  # ints (sim/workload.py)
         for r in rows:
-            cast(SimRequest, r).hand_ahead(k - 1)
+            r.hand_ahead(k - 1)
         out = s.schedule()
         if out.preempted or len(out.scheduled) != len(rows) or any(
                 x.num_new_tokens != k for x in out.scheduled):
@@ -205,7 +213,7 @@ class DecodeWindows:
         # the later iterations' evictions: the index applies each at its time
         later = [j for j in range(first, len(takes)) if hashes[j] is not None]
         if later:
-            gone = [cast(int, hashes[j]) for j in later]
+            gone = [hashes[j] for j in later]  # ints
             window.deferred = self.index.defer(self.worker_id, gone,
                                                [window.starts[j] for j in later])
         if self.offload is not None:

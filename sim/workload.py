@@ -174,13 +174,19 @@ class BlockHasher:
         n_shared = min(n_full, spec.prompt_len // bs)  # the rest hold sampled tokens
         last = n_shared * bs
         out: list[int] = []
+        chains, slabs = self._chains, self._slabs
         chain, start = -1 - salt, 0
         for key, n in spec.segments:
             if start >= last:
                 break
-            chain = self._chain(chain, key)
+            c = chains.get((chain, key))  # `_chain`, inlined: once per segment
+            chain = c if c is not None else self._chain(chain, key)
             first, stop = (start // bs + 1) * bs, min(start + n, last)  # block ends here
             count = (stop - first) // bs + 1 if stop >= first else 0
+            start += n
+            if count == 1:  # a segment of one block (the trace's at its own block
+                out.append(slabs[chain][0])  # size): a chain's first int, never unmade
+                continue
             part = chain  # a segment's blocks past the first 2**SEGMENT_SHIFT: a part
             while count > 0:  # chained on the one before
                 m = min(_PART, count)
@@ -188,7 +194,6 @@ class BlockHasher:
                 count -= m
                 if count:
                     part = self._chain(part, _NEXT_PART)
-            start += n
         left = n_full - n_shared
         while left > 0:  # sampled blocks: a chain of their own, shared by nothing
             out.extend(self._slab(self._new_chain(False), min(_PART, left)))
