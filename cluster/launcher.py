@@ -298,8 +298,10 @@ class LocalCluster:
         return self.supervisor.stop(child, sig, timeout_s or self.spec.stop_timeout_s)
 
     def stop(self) -> None:
-        """Gateway first (no new work), then workers (they drain), then redis."""
-        order = sorted(self.children, key=lambda c: (not is_gateway(c.name), c.name == "redis"))
+        """Gateways first (no new work), then prefill workers (their last pushes still
+        land in live decode workers), then the other workers (they drain), then redis."""
+        order = sorted(self.children, key=lambda c: (
+            not is_gateway(c.name), not c.name.startswith("prefill-"), c.name == "redis"))
         for c in order:
             self.stop_child(c)
         with contextlib.suppress(OSError):
