@@ -29,12 +29,10 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.mla import MLABackend, TorchMLABackend, make_mla_backend
 from engine.config import DeepseekRouting, MLAConfig, ModelConfig, RopeConfig
-from engine.models.llama import MLP, RMSNorm, rope_inv_freq
+from engine.models.llama import MLP, CausalLM, DecoderModel, RMSNorm, rope_inv_freq
 from engine.models.moe import SparseMoeBlock
-from engine.models.parallel_layers import VocabParallelEmbedding, gather_logits, vocab_shard
 
 if TYPE_CHECKING:
-    from types import ModuleType
 
     from engine.distributed import TPGroup
 
@@ -201,54 +199,22 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
-        super().__init__()
-        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
-            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp)
-                                    for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """DeepSeek-V2 / V3 over a flat batch of tokens from many sequences (no padding);
     the same interface as LlamaForCausalLM. With `tp`, `cfg` is this rank's share of
     the shape (ModelConfig.shard)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
-        super().__init__()
         if cfg.mla is None:
             raise ValueError("DeepseekForCausalLM needs an MLA config")
-        self.config = cfg
-        self.tp = tp
-        self.model = DeepseekModel(cfg, tp)
-        rows = cfg.vocab_size if tp is None else vocab_shard(cfg.vocab_size, tp.size)
-        self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, tp, DecoderModel(cfg, tp, DeepseekDecoderLayer))
         inv_freq, self.rope_factor = deepseek_rope(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.ops: ModuleType | None = None
 
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:
         """The MLA backend paired with `backend` (torch | triton) and, with `fused`,
         the Triton RMSNorm / SiLU*mul kernels (engine.kernels)."""
-        ops: ModuleType | None = None
-        if fused:
-            import engine.kernels
-
-            ops = engine.kernels
-        self.ops = ops
-        mla_backend = make_mla_backend(backend.name)
-        for m in self.modules():
-            if isinstance(m, RMSNorm | MLP):
-                m.ops = ops
-            elif isinstance(m, MLAttention):
-                m.backend = mla_backend
-            elif isinstance(m, SparseMoeBlock):
-                m.use_triton = fused
+        self.use_kernels(fused, MLAttention, make_mla_backend(backend.name))
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,12 +233,4 @@ class DeepseekForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos, sin, kv_cache[:, i], meta)
-        if residual is None:
-            return self.model.norm(x)
-        return self.model.norm.add_forward(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
-        if self.tp is not None:
-            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
-        return self.lm_head(hidden).float()
+        return self.model.final_norm(x, residual)

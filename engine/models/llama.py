@@ -188,52 +188,82 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+    """The embedding, the layers (`layer(cfg, index, tp)` each) and the final norm."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None,
+                 layer: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
+        make = layer or DecoderLayer
+        self.layers = nn.ModuleList(make(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_forward(x, residual)[0]
 
-class LlamaForCausalLM(nn.Module):
-    """Forward over a flat batch of tokens from many sequences (no padding). With `tp`,
-    `cfg` is this rank's share of the shape (ModelConfig.shard)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+class CausalLM(nn.Module):
+    """What every model here shares around its decoder: the LM head (vocab-parallel
+    under TP, tied to the embedding when the config says so), the switch to the fused
+    Triton kernels and the logits."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None, model: DecoderModel) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = DecoderModel(cfg, tp)
+        self.model = model
         rows = cfg.vocab_size if tp is None else vocab_shard(cfg.vocab_size, tp.size)
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.ops: ModuleType | None = None
+
+    def use_kernels(self, fused: bool, attention: type[nn.Module], backend: object) -> None:
+        """Gives every `attention` module `backend` and, with `fused`, the norms and
+        MLPs engine.kernels and the experts the fused MoE kernel."""
+        ops: ModuleType | None = None
+        if fused:
+            import engine.kernels
+
+            ops = engine.kernels
+        self.ops = ops
+        for m in self.modules():
+            if isinstance(m, RMSNorm | MLP):
+                m.ops = ops
+            elif isinstance(m, attention):
+                m.backend = backend  # type: ignore[assignment]
+            elif isinstance(m, SparseMoeBlock):
+                m.use_triton = fused
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
+        if self.tp is not None:
+            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
+        return self.lm_head(hidden).float()
+
+
+class LlamaForCausalLM(CausalLM):
+    """Forward over a flat batch of tokens from many sequences (no padding). With `tp`,
+    `cfg` is this rank's share of the shape (ModelConfig.shard)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
+        super().__init__(cfg, tp, DecoderModel(cfg, tp))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim),
                              persistent=False)
-        self.ops: ModuleType | None = None
         self.cos_sin_cache: torch.Tensor | None = None
 
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:
         """Chooses the attention backend and, with `fused`, the Triton elementwise
         kernels (engine.kernels: RMSNorm with residual add, rotary, SiLU*mul) and the
         fused MoE kernel (engine.fused_moe) for the experts."""
-        ops: ModuleType | None = None
-        if fused:
-            import engine.kernels
-
-            ops = engine.kernels
+        self.use_kernels(fused, Attention, backend)
+        if self.ops is not None:
             inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
-            self.cos_sin_cache = ops.build_cos_sin_cache(inv_freq, max_positions)
-        self.ops = ops
-        for m in self.modules():
-            if isinstance(m, RMSNorm | MLP):
-                m.ops = ops
-            elif isinstance(m, Attention):
-                m.backend = backend
-            elif isinstance(m, SparseMoeBlock):
-                m.use_triton = fused
+            self.cos_sin_cache = self.ops.build_cos_sin_cache(inv_freq, max_positions)
 
     def rope_cos_sin(self, positions: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,12 +283,4 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, kv_cache[:, i], meta)
-        if residual is None:
-            return self.model.norm(x)
-        return self.model.norm.add_forward(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
-        if self.tp is not None:
-            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
-        return self.lm_head(hidden).float()
+        return self.model.final_norm(x, residual)
