@@ -13,7 +13,10 @@ rank 0's head slice gathered from each layout into one contiguous buffer. On CUD
 gather is one `index_select` kernel; on CPU one `copy_` per block (torch's CPU
 `index_select` of multi-dimensional rows runs element by element, which would time
 that kernel, not the layout). The gathered values are checked equal across layouts
-before timing. Figures are medians (and bests) over the repetitions; `slice_vs_full`
+before timing. On CPU the gathers run on one thread and are timed in that thread's
+CPU time (on a shared machine, wall time would count other jobs' turns on the cores);
+on CUDA in wall time to a synchronize. Figures are medians (and bests) over the
+repetitions; `slice_vs_full`
 is a slice gather's time over the full-block gather's (1/TP would be pure bandwidth),
 `token_vs_head` token-major's time over head-major's.
 """
@@ -112,11 +115,12 @@ class Probe:
             raise RuntimeError(f"TP {tp}: the head slice is not the blocks' first heads")
 
     def time(self, src: torch.Tensor, out: torch.Tensor, ids: torch.Tensor) -> float:
+        clock = time.perf_counter if self.device.type == "cuda" else time.thread_time
         _sync(self.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         self.gather(src, out, ids)
         _sync(self.device)
-        return time.perf_counter() - t0
+        return clock() - t0
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,6 +130,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if min(tps) < 1 or args.blocks < 1 or args.repeats < 1:
         raise SystemExit("--tp, --blocks and --repeats must be positive")
     dtype = getattr(torch, args.dtype)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # the thread's CPU time is then the whole gather's
     per_block = layers * 2 * args.block_size * heads * head_dim * dtype.itemsize
     pool = max(args.blocks, args.pool_mib * MIB // per_block)
     probe = Probe(layers, heads, head_dim, args.block_size, pool, dtype, device)
@@ -198,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
             "summary": result["summary"], "tables": [table(result["rows"])],
             "notes": [f"{result['blocks']} blocks scattered over a {result['pool_blocks']}"
                       f"-block pool per gather, {result['repeats']} interleaved repetitions "
-                      f"(medians), device {result['device']}, {result['threads']} threads"],
+                      f"(medians), device {result['device']}, {result['threads']} thread(s); "
+                      "on CPU, times are the gathering thread's CPU time"],
             "plots": [], "result": result}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
