@@ -130,8 +130,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if min(tps) < 1 or args.blocks < 1 or args.repeats < 1:
         raise SystemExit("--tp, --blocks and --repeats must be positive")
     dtype = getattr(torch, args.dtype)
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)  # the thread's CPU time is then the whole gather's
+    try:
+        return _measure(args, device, layers, heads, head_dim, tps, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(args: argparse.Namespace, device: torch.device, layers: int, heads: int,
+             head_dim: int, tps: list[int], dtype: torch.dtype) -> dict[str, Any]:
     per_block = layers * 2 * args.block_size * heads * head_dim * dtype.itemsize
     pool = max(args.blocks, args.pool_mib * MIB // per_block)
     probe = Probe(layers, heads, head_dim, args.block_size, pool, dtype, device)
