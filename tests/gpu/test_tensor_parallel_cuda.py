@@ -65,3 +65,59 @@ def test_tp2_cuda_graphs_capture_the_collectives() -> None:
     assert replays and any(b > 1 for b in replays)
     for prompt, g, e in zip(prompts, outs[False], outs[True], strict=True):
         assert g == e == hf_greedy(hf, prompt, MAX_TOKENS, eos), prompt
+
+
+def test_a_hung_rank_ends_graph_replays_within_the_collective_timeout() -> None:
+    """Rank 1 stopped (SIGSTOP) while decode steps replay CUDA graphs: the captured
+    collectives are outside the NCCL watchdog, yet rank 0 gives up within the timeout
+    (its bounded wait on the replay, or the watchdog on the step's broadcast) and takes
+    the stopped rank with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cluster.launcher import ROOT
+    from tests.factories import child_env
+    from tests.integration.serving_util import wait_for
+    from tests.integration.test_tp_serving import _gone, _ranks
+
+    # decode steps until stopped: every step replays a graph on both ranks
+    script = (
+        "import sys\n"
+        "from engine.llm import LLM\n"
+        "from engine.sampling_params import SamplingParams\n"
+        f"llm = LLM({tiny_model_dir('llama')!r}, dtype='float32', device='cuda',\n"
+        "          num_blocks=128, tensor_parallel_size=2, collective_timeout_s=3)\n"
+        "assert sorted(llm.engine.runner.graphs._graphs) == llm.engine.runner.graphs.buckets\n"
+        "print('decoding', file=sys.stderr, flush=True)\n"
+        "while True:\n"
+        "    llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=500, ignore_eos=True))\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        err = ""
+        while "decoding" not in err:
+            line = proc.stderr.readline()
+            assert line, err
+            err += line
+        [rank] = _ranks(proc.pid)
+        os.kill(rank, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rest = proc.communicate(timeout=60)[1]
+        assert time.monotonic() - t0 < 3 + 20, err + rest
+        assert proc.returncode != 0, err + rest
+        if "a decode graph's replay failed" in rest:  # ours, not the watchdog's abort
+            assert proc.returncode == 70 and "goes down whole" in rest, rest
+            wait_for(lambda: _gone(rank), 10, "the stopped rank to be killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank the watchdog's abort left behind
+        except ProcessLookupError:
+            pass
