@@ -92,6 +92,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller ones reuse its pool."""
+        if self.tp is not None:
+            self._check_ranks_agree()
         if not self.capture_enabled:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -119,6 +121,17 @@ class DecodeGraphs:
         log.info("captured CUDA graphs for decode batch sizes %s (%.1f MiB)%s",
                  self.buckets, self.memory_bytes / 2**20,
                  "" if self.tp is None else f" on tensor-parallel rank {self.tp.rank}")
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank has the same buckets and buffer layout (a rank replaying another
+        graph than its peers would pair their collectives wrongly: a hang, or garbage)."""
+        assert self.tp is not None
+        mine = [len(self.buckets), sum(self.buckets), self.max_batch, self.width]
+        low = self.tp.all_reduce_min(torch.tensor(mine, device=self.device))
+        high = self.tp.all_reduce_min(-torch.tensor(mine, device=self.device))
+        if low.tolist() != mine or (-high).tolist() != mine:
+            raise RuntimeError(f"tensor-parallel rank {self.tp.rank}: decode graph buckets "
+                               f"{self.buckets} (width {self.width}) differ from a peer's")
 
     def run(self, b: int, step: StepInputs) -> torch.Tensor:
         """Runs bucket `b` on `step`, which the step builder laid out in `buffer`

@@ -85,10 +85,12 @@ def serve(runner: Any, conn: Connection) -> None:
             os._exit(TP_FAILURE_EXIT)  # rank 0 is gone
         op = command[0]
         if op == "forward" and command[-1] is not None:  # a decode graph's bucket
-            if runner.graphs is None:
-                raise RuntimeError("rank 0 replays a decode graph this rank has not built")
-            step = runner.inputs.receive(tp, command, out=runner.graphs.buffer)
-            runner.graphs.run(command[-1], step)  # its logits' gather ends it
+            graphs = runner.graphs
+            if graphs is None or command[2][:3] != (command[-1], command[-1], graphs.width):
+                raise RuntimeError(f"rank 0's decode step {command[2]} (bucket "
+                                   f"{command[-1]}) does not fit this rank's decode graphs")
+            step = runner.inputs.receive(tp, command, out=graphs.buffer)
+            graphs.run(command[-1], step)  # its logits' gather ends it
             step = hidden = None
         elif op == "forward":
             step = runner.inputs.receive(tp, command)

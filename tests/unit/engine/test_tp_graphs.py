@@ -5,8 +5,15 @@ Greedy output token-identical to transformers and to eager TP."""
 
 from __future__ import annotations
 
-import pytest
+import threading
+from datetime import timedelta
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.cuda_graphs import DecodeGraphs
+from engine.distributed import TPGroup
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
@@ -63,3 +70,33 @@ def test_tp2_padded_decode_with_triton_kernels_on_each_ranks_heads() -> None:
     hf = hf_model(d)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(hf, prompt, 6, eos), prompt
+
+
+def _capture_on_two_ranks(max_num_seqs: tuple[int, int]) -> list[BaseException | None]:
+    """`DecodeGraphs.capture` on two gloo ranks (threads of this process) whose engines
+    allow `max_num_seqs` sequences each; what each raised."""
+    store = dist.HashStore()
+    errors: list[BaseException | None] = [None, None]
+    cpu = torch.device("cpu")
+
+    def rank(r: int) -> None:
+        pg = dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=30))
+        graphs = DecodeGraphs(lambda *a: torch.zeros(0), max_num_seqs[r], 8, cpu, None,
+                              capture=False, tp=TPGroup(r, 2, cpu, pg, 30.0))
+        try:
+            graphs.capture()
+        except RuntimeError as e:
+            errors[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def test_ranks_refuse_to_capture_different_buckets() -> None:
+    assert _capture_on_two_ranks((16, 16)) == [None, None]
+    errors = _capture_on_two_ranks((16, 24))
+    assert all(e is not None and "differ from a peer's" in str(e) for e in errors), errors
