@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine_bench", "engine throughput vs transformers generate"),
     "transfer": ("bench.transfer_bench", "KV transfer GB/s per transport vs memcpy / raw TCP"),
+    "layout": ("bench.layout_bench", "a TP rank's KV head slice: token- vs head-major blocks"),
     "run": ("bench.run_cli", "measure a running OpenAI-compatible or splitserve gRPC server"),
     "experiment": ("bench.experiment_cli", "start and compare cluster configurations"),
     "routing": ("bench.routing_bench", "round-robin vs least-loaded vs cache-aware routing"),

@@ -269,6 +269,9 @@ class EngineConfig:
     # kernels (RMSNorm, rotary, SiLU*mul) follow the same choice.
     attention_backend: str | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
+    # Decode-only steps take the CUDA graphs' padded, fixed-address inputs even where
+    # nothing is captured (CPU, enforce_eager): the graph path run eagerly, on every rank.
+    padded_decode: bool = False
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json
     # Ranks the model is split over (engine/distributed.py); rank 0 runs the engine,
     # ranks 1..N-1 the model only, on the next devices.
@@ -316,6 +319,6 @@ class EngineConfig:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        # Under TP every rank would have to replay its graphs in lockstep: eager for now.
-        return (self.device.startswith("cuda") and not self.enforce_eager
-                and self.tensor_parallel_size == 1)
+        """Capture decode graphs (every tensor-parallel rank captures the same buckets
+        and replays the one rank 0's step names)."""
+        return self.device.startswith("cuda") and not self.enforce_eager

@@ -10,17 +10,29 @@ eagerly.
 Graph inputs live at fixed addresses: one int32 buffer laid out as
 `engine.step_inputs` draws it for (T = B = bucket, W = the widest block table), which
 the step builder fills with one host->device copy before each replay.
+
+Under tensor parallelism every rank captures the same buckets, in the same order, at
+start-up (each runner's construction; the warm-up forwards' collectives keep them in
+lockstep), and the all-reduces and the logits' all-gather are captured inside the
+graphs (NCCL supports capture; its non-blocking `wait` only orders streams). Per step
+rank 0 broadcasts the padded buffer and names the bucket; every rank replays that one
+graph. A replay's collectives run outside the NCCL watchdog, so the host waits for a
+replay at most the collective timeout (`TPGroup.sync`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.step_inputs import StepInputs, layout_size, views
+
+if TYPE_CHECKING:
+    from engine.distributed import TPGroup
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +53,9 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, max_num_seqs: int, width: int,
                  device: torch.device, sliding_window: int | None,
-                 capture: bool = True) -> None:
+                 capture: bool = True, tp: TPGroup | None = None) -> None:
         self.forward = forward
+        self.tp = tp
         self.buckets = bucket_sizes(max_num_seqs)
         self.width = width
         self.device = device
@@ -79,6 +92,8 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Captures every bucket, largest first so the smaller ones reuse its pool."""
+        if self.tp is not None:
+            self._check_ranks_agree()
         if not self.capture_enabled:
             return
         pool = torch.cuda.graph_pool_handle()
@@ -93,14 +108,30 @@ class DecodeGraphs:
                     self.forward(ids, pos, meta)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread_local: the NCCL watchdog thread queries events meanwhile, which
+                # a global-mode capture would take for an unsafe call of its own
+                mode = "global" if self.tp is None else "thread_local"
+                with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                      capture_error_mode=mode):
                     self._outputs[b] = self.forward(ids, pos, meta)
                 self._graphs[b] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        log.info("captured CUDA graphs for decode batch sizes %s (%.1f MiB)",
-                 self.buckets, self.memory_bytes / 2**20)
+        log.info("captured CUDA graphs for decode batch sizes %s (%.1f MiB)%s",
+                 self.buckets, self.memory_bytes / 2**20,
+                 "" if self.tp is None else f" on tensor-parallel rank {self.tp.rank}")
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank has the same buckets and buffer layout (a rank replaying another
+        graph than its peers would pair their collectives wrongly: a hang, or garbage)."""
+        assert self.tp is not None
+        mine = [len(self.buckets), sum(self.buckets), self.max_batch, self.width]
+        low = self.tp.all_reduce_min(torch.tensor(mine, device=self.device))
+        high = self.tp.all_reduce_min(-torch.tensor(mine, device=self.device))
+        if low.tolist() != mine or (-high).tolist() != mine:
+            raise RuntimeError(f"tensor-parallel rank {self.tp.rank}: decode graph buckets "
+                               f"{self.buckets} (width {self.width}) differ from a peer's")
 
     def run(self, b: int, step: StepInputs) -> torch.Tensor:
         """Runs bucket `b` on `step`, which the step builder laid out in `buffer`
@@ -110,4 +141,6 @@ class DecodeGraphs:
         if graph is None:  # capture disabled: the same fixed-address inputs, eagerly
             return self.forward(step.input_ids, step.positions, step.meta)
         graph.replay()
+        if self.tp is not None:
+            self.tp.sync("a decode graph's replay")
         return self._outputs[b]

@@ -19,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -79,14 +80,34 @@ class TPGroup:
     store: Any = None  # the rendezvous store, kept alive with the group
 
     def _wait(self, work: Any, what: str) -> None:
+        # NCCL: `wait()` without a timeout only makes the current stream wait (no host
+        # sync), so a collective can be captured in a CUDA graph; the op's own timeout
+        # (`_opts`) is the watchdog's.
         try:
             work.wait()
         except Exception as e:  # noqa: BLE001  (gloo raises RuntimeError, NCCL DistBackendError)
-            self.closing = True
-            for proc in self.procs:  # rank 0: a hung rank goes too (SIGKILL ends it stopped)
-                proc.kill()
-            fatal(f"tensor-parallel rank {self.rank}: {what} failed "
-                  f"(collective timeout {self.timeout_s:g}s): {e}")
+            self._fail(what, e)
+
+    def _fail(self, what: str, error: object) -> None:
+        self.closing = True
+        for proc in self.procs:  # rank 0: a hung rank goes too (SIGKILL ends it stopped)
+            proc.kill()
+        fatal(f"tensor-parallel rank {self.rank}: {what} failed "
+              f"(collective timeout {self.timeout_s:g}s): {error}")
+
+    def sync(self, what: str) -> None:
+        """Waits for the work queued on this rank's current CUDA stream, at most the
+        collective timeout: the collectives of a replayed CUDA graph are not the NCCL
+        watchdog's to time. Polls an event (a blocking sync could not give up)."""
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self._fail(what, "timed out")
+            time.sleep(20e-6)
 
     def _opts(self, kind: Any) -> Any:
         opts = kind()

@@ -136,8 +136,8 @@ class ModelRunner:
             self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
         self.graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs:
-            self.graphs = self._make_graphs(capture=True)
+        if config.use_cuda_graphs or config.padded_decode:
+            self.graphs = self._make_graphs(capture=config.use_cuda_graphs)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
@@ -147,7 +147,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
         self.sampler = Sampler(self.device, config.seed)
-        if self.graphs is not None:
+        if self.graphs is not None:  # every rank here, in the same order (lockstep)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -176,7 +176,7 @@ class ModelRunner:
 
         return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                             cdiv(self.max_model_len, self.block_size), self.device,
-                            self.model_cfg.sliding_window, capture=capture)
+                            self.model_cfg.sliding_window, capture=capture, tp=self.tp)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -285,6 +285,8 @@ class ModelRunner:
             assert self.graphs is not None
             step = self.inputs.build(out.scheduled, kv, pad_to=bucket,
                                      width=self.graphs.width, out=self.graphs.buffer)
+            if self.tp is not None:  # the other ranks replay the same bucket
+                self.inputs.send(self.tp, step.meta, bucket)
             logits = self.graphs.run(bucket, step)[:len(out.scheduled)]
         else:
             step = self.inputs.build(out.scheduled, kv)

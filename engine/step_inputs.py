@@ -142,21 +142,26 @@ class StepInputBuilder:
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
         return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples])
 
-    def send(self, tp: TPGroup, meta: AttentionMetadata) -> None:
+    def send(self, tp: TPGroup, meta: AttentionMetadata, bucket: int | None = None) -> None:
         """Rank 0: the last built step to ranks 1..N-1 (its shape and host-side lists
-        on their command pipes, then one broadcast of the buffer itself)."""
+        on their command pipes, then one broadcast of the buffer itself). `bucket`: the
+        decode graph it replays (built into the graphs' buffer), else None (eager)."""
         assert self._last is not None
         dev, n, shape = self._last
         tp.send(("forward", n, shape, meta.max_query_len, meta.max_seq_len,
-                 meta.query_start_loc_cpu, meta.seq_lens_cpu))
+                 meta.query_start_loc_cpu, meta.seq_lens_cpu, bucket))
         tp.broadcast(dev[:n])
 
-    def receive(self, tp: TPGroup, command: tuple) -> StepInputs:
-        """Ranks 1..N-1: the step rank 0 `send`s (`command` from the pipe)."""
-        _, n, (t, b, w, s), max_query_len, max_seq_len, qsl_cpu, seq_lens_cpu = command
-        self._reserve(n)
-        tp.broadcast(self._dev[:n])
-        d = views(self._dev, t, b, w, s)
+    def receive(self, tp: TPGroup, command: tuple,
+                out: torch.Tensor | None = None) -> StepInputs:
+        """Ranks 1..N-1: the step rank 0 `send`s (`command` from the pipe), into `out`
+        (this rank's decode graphs' buffer for a replayed step), else our own buffer."""
+        _, n, (t, b, w, s), max_query_len, max_seq_len, qsl_cpu, seq_lens_cpu, _ = command
+        if out is None:
+            self._reserve(n)
+            out = self._dev
+        tp.broadcast(out[:n])
+        d = views(out, t, b, w, s)
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
             seq_lens=d[4], block_tables=d[5], max_query_len=max_query_len,

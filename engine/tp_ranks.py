@@ -6,7 +6,10 @@ collectives of loading and of the CUDA memory profile meet), then runs rank 0's
 commands in order:
 
     ("forward", ...)  the step's shape on the pipe, its staging buffer by one broadcast
-                      (engine/step_inputs.py `send` / `receive`); runs the forward pass
+                      (engine/step_inputs.py `send` / `receive`); runs the forward pass,
+                      or, for a decode-only step, replays the decode graph of rank 0's
+                      bucket (every rank captured the same ones at start-up), the
+                      logits' gather included
     ("logits", rows)  the LM head on rows of the last forward (None: its sampled rows);
                       the logits gather's other side
     ("copy", pairs)   KV block copies (a forked sample's partial block)
@@ -81,7 +84,15 @@ def serve(runner: Any, conn: Connection) -> None:
         except (EOFError, OSError):
             os._exit(TP_FAILURE_EXIT)  # rank 0 is gone
         op = command[0]
-        if op == "forward":
+        if op == "forward" and command[-1] is not None:  # a decode graph's bucket
+            graphs = runner.graphs
+            if graphs is None or command[2][:3] != (command[-1], command[-1], graphs.width):
+                raise RuntimeError(f"rank 0's decode step {command[2]} (bucket "
+                                   f"{command[-1]}) does not fit this rank's decode graphs")
+            step = runner.inputs.receive(tp, command, out=graphs.buffer)
+            graphs.run(command[-1], step)  # its logits' gather ends it
+            step = hidden = None
+        elif op == "forward":
             step = runner.inputs.receive(tp, command)
             hidden = runner.model(step.input_ids, step.positions, runner.kv_cache, step.meta)
         elif op == "logits":
