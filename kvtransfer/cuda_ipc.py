@@ -48,6 +48,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
@@ -293,6 +294,10 @@ class _IoVec(ctypes.Structure):
 
 
 class HostMover:
+    """Copies run on one thread of their own, in order (a host twin of the copy
+    stream): `copy` returns at once with the copy's future, which the sender's deferred
+    notice waits on (`InPlaceSender`)."""
+
     kind = "host"
 
     def __init__(self) -> None:
@@ -301,6 +306,8 @@ class HostMover:
         self._writev.restype = ctypes.c_ssize_t
         self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                                  ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cuda-ipc-host-copy")
+        self._last: Future[None] | None = None
 
     def export(self, kv: RegisteredKV) -> dict[str, Any]:
         return {"pid": os.getpid(), "address": kv.address, "nbytes": kv.nbytes}
@@ -319,8 +326,8 @@ class HostMover:
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
-        await asyncio.to_thread(self._copy, kv.address, dst, regions)
-        return None
+        self._last = self._pool.submit(self._copy, kv.address, dst, regions)
+        return _Copied(self._last)
 
     def _copy(self, src: int, dst: tuple[int, int, int],
               regions: list[tuple[int, int, int]]) -> None:
@@ -337,7 +344,22 @@ class HostMover:
                                       f"({os.strerror(err) if done < 0 else 'short'})")
 
     def close(self, held: list[Any]) -> None:
+        if self._last is not None:  # no copy into the peer after it was let go
+            wait([self._last])
         held.clear()
+
+
+class _Copied:
+    """A host copy's completion as `Ready`."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
 
 
 def mover_for(kv: RegisteredKV) -> Mover:

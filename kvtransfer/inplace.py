@@ -168,21 +168,28 @@ class InPlaceSender(SenderBase):
             peer.tasks = [t for t in peer.tasks if not t.done()] + [pending.task]
 
     async def _flush(self, peer: Peer, pending: _Notices) -> None:
-        """Send the deferred notices as their copies complete, in order; a copy that
-        completed past its grant fails its transfer instead (the receiver reclaims)."""
+        """Send the deferred notices as their copies complete, in order. A copy that
+        completed past its grant fails its transfer instead (the receiver reclaims the
+        cells); one that failed fails the peer."""
         try:
             while pending.queue:
-                newest = pending.queue[-1].copied
-                if not newest.query():
-                    await asyncio.to_thread(newest.synchronize)
+                # The newest covers every copy before it on one stream; where it is done
+                # and the oldest is not (copies in threads), wait for the oldest.
+                wait = pending.queue[-1].copied
+                if wait.query():
+                    wait = pending.queue[0].copied
+                if not wait.query():
+                    await asyncio.to_thread(wait.synchronize)
                 while pending.queue and pending.queue[0].copied.query():
                     n = pending.queue.popleft()
+                    n.copied.synchronize()  # done: raises what the copy raised
                     if time.monotonic() >= n.deadline:
                         self._late(peer, n.xfer_id)
                     else:
                         await self._send_frame(peer, n.frame)
-        except KVTransferError:
-            pending.queue.clear()  # the peer failed: `_fail_peer` failed its transfers
+        except KVTransferError as e:
+            pending.queue.clear()
+            self._fail_peer(peer, e)  # fails every transfer still pending on the peer
         finally:
             if not pending.queue:
                 self._notices.pop(id(peer), None)
