@@ -152,9 +152,11 @@ class InPlaceSender(SenderBase):
         copied = await self._copy(peer, pairs, deadline, ready)
         sums = None if not checksum else await self._checksums(pairs, ready)
         notice = wire.pack_json(Frame.WRITTEN, {"req": req, "checksums": sums})
-        if copied is not None and not copied.query():
-            self._defer(peer, _Notice(copied, deadline, xfer_id, notice))
-            return
+        if copied is not None:
+            if not copied.query():
+                self._defer(peer, _Notice(copied, deadline, xfer_id, notice))
+                return
+            copied.synchronize()  # done: raises what the copy raised
         if time.monotonic() >= deadline:  # too late to count: the receiver reclaims them
             raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
         await self._send_frame(peer, notice)
