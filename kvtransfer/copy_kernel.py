@@ -163,17 +163,31 @@ def plan_blocks(pairs: Sequence[tuple[Region, Region]], layout: KVLayout, src_bl
     """(src, dst) region pairs as block ids per layer range, {(first, end): (src ids,
     dst ids)}: one launch each (a chunk's regions share one range). ValueError for a
     region outside either cache (`src_blocks`, `dst_blocks` blocks): the kernel writes
-    wherever the ids point."""
+    wherever the ids point. Checked per range, not per region (a chunk has hundreds)."""
     plan: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    top = layout.num_layers
     for s, d in pairs:
-        s.resolve(layout, src_blocks)
-        d.resolve(layout, dst_blocks)
-        layers = s.layers(layout)
-        if layers != d.layers(layout) or s.num_blocks != d.num_blocks:
+        layers = (s.layer_start, top if s.layer_end is None else s.layer_end)
+        n = s.num_blocks
+        if (d.layer_start, top if d.layer_end is None else d.layer_end) != layers or \
+                d.num_blocks != n or n < 1:
             raise ValueError(f"source {s} and destination {d} differ in size")
-        src_ids, dst_ids = plan.setdefault(layers, ([], []))
-        src_ids.extend(range(s.block_id, s.block_id + s.num_blocks))
-        dst_ids.extend(range(d.block_id, d.block_id + d.num_blocks))
+        src_ids, dst_ids = plan.get(layers) or plan.setdefault(layers, ([], []))
+        if n == 1:
+            src_ids.append(s.block_id)
+            dst_ids.append(d.block_id)
+        else:
+            src_ids.extend(range(s.block_id, s.block_id + n))
+            dst_ids.extend(range(d.block_id, d.block_id + n))
+    for (first, end), (src_ids, dst_ids) in plan.items():
+        if not 0 <= first < end <= top:
+            raise ValueError(f"bad layer range [{first}, {end}) of {top} layers")
+        for ids, blocks, side in ((src_ids, src_blocks, "source"),
+                                  (dst_ids, dst_blocks, "destination")):
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= blocks:
+                raise ValueError(f"{side} blocks {low}..{high} reach outside a cache of "
+                                 f"{blocks} blocks")
     return plan
 
 

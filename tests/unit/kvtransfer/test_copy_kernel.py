@@ -110,6 +110,8 @@ def test_plan_groups_blocks_by_layer_range_and_refuses_what_lies_outside() -> No
         plan_blocks([(Region(1), Region(16))], layout, 16, 16)
     with pytest.raises(ValueError, match="outside"):
         plan_blocks([(Region(16), Region(1))], layout, 16, 16)
+    with pytest.raises(ValueError, match="bad layer range"):
+        plan_blocks([(Region(1, 2, 9), Region(3, 2, 9))], layout, 16, 16)
 
 
 @pytest.mark.parametrize("layout", [LAYOUT_BF16, LAYOUT_FP8, LAYOUT_MLA],
