@@ -72,14 +72,19 @@ def _kernel():  # type: ignore[no-untyped-def]
 _KERNEL: list[Any] = []  # compiled lazily, once per process (triton is heavy)
 
 
-def layer_views(t: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
+def layer_views(t: torch.Tensor, layout: KVLayout | None = None) -> list[torch.Tensor]:
     """Per-layer `[num_blocks, layer_bytes]` uint8 views of a block-major cache or
-    staging tensor `t` (any dtype, contiguous): no copy, they alias `t`."""
+    staging tensor `t` (any dtype, contiguous): no copy, they alias `t`. Without
+    `layout`, `t` is shaped [num_blocks, num_layers, ...] (the engine's caches)."""
     flat = t.reshape(-1).view(torch.uint8)
+    if layout is None:
+        if t.dim() < 3:
+            raise ValueError("a tensor without a layout is [num_blocks, num_layers, ...]")
+        return list(flat.view(t.shape[0], t.shape[1], -1).unbind(1))
     if flat.numel() % layout.block_bytes:
         raise ValueError(f"{flat.numel()} bytes are not whole {layout.block_bytes}-byte blocks")
     blocks = flat.view(-1, layout.num_layers, layout.layer_bytes)
-    return [blocks[:, i] for i in range(layout.num_layers)]
+    return list(blocks.unbind(1))
 
 
 def copy_blocks_reference(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
@@ -192,14 +197,15 @@ def plan_blocks(pairs: Sequence[tuple[Region, Region]], layout: KVLayout, src_bl
 
 
 def gather_blocks(cache: torch.Tensor, ids: Sequence[int], staging: torch.Tensor,
-                  layout: KVLayout) -> None:
-    """staging's first len(ids) blocks = blocks `ids` of `cache` (one launch)."""
+                  layout: KVLayout | None = None) -> None:
+    """staging's first len(ids) blocks = blocks `ids` of `cache` (one launch; `layout`
+    as for `layer_views`)."""
     BlockCopy(layer_views(cache, layout), layer_views(staging, layout))(
         ids, range(len(ids)))
 
 
 def scatter_blocks(staging: torch.Tensor, cache: torch.Tensor, ids: Sequence[int],
-                   layout: KVLayout) -> None:
+                   layout: KVLayout | None = None) -> None:
     """Blocks `ids` of `cache` = staging's first len(ids) blocks (one launch)."""
     BlockCopy(layer_views(staging, layout), layer_views(cache, layout))(
         range(len(ids)), ids)

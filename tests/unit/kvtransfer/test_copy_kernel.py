@@ -83,15 +83,18 @@ def test_a_layer_range_copies_those_layers_only() -> None:
 
 
 @pytest.mark.parametrize("layout", [LAYOUT_FP8, LAYOUT_MLA], ids=["fp8", "mla"])
-def test_staging_gather_then_scatter_round_trips(layout: KVLayout) -> None:
+@pytest.mark.parametrize("named", [True, False], ids=["layout", "shape"])
+def test_staging_gather_then_scatter_round_trips(layout: KVLayout, named: bool) -> None:
+    """With the layout, or with the block and layer counts read off the tensors' shape
+    (how the engine calls it for tensor parallelism's staging copy)."""
     pool = cache(layout, 20, 5)
     ids = [17, 2, 9, 11, 0]
     staging = torch.zeros(layout.tensor_shape(8), dtype=pool.dtype)
-    gather_blocks(pool, ids, staging, layout)
+    gather_blocks(pool, ids, staging, layout if named else None)
     assert torch.equal(as_bytes(staging[:5]), as_bytes(pool[ids]))
     assert not as_bytes(staging[5:]).any()
     back = torch.zeros_like(pool)
-    scatter_blocks(staging, back, ids, layout)
+    scatter_blocks(staging, back, ids, layout if named else None)
     assert torch.equal(as_bytes(back[ids]), as_bytes(pool[ids]))
     others = [b for b in range(20) if b not in ids]
     assert not as_bytes(back[others]).any()
