@@ -23,7 +23,7 @@ layer) unless Triton's interpreter is on, which is how the CPU tests check the k
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from kvtransfer.layout import KVLayout, Region
 
 _MAX_TILE = 4096  # words per program: 32 KiB of int64, 16 vectors per thread (4 warps)
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_STAGE_BYTES = 64 << 20  # device staging per gather for a host-bound copy
 
 
 def _kernel():  # type: ignore[no-untyped-def]
@@ -209,6 +209,48 @@ def scatter_blocks(staging: torch.Tensor, cache: torch.Tensor, ids: Sequence[int
     """Blocks `ids` of `cache` = staging's first len(ids) blocks (one launch)."""
     BlockCopy(layer_views(staging, layout), layer_views(cache, layout))(
         range(len(ids)), ids)
+
+
+def staged_regions(cache: torch.Tensor, layout: KVLayout, regions: Sequence[Region],
+                   limit: int = _STAGE_BYTES) -> Iterator[torch.Tensor]:
+    """The bytes of `regions` of a block-major `cache` on the host, in order (flat uint8
+    tensors): consecutive regions of one layer range gathered on the cache's device
+    into one buffer of at most `limit` bytes (one launch) and brought over with one
+    copy, not one copy (and one wait) per region; a region of `limit` bytes or more is
+    contiguous in the cache and comes over as it is. Ordered on the current stream."""
+    views = layer_views(cache, layout)
+    flat = cache.reshape(-1).view(torch.uint8)
+    batch: list[Region] = []
+    size = 0
+    for r in regions:
+        n = r.nbytes(layout)
+        if batch and (size + n > limit or r.layers(layout) != batch[0].layers(layout)):
+            yield from _stage(views, layout, batch)
+            batch, size = [], 0
+        if n >= limit:
+            off, n = r.resolve(layout, len(views[0]))
+            yield flat[off:off + n].cpu()
+            continue
+        r.resolve(layout, len(views[0]))
+        batch.append(r)
+        size += n
+    if batch:
+        yield from _stage(views, layout, batch)
+
+
+def _stage(views: list[torch.Tensor], layout: KVLayout,
+           batch: list[Region]) -> Iterator[torch.Tensor]:
+    first, end = batch[0].layers(layout)
+    ids = [b for r in batch for b in range(r.block_id, r.block_id + r.num_blocks)]
+    buf = torch.empty(len(ids), end - first, layout.layer_bytes, dtype=torch.uint8,
+                      device=views[0].device)
+    BlockCopy(views[first:end], list(buf.unbind(1)))(ids, range(len(ids)))
+    host = buf.reshape(-1).cpu()
+    off = 0
+    for r in batch:
+        n = r.nbytes(layout)
+        yield host[off:off + n]
+        off += n
 
 
 def _check_sides(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:

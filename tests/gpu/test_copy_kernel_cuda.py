@@ -103,3 +103,20 @@ def test_a_copy_on_a_side_stream_waits_for_its_event_only() -> None:
     done.synchronize()
     assert torch.equal(as_bytes(dst[6]), as_bytes(src[3]))
     assert (dst[6] == 7).all()
+
+
+def test_staged_regions_bring_a_cuda_caches_regions_to_the_host() -> None:
+    """What tcp and shm send from a CUDA cache: one gather and one copy to the host per
+    batch of blocks of one layer range."""
+    from kvtransfer import Region
+    from kvtransfer.copy_kernel import staged_regions
+
+    layout = LAYOUTS["llama3-8b"]
+    pool = cache(layout, 24, 6)
+    regions = [Region(9), Region(2, 0, None, 4), Region(0), Region(5, 1, 3), Region(7, 1, 3),
+               Region(12), Region(20, 30, 32)]
+    got = list(staged_regions(pool, layout, regions, limit=3 * layout.block_bytes))
+    flat = as_bytes(pool).cpu()
+    for r, data in zip(regions, got, strict=True):
+        off, n = r.resolve(layout, 24)
+        assert data.device.type == "cpu" and torch.equal(data, flat[off:off + n])

@@ -179,3 +179,23 @@ def test_per_layer_tensors_and_a_block_major_cache_copy_both_ways() -> None:
     BlockCopy(layers, layer_views(back, layout))([6, 0, 3], [2, 9, 5])
     assert torch.equal(as_bytes(back[[2, 9, 5]]), as_bytes(pool[[8, 1, 4]]))
     assert not as_bytes(back[[0, 1, 3, 4, 6, 7, 8]]).any()
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 3 * LAYOUT_BF16.block_bytes])
+def test_staged_regions_are_the_regions_bytes_in_order(limit: int) -> None:
+    """What tcp and shm send from a CUDA cache: a batch of blocks per gather and copy,
+    by layer range; a region past the limit as it lies (the small limit batches three
+    blocks and takes the four-block region whole)."""
+    from kvtransfer.copy_kernel import staged_regions
+
+    layout = LAYOUT_BF16
+    pool = cache(layout, 16, 10)
+    regions = [Region(9), Region(2, 0, None, 4), Region(0), Region(5, 1, 3), Region(7, 1, 3),
+               Region(12), Region(14), Region(15), Region(11, 2, 4)]
+    got = list(staged_regions(pool, layout, regions, limit))
+    assert len(got) == len(regions)
+    for r, data in zip(regions, got, strict=True):
+        off, n = r.resolve(layout, 16)
+        assert torch.equal(data, as_bytes(pool)[off:off + n])
+    with pytest.raises(ValueError, match="outside"):
+        list(staged_regions(pool, layout, [Region(16)], limit))
