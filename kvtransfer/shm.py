@@ -125,7 +125,7 @@ class ShmSender(InPlaceSender):
         peer.state = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
         dst_bytes: torch.Tensor = peer.state[1]
@@ -139,6 +139,7 @@ class ShmSender(InPlaceSender):
             off, n = dst.resolve(self.kv.layout, total)
             dst_bytes[off:off + n].copy_(self.kv.device_slice(src) if staged is None
                                          else next(staged))
+        return None
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None:
