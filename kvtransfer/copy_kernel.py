@@ -48,10 +48,8 @@ def _kernel():  # type: ignore[no-untyped-def]
         start = tl.program_id(2) * TILE
         s_id = tl.load(ids + row).to(tl.int64)
         d_id = tl.load(ids + n_pad + row).to(tl.int64)
-        # The hint is what the host checked (`_alignment`): it lets the compiler issue
-        # ALIGN-byte vector loads and stores off addresses read from memory.
-        s_base = tl.multiple_of(tl.load(ptrs + layer), ALIGN)
-        d_base = tl.multiple_of(tl.load(ptrs + num_layers + layer), ALIGN)
+        s_base = tl.load(ptrs + layer)
+        d_base = tl.load(ptrs + num_layers + layer)
         if WORD == 8:
             kind = tl.int64
         elif WORD == 4:
@@ -60,8 +58,11 @@ def _kernel():  # type: ignore[no-untyped-def]
             kind = tl.int16
         else:
             kind = tl.uint8
-        src = s_base.to(tl.pointer_type(kind)) + s_id * src_stride
-        dst = d_base.to(tl.pointer_type(kind)) + d_id * dst_stride
+        # The hints are what the host checked (`_alignment`): with them the compiler
+        # issues ALIGN-byte vector loads and stores (16: two words of 8 a thread) off
+        # addresses read from memory, which it cannot prove aligned itself.
+        src = tl.multiple_of(s_base.to(tl.pointer_type(kind)) + s_id * src_stride, ALIGN)
+        dst = tl.multiple_of(d_base.to(tl.pointer_type(kind)) + d_id * dst_stride, ALIGN)
         offs = start + tl.arange(0, TILE)
         mask = offs < words
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)

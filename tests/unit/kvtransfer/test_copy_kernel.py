@@ -199,3 +199,41 @@ def test_staged_regions_are_the_regions_bytes_in_order(limit: int) -> None:
         assert torch.equal(data, as_bytes(pool)[off:off + n])
     with pytest.raises(ValueError, match="outside"):
         list(staged_regions(pool, layout, [Region(16)], limit))
+
+
+def test_the_kernel_compiles_to_16_byte_vector_loads_for_an_h100() -> None:
+    """No GPU needed: Triton compiles for sm_90 here. With the specializations a launch
+    gets for a Llama-shaped cache (strides and layer words divisible by 16), every load
+    and store of the copy is a 16-byte vector (two 8-byte words a thread)."""
+    import collections
+    import re
+
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from kvtransfer.copy_kernel import _kernel
+
+    if "nvidia" not in backends:
+        pytest.skip("this triton has no CUDA backend")
+    kernel = _kernel()
+    fn = JITFunction(getattr(kernel, "fn", kernel))  # the interpreter wraps the function
+    signature = {"ptrs": "*i64", "ids": "*i64", "n_pad": "i32", "num_layers": "i32",
+                 "first_layer": "i32", "src_stride": "i64", "dst_stride": "i64",
+                 "words": "i32", "WORD": "constexpr", "ALIGN": "constexpr",
+                 "TILE": "constexpr"}
+    div16 = [["tt.divisibility", 16]]
+    attrs = {(i,): div16 for i in (0, 1, 5, 6, 7)}
+    ops = {}
+    for align in (16, 8):
+        src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                        constexprs={"WORD": 8, "ALIGN": align, "TILE": 4096})
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        ops[align] = collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
+    # 4096 words a program over 128 threads: 16 vectors of two words each way; the rest
+    # of the loads are the program's ids and table entries
+    assert ops[16]["ld.global.v2.b64"] == 16 and ops[16]["st.global.v2.b64"] == 16
+    assert ops[16]["st.global.b64"] == 0
+    assert ops[8]["ld.global.v2.b64"] == 0  # 8-byte aligned: one word a load
