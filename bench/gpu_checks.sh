@@ -11,13 +11,14 @@
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 set -u
-STEPS=${STEPS:-engine tests ipc_first transfer links simval engine_hf transports}
+STEPS=${STEPS:-engine tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
+T_HANDOFF=${T_HANDOFF:-120}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -54,6 +55,12 @@ step ipc_first "$T_IPC" bash -c "for t in \
   '$IPC::test_wrong_token_late_write_and_killed_sender_on_the_gpu[cuda_ipc]' \
   '$IPC::test_copy_waits_on_its_chunk_only_and_close_leaves_nothing[cuda_ipc]'; do
   python3 -m pytest -q -rfE -p no:cacheprovider \"\$t\"; done"
+# 2c. the hand-off at copy speed: cuda_ipc alone (one block-copy launch per chunk over
+# every layer, its notice after an event), 128..8192-token prompts scattered and
+# contiguous; the summary's cuda_ipc_vs_copy (target 0.6) and cuda_ipc_fixed_us (target
+# <= 150), and the copy kernel's own in-process GB/s (copy.block_copy_gbps in the json)
+step handoff "$T_HANDOFF" python3 -m cluster.cli bench transfer --device cuda \
+  --handoff-transports cuda_ipc --json "$OUT/handoff.json"
 # 3. prompt hand-offs between two processes on the GPU vs the device copy
 step transfer "$T_TRANSFER" python3 -m cluster.cli bench transfer --device cuda \
   --json "$OUT/transfer.json"

@@ -45,11 +45,10 @@ class AutoSender(CudaIpcSender, UcxSender):
             await UcxSender._on_connected(self, peer)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         if self.paths.get(id(peer)) == "cuda_ipc":
-            await CudaIpcSender._copy(self, peer, pairs, deadline, ready)
-        else:
-            await UcxSender._copy(self, peer, pairs, deadline, ready)
+            return await CudaIpcSender._copy(self, peer, pairs, deadline, ready)
+        return await UcxSender._copy(self, peer, pairs, deadline, ready)
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if self.paths.pop(id(peer), None) == "cuda_ipc":

@@ -55,7 +55,9 @@ class KVSender(Protocol):
                     ready: Any = None) -> None:
         """Stream some regions of a transfer (call as layers/chunks are produced). No
         byte moves before `ready` (`memory.Ready`: on CUDA the event after the forward
-        that wrote the src regions) has completed."""
+        that wrote the src regions) has completed. The src regions stay as they are
+        until `finish` returned: a transport may read them after `write` returned
+        (cuda_ipc's copy runs on the device meanwhile)."""
 
     async def finish(self, peer: Any, xfer_id: str, generation: int | None = None,
                      timeout_s: float | None = None) -> None:

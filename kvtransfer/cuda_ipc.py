@@ -12,14 +12,16 @@ The data mover is the only part that differs by device, and is small:
 
 - `CudaMover`: the cache exported as a CUDA IPC handle (torch's `_share_cuda_`, the
   mechanism behind `torch.multiprocessing`); the sender maps it (same GPU, or a P2P /
-  NVLink peer) and copies a chunk's regions with ONE `scatter_copy` launch on its own
-  stream. That stream first waits on the write's `ready` event, which the engine
-  recorded on the compute stream right after the forward that wrote the chunk
-  (`RequestOutput.kv_ready`): ordered by events, no device-wide sync, so chunk c's copy
-  runs while chunk c+1's forward, queued after that event, computes (layer-wise
-  streaming, one chunk's layers at a time). The WRITTEN notice goes out only once an
-  event after the copy has completed, so the decode never sees a block as ready before
-  its bytes are on the device.
+  NVLink peer) and copies a chunk's blocks, every layer, with ONE launch of the block
+  copy kernel (`kvtransfer/copy_kernel.py`) on its own stream. That stream first waits
+  on the write's `ready` event, which the engine recorded on the compute stream right
+  after the forward that wrote the chunk (`RequestOutput.kv_ready`): ordered by events,
+  no device-wide sync, so chunk c's copy runs while chunk c+1's forward, queued after
+  that event, computes (layer-wise streaming, one chunk's layers at a time). The write
+  returns once the copy is queued; its WRITTEN notice goes out once an event after the
+  copy has completed (`InPlaceSender`'s deferred notices), so the decode never sees a
+  block as ready before its bytes are on the device, and no chunk waits on the host
+  for the copy of the one before.
 - `HostMover` (KV caches in host memory, which is how the CPU tests run this same
   protocol): the cache exported as (pid, address); the sender writes a chunk's
   regions with one `process_vm_writev` call per 1024 regions (the kernel's batched
@@ -46,8 +48,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
+from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
@@ -139,15 +143,39 @@ class Mover(Protocol):
         """Sender, in a worker thread, before the first copy: set up what a first copy
         would (streams, the kernel loaded), so that no copy waits for the device."""
 
-    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float, ready: Ready | None) -> None:
-        """Copy (src offset, dst offset, nbytes) regions from `kv` into `dst`, none
-        before `ready` completed; return once the bytes are in place. Start nothing
-        after `deadline`. Never blocks the event loop."""
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+                   deadline: float, ready: Ready | None) -> Ready | None:
+        """Copy (src, dst) region pairs from `kv` into `dst`, none before `ready`
+        completed; start nothing after `deadline`. Returns None once the bytes are in
+        place, or an event that completes when they are. Never blocks the event loop;
+        ValueError for a region outside either cache."""
 
     def close(self, held: list[Any]) -> None:
         """Sender, in a worker thread: unmap the destination `held` holds (its only
         reference: the release may wait for the device)."""
+
+
+class Mapped:
+    """A receiver's cache mapped here (`flat`, its bytes) and the block copy from the
+    local cache into it (`BlockCopy`: its per-layer pointer table made once per
+    connection). Holds the mapping's only reference."""
+
+    def __init__(self, flat: Any, kv: RegisteredKV) -> None:
+        self.flat = flat
+        self.num_blocks = int(flat.numel()) // kv.layout.block_bytes
+        self.layout = kv.layout
+        self.src_blocks = kv.num_blocks
+        self.copy = BlockCopy(layer_views(kv.tensor, kv.layout),
+                              layer_views(flat[:self.num_blocks * kv.layout.block_bytes],
+                                          kv.layout))
+
+    def launch(self, pairs: list[tuple[Region, Region]], after: Any = None) -> None:
+        """Queue the pairs' copy on the current stream, not before `after` completed: one
+        launch per layer range (a chunk has one). ValueError for a region outside either
+        cache."""
+        plan = plan_blocks(pairs, self.layout, self.src_blocks, self.num_blocks)
+        for layers, (src_ids, dst_ids) in plan.items():
+            self.copy(src_ids, dst_ids, layers, after=after)
 
 
 class CudaMover:
@@ -164,9 +192,8 @@ class CudaMover:
     a first launch at connect time in a worker thread, before any compute is queued (a
     first launch loads the kernel, and loading waits for the work already queued on the
     device, e.g. the next chunk's forward); a copy's launch then queues on the event loop
-    without waiting (its region table goes up before the copy stream waits on the
-    chunk's event: `scatter_copy(after=...)`), and only its completion is awaited in a
-    thread."""
+    without waiting (its block ids go up from pinned memory: `BlockCopy`), and its
+    completion is an event the sender's deferred notice waits on (`InPlaceSender`)."""
 
     kind = "cuda"
 
@@ -208,42 +235,38 @@ class CudaMover:
             bytes.fromhex(e["event_handle"]) or None, e["event_sync"])
         flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{own}")
         flat.set_(storage, e["tensor_offset"], (e["nbytes"],), (1,))
-        return flat
+        return Mapped(flat, kv)
 
     def prepare(self, kv: RegisteredKV) -> None:
-        """One real launch of the copy kernel, into a scratch word: loads the variant
-        every later copy uses (see `scatter_copy`), allocates on the copy stream."""
+        """One real launch of the copy kernel, block 0 into a scratch block: loads the
+        variant every later copy uses (the same word, alignment and strides), allocates
+        on the copy stream and the pinned id buffers."""
         import torch
 
-        from kvtransfer.scatter_copy import scatter_copy
-
         device = kv.tensor.device
-        word = next(w for w in (8, 4, 2, 1) if kv.layout.block_bytes % w == 0)
         with self._launch, torch.cuda.device(device):
             if self._prepared:
                 return
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
             with torch.cuda.stream(self._stream):
-                scratch = torch.empty(word, dtype=torch.uint8, device=device)
-                scatter_copy(kv.bytes, scratch, [(0, 0, word)])
+                scratch = torch.empty(kv.layout.block_bytes, dtype=torch.uint8, device=device)
+                BlockCopy(layer_views(kv.tensor, kv.layout),
+                          layer_views(scratch, kv.layout))([0], [0])
             self._stream.synchronize()
             self._prepared = True
 
-    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float, ready: Ready | None) -> None:
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+                   deadline: float, ready: Ready | None) -> Ready | None:
         # The producer event is taken here: the compute stream is this thread's.
         produced = producer_event(kv.tensor.device, ready)
-        copied = self._launch_copy(kv, dst, regions, deadline, produced)
-        if not copied.query():
-            await asyncio.to_thread(copied.synchronize)
+        return self._launch_copy(kv, dst, pairs, deadline, produced)
 
-    def _launch_copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
+    def _launch_copy(self, kv: RegisteredKV, dst: Mapped, pairs: list[tuple[Region, Region]],
                      deadline: float, produced: Any) -> Any:
-        """Queue the copy on the copy stream, after `produced`; returns the event after it."""
+        """Queue the chunk's copy on the copy stream, after `produced` (one launch per
+        layer range: one for a chunk); returns the event after it."""
         import torch
-
-        from kvtransfer.scatter_copy import scatter_copy
 
         device = kv.tensor.device
         with self._launch, torch.cuda.device(device):
@@ -252,14 +275,17 @@ class CudaMover:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
             with torch.cuda.stream(self._stream):
-                scatter_copy(kv.bytes, dst, regions, after=produced)
+                dst.launch(pairs, after=produced)
                 copied = torch.cuda.Event()
                 copied.record(self._stream)
         return copied
 
     def close(self, held: list[Any]) -> None:
-        # The IPC mapping goes with the last reference to its storage; torch's release
-        # synchronizes this thread's current stream first (hence not the event loop's).
+        # No copy may still write through the mapping when it goes; it goes with the last
+        # reference to its storage (torch's release synchronizes this thread's current
+        # stream first: hence a worker thread, not the event loop's).
+        if self._stream is not None:
+            self._stream.synchronize()
         held.clear()
 
 
@@ -268,6 +294,10 @@ class _IoVec(ctypes.Structure):
 
 
 class HostMover:
+    """Copies run on one thread of their own, in order (a host twin of the copy
+    stream): `copy` returns at once with the copy's future, which the sender's deferred
+    notice waits on (`InPlaceSender`)."""
+
     kind = "host"
 
     def __init__(self) -> None:
@@ -276,25 +306,32 @@ class HostMover:
         self._writev.restype = ctypes.c_ssize_t
         self._writev.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
                                  ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cuda-ipc-host-copy")
+        self._last: Future[None] | None = None
 
     def export(self, kv: RegisteredKV) -> dict[str, Any]:
         return {"pid": os.getpid(), "address": kv.address, "nbytes": kv.nbytes}
 
     def open(self, exported: dict[str, Any], kv: RegisteredKV) -> Any:
-        return (int(exported["pid"]), int(exported["address"]))
+        return (int(exported["pid"]), int(exported["address"]),
+                int(exported["nbytes"]) // kv.layout.block_bytes)
 
     def prepare(self, kv: RegisteredKV) -> None:
         pass
 
-    async def copy(self, kv: RegisteredKV, dst: Any, regions: list[tuple[int, int, int]],
-                   deadline: float, ready: Ready | None) -> None:
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+                   deadline: float, ready: Ready | None) -> Ready | None:
+        total = dst[2]
+        regions = [(kv.locate(s)[0], *d.resolve(kv.layout, total)) for s, d in pairs]
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
-        await asyncio.to_thread(self._copy, kv.address, dst, regions)
+        self._last = self._pool.submit(self._copy, kv.address, dst, regions)
+        return _Copied(self._last)
 
-    def _copy(self, src: int, dst: tuple[int, int], regions: list[tuple[int, int, int]]) -> None:
-        pid, base = dst
+    def _copy(self, src: int, dst: tuple[int, int, int],
+              regions: list[tuple[int, int, int]]) -> None:
+        pid, base, _ = dst
         for i in range(0, len(regions), _IOV_MAX):
             batch = regions[i:i + _IOV_MAX]
             local = (_IoVec * len(batch))(*[_IoVec(src + s, n) for s, _, n in batch])
@@ -307,7 +344,22 @@ class HostMover:
                                       f"({os.strerror(err) if done < 0 else 'short'})")
 
     def close(self, held: list[Any]) -> None:
+        if self._last is not None:  # no copy into the peer after it was let go
+            wait([self._last])
         held.clear()
+
+
+class _Copied:
+    """A host copy's completion as `Ready`."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        return self._future.done()
+
+    def synchronize(self) -> None:
+        self._future.result()
 
 
 def mover_for(kv: RegisteredKV) -> Mover:
@@ -355,15 +407,9 @@ class CudaIpcSender(InPlaceSender):
         await asyncio.to_thread(self._mover.prepare, self.kv)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None and self._mover is not None
-        kv = self.kv
-        total = peer.welcome["cuda_ipc"]["nbytes"] // kv.layout.block_bytes
-        regions = []
-        for src, dst in pairs:
-            off, n = dst.resolve(kv.layout, total)
-            regions.append((kv.locate(src)[0], off, n))
-        await self._mover.copy(kv, peer.state, regions, deadline, ready)
+        return await self._mover.copy(self.kv, peer.state, pairs, deadline, ready)
 
     async def _on_disconnected(self, peer: Peer) -> None:
         held, peer.state = [peer.state], None

@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtransfer import wire
-from kvtransfer.errors import ProtocolError, TransferTimeout, error_from_kind
+from kvtransfer.errors import KVTransferError, ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
 from kvtransfer.memory import Ready, producer_event
 from kvtransfer.memory import checksum as compute_checksum
@@ -120,7 +121,17 @@ class InPlaceReceiver(ReceiverBase):
 
 
 class InPlaceSender(SenderBase):
-    """Reserves, copies with the transport's `_copy`, then sends one WRITTEN notice."""
+    """Reserves, copies with the transport's `_copy`, then sends one WRITTEN notice.
+
+    A copy still running on the device when `_copy` returns (cuda_ipc: an event after
+    the chunk's launch) defers its notice: `write()` returns at once and the notice goes
+    out when the event completed, so no chunk waits on the host for the one before.
+    The copies of one sender run in order on one stream: the flusher waits on the
+    newest pending event only and then sends every notice whose event completed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._notices: dict[int, _Notices] = {}  # id(peer) -> notices waiting for copies
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
                             xfer_id: str, generation: int, checksum: bool,
@@ -138,12 +149,59 @@ class InPlaceSender(SenderBase):
         if not grant["ok"]:
             raise error_from_kind(grant["kind"], grant["message"])
         deadline = asked + float(grant["ttl"])
-        await self._copy(peer, pairs, deadline, ready)
+        copied = await self._copy(peer, pairs, deadline, ready)
+        sums = None if not checksum else await self._checksums(pairs, ready)
+        notice = wire.pack_json(Frame.WRITTEN, {"req": req, "checksums": sums})
+        if copied is not None:
+            if not copied.query():
+                self._defer(peer, _Notice(copied, deadline, xfer_id, notice))
+                return
+            copied.synchronize()  # done: raises what the copy raised
         if time.monotonic() >= deadline:  # too late to count: the receiver reclaims them
             raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
-        sums = None if not checksum else await self._checksums(pairs, ready)
-        await self._send_frame(peer, wire.pack_json(Frame.WRITTEN, {"req": req,
-                                                                    "checksums": sums}))
+        await self._send_frame(peer, notice)
+
+    def _defer(self, peer: Peer, notice: _Notice) -> None:
+        pending = self._notices.setdefault(id(peer), _Notices())
+        pending.queue.append(notice)
+        if pending.task is None or pending.task.done():
+            pending.task = asyncio.get_running_loop().create_task(self._flush(peer, pending))
+            # `disconnect` cancels the flusher with the peer's other tasks
+            peer.tasks = [t for t in peer.tasks if not t.done()] + [pending.task]
+
+    async def _flush(self, peer: Peer, pending: _Notices) -> None:
+        """Send the deferred notices as their copies complete, in order. A copy that
+        completed past its grant fails its transfer instead (the receiver reclaims the
+        cells); one that failed fails the peer."""
+        try:
+            while pending.queue:
+                # The newest covers every copy before it on one stream; where it is done
+                # and the oldest is not (copies in threads), wait for the oldest.
+                wait = pending.queue[-1].copied
+                if wait.query():
+                    wait = pending.queue[0].copied
+                if not wait.query():
+                    await asyncio.to_thread(wait.synchronize)
+                while pending.queue and pending.queue[0].copied.query():
+                    n = pending.queue.popleft()
+                    n.copied.synchronize()  # done: raises what the copy raised
+                    if time.monotonic() >= n.deadline:
+                        self._late(peer, n.xfer_id)
+                    else:
+                        await self._send_frame(peer, n.frame)
+        except KVTransferError as e:
+            pending.queue.clear()
+            self._fail_peer(peer, e)  # fails every transfer still pending on the peer
+        finally:
+            if not pending.queue:
+                self._notices.pop(id(peer), None)
+
+    def _late(self, peer: Peer, xfer_id: str) -> None:
+        out = peer.outgoing.get(xfer_id)
+        if out is not None and not out.verdict.done():
+            out.verdict.set_exception(TransferTimeout(
+                f"{xfer_id}: {self.name} copy outlived its grant"))
+            out.verdict.exception()
 
     async def _checksums(self, pairs: list[tuple[Region, Region]],
                          ready: Ready | None) -> list[int]:
@@ -156,8 +214,22 @@ class InPlaceSender(SenderBase):
         return await asyncio.to_thread(self.kv.device_checksums, [s for s, _ in pairs], after)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         """Write every src region here into its dst region there, none before `ready`
-        completed; return once the bytes are in place (visible to the receiver). Start
-        no copy after `deadline`."""
+        completed, none started after `deadline`. Returns None once the bytes are in
+        place (visible to the receiver), or an event that completes when they are."""
         raise NotImplementedError
+
+
+@dataclass(slots=True)
+class _Notice:
+    copied: Ready
+    deadline: float
+    xfer_id: str
+    frame: bytes
+
+
+@dataclass(slots=True)
+class _Notices:
+    queue: deque[_Notice] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None

@@ -134,10 +134,12 @@ class Region:
             raise ValueError(f"{self} is outside a cache of {total_blocks} blocks")
         if self.num_blocks > 1 and (self.layer_start, end) != (0, layout.num_layers):
             raise ValueError(f"multi-block {self} must cover all layers")
-        offset = self.block_id * layout.block_bytes + self.layer_start * layout.layer_bytes
+        layer_bytes = layout.layer_bytes  # a computed property: once per call (hot path)
+        block_bytes = layout.num_layers * layer_bytes
+        offset = self.block_id * block_bytes + self.layer_start * layer_bytes
         if self.num_blocks > 1:
-            return offset, self.num_blocks * layout.block_bytes
-        return offset, (end - self.layer_start) * layout.layer_bytes
+            return offset, self.num_blocks * block_bytes
+        return offset, (end - self.layer_start) * layer_bytes
 
     def layers(self, layout: KVLayout) -> tuple[int, int]:
         return self.layer_start, layout.num_layers if self.layer_end is None else self.layer_end

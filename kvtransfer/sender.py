@@ -143,8 +143,9 @@ class SenderBase:
         No byte moves before `ready` (the event after the forward that wrote the src
         regions; `memory.Ready`) has completed: on the device where the transport can
         order its copy by events (cuda_ipc), on the host otherwise. Returns when the
-        bytes are handed to the transport (not yet verified; see `finish`). Raises the
-        transfer's error if the receiver already failed it.
+        bytes are handed to the transport (not yet verified; see `finish`), which may
+        still read the src regions until `finish` returned. Raises the transfer's error
+        if the receiver already failed it.
         """
         peer.check()
         out = self._outgoing(peer, xfer_id, generation)

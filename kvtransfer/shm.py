@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region
@@ -124,16 +125,21 @@ class ShmSender(InPlaceSender):
         peer.state = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
         dst_bytes: torch.Tensor = peer.state[1]
         total = len(dst_bytes) // self.kv.layout.block_bytes
+        # A CUDA cache's regions come over to the host a batch of blocks at a time
+        staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
+            if self.kv.is_cuda else None
         for src, dst in pairs:
             if time.monotonic() >= deadline:
                 raise TransferTimeout("shm grant expired before the copy")
             off, n = dst.resolve(self.kv.layout, total)
-            dst_bytes[off:off + n].copy_(self.kv.device_slice(src))
+            dst_bytes[off:off + n].copy_(self.kv.device_slice(src) if staged is None
+                                         else next(staged))
+        return None
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtransfer import wire
 from kvtransfer.config import TransferConfig
+from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
 from kvtransfer.faults import Faults, on_wire
 from kvtransfer.layout import Region
@@ -101,9 +102,11 @@ class TcpSender(SenderBase):
         await wait_ready(ready)
         if self._faults is not None:
             pairs = self._faults.reorder(pairs)
+        # A CUDA cache's regions come over to the host a batch of blocks at a time
+        staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
+            if self.kv.is_cuda else None
         for src, dst in pairs:
-            data = self.kv.view(src) if not self.kv.is_cuda else \
-                host_bytes(self.kv.device_slice(src).cpu())  # staged through host
+            data = self.kv.view(src) if staged is None else host_bytes(next(staged))
             flags = wire.FLAG_CHECKSUM if checksum else 0
             header = wire.WriteHeader(xfer_id, generation, dst, flags,
                                       compute_checksum(data) if checksum else 0)

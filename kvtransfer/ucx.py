@@ -263,7 +263,7 @@ class UcxSender(InPlaceSender):
                                         for i in range(len(self._lanes))], scratch=True)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
-                    deadline: float, ready: Ready | None) -> None:
+                    deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         kv, remote = self.kv, peer.state
         # UCX reads the source itself: the forward that wrote it must be done (its event;
@@ -285,6 +285,7 @@ class UcxSender(InPlaceSender):
             error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
             self._fail_peer(peer, error)
             raise error from None
+        return None  # flushed: the bytes are in place
 
     async def _run(self, remote: _Remote, op: str, plan: list[list[tuple[int, int, int]]],
                    scratch: bool = False) -> None:

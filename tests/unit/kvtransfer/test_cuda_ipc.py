@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from kvtransfer import ProtocolError, Region
+from kvtransfer import PeerUnavailable, ProtocolError, Region
 from kvtransfer.scatter_copy import scatter_copy
 from tests.integration.kvtransfer_util import LAYOUT_BF16, fast_config, start_receiver, start_sender
 
@@ -146,3 +146,37 @@ def test_auto_takes_the_ipc_path_exactly_when_the_sender_can_map_the_cache() -> 
     here = {"boot_id": boot_id(), "cuda_ipc": {"kind": "host"}}
     assert local_refusal(here, kv) is None
     assert local_refusal({**here, "boot_id": "elsewhere"}, kv) is not None
+
+
+def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
+    """Many one-block writes of one transfer (the host mover: copies on their own
+    thread, each notice sent once its copy completed), then finish: every block lands
+    bit-exact; a copy that fails (the peer's memory gone) fails the transfer."""
+    import os
+
+    async def main() -> None:
+        config = fast_config("cuda_ipc")
+        receiver = await start_receiver(config, LAYOUT_BF16, 32)
+        sender = start_sender(config, LAYOUT_BF16, 16, seed=3)
+        try:
+            peer = await sender.connect(receiver.address())
+            src, dst = list(range(16)), random.Random(5).sample(range(32), 16)
+            landed = receiver.expect("x", [Region(d) for d in dst], 1)
+            for s, d in zip(src, dst, strict=True):
+                await sender.write(peer, [Region(s)], [Region(d)], "x", 1)
+            await sender.finish(peer, "x")
+            await asyncio.wait_for(landed, 5)
+            got = receiver.kv.tensor[dst].view(torch.uint8)
+            assert torch.equal(got, sender.kv.tensor[src].view(torch.uint8))
+            assert not sender._notices  # every deferred notice went out
+
+            receiver.expect("y", [Region(0)], 1)
+            peer.state = (os.getpid(), 8, 32)  # unmapped: process_vm_writev faults
+            with pytest.raises(PeerUnavailable, match="process_vm_writev"):
+                await sender.write(peer, [Region(1)], [Region(0)], "y", 1)
+                await sender.finish(peer, "y")  # where the write deferred its notice
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
