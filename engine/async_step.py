@@ -11,14 +11,19 @@ is queued (`resolve`), then checks stops as the synchronous loop does: a request
 ends there was already scheduled once more, and that extra token is dropped. A request
 whose placeholder is its max_tokens'th token is not scheduled again.
 
-A step falls back to synchronous scheduling (the step in flight is resolved before the
-next is scheduled) when its sampling needs the host to have seen the previous token:
+A step falls back to synchronous scheduling (it is resolved right after its launch, before
+the next step is scheduled) when the next step needs the host to have seen its tokens:
 structured outputs (the grammar's mask), presence/frequency/repetition penalties (the
 token history), parallel samples (n / best_of: the forks start from the first token),
 and prefill producers (`hold_kv`: every step reports their KV progress). Block ids
 handed to writers off the compute stream (a remote prefill's KV, offload-tier loads)
 wait for the step in flight first: a request that ended while it ran freed blocks that
 step still writes.
+
+The placeholder ids are written into the step's device input buffer before anything
+reads it: a decode step replayed from a CUDA graph finds them in the graph's buffer,
+and under tensor parallelism rank 0's broadcast of that buffer carries them to the
+other ranks (only rank 0 samples).
 
 On CPU torch runs each step before `launch` returns: the order of work is the same,
 with no overlap. On CUDA the device runs step k while the host builds step k+1.
@@ -102,21 +107,21 @@ class AsyncSteps:
 
     def step(self) -> list[RequestOutput]:
         e = self.engine
-        outputs: list[RequestOutput] = []
-        if self.in_flight is not None and needs_host(self.in_flight.out, self.in_flight.tokens):
-            outputs += self._resolve(self.in_flight)  # synchronous for this step
-            self.in_flight = None
         if e.offload is not None:
             e.offload.save_new(e.kv.pool, e.runner.kv_cache)
             e.offload.reap(e.kv.pool)
         out = e.scheduler.schedule()
         e.last_step_tokens = out.num_tokens
         launched = self._launch(out) if out.scheduled else None
+        outputs: list[RequestOutput] = []
         if self.in_flight is not None:
             outputs += self._resolve(self.in_flight)
         elif launched is None and e.offload is not None:
             e.offload.reap(e.kv.pool, timeout=0.01)  # idle but copies pending: don't spin
         self.in_flight = launched
+        if launched is not None and needs_host(launched.out, launched.tokens):
+            outputs += self._resolve(launched)  # synchronous: the next step needs them
+            self.in_flight = None
         return outputs
 
     def wait(self) -> None:
