@@ -219,3 +219,18 @@ def test_cli_flag():
                                                  "--async-scheduling"])).async_scheduling
     assert not engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cpu"])
                                        ).async_scheduling
+
+
+def test_tensor_parallel_ranks_get_the_placeholder_ids():
+    """Rank 0 writes the placeholder ids into the step's buffer before it broadcasts it."""
+    prompts = make_prompts(4)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    ref, _ = generate(prompts, params, False, max_num_batched_tokens=32)
+    llm = LLM(model(), dtype="float32", block_size=4, max_num_batched_tokens=32,
+              tensor_parallel_size=2, async_scheduling=True)
+    try:
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        llm.engine.check_integrity()
+    finally:
+        llm.engine.close()
