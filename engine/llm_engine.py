@@ -1,5 +1,7 @@
 """The engine loop: add requests, step (schedule -> forward -> sample -> stop checks),
 collect outputs. Synchronous and single-threaded; AsyncLLM drives it from a thread.
+With async scheduling (engine/async_step.py) each step launches the next forward before
+it reads the previous one's tokens.
 """
 
 from __future__ import annotations
