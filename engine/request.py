@@ -97,7 +97,7 @@ class Request:
     @property
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those being sampled: where the next token to sample sits."""
-        return len(self.all_token_ids) + self.num_output_placeholders
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

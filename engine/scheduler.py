@@ -120,11 +120,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and req.num_output_tokens \
-                    + req.num_output_placeholders >= req.sampling_params.max_tokens:
-                i += 1  # async scheduling: its token in flight is its last
-                continue
-            n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if req.num_output_placeholders:  # async scheduling: tokens still being sampled
+                if req.num_output_tokens + req.num_output_placeholders \
+                        >= req.sampling_params.max_tokens:
+                    i += 1  # the token in flight is its last
+                    continue
+                n += req.num_output_placeholders
+            n = min(n, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
