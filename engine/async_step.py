@@ -52,13 +52,16 @@ Sampled = tuple[int, Logprobs | None]
 class StepTokens:
     """A launched step's sampled tokens. `sampling`: its scheduled requests that sample
     (their chunk reaches their newest token); `rows`: the request of each sampled row
-    (a sampling request, then its forks); `device`: the ids, on the device."""
+    (a sampling request, then its forks); `device`: the ids, on the device. Their copy
+    to the host starts here, queued after the step's work (even with no rows: waiting
+    for it is waiting for the step)."""
 
     def __init__(self, sampling: Sequence[Request], rows: Sequence[Request],
                  device: DeviceTokens) -> None:
         self.sampling = list(sampling)
         self.rows = list(rows)
         self.device = device
+        device.to_host()
 
     def result(self) -> dict[str, Sampled]:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""

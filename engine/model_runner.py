@@ -285,9 +285,9 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                prev: StepTokens | None = None) -> StepTokens:
-        """Queues one step on the device and returns its sampled tokens there, their copy
-        to the host started. `prev`: the step still in flight whose sampled ids are this
-        step's placeholder inputs (async scheduling), read on the device."""
+        """Queues one step on the device and returns its sampled tokens (on the device,
+        their copy to the host started). `prev`: the step still in flight, whose sampled
+        ids are this step's placeholder inputs (async scheduling), read on the device."""
         bucket = self._graph_bucket(out.scheduled)
         if bucket is not None:
             assert self.graphs is not None
@@ -312,9 +312,7 @@ class ModelRunner:
             rows = [i for i, r in enumerate(reqs) for _ in range(1 + len(r.forks))]
             reqs = [x for r in reqs for x in (r, *r.forks)]
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs))
-        tokens.device.to_host()
-        return tokens
+        return StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs))
 
     def record_kv_ready(self) -> torch.cuda.Event | None:
         """An event on the compute stream after the work queued so far (the step's
