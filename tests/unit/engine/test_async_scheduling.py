@@ -234,3 +234,22 @@ def test_tensor_parallel_ranks_get_the_placeholder_ids():
         llm.engine.check_integrity()
     finally:
         llm.engine.close()
+
+
+def test_offload_tier_loads_and_saves_with_async_scheduling():
+    """Blocks evicted to a host tier come back for the reruns (loads land while a step
+    may be in flight); outputs stay transformers' greedy and nothing leaks."""
+    from kvtransfer.tiers import TierConfig
+    from kvtransfer.tiers.manager import TieredCache
+    from tests.unit.engine.test_offload import BS, MAX_TOKENS, layout_of, run_twice
+
+    d = model()
+    hf = hf_model(d)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 500) for _ in range(26)] for _ in range(4)]
+    eos = hf.generation_config.eos_token_id
+    ref = [hf_greedy(hf, p, MAX_TOKENS, eos) for p in prompts]
+    with TieredCache(TierConfig(host_blocks=64), layout_of(d)) as tiers:
+        llm = LLM(d, offload=tiers, dtype="float32", block_size=BS, num_blocks=16,
+                  async_scheduling=True)
+        run_twice((d, prompts, ref), tiers, "host", llm)
