@@ -253,3 +253,34 @@ def test_offload_tier_loads_and_saves_with_async_scheduling():
         llm = LLM(d, offload=tiers, dtype="float32", block_size=BS, num_blocks=16,
                   async_scheduling=True)
         run_twice((d, prompts, ref), tiers, "host", llm)
+
+
+def test_scheduler_counts_placeholders():
+    """A token in flight is computed by the next step; a request whose token in flight
+    is its last is not scheduled again; a preempted request waits for its token."""
+    from engine.config import SchedulerConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4))
+    a = Request("a", list(range(10, 20)), SamplingParams(max_tokens=3))
+    b = Request("b", list(range(30, 36)), SamplingParams(max_tokens=8))
+    for r in (a, b):
+        s.add_request(r)
+    out = s.schedule()
+    for x in out.scheduled:  # what AsyncSteps does at launch: both sample
+        x.request.num_computed_tokens += x.num_new_tokens
+        x.request.num_output_placeholders += 1
+    assert {x.request.request_id: x.num_new_tokens for x in s.schedule().scheduled} \
+        == {"a": 1, "b": 1}
+    a.append_token(5)
+    a.append_token(6)  # a's token in flight would be its third and last
+    a.num_computed_tokens += 2
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["b"]
+    s._preempt(b)
+    assert b.num_output_placeholders == 1
+    assert [x.request.request_id for x in s.schedule().scheduled] == []  # b waits
+    b.num_output_placeholders = 0  # its token arrived
+    b.append_token(9)
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["b"]
