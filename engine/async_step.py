@@ -15,7 +15,8 @@ A step falls back to synchronous scheduling (it is resolved right after its laun
 the next step is scheduled) when the next step needs the host to have seen its tokens:
 structured outputs (the grammar's mask), presence/frequency/repetition penalties (the
 token history), parallel samples (n / best_of: the forks start from the first token),
-and prefill producers (`hold_kv`: every step reports their KV progress). Block ids
+and prefill producers (`hold_kv`: every step reports their KV progress). (The engine
+has no speculative decoding, whose draft tokens would be placeholders too.) Block ids
 handed to writers off the compute stream (a remote prefill's KV, offload-tier loads)
 wait for the step in flight first: a request that ended while it ran freed blocks that
 step still writes.
