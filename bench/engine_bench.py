@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="our engine schedules step n+1 while step n runs (engine flag)")
     p.add_argument("--json", default=None, help="write results here")
     add_shape_arguments(p)
 
@@ -81,7 +83,8 @@ def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
 
 def run_ours(model_dir: str, prompts: list[list[int]], out_lens: list[int],
              max_batched: int, cache_dtype: str = "auto", **parallel: Any) -> float:
-    """`parallel`: tensor_parallel_size / collective_timeout_s for the engine."""
+    """`parallel`: tensor_parallel_size / collective_timeout_s (and async_scheduling)
+    for the engine."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
         n_out = sum(out_lens)
         ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048,
-                        args.kv_cache_dtype, **parallel_kwargs(args))
+                        args.kv_cache_dtype, async_scheduling=args.async_scheduling,
+                        **parallel_kwargs(args))
         hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
     result: dict[str, Any] = {
         "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,

@@ -203,6 +203,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                attention_backend=args.attention_backend,
                gpu_memory_utilization=args.gpu_memory_utilization,
                cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+               async_scheduling=getattr(args, "async_scheduling", False),
                **parallel_kwargs(args), **kw)
 
 

@@ -115,6 +115,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_parallel_arguments(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step n+1 while the device runs step n; sampled ids "
+                        "reach the host one step later (outputs unchanged)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory the engine may use (weights, "
                         "activations, graphs and the KV pool)")
@@ -199,6 +202,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, load_format=load_format,
         attention_backend=getattr(args, "attention_backend", None),
         enforce_eager=getattr(args, "enforce_eager", False),
+        async_scheduling=getattr(args, "async_scheduling", False),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
                           gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),

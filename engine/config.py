@@ -282,6 +282,9 @@ class EngineConfig:
     # prefill or decode worker under tensor parallelism): the pool sized from free GPU
     # memory leaves room for it.
     kv_staging: bool = False
+    # The host schedules and lays out step n+1 while the device runs step n, feeding
+    # step n's sampled ids (kept on the device) as its inputs (engine/async_step.py).
+    async_scheduling: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -1,5 +1,7 @@
 """The engine loop: add requests, step (schedule -> forward -> sample -> stop checks),
 collect outputs. Synchronous and single-threaded; AsyncLLM drives it from a thread.
+With async scheduling (engine/async_step.py) each step launches the next forward before
+it reads the previous one's tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.async_step import AsyncSteps
 from engine.block_hash import BlockHash, make_extra_key
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -89,6 +92,7 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
                                             eos)
+        self.async_steps = AsyncSteps(self) if config.async_scheduling else None
 
     # -- requests -----------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -225,6 +229,8 @@ class LLMEngine:
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
                                 resume_token_ids=resume_token_ids, tenant=tenant,
                                 labels=labels, client_id=client_id)
+        if self.async_steps is not None:
+            self.async_steps.wait()  # its blocks may be ones the step in flight writes
         if not self.scheduler.allocate_remote(req):
             return None
         self._run_loads(None)
@@ -282,6 +288,8 @@ class LLMEngine:
         """Block ids holding the leading run of `hashes` here, pinned until `unpin`
         (engine/pins.py: device prefix-cache hits, then the offload tiers')."""
         store = self.offload.offload if self.offload is not None else None
+        if store is not None and self.async_steps is not None:
+            self.async_steps.wait()  # tier hits load into free blocks
         return [b.block_id for b in self.pins.pin(hashes, store, self.runner.kv_cache)]
 
     def unpin(self, block_ids: list[int]) -> None:
@@ -314,10 +322,13 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Requests to run, or device blocks held until their offload copy is done."""
-        return self.scheduler.has_work() or bool(self.offload and self.offload.saving)
+        return self.scheduler.has_work() or bool(self.offload and self.offload.saving) \
+            or bool(self.async_steps and self.async_steps.in_flight)
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.async_steps is not None:
+            return self.async_steps.step()
         if self.offload is not None:
             self.offload.save_new(self.kv.pool, self.runner.kv_cache)
             self.offload.reap(self.kv.pool)
@@ -331,9 +342,17 @@ class LLMEngine:
         sampled = self.runner.execute(out, self.kv)
         producers = any(s.request.hold_kv for s in out.scheduled)
         kv_ready = self.runner.record_kv_ready() if producers else None
+        got_token = self.scheduler.update_from_output(out, sampled)
+        return self._step_outputs(out, sampled, got_token, kv_ready)
+
+    def _step_outputs(self, out: SchedulerOutput,
+                      sampled: Mapping[str, tuple[int, Logprobs | None]],
+                      got_token: list[Request], kv_ready: torch.cuda.Event | None,
+                      ) -> list[RequestOutput]:
+        """A step's outputs, once its tokens were appended (`got_token`): forks start,
+        stops end requests, producers report KV progress."""
         now = time.monotonic()
         outputs = []
-        got_token = self.scheduler.update_from_output(out, sampled)
         for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.async_step import StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -275,27 +276,36 @@ class ModelRunner:
         return torch.zeros(len(positions), **i32), positions, self.kv_cache, meta
 
     # -- a step -------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, Sampled]:
         """Runs one step; returns {request_id: (token, logprobs)} for requests whose
         computed tokens reach their end this step (partial prefill chunks sample nothing).
         """
+        return self.launch(out, kv).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, kv: KVCacheManager,
+               prev: StepTokens | None = None) -> StepTokens:
+        """Queues one step on the device and returns its sampled tokens (on the device,
+        their copy to the host started). `prev`: the step still in flight, whose sampled
+        ids are this step's placeholder inputs (async scheduling), read on the device."""
         bucket = self._graph_bucket(out.scheduled)
         if bucket is not None:
             assert self.graphs is not None
             step = self.inputs.build(out.scheduled, kv, pad_to=bucket,
                                      width=self.graphs.width, out=self.graphs.buffer)
+            fill_placeholders(step, prev)
             if self.tp is not None:  # the other ranks replay the same bucket
                 self.inputs.send(self.tp, step.meta, bucket)
             logits = self.graphs.run(bucket, step)[:len(out.scheduled)]
         else:
             step = self.inputs.build(out.scheduled, kv)
+            fill_placeholders(step, prev)
             if self.tp is not None:
                 self.inputs.send(self.tp, step.meta)
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
             self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
             if not step.sample_reqs:
-                return {}
+                return StepTokens([], [], self.sampler.sample(hidden[:0], []))
             self._tell(("logits", None))
             logits = self.model.compute_logits(hidden[step.sample_rows])
         reqs = step.sample_reqs
@@ -304,8 +314,7 @@ class ModelRunner:
             rows = [i for i, r in enumerate(reqs) for _ in range(1 + len(r.forks))]
             reqs = [x for r in reqs for x in (r, *r.forks)]
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = self.sampler(logits, reqs)
-        return {r.request_id: (t, lp) for r, t, lp in zip(reqs, tokens, logprobs, strict=True)}
+        return StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs))
 
     def record_kv_ready(self) -> torch.cuda.Event | None:
         """An event on the compute stream after the work queued so far (the step's
@@ -424,7 +433,8 @@ class ModelRunner:
             return None
         for s in scheduled:
             r = s.request
-            if s.num_new_tokens != 1 or r.num_computed_tokens + 1 != r.num_tokens:
+            if s.num_new_tokens != 1 \
+                    or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
                 return None
         return self.graphs.bucket_for(len(scheduled))
 

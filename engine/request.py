@@ -50,6 +50,9 @@ class Request:
     # token id; None for EOS (and a completed grammar).
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0
+    # Async scheduling: tokens a launched step is sampling whose ids the host has not
+    # seen yet; the next step is scheduled on them (engine/async_step.py).
+    num_output_placeholders: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -90,6 +93,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those being sampled: where the next token to sample sits."""
+        return self.num_tokens + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -145,7 +145,7 @@ class _Rows:
     min_p: torch.Tensor
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
         or p.repetition_penalty != 1.0
 
@@ -159,22 +159,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
                  ) -> tuple[list[int], list[Logprobs | None]]:
         """logits: [B, V] float32, one row per request, the token to sample sits at
-        position `request.num_tokens`. Returns one token id per row and, for rows that
-        asked, the log-probabilities (of the raw logits, before penalties and
-        temperature) of the sampled token and the top-n tokens."""
+        position `request.num_tokens_with_placeholders`. Returns one token id per row
+        and, for rows that asked, the log-probabilities (of the raw logits, before
+        penalties and temperature) of the sampled token and the top-n tokens."""
+        return self.sample(logits, requests).result()
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> DeviceTokens:
+        """`__call__`'s tokens, left on the device (the host reads them with `result`)."""
         if not requests:
-            return [], []
+            return DeviceTokens(torch.empty(0, dtype=torch.int64, device=logits.device), [])
         if any(r.grammar is not None for r in requests):  # structured outputs, first of all
             apply_grammar_masks(logits, requests)
         params = [r.sampling_params for r in requests]
-        penalties = any(_has_penalty(p) for p in params)
+        ks = [p.logprobs for p in params]
+        penalties = any(has_penalty(p) for p in params)
         edits = self._logit_edits(requests)
         if not penalties and edits is None and all(p.greedy for p in params):
             ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
-            want = [p.logprobs for p in params if p.logprobs is not None]
-            if not want:
-                return ids.cpu().tolist(), [None] * len(params)
-            return self._with_logprobs(logits, ids, params, max(want))
+            return DeviceTokens(ids, ks, _pack(logits, ids, ks))
         rows = self._rows(requests, logits.shape[1])
         processed = logits
         if edits is not None:  # logit_bias, min_tokens: before penalties, as vLLM
@@ -186,10 +188,7 @@ class Sampler:
         ids = processed.argmax(dim=-1)
         if not all(p.greedy for p in params):
             ids = torch.where(rows.temperature == 0, ids, self._sample(processed, params, rows))
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        if not want:
-            return ids.cpu().tolist(), [None] * len(params)
-        return self._with_logprobs(logits, ids, params, max(want))
+        return DeviceTokens(ids, ks, _pack(logits, ids, ks))
 
     def _rows(self, requests: Sequence[Request], vocab: int) -> _Rows:
         table = []
@@ -199,7 +198,8 @@ class Sampler:
             # Only the repetition penalty looks at the prompt; else the history is output.
             plen = r.num_prompt_tokens if p.repetition_penalty != 1.0 else 0
             table.append([p.temperature, min(p.top_k or vocab, vocab), p.top_p,
-                          seed & _M32, seed >> 32, r.num_tokens, p.presence_penalty,
+                          seed & _M32, seed >> 32, r.num_tokens_with_placeholders,
+                          p.presence_penalty,
                           p.frequency_penalty, p.repetition_penalty, plen, p.min_p])
         # float64 holds every column exactly (ints < 2**53), so one copy carries them all.
         t = self._to_device(torch.tensor(table, dtype=torch.float64))
@@ -217,7 +217,7 @@ class Sampler:
         for i, r in enumerate(requests):
             p = r.sampling_params
             table += [(i, t, b) for t, b in p.logit_bias.items()]
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + r.num_output_placeholders < p.min_tokens:
                 table += [(i, t, float("-inf"))
                           for t in {*r.eos_token_ids, *p.stop_token_ids}]
         if not table:
@@ -250,7 +250,7 @@ class Sampler:
             if p.repetition_penalty != 1.0:
                 hist.append(r.all_token_ids)
             else:
-                hist.append(r.output_token_ids if _has_penalty(p) else [])
+                hist.append(r.output_token_ids if has_penalty(p) else [])
         out = torch.full((len(hist), max(map(len, hist))), vocab, dtype=torch.int64)
         for i, h in enumerate(hist):
             out[i, :len(h)] = torch.as_tensor(h, dtype=torch.int64)
@@ -272,30 +272,61 @@ class Sampler:
         exp_noise = uniform_noise(rows.seed, rows.position, logits.shape[1]).log_().neg_()
         return (probs / exp_noise).argmax(dim=-1)
 
-    @staticmethod
-    def _with_logprobs(logits: torch.Tensor, ids: torch.Tensor,
-                       params: list[SamplingParams], n: int,
-                       ) -> tuple[list[int], list[Logprobs | None]]:
-        """Packs ids, the sampled token's logprob and the top-n (ids, values) of every
-        row into one float64 tensor (exact for ids and float32 values): one copy back."""
-        return token_logprobs(logits, ids, [p.logprobs for p in params])
+
+class DeviceTokens:
+    """A batch's sampled ids (and logprobs) on the device. `to_host` starts their copy
+    to the host without waiting (CUDA: pinned memory, an event after it); `result`
+    waits for it and returns them as `Sampler.__call__` does."""
+
+    def __init__(self, ids: torch.Tensor, ks: list[int | None],
+                 packed: torch.Tensor | None = None) -> None:
+        self.ids = ids  # [B] int64 on the device: the next step's inputs can read them
+        self.ks = ks
+        self._src = packed if packed is not None else ids
+        self._host: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def to_host(self) -> None:
+        if self._host is not None:
+            return
+        if self._src.is_cuda:
+            self._host = torch.empty(self._src.shape, dtype=self._src.dtype, pin_memory=True)
+            self._host.copy_(self._src, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = self._src.cpu()
+
+    def result(self) -> tuple[list[int], list[Logprobs | None]]:
+        self.to_host()
+        assert self._host is not None
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._src is self.ids:
+            return self._host.tolist(), [None] * len(self.ks)
+        return _unpack(self._host.tolist(), self.ks)
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int | None],
-                   ) -> tuple[list[int], list[Logprobs | None]]:
-    """(ids as ints, and per row b with ks[b] not None: {ids[b]: its logprob} followed
-    by the ks[b] most likely tokens, best first: vLLM's order, where a chosen token
-    among them keeps the first place). Log-softmax of `logits` [B, V] as given; the
-    results travel in one float64 tensor (exact for ids and float32 values): one copy."""
-    n = max((k for k in ks if k is not None), default=0)
+def _pack(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int | None],
+          ) -> torch.Tensor | None:
+    """Ids, the sampled token's logprob and the top-n (ids, values) of every row in one
+    float64 tensor (exact for ids and float32 values), for one copy back; None when no
+    row asked for logprobs."""
+    n = max((k for k in ks if k is not None), default=None)
+    if n is None:
+        return None
     logp = logits.log_softmax(dim=-1)
     top = logp.topk(n, dim=-1)
-    packed = torch.cat([ids.unsqueeze(1).double(),
-                        logp.gather(1, ids.unsqueeze(1)).double(),
-                        top.indices.double(), top.values.double()], dim=1)
+    return torch.cat([ids.unsqueeze(1).double(), logp.gather(1, ids.unsqueeze(1)).double(),
+                      top.indices.double(), top.values.double()], dim=1)
+
+
+def _unpack(packed: list[list[float]], ks: Sequence[int | None],
+            ) -> tuple[list[int], list[Logprobs | None]]:
+    n = max((k for k in ks if k is not None), default=0)
     tokens: list[int] = []
     lps: list[Logprobs | None] = []
-    for k, row in zip(ks, packed.cpu().tolist(), strict=True):
+    for k, row in zip(ks, packed, strict=True):
         tok = int(row[0])
         tokens.append(tok)
         if k is None:
@@ -304,3 +335,15 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int | N
         top_ids, top_vals = row[2:2 + k], row[2 + n:2 + n + k]
         lps.append({tok: row[1]} | {int(i): v for i, v in zip(top_ids, top_vals, strict=True)})
     return tokens, lps
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, ks: Sequence[int | None],
+                   ) -> tuple[list[int], list[Logprobs | None]]:
+    """(ids as ints, and per row b with ks[b] not None: {ids[b]: its logprob} followed
+    by the ks[b] most likely tokens, best first: vLLM's order, where a chosen token
+    among them keeps the first place). Log-softmax of `logits` [B, V] as given; the
+    results travel in one float64 tensor (exact for ids and float32 values): one copy."""
+    packed = _pack(logits, ids, ks)
+    if packed is None:
+        return ids.cpu().tolist(), [None] * len(ks)
+    return _unpack(packed.cpu().tolist(), ks)

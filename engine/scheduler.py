@@ -120,7 +120,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = req.num_tokens - req.num_computed_tokens
+            if req.num_output_placeholders:  # async scheduling: tokens still being sampled
+                if req.num_output_tokens + req.num_output_placeholders \
+                        >= req.sampling_params.max_tokens:
+                    i += 1  # the token in flight is its last
+                    continue
+                n += req.num_output_placeholders
+            n = min(n, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
@@ -143,8 +150,10 @@ class Scheduler:
         return out
 
     def _ready(self, skip: Collection[Request] = ()) -> Iterator[Request]:
+        # (a preempted request whose token is still in flight waits for it)
         return (r for r in self.waiting
-                if r.status != RequestStatus.WAITING_FOR_REMOTE_KV and r not in skip)
+                if r.status != RequestStatus.WAITING_FOR_REMOTE_KV and r not in skip
+                and not r.num_output_placeholders)
 
     @staticmethod
     def _capped(r: Request, running: Counter[str]) -> bool:

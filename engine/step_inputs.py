@@ -18,7 +18,7 @@ graph's batch size, straight into the graph's own input buffer (fixed addresses)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +40,9 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int32 rows of the flat batch whose logits are sampled
     sample_reqs: list[Request]  # the request of each sampled row
+    # Async scheduling: (index in input_ids, request) of each token a step still in
+    # flight is sampling; its id is filled in on the device (engine/async_step.py).
+    placeholders: list[tuple[int, Request]] = field(default_factory=list)
 
 
 def layout_size(t: int, b: int, w: int, s: int) -> int:
@@ -101,7 +104,7 @@ class StepInputBuilder:
         b = pad_to or n_real
         t = t_real + (b - n_real)
         w = width or max(1, cdiv(int(ends.max()), bs))
-        samples = [i for i, r in enumerate(reqs) if ends[i] == r.num_tokens]
+        samples = [i for i, r in enumerate(reqs) if ends[i] == r.num_tokens_with_placeholders]
         s = len(samples)
         self._reserve(layout_size(t, b, w, s))
         ids, pos, slots, qsl, seq_lens, tables, rows = (
@@ -113,10 +116,14 @@ class StepInputBuilder:
         seq_lens[n_real:] = 0
         tables.fill(0)
         tok: list[int] = []
+        placeholders: list[tuple[int, Request]] = []
         for i, r in enumerate(reqs):
             table = kv.block_ids(r.request_id)[:cdiv(int(ends[i]), bs)]
             tables[i, :len(table)] = table
             tok += r.all_token_ids[starts[i]:ends[i]]
+            if len(tok) < qsl[i + 1]:
+                placeholders.append((len(tok), r))  # the newest token: not sampled yet
+                tok.append(0)
         ids[:t_real] = tok
         # Each token's position: its index in the flat batch, shifted per sequence.
         seq_of = np.repeat(np.arange(n_real), q_lens)
@@ -140,7 +147,7 @@ class StepInputBuilder:
             seq_lens=d[4], block_tables=d[5], max_query_len=int(q_lens.max()),
             max_seq_len=int(ends.max()), query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
-        return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples])
+        return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples], placeholders)
 
     def send(self, tp: TPGroup, meta: AttentionMetadata, bucket: int | None = None) -> None:
         """Rank 0: the last built step to ranks 1..N-1 (its shape and host-side lists
