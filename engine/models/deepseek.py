@@ -31,7 +31,12 @@ from engine.attention.mla import MLABackend, TorchMLABackend, make_mla_backend
 from engine.config import DeepseekRouting, MLAConfig, ModelConfig, RopeConfig
 from engine.models.llama import MLP, RMSNorm, rope_inv_freq
 from engine.models.moe import SparseMoeBlock
-from engine.models.parallel_layers import VocabParallelEmbedding, gather_logits, vocab_shard
+from engine.models.parallel_layers import (
+    VocabParallelEmbedding,
+    gather_logits,
+    make_embedding,
+    vocab_shard,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -205,8 +210,7 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
-            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+            make_embedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -228,7 +232,8 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        inv_freq, self.rope_factor = deepseek_rope(cfg)
+        with torch.device("cpu"):  # not on meta (make_embedding says why); moved later
+            inv_freq, self.rope_factor = deepseek_rope(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.ops: ModuleType | None = None
 
