@@ -2,9 +2,10 @@
 
 Ownership: the cluster owns every child it starts, through its Supervisor. Each child
 runs in its own process group (a terminal's Ctrl-C reaches only the launcher, which then
-stops children in order: gateway, workers, redis) and, on Linux, gets SIGTERM if the
-launcher dies, so no orphans are left. Children are started through their public command
-line (`python -m cluster.cli worker|gateway ...`), never imported.
+stops children in order: gateways, prefill workers, the other workers, redis) and, on
+Linux, gets SIGTERM if the launcher dies, so no orphans are left. Children are started
+through their public command line (`python -m cluster.cli worker|gateway ...`), never
+imported.
 
 Start-up is strict (a child that dies before the cluster is ready is an error). After
 that, `supervise()` — called in a loop by `splitserve up` — restarts children that exit
@@ -299,11 +300,16 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Gateways first (no new work), then prefill workers (their last pushes still
-        land in live decode workers), then the other workers (they drain), then redis."""
-        order = sorted(self.children, key=lambda c: (
-            not is_gateway(c.name), not c.name.startswith("prefill-"), c.name == "redis"))
-        for c in order:
-            self.stop_child(c)
+        land in live decode workers), then the other workers (they drain), then redis;
+        the children of one step stop together."""
+        def step(c: Child) -> int:
+            if is_gateway(c.name):
+                return 0
+            return 1 if c.name.startswith("prefill-") else 3 if c.name == "redis" else 2
+        for i in range(4):
+            group = [c for c in self.children if step(c) == i]
+            if group:
+                self.supervisor.stop_all(group, timeout_s=self.spec.stop_timeout_s)
         with contextlib.suppress(OSError):
             self.write_status()
 

@@ -208,7 +208,8 @@ class DeepseekForCausalLM(CausalLM):
         if cfg.mla is None:
             raise ValueError("DeepseekForCausalLM needs an MLA config")
         super().__init__(cfg, tp, DecoderModel(cfg, tp, DeepseekDecoderLayer))
-        inv_freq, self.rope_factor = deepseek_rope(cfg)
+        with torch.device("cpu"):  # not on meta (make_embedding says why); moved later
+            inv_freq, self.rope_factor = deepseek_rope(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:

@@ -26,7 +26,12 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig, RopeConfig
 from engine.models.moe import SparseMoeBlock
-from engine.models.parallel_layers import VocabParallelEmbedding, gather_logits, vocab_shard
+from engine.models.parallel_layers import (
+    VocabParallelEmbedding,
+    gather_logits,
+    make_embedding,
+    vocab_shard,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -194,8 +199,7 @@ class DecoderModel(nn.Module):
                  layer: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
-            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
-            else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
+            make_embedding(cfg.vocab_size, cfg.hidden_size, tp))
         make = layer or DecoderLayer
         self.layers = nn.ModuleList(make(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -252,8 +256,9 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__(cfg, tp, DecoderModel(cfg, tp))
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim),
-                             persistent=False)
+        with torch.device("cpu"):  # not on meta (make_embedding says why); moved later
+            inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.cos_sin_cache: torch.Tensor | None = None
 
     def set_kernels(self, backend: AttentionBackend, fused: bool, max_positions: int) -> None:

@@ -112,6 +112,17 @@ def _mla_range(cfg: ModelConfig, name: str, rank: int, tp: int,
     return None
 
 
+def make_embedding(vocab: int, hidden: int,
+                   tp: TPGroup | None) -> nn.Embedding | VocabParallelEmbedding:
+    """The token embedding (with `tp`, this rank's rows), its weight uninitialised: the
+    loader fills it. Not nn.Embedding's own init, as the loader builds models on the meta
+    device, where normal_ runs torch's Python reference ops, and their first call imports
+    torch._dynamo: seconds of every worker's start-up, for a value nobody reads."""
+    if tp is not None:
+        return VocabParallelEmbedding(vocab, hidden, tp)
+    return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+
+
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the embedding; ids outside them look up zeros, and one
     all-reduce sums the ranks' lookups into the whole embedding."""

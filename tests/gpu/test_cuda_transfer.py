@@ -216,8 +216,8 @@ def test_killed_receiver_is_a_typed_error_on_the_gpu(transport: str) -> None:
 
 def _cluster_generate(tmp_path: Any, transport: str, prompts: list[list[int]],
                       max_tokens: list[int]) -> tuple[list[list[int]], float]:
+    from tests.integration.disagg_util import child, start_cluster
     from tests.integration.serving_util import grpc_generate, metric
-    from tests.integration.test_disagg import child, start_cluster
 
     cluster = start_cluster(tmp_path / transport, transport,
                             ("--device", "cuda", "--dtype", "float32"))
@@ -236,7 +236,7 @@ def test_1p1d_on_one_gpu_equals_a_colocated_worker(tmp_path: Any, transport: str
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
     from tests.factories import tiny_model_dir
-    from tests.integration.test_disagg import NUM_BLOCKS, mixed_prompts
+    from tests.integration.disagg_util import NUM_BLOCKS, mixed_prompts
 
     prompts, max_tokens = mixed_prompts()
     colocated = LLM(tiny_model_dir("llama"), dtype="float32", device="cuda",

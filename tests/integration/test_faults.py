@@ -59,10 +59,16 @@ def run_requests(cluster: LocalCluster, batch: list[list[int]],
     return send_all(cluster, batch, concurrency, MAX_TOKENS, DEADLINE_S)
 
 
-def check_invariants(cluster: LocalCluster, batch: list[list[int]],
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    """The fault-free reference engine."""
+    return LLM(tiny_model_dir("llama"), num_blocks=NUM_BLOCKS)
+
+
+def check_invariants(cluster: LocalCluster, offline: LLM, batch: list[list[int]],
                      results: list[Outcome], workers: tuple[str, ...]) -> int:
     """Returns the number of successful requests."""
-    refs = LLM(tiny_model_dir("llama"), num_blocks=NUM_BLOCKS).generate(
+    refs = offline.generate(
         batch, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     ok = 0
     for r, ref in zip(results, refs, strict=True):
@@ -85,7 +91,8 @@ def chaos_cluster(tmp_path: Any) -> Any:
     cluster.stop()
 
 
-def test_every_fault_kind_keeps_the_invariants(chaos_cluster: LocalCluster) -> None:
+def test_every_fault_kind_keeps_the_invariants(chaos_cluster: LocalCluster,
+                                               offline: LLM) -> None:
     """Rounds of requests until every fault kind has fired (the draws are seeded, but
     which frame meets which draw follows the timing: one round of 28 requests left
     `wire.drop` unfired about once in a hundred runs); the invariants after each."""
@@ -109,7 +116,7 @@ def test_every_fault_kind_keeps_the_invariants(chaos_cluster: LocalCluster) -> N
     for start, size in ((0, 28), (28, 14), (42, 14)):  # at most three rounds
         batch = prompts(size, start)
         results = run_requests(cluster, batch, concurrency=7)
-        ok = check_invariants(cluster, batch, results, ("prefill-0", "decode-0"))
+        ok = check_invariants(cluster, offline, batch, results, ("prefill-0", "decode-0"))
         assert ok >= len(batch) // 2, results  # faults cost retries and recomputes
         seen = observed()
         if all(seen.values()):
@@ -117,13 +124,13 @@ def test_every_fault_kind_keeps_the_invariants(chaos_cluster: LocalCluster) -> N
     assert all(seen.values()), seen
 
 
-def test_prefill_killed_mid_transfer(tmp_path: Any) -> None:
+def test_prefill_killed_mid_transfer(tmp_path: Any, offline: LLM) -> None:
     cluster = start(tmp_path, "kill.write=3")
     try:
         batch = prompts(3)
         results = run_requests(cluster, batch, concurrency=1)
         prefill = next(c for c in cluster.children if c.name == "prefill-0")
         assert prefill.proc.wait(10) == -9  # it died at its third KV frame
-        assert check_invariants(cluster, batch, results, ("decode-0",)) == len(batch)
+        assert check_invariants(cluster, offline, batch, results, ("decode-0",)) == len(batch)
     finally:
         cluster.stop()

@@ -7,22 +7,12 @@ fewer KV heads than ranks (each replicated), over tcp and shm."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from cluster.launcher import ClusterSpec, LocalCluster
 from cluster.placement import WorkerPlacement
 from engine.config import ModelConfig
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.serving_util import grpc_generate, metric, wait_for
-from tests.integration.test_disagg import (
-    ALWAYS_REMOTE,
-    WORKER_ARGS,
-    all_blocks_free,
-    child,
-    logs,
-)
+from tests.integration.disagg_util import generate_remotely, logs, start_cluster
 
 # 9 shares 7's first 48 tokens: its prefix is a hit on the decode, the rest is sent
 _LENGTHS = (17, 40, 90, 64)
@@ -40,26 +30,13 @@ def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
                                                      decode_tp: int, transport: str,
                                                      kv_heads: int) -> None:
     model_dir = tiny_model_dir("llama", num_key_value_heads=kv_heads)
-    profile = tmp_path / "routing.yaml"
-    profile.write_text(ALWAYS_REMOTE)
-    spec = ClusterSpec(
-        model_dir=model_dir, num_prefill=1, num_decode=1, num_colocated=0,
-        transport=transport, worker_args=(*WORKER_ARGS, "--dtype", "float32"),
-        gateway_args=("--routing", str(profile)), ready_timeout_s=180,
-        log_dir=str(tmp_path / "logs"),
+    prompts, max_tokens = _prompts()
+    cluster = start_cluster(
+        tmp_path, transport, ("--dtype", "float32"), model_dir=model_dir, ready_timeout_s=180,
         placement={"prefill-0": WorkerPlacement(("--tensor-parallel-size", str(prefill_tp))),
                    "decode-0": WorkerPlacement(("--tensor-parallel-size", str(decode_tp)))})
-    prompts, max_tokens = _prompts()
-    cluster = LocalCluster(spec)
-    cluster.start()
     try:
-        decode_metrics = int(child(cluster, "decode-0").extra["metrics_port"])
-        got = asyncio.run(grpc_generate(f"127.0.0.1:{cluster.grpc_port}", prompts, max_tokens))
-        ok = metric(decode_metrics, "splitserve:remote_prefill_total", outcome="ok")
-        assert ok == len(prompts), logs(cluster)
-        moved = metric(decode_metrics, "splitserve:kv_transfer_bytes_total",
-                       transport=transport)
-        wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+        got, moved = generate_remotely(cluster, prompts, max_tokens)
     finally:
         cluster.stop()
     cfg = ModelConfig.from_model_dir(model_dir)

@@ -113,6 +113,23 @@ def test_a_child_stopped_on_purpose_is_not_restarted(tmp_path) -> None:
     assert child.restarts == 0
 
 
+def test_children_stopped_together_drain_at_the_same_time(tmp_path) -> None:
+    """Three children that each take a second to exit after SIGTERM: stopped together,
+    the three seconds overlap; each exits on its own (exit 0), none is killed."""
+    sup = make_supervisor()
+    children = [start(sup, tmp_path, f"slow{i}", "trap 'sleep 1; exit 0' TERM; echo up; "
+                      "while :; do sleep 0.05; done") for i in range(3)]
+    deadline = time.monotonic() + 5
+    while not all(os.path.getsize(c.log_path) for c in children):  # the traps are set
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    sup.stop_all(children, timeout_s=10)
+    assert time.monotonic() - t0 < 2.5
+    assert [c.proc.returncode for c in children] == [0, 0, 0]
+    assert not any(c.wanted for c in children)
+
+
 def test_stop_kills_what_the_child_left_in_its_group(tmp_path) -> None:
     """A wrapper whose own child ignores SIGTERM: nothing of the group survives stop."""
     sup = make_supervisor()
