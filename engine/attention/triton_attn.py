@@ -201,17 +201,20 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["bt_st"])  # see _PER_STEP (its grid carries the count)
+# See _PER_STEP (its grid carries the count). The split count is a plain argument too:
+# one compiled variant serves every batch shape (start-up tuning times several).
+@triton.jit(do_not_specialize=["bt_st", "num_splits"])
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                          qsl_ptr, num_heads, scale_log2, window, k_scale, v_scale,
                          q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
+                         num_splits: tl.int32,
                          GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         TILE_N: tl.constexpr,
                          USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          DOT_F32: tl.constexpr, FP8: tl.constexpr,
                          FP8_BITS: tl.constexpr):
-    """Grid (num_seqs, kv_heads, NUM_SPLITS): the one query of a decode sequence, the
+    """Grid (num_seqs, kv_heads, num_splits): the one query of a decode sequence, the
     GROUP heads of one KV head, over one split's share of the key tiles. Writes that
     split's normalized output and base-2 log-sum-exp (-inf for an empty split)."""
     seq = tl.program_id(0)
@@ -235,7 +238,7 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     first = lo // TILE_N
-    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first, NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first, num_splits)
     begin = (first + split * per_split) * TILE_N
     end = tl.minimum(begin + per_split * TILE_N, seq_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -250,7 +253,7 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    at = (seq * num_heads + head) * NUM_SPLITS + split  # scratch [B, H, NUM_SPLITS(, D)]
+    at = (seq * num_heads + head) * num_splits + split  # scratch [B, H, num_splits(, D)]
     tl.store(lse_ptr + at, lse, mask=row_ok)
     tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
 
@@ -424,10 +427,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         part, lse, q, cache, block_tables, seq_lens, query_start_loc, heads,
         scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
         *q.stride(), *_cache_strides(kv_layer),
-        block_tables.stride(0), GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
+        block_tables.stride(0), splits, GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
         HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=tile.tile_n or _tile_n(q), NUM_SPLITS=splits,
-        USE_WINDOW=sliding_window is not None, num_warps=tile.num_warps,
+        TILE_N=tile.tile_n or _tile_n(q), USE_WINDOW=sliding_window is not None, num_warps=tile.num_warps,
         num_stages=tile.num_stages, **_dot_args(q), **fp8)
     _decode_reduce_kernel[(num_seqs, heads)](
         out, part, lse, query_start_loc, heads, *out.stride(),
