@@ -5,10 +5,13 @@ forward can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from engine.attention import triton_attn
 from engine.attention.base import AttentionMetadata
+from engine.attention.triton_attn import DecodeTile
 from engine.attention.tuning import DecodeTable
 
 
@@ -25,6 +28,14 @@ class TritonBackend:
         self.num_splits = num_splits
         self.decode_table = decode_table or DecodeTable()
 
+    def _decode_tile(self, q: torch.Tensor, meta: AttentionMetadata) -> DecodeTile:
+        # A captured graph replays at every context up to the model's length (its
+        # metadata bounds none), so it keeps its batch size's longest-context entry:
+        # the steps where decode attention costs most.
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        return self.decode_table.choose(meta.num_seqs,
+                                        sys.maxsize if capturing else meta.max_seq_len)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
@@ -33,7 +44,7 @@ class TritonBackend:
             return triton_attn.decode_attention(
                 q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits,
-                k_scale, v_scale, self.decode_table.choose(meta.num_seqs, meta.max_seq_len))
+                k_scale, v_scale, self._decode_tile(q, meta))
         return triton_attn.unified_attention(
             q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window,

@@ -54,8 +54,8 @@ class DecodeTable:
     """Tuned tiles on a (batch, context) grid. A step of `num_seqs` sequences, the
     longest `max_seq_len` tokens, takes the entry of the smallest grid point covering
     both (the largest where none does); a point without an entry, or an empty table,
-    gives the untuned DecodeTile(). A captured graph is laid out for the longest
-    context, so it takes the longest context's entry for its batch size."""
+    gives the untuned DecodeTile(). (The backend asks for a captured graph's tile at
+    the longest context.)"""
 
     batches: tuple[int, ...] = ()
     contexts: tuple[int, ...] = ()
@@ -147,12 +147,12 @@ def tune_table(batches: Sequence[int], contexts: Sequence[int], base: DecodeTile
     return table
 
 
-def cuda_timer(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
-               sliding_window: int | None, reps: int = REPS, seed: int = 0) -> TimeFn:
+def decode_timer(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
+                 sliding_window: int | None, reps: int = REPS, seed: int = 0) -> TimeFn:
     """Times decode_attention on `kv_layer` (a layer's view of the engine's cache;
     only read) for `batch` sequences of `context` tokens each, their blocks drawn at
     random from the pool: one untimed launch (it compiles), then `reps` launches
-    between two CUDA events."""
+    between two CUDA events (off CUDA, the interpreter: the host's clock)."""
     device = kv_layer.device
     block_size, head_dim = kv_layer.shape[2], kv_layer.shape[4]
     gen = torch.Generator().manual_seed(seed)
@@ -178,6 +178,11 @@ def cuda_timer(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
                                          head_dim ** -0.5, sliding_window, tile=tile)
 
         launch()
+        if device.type != "cuda":
+            start = time.perf_counter()
+            for _ in range(reps):
+                launch()
+            return (time.perf_counter() - start) / reps
         begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         begin.record()
         for _ in range(reps):
@@ -191,10 +196,11 @@ def cuda_timer(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
 
 def tune_decode(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
                 sliding_window: int | None, max_num_seqs: int, max_model_len: int,
-                budget_s: float = BUDGET_S) -> DecodeTable:
+                budget_s: float = BUDGET_S, reps: int = REPS) -> DecodeTable:
     """The decode table for this rank's shape on its GPU (kv_layer: the cache's
     layer-0 view, whose shape, dtype and strides every layer shares)."""
     batches, contexts = grid_points(max_num_seqs, max_model_len)
     with torch.inference_mode():
         return tune_table(batches, contexts, default_tile(kv_layer.shape[4]),
-                          cuda_timer(kv_layer, num_heads, dtype, sliding_window), budget_s)
+                          decode_timer(kv_layer, num_heads, dtype, sliding_window, reps),
+                          budget_s)

@@ -27,6 +27,7 @@ from engine.attention.tuning import (  # noqa: E402
     default_tile,
     grid_points,
     search,
+    tune_decode,
     tune_table,
 )
 from engine.config import EngineConfig  # noqa: E402
@@ -76,6 +77,22 @@ def test_candidates_over_an_fp8_cache(tile_n: int, splits: int) -> None:
 def test_bfloat16_with_the_largest_tile() -> None:
     case = make_case([5, 140], [1, 1], group=8, dtype=torch.bfloat16, seed=13)
     assert_matches(case, atol=2e-2, backend=tuned(DecodeTile(128, 4, 2), 4))
+
+
+def test_the_real_tuner_off_cuda_times_every_point() -> None:
+    # The interpreter's timings mean nothing for a GPU; the path is the one CUDA runs:
+    # inputs built on the engine's cache, each candidate launched and timed.
+    case = make_case([30, 50], [1, 1], group=2, seed=19)
+    table = tune_decode(case.cache[:, 0], 4, torch.float32, None, max_num_seqs=2,
+                        max_model_len=40, budget_s=120.0, reps=1)
+    assert (table.batches, table.contexts) == ((1, 2), (40,))
+    space = {DecodeTile(n, w, s, v) for n in TILE_NS for w in WARPS for s in STAGES
+             for v in WAVES}
+    assert set(table.entries) == {(1, 40), (2, 40)}
+    assert set(table.entries.values()) <= space
+    chosen = table.choose(case.meta.num_seqs, case.meta.max_seq_len)
+    assert chosen == table.entries[(2, 40)]
+    assert_matches(case, backend=TritonBackend(decode_table=table))
 
 
 # -- selection, with an injected timing function ---------------------------------------
