@@ -194,7 +194,8 @@ class ModelRunner:
 
         return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                             cdiv(self.max_model_len, self.block_size), self.device,
-                            self.model_cfg.sliding_window, capture=capture, tp=self.tp)
+                            self.model_cfg.sliding_window, capture=capture, tp=self.tp,
+                            max_seq_len=self.max_model_len)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

@@ -5,13 +5,10 @@ forward can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from engine.attention import triton_attn
 from engine.attention.base import AttentionMetadata
-from engine.attention.triton_attn import DecodeTile
 from engine.attention.tuning import DecodeTable
 
 
@@ -23,18 +20,13 @@ class TritonBackend:
         """`num_splits` fixes split-K decode's splits (a power of two); None picks
         them from the batch shape (`triton_attn.num_decode_splits`). `decode_table`
         gives split-K decode's launch configuration per batch shape (the start-up
-        tuner's, engine.attention.tuning; None: the untuned one). The model runner
-        sets it before any CUDA graph is captured."""
+        tuner's, engine.attention.tuning; None: the untuned one), looked up by the
+        step's sequence count and `max_seq_len`. The model runner sets it before any
+        CUDA graph is captured; a graph's metadata bounds its sequences at the model's
+        length, so the graph keeps its batch size's longest-context entry (the steps
+        where decode attention costs most), its warm-up and capture alike."""
         self.num_splits = num_splits
         self.decode_table = decode_table or DecodeTable()
-
-    def _decode_tile(self, q: torch.Tensor, meta: AttentionMetadata) -> DecodeTile:
-        # A captured graph replays at every context up to the model's length (its
-        # metadata bounds none), so it keeps its batch size's longest-context entry:
-        # the steps where decode attention costs most.
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        return self.decode_table.choose(meta.num_seqs,
-                                        sys.maxsize if capturing else meta.max_seq_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
@@ -44,7 +36,7 @@ class TritonBackend:
             return triton_attn.decode_attention(
                 q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits,
-                k_scale, v_scale, self._decode_tile(q, meta))
+                k_scale, v_scale, self.decode_table.choose(meta.num_seqs, meta.max_seq_len))
         return triton_attn.unified_attention(
             q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window,

@@ -54,8 +54,8 @@ class DecodeTable:
     """Tuned tiles on a (batch, context) grid. A step of `num_seqs` sequences, the
     longest `max_seq_len` tokens, takes the entry of the smallest grid point covering
     both (the largest where none does); a point without an entry, or an empty table,
-    gives the untuned DecodeTile(). (The backend asks for a captured graph's tile at
-    the longest context.)"""
+    gives the untuned DecodeTile(). A CUDA graph's metadata bounds its sequences at
+    the model's length, so a graph takes its batch size's longest-context entry."""
 
     batches: tuple[int, ...] = ()
     contexts: tuple[int, ...] = ()

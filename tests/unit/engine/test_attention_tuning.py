@@ -164,6 +164,19 @@ def test_table_buckets_steps_onto_its_grid() -> None:
     assert table.choose(500, 100_000) == table.entries[(64, 4096)]
 
 
+def test_a_decode_graph_takes_its_batch_sizes_longest_context_entry() -> None:
+    from engine.cuda_graphs import DecodeGraphs
+
+    batches, contexts = grid_points(max_num_seqs=16, max_model_len=2048)
+    table = tune_table(batches, contexts, default_tile(128), separable)
+    graphs = DecodeGraphs(lambda *a: torch.zeros(0), 16, 2048 // 16, torch.device("cpu"),
+                          None, capture=False, max_seq_len=2048)
+    for b, want in ((1, 1), (5, 8), (16, 16)):
+        meta = graphs._inputs(graphs.bucket_for(b) or 0)[2]
+        assert table.choose(meta.num_seqs, meta.max_seq_len) == table.entries[(want, 2048)]
+    assert table.entries[(1, 2048)] != table.entries[(16, 2048)]
+
+
 def test_budget_stops_tuning_and_untuned_points_take_the_default() -> None:
     now = [0.0]
 
