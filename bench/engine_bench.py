@@ -62,6 +62,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
+    g.add_argument("--attention-tuning", choices=["auto", "off"], default="auto",
+                   help="start-up tuning of split-K decode's tiles (CUDA, triton)")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 

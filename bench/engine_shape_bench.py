@@ -201,6 +201,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                max_model_len=max_len,
                enable_prefix_caching=False, enforce_eager=args.enforce_eager,
                attention_backend=args.attention_backend,
+               attention_tuning=getattr(args, "attention_tuning", "auto"),
                gpu_memory_utilization=args.gpu_memory_utilization,
                cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                async_scheduling=getattr(args, "async_scheduling", False),
@@ -342,6 +343,7 @@ def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: li
             "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "attention_backend": cfg.backend, "cuda_graphs": cfg.use_cuda_graphs,
+            "attention_tuning": cfg.tunes_attention,
             "prefix_caching": cfg.cache.enable_prefix_caching}
     del llm, engine
     _free(device)

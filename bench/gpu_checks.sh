@@ -11,14 +11,14 @@
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 set -u
-STEPS=${STEPS:-engine tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-engine untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
-T_HANDOFF=${T_HANDOFF:-120}
+T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-150}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -44,6 +44,12 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
 # 1. our engine alone on every workload: the step records sim calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
+# 1b. split-K decode untuned (--attention-tuning off) on the decode-heavy workloads, to
+# set against step 1's (tuned at start-up; its log has the chosen table): c and e's
+# decode steps in engine.json vs untuned.json
+step untuned "$T_UNTUNED" python3 -m cluster.cli bench engine --device cuda \
+  --model-shape "$SHAPE" --workloads c,e --skip-hf --attention-tuning off \
+  --json "$OUT/untuned.json"
 # 2. correctness on the GPU: every architecture, graphs on and off, the transports
 step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
 # 2b. the two cuda_ipc tests that found their receiver's cache (64 KiB) still allocated

@@ -112,6 +112,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype_argument(p)
     p.add_argument("--attention-backend", choices=["torch", "triton"], default=None,
                    help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
+    p.add_argument("--attention-tuning", choices=["auto", "off"], default="auto",
+                   help="auto: on CUDA with the triton backend, time a few split-K decode "
+                        "tile configurations per batch shape at start-up (seconds, "
+                        "logged) and use the fastest; off: the untuned tiles")
     add_parallel_arguments(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps eagerly (no CUDA graphs)")
@@ -201,6 +205,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model_dir=model_dir, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, load_format=load_format,
         attention_backend=getattr(args, "attention_backend", None),
+        attention_tuning=getattr(args, "attention_tuning", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
         async_scheduling=getattr(args, "async_scheduling", False),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,

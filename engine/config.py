@@ -268,6 +268,10 @@ class EngineConfig:
     # None: "triton" on CUDA, "torch" (SDPA, the reference) elsewhere. The elementwise
     # kernels (RMSNorm, rotary, SiLU*mul) follow the same choice.
     attention_backend: str | None = None
+    # auto: on CUDA with the triton backend, time a few split-K decode configurations
+    # per batch shape at start-up and use the fastest (engine.attention.tuning); off:
+    # the untuned configuration.
+    attention_tuning: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
     # Decode-only steps take the CUDA graphs' padded, fixed-address inputs even where
     # nothing is captured (CPU, enforce_eager): the graph path run eagerly, on every rank.
@@ -296,6 +300,9 @@ class EngineConfig:
         if self.attention_backend not in (None, "torch", "triton"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; "
                              "choose from ('torch', 'triton')")
+        if self.attention_tuning not in ("auto", "off"):
+            raise ValueError(f"unknown attention tuning {self.attention_tuning!r}; "
+                             "choose from ('auto', 'off')")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load format {self.load_format!r}; "
                              f"choose from {LOAD_FORMATS}")
@@ -310,6 +317,12 @@ class EngineConfig:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.device.startswith("cuda") else "torch"
+
+    @property
+    def tunes_attention(self) -> bool:
+        """Whether the model runner tunes split-K decode at start-up."""
+        return (self.attention_tuning == "auto" and self.backend == "triton"
+                and self.device.startswith("cuda"))
 
     @property
     def fp8_kv(self) -> bool:

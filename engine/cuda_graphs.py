@@ -53,11 +53,15 @@ class DecodeGraphs:
 
     def __init__(self, forward: Forward, max_num_seqs: int, width: int,
                  device: torch.device, sliding_window: int | None,
-                 capture: bool = True, tp: TPGroup | None = None) -> None:
+                 capture: bool = True, tp: TPGroup | None = None,
+                 max_seq_len: int | None = None) -> None:
+        """`max_seq_len`: the longest sequence the graphs serve (their metadata's
+        bound, which picks the attention backend's tiles); None: `width`."""
         self.forward = forward
         self.tp = tp
         self.buckets = bucket_sizes(max_num_seqs)
         self.width = width
+        self.max_seq_len = width if max_seq_len is None else max_seq_len
         self.device = device
         self.sliding_window = sliding_window
         self.capture_enabled = capture
@@ -80,7 +84,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=b, slot_mapping=slots, query_start_loc=qsl,
             seq_lens=seq_lens, block_tables=tables, max_query_len=1,
-            max_seq_len=self.width, query_start_loc_cpu=list(range(b + 1)),
+            max_seq_len=self.max_seq_len, query_start_loc_cpu=list(range(b + 1)),
             seq_lens_cpu=[0] * b, sliding_window=self.sliding_window)
         return ids, pos, meta
 

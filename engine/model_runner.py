@@ -131,7 +131,8 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or model_cfg.max_position_embeddings
         self.model = load_model(config.model_dir, model_cfg, self.dtype, self.device,
                                 config.load_format, tp=tp)
-        self.model.set_kernels(make_backend(config.backend), config.backend == "triton",
+        self.attention = make_backend(config.backend)
+        self.model.set_kernels(self.attention, config.backend == "triton",
                                self.max_model_len)
         if config.fp8_kv:
             self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
@@ -148,9 +149,25 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
         self.sampler = Sampler(self.device, config.seed)
+        if config.tunes_attention and model_cfg.mla is None:
+            self._tune_attention()
         if self.graphs is not None:  # every rank here, in the same order (lockstep)
             with torch.inference_mode():
                 self.graphs.capture()
+
+    def _tune_attention(self) -> None:
+        """Split-K decode's launch configuration per batch shape, timed on this rank's
+        own cache (engine.attention.tuning; reads it only). Runs before any graph is
+        captured, so each graph keeps its bucket's choice."""
+        from engine.attention.triton_backend import TritonBackend
+        from engine.attention.tuning import tune_decode
+
+        if not isinstance(self.attention, TritonBackend):
+            return
+        self.attention.decode_table = tune_decode(
+            self.kv_cache[:, 0], self.rank_cfg.num_heads, self.dtype,
+            self.model_cfg.sliding_window, self.config.scheduler.max_num_seqs,
+            self.max_model_len)
 
     def _set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
         """Each attention layer's (k_scale, v_scale) for the float8 cache."""
@@ -177,7 +194,8 @@ class ModelRunner:
 
         return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                             cdiv(self.max_model_len, self.block_size), self.device,
-                            self.model_cfg.sliding_window, capture=capture, tp=self.tp)
+                            self.model_cfg.sliding_window, capture=capture, tp=self.tp,
+                            max_seq_len=self.max_model_len)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

@@ -20,7 +20,7 @@ V / v_scale clamped to +-448 and read back times the scale in q's dtype. On a GP
 conversions are Triton's own; Triton's interpreter converts to and from float8 wrongly
 (a value that rounds up into the next power of two, and subnormals), so off CUDA the
 kernels see the cache as bytes and encode / decode e4m3 in integer arithmetic
-(`_e4m3_bits`, `_e4m3_value`), bit-exact with torch's conversion.
+(engine.attention.triton_fp8), bit-exact with torch's conversion.
 
 No grid depends on device data: they are sized from host ints (token and sequence
 counts, heads, static config) and programs find their work in-kernel, so every launch
@@ -30,11 +30,13 @@ is capturable in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from engine.attention.triton_fp8 import _kv_load, _kv_store
 from engine.kv_quant import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
@@ -42,52 +44,17 @@ MAX_SPLITS = 16
 CPU_SPLITS = 4  # the interpreter: enough splits to exercise the reduction, few programs
 
 
-@triton.jit
-def _e4m3_bits(x):
-    """float32 (already within +-448) -> its float8 e4m3fn code as uint8, rounded to
-    nearest even as torch's conversion does."""
-    a = tl.abs(x)
-    ab = a.to(tl.int32, bitcast=True)
-    # Normal numbers: round the float32 mantissa to 3 bits (a carry moves the exponent).
-    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) & -0x100000
-    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
-    # Subnormals (below 2**-6): multiples of 2**-9; adding 2**14 rounds to them (RNE).
-    sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
-    code = tl.where(a < 0.015625, sub, normal)
-    negative = x.to(tl.int32, bitcast=True) < 0  # the sign bit (-0.0 included)
-    return tl.where(negative, code | 0x80, code).to(tl.uint8)
+@dataclass(frozen=True, slots=True)
+class DecodeTile:
+    """A launch configuration of split-K decode (engine.attention.tuning picks one per
+    batch shape on CUDA). Every configuration computes the same attention: keys per
+    tile, warps and pipeline stages per program, and the split rule's target waves of
+    programs over the SMs (`num_decode_splits`). None: the untuned tile (`_tile_n`)."""
 
-
-@triton.jit
-def _e4m3_value(c):
-    """A float8 e4m3fn code (uint8) -> its float32 value."""
-    c = c.to(tl.int32)
-    e = (c >> 3) & 15
-    m = c & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    a = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((c & 0x80) != 0, -a, a)
-
-
-@triton.jit
-def _kv_store(x, scale, cache_ptr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
-    """A K or V tile as the cache stores it (float8: x / scale, clamped to +-448)."""
-    if FP8:
-        y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
-        if FP8_BITS:
-            return _e4m3_bits(y)
-        return y.to(cache_ptr.dtype.element_ty)
-    return x.to(cache_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _kv_load(x, scale, dtype, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
-    """A loaded K or V tile in the compute dtype (float8: stored value * scale)."""
-    if FP8:
-        if FP8_BITS:
-            return (_e4m3_value(x) * scale).to(dtype)
-        return (x.to(tl.float32) * scale).to(dtype)
-    return x
+    tile_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 2
 
 
 @triton.jit
@@ -234,17 +201,20 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["bt_st"])  # see _PER_STEP (its grid carries the count)
+# See _PER_STEP (its grid carries the count). The split count is a plain argument too:
+# one compiled variant serves every batch shape (start-up tuning times several).
+@triton.jit(do_not_specialize=["bt_st", "num_splits"])
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                          qsl_ptr, num_heads, scale_log2, window, k_scale, v_scale,
                          q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
+                         num_splits: tl.int32,
                          GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         TILE_N: tl.constexpr,
                          USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          DOT_F32: tl.constexpr, FP8: tl.constexpr,
                          FP8_BITS: tl.constexpr):
-    """Grid (num_seqs, kv_heads, NUM_SPLITS): the one query of a decode sequence, the
+    """Grid (num_seqs, kv_heads, num_splits): the one query of a decode sequence, the
     GROUP heads of one KV head, over one split's share of the key tiles. Writes that
     split's normalized output and base-2 log-sum-exp (-inf for an empty split)."""
     seq = tl.program_id(0)
@@ -268,7 +238,7 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
     if USE_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
     first = lo // TILE_N
-    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first, NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first, num_splits)
     begin = (first + split * per_split) * TILE_N
     end = tl.minimum(begin + per_split * TILE_N, seq_len)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -283,7 +253,7 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    at = (seq * num_heads + head) * NUM_SPLITS + split  # scratch [B, H, NUM_SPLITS(, D)]
+    at = (seq * num_heads + head) * num_splits + split  # scratch [B, H, num_splits(, D)]
     tl.store(lse_ptr + at, lse, mask=row_ok)
     tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
 
@@ -418,14 +388,15 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_decode_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) for split-K decode: enough programs for ~2 waves
-    over the GPU's SMs, a power of two, at most MAX_SPLITS. It depends on the batch
+def num_decode_splits(num_seqs: int, kv_heads: int, device: torch.device,
+                      waves: int = 2) -> int:
+    """Splits per (sequence, KV head) for split-K decode: enough programs for ~`waves`
+    waves over the GPU's SMs, a power of two, at most MAX_SPLITS. It depends on the batch
     shape only (never on sequence lengths), so a captured graph stays valid."""
     if device.type != "cuda":
         return CPU_SPLITS
     index = device.index if device.index is not None else torch.cuda.current_device()
-    want = triton.cdiv(2 * _sm_count(index), max(1, num_seqs * kv_heads))
+    want = triton.cdiv(waves * _sm_count(index), max(1, num_seqs * kv_heads))
     return min(MAX_SPLITS, triton.next_power_of_2(want))
 
 
@@ -434,16 +405,18 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                      query_start_loc_cpu: list[int], scale: float,
                      sliding_window: int | None = None,
                      num_splits: int | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> torch.Tensor:
+                     v_scale: float = 1.0, tile: DecodeTile | None = None) -> torch.Tensor:
     """Split-K paged decode (every sequence has at most one query): a split kernel
-    writes float32 partials and log-sum-exps, a reduce kernel merges them."""
+    writes float32 partials and log-sum-exps, a reduce kernel merges them. `tile`
+    configures the split kernel's launch (default: DecodeTile())."""
     group = _group(q, kv_layer)
     num_tokens, heads, head_dim = q.shape
     num_seqs, kv_heads = query_start_loc.shape[0] - 1, kv_layer.shape[3]
     out = _new_output(q, query_start_loc_cpu)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    splits = num_splits or num_decode_splits(num_seqs, kv_heads, q.device)
+    tile = tile or DecodeTile()
+    splits = num_splits or num_decode_splits(num_seqs, kv_heads, q.device, tile.waves)
     if splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {splits}")
     part = torch.empty((num_seqs, heads, splits, head_dim), dtype=torch.float32,
@@ -454,10 +427,10 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
         part, lse, q, cache, block_tables, seq_lens, query_start_loc, heads,
         scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
         *q.stride(), *_cache_strides(kv_layer),
-        block_tables.stride(0), GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
+        block_tables.stride(0), splits, GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
         HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=_tile_n(q), NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
-        **_dot_args(q), **fp8)
+        TILE_N=tile.tile_n or _tile_n(q), USE_WINDOW=sliding_window is not None, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **_dot_args(q), **fp8)
     _decode_reduce_kernel[(num_seqs, heads)](
         out, part, lse, query_start_loc, heads, *out.stride(),
         HEAD_DIM=head_dim, NUM_SPLITS=splits)

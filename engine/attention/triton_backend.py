@@ -9,15 +9,24 @@ import torch
 
 from engine.attention import triton_attn
 from engine.attention.base import AttentionMetadata
+from engine.attention.tuning import DecodeTable
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None) -> None:
+    def __init__(self, num_splits: int | None = None,
+                 decode_table: DecodeTable | None = None) -> None:
         """`num_splits` fixes split-K decode's splits (a power of two); None picks
-        them from the batch shape (`triton_attn.num_decode_splits`)."""
+        them from the batch shape (`triton_attn.num_decode_splits`). `decode_table`
+        gives split-K decode's launch configuration per batch shape (the start-up
+        tuner's, engine.attention.tuning; None: the untuned one), looked up by the
+        step's sequence count and `max_seq_len`. The model runner sets it before any
+        CUDA graph is captured; a graph's metadata bounds its sequences at the model's
+        length, so the graph keeps its batch size's longest-context entry (the steps
+        where decode attention costs most), its warm-up and capture alike."""
         self.num_splits = num_splits
+        self.decode_table = decode_table or DecodeTable()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
@@ -27,7 +36,7 @@ class TritonBackend:
             return triton_attn.decode_attention(
                 q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                 meta.query_start_loc_cpu, scale, meta.sliding_window, self.num_splits,
-                k_scale, v_scale)
+                k_scale, v_scale, self.decode_table.choose(meta.num_seqs, meta.max_seq_len))
         return triton_attn.unified_attention(
             q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.query_start_loc_cpu, meta.max_query_len, scale, meta.sliding_window,

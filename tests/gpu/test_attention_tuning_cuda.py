@@ -1,0 +1,75 @@
+"""Split-K decode's start-up tuner on CUDA (skipped without a GPU): the real timings on
+a Llama-3-8B rank's shape (bfloat16 and float8 caches) stay within the budget, choose
+from the search space, and every chosen configuration decodes as the untuned one; the
+engine tunes before capturing its graphs and stays transformers' greedy."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from engine.attention import triton_attn
+from engine.attention.triton_attn import DecodeTile
+from engine.attention.tuning import STAGES, TILE_NS, WARPS, WAVES, tune_decode
+from engine.kv_quant import FP8_DTYPE
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
+
+pytestmark = pytest.mark.gpu
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 32, 8, 128, 16, 4096
+
+
+def _decode(kv_layer: torch.Tensor, tile: DecodeTile, lens: list[int]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    width = max(lens) // BLOCK + 1
+    tables = torch.randint(0, BLOCKS, (len(lens), width), generator=gen, dtype=torch.int32)
+    q = torch.randn((len(lens), HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
+    qsl = list(range(len(lens) + 1))
+    return triton_attn.decode_attention(
+        q.cuda(), kv_layer, tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
+        torch.tensor(qsl, dtype=torch.int32).cuda(), qsl, HEAD_DIM ** -0.5, tile=tile)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "fp8"])
+def test_the_tuner_on_cuda(kv_dtype: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
+    cache = torch.randn((BLOCKS, 2, 2, BLOCK, KV_HEADS, HEAD_DIM), device="cuda")
+    cache = cache.clamp(-4, 4).to(kv_dtype)
+    kv_layer = cache[:, 0]
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="engine.attention.tuning"):
+        table = tune_decode(kv_layer, HEADS, torch.bfloat16, None, max_num_seqs=64,
+                            max_model_len=8192, budget_s=15.0)
+    elapsed = time.perf_counter() - t0
+    print(f"tuned in {elapsed:.1f} s: {table.describe()}")
+    assert elapsed < 15.0 + 5.0
+    assert "attention tuning" in caplog.text
+    assert table.entries, "no point tuned"
+    space = {DecodeTile(n, w, s, v) for n in TILE_NS for w in WARPS for s in STAGES
+             for v in WAVES}
+    lens = [1, 17, 300, 1000, 4097, 8000, 64, 2048]
+    want = _decode(kv_layer, DecodeTile(), lens).float()
+    for tile in set(table.entries.values()):
+        assert tile in space
+        got = _decode(kv_layer, tile, lens).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_engine_tunes_before_capture_and_stays_greedy() -> None:
+    d = tiny_model_dir("llama")
+    prompts = [[(7 * i + 5 * j) % 400 + 1 for j in range(n)] for i, n in enumerate((9, 50))]
+    llm = LLM(d, dtype="float32", device="cuda", num_blocks=64, max_num_seqs=8,
+              max_num_batched_tokens=64)
+    assert llm.engine.runner.attention.decode_table.entries
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    hf = hf_model(d)
+    eos = llm.engine.eos_token_ids[0] if llm.engine.eos_token_ids else None
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 12, eos)
+    off = LLM(d, dtype="float32", device="cuda", num_blocks=64, max_num_seqs=8,
+              max_num_batched_tokens=64, attention_tuning="off")
+    assert not off.engine.runner.attention.decode_table.entries
