@@ -41,7 +41,7 @@ test: deps sysdeps
 	$(BIN)/python -m pytest -q tests
 
 lint: deps
-	$(BIN)/ruff check engine kvtransfer cluster bench protos decode prefill worker gateway sim tests
+	$(BIN)/ruff check engine kvtransfer cluster bench protos worker gateway sim tests
 	$(BIN)/mypy
 
 bench-engine: deps

@@ -13,9 +13,9 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -49,10 +49,16 @@ class RemoteResult:
     prompt_logprobs: list[dict[int, float]] | None = None
 
 
-# Fills the given blocks from elsewhere (a prefill node, a peer's cache); returns a
-# RemoteResult, or the first token / None as shorthand for RemoteResult(first_token=..).
-# Raising ends the request with an error (the `fail` policy).
-RemotePrefill = Callable[[RemoteAlloc], Awaitable["RemoteResult | int | None"]]
+class KVHandoff(Protocol):
+    """The engine's hand-off connector (the decode side of disaggregation,
+    worker/handoff.py): fills a parked request's blocks from elsewhere (a prefill node,
+    a peer's cache). The scheduler decides which blocks those are (`RemoteAlloc`) and
+    makes the request runnable from the result."""
+
+    async def fill(self, alloc: RemoteAlloc, params: Any) -> RemoteResult:
+        """Runs in the request's event loop; `params` are the request's (`generate`'s
+        `kv_params`). Raising ends the request with an error (the `fail` policy)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -122,8 +128,11 @@ _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None,
-                 offload: KVOffload | None = None) -> None:
+                 offload: KVOffload | None = None, handoff: KVHandoff | None = None) -> None:
+        """`handoff`: the hand-off connector requests with `kv_params` go through (may
+        be set later, once it has registered the KV cache)."""
         self.engine = LLMEngine(config, kv_cache, offload)
+        self.handoff = handoff
         self.tokenizer = self.engine.tokenizer
         self._cmds: queue.SimpleQueue[_Cmd | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -138,7 +147,7 @@ class AsyncLLM:
     # -- public API ---------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, cache_salt: str | None = None,
-                       priority: int = 0, remote: RemotePrefill | None = None,
+                       priority: int = 0, kv_params: Any = None,
                        hold_kv: bool = False, resume_token_ids: Sequence[int] = (),
                        tenant: str = "", labels: Mapping[str, str] | None = None,
                        client_id: str = "") -> AsyncGenerator[RequestOutput, None]:
@@ -147,9 +156,10 @@ class AsyncLLM:
         task cancelled) aborts the request, cancels its remote prefill and frees its
         blocks.
 
-        `remote`: prefill elsewhere. The engine allocates blocks for the prompt (after
-        local prefix hits) and awaits `remote(alloc)` in this event loop; if the blocks
-        are not free now, the request simply prefills locally.
+        `kv_params`: prefill elsewhere, through `handoff` (ignored without one). The
+        engine allocates blocks for the prompt (after local prefix hits) and awaits
+        `handoff.fill(alloc, kv_params)` in this event loop; if the blocks are not free
+        now, the request simply prefills locally.
         `hold_kv`: a producer; outputs report KV progress every step and the blocks
         stay held after the request finishes, until `release(request_id)`.
         `resume_token_ids`: fail-over; output tokens another worker already streamed
@@ -165,13 +175,14 @@ class AsyncLLM:
             with contextlib.suppress(ValueError):
                 await asyncio.to_thread(self.engine.structured.compile, params.structured)
         self.engine.validate(prompt_token_ids, params, resume_token_ids)
+        handoff = self.handoff if kv_params is not None else None
         q: asyncio.Queue[_Item] = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
-                            priority, remote=remote is not None, hold_kv=hold_kv,
+                            priority, remote=handoff is not None, hold_kv=hold_kv,
                             resume=list(resume_token_ids), tenant=tenant,
                             labels=dict(labels or {}), client_id=client_id))
         finished = False
@@ -180,8 +191,8 @@ class AsyncLLM:
             while True:
                 item = await q.get()
                 if isinstance(item, RemoteAlloc):
-                    assert remote is not None
-                    task = asyncio.create_task(self._run_remote(remote, item))
+                    assert handoff is not None
+                    task = asyncio.create_task(self._run_remote(handoff, item, kv_params))
                     continue
                 if isinstance(item, Exception):
                     finished = True
@@ -196,16 +207,16 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    async def _run_remote(self, remote: RemotePrefill, alloc: RemoteAlloc) -> None:
+    async def _run_remote(self, handoff: KVHandoff, alloc: RemoteAlloc,
+                          kv_params: Any) -> None:
         try:
-            got = await remote(alloc)
+            result = await handoff.fill(alloc, kv_params)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the `fail` policy: end the request with the reason
             log.warning("remote prefill of %s failed: %s", alloc.request_id, e)
             self._cmds.put(_Abort(alloc.request_id, error=f"remote prefill failed: {e}"))
             return
-        result = got if isinstance(got, RemoteResult) else RemoteResult(first_token=got)
         self._cmds.put(_RemoteDone(alloc.request_id, result))
 
     def release(self, request_id: str) -> None:

@@ -2,7 +2,7 @@
 index) in front of simulated workers, on one event clock.
 
 A request's path is the serving path's (gateway/core.py, worker/service.py,
-decode/remote.py, prefill/service.py):
+worker/handoff.py):
 
     arrive -> gateway: block hashes, index lookup (Locality), Router.route
       -> decode D (after the request RPC). Peers named?  D.allocate_remote (local hit +
@@ -203,7 +203,7 @@ class Simulator:
         self.results[flight.index] = RequestResult(
             ok=False, prompt_len=s.prompt_len, start_s=s.arrival_s, error=error, tag=s.tag)
 
-    # -- the decode worker's Generate (worker/service.py, decode/remote.py) -----------------
+    # -- the decode worker's Generate (worker/service.py, worker/handoff.py) --------------
     def _on_decode(self, flight: Flight) -> None:
         d = flight.decision
         assert d is not None
@@ -271,7 +271,7 @@ class Simulator:
         peer.unpin(blocks)
 
     def _on_prefill(self, flight: Flight) -> None:
-        """The prefill peer's Prefill: the prompt as a producer (prefill/service.py)."""
+        """The prefill peer's Prefill: the prompt as a producer (worker/handoff.py)."""
         d = flight.decision
         assert d is not None and d.prefill is not None
         p = self.workers[d.prefill.worker_id]

@@ -4,6 +4,7 @@ offload tiers, block-index publisher, registration, load reports, metrics and fa
 hooks.
 
 `worker.server.serve(WorkerConfig, EngineConfig)` runs it; `splitserve worker` is the
-command line (worker/cli.py). The roles add one service each: prefill/ (`Prefill`, the
-producer side of the hand-off) and decode/ (`RemotePrefiller`, the consumer side).
+command line (worker/cli.py). The prefill and decode roles add the hand-off connector
+(worker/handoff.py): a prefill worker serves `Prefill` with it, a decode worker's engine
+fills parked requests through it.
 """

@@ -18,7 +18,7 @@ ROLES = ("prefill", "decode", "colocated")
 class WorkerConfig:
     """How a worker serves. `role` "colocated" always prefills locally; "decode" may
     take a prefill peer from the gateway (remote prefill; see WorkerService._run);
-    "prefill" serves `Prefill` (prefill/service.py) besides Info/Load; it refuses
+    "prefill" serves `Prefill` (worker/handoff.py) besides Info/Load; it refuses
     Generate."""
 
     role: str

@@ -29,7 +29,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import start_http_server
 
-from decode.remote import RemotePrefillConfig, RemotePrefiller
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import kv_cache_dtype, num_kv_blocks
@@ -41,6 +40,7 @@ from kvtransfer.tiers.config import TierConfig
 from kvtransfer.tiers.worker import attach_index, open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.handoff import HandoffConfig, HandoffConnector
 from worker.kv_events import start_kv_publisher
 from worker.kv_source import KVSource
 from worker.metrics import WorkerMetrics
@@ -50,8 +50,6 @@ from worker.strategies import StrategyWatcher
 
 if TYPE_CHECKING:
     import torch
-
-    from prefill.service import PrefillService
 
 log = logging.getLogger(__name__)
 
@@ -64,42 +62,38 @@ def kv_layout_string(engine_config: EngineConfig) -> str:
 
 
 class KVSide:
-    """The KV-transfer part of a worker's role. A decode worker receives (prefill peers
-    and kv peers write into its blocks); decode and prefill workers send (the prefill's
-    blocks, and cached blocks a peer asks for with FetchKV). Owns what it makes."""
+    """The KV-transfer part of a worker's role: its hand-off connector (a decode worker
+    receives, prefill peers and kv peers write into its blocks; a prefill worker serves
+    `Prefill`) and its pusher (the prefill's blocks, and cached blocks a peer asks for
+    with FetchKV). Owns what it makes."""
 
     def __init__(self, config: WorkerConfig, transfer: TransferConfig | None,
                  service: WorkerService, metrics: WorkerMetrics) -> None:
         if config.role != "colocated" and transfer is None:
             raise ValueError(f"a {config.role} worker needs a TransferConfig")
+        self.role = config.role
         self.transfer = transfer
         self.service = service
         self.registry = metrics.registry
         self.layout = KVLayout.from_json(service.kv_layout)
-        self.prefiller: RemotePrefiller | None = None
-        self.prefill: PrefillService | None = None
+        self.handoff: HandoffConnector | None = None
         self.pusher: KVPusher | None = None
-        if config.role == "decode":
+        if config.role != "colocated":
             assert transfer is not None
-            self.prefiller = RemotePrefiller(
-                RemotePrefillConfig(transfer, config.kv_failure_policy,
-                                    config.prefill_timeout_s, config.security),
-                config.worker_id, metrics.registry)
-        elif config.role == "prefill":
-            from prefill.service import PrefillService
-
-            self.prefill = PrefillService(service)
+            self.handoff = HandoffConnector(
+                HandoffConfig(transfer, config.kv_failure_policy, config.prefill_timeout_s,
+                              config.security), service, metrics.registry)
         self._shared = False
         self._staging: torch.Tensor | None = None
         self._stage: Callable[[list[int]], Awaitable[None]] | None = None
 
     def add_to(self, server: grpc.aio.Server) -> None:
-        if self.prefill is not None:
-            pb_grpc.add_PrefillServicer_to_server(self.prefill, server)
+        if self.handoff is not None and self.role == "prefill":
+            pb_grpc.add_PrefillServicer_to_server(self.handoff, server)
 
     def kv_cache(self, engine_config: EngineConfig) -> torch.Tensor | None:
         """The engine's KV tensor when the transport must own it (shm), else None."""
-        if self.prefiller is None:
+        if self.handoff is None or self.handoff.receiver is None:
             return None
         m = ModelConfig.from_model_dir(engine_config.model_dir)
         dtype = kv_cache_dtype(engine_config, m)
@@ -107,7 +101,7 @@ class KVSide:
         num_blocks = num_kv_blocks(engine_config, m.shard(tp), dtype)
         if num_blocks is None:  # CUDA, sized from free memory: the engine allocates it
             return None
-        kv = self.prefiller.allocate_kv(self.layout, num_blocks)
+        kv = self.handoff.allocate_kv(self.layout, num_blocks)
         self._shared = kv is not None
         if tp > 1:  # the transport's memory is rank 0's full-head staging copy
             self._staging = cast("torch.Tensor | None", kv)
@@ -116,18 +110,18 @@ class KVSide:
 
     async def start(self, llm: AsyncLLM, advertise_host: str) -> None:
         kv = self._transport_kv(llm)
-        if self.prefiller is not None:
-            address = await self.prefiller.start(kv, self.layout, self._shared)
+        if self.handoff is not None and self.handoff.receiver is not None:
+            address = await self.handoff.start(kv, self.layout, self._shared)
             self.service.transport_address = advertised(address, advertise_host)
-            self.service.prefiller = self.prefiller
+            llm.handoff = self.handoff
             log.info("kv receiver listening: %s", self.service.transport_address)
         if self.transfer is not None:
             self.pusher = KVPusher(self.transfer, kv, self.layout, self.registry)
             self.pusher.stage = self._stage
             self.service.kv_source = KVSource(llm, self.pusher, self.transfer.io_timeout_s,
                                               self.registry)
-            if self.prefill is not None:
-                self.prefill.pusher = self.pusher
+            if self.handoff is not None:
+                self.handoff.pusher = self.pusher
 
     def _transport_kv(self, llm: AsyncLLM) -> torch.Tensor:
         """What the transports register: the engine's KV cache; under tensor parallelism
@@ -150,14 +144,14 @@ class KVSide:
         async def land(ids: list[int]) -> None:
             await llm.call(lambda eng: eng.runner.scatter_blocks(ids, staging))
 
-        if self.prefiller is not None:
-            self.prefiller.land = land
+        if self.handoff is not None:
+            self.handoff.land = land
         self._stage = stage
         return staging
 
     async def close(self) -> None:
-        if self.prefiller is not None:
-            await self.prefiller.close()
+        if self.handoff is not None:
+            await self.handoff.close()
         if self.pusher is not None:
             await self.pusher.close()
 

@@ -5,11 +5,11 @@ Each Generate call owns its engine request: when the call ends early (client can
 deadline, drain) the engine stream is closed, which aborts the request and frees its
 blocks.
 
-Disaggregation (role "decode"): a request whose gateway chose a prefill peer runs
-with `remote=`: the engine allocates the prompt's blocks (after local prefix hits) and
-`RemotePrefiller.fetch` has the peer prefill straight into them over kvtransfer; the
-request becomes runnable when every block has landed verified. On failure the policy
-recomputes locally or fails the request (decode/remote.py).
+Disaggregation (role "decode"): a request whose gateway named peers runs with
+`kv_params`: the engine allocates the prompt's blocks (after local prefix hits) and its
+hand-off connector has the peers write straight into them over kvtransfer; the request
+becomes runnable when every block has landed verified. On failure the policy recomputes
+locally or fails the request (worker/handoff.py).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from engine.async_llm import AsyncLLM, EngineDeadError, RemotePrefill, RemoteResult
-from engine.llm_engine import RemoteAlloc, RequestError
+from engine.async_llm import AsyncLLM, EngineDeadError
+from engine.llm_engine import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import logprobs_to_proto, request_id_from, sampling_from_proto
 from worker.config import WorkerConfig
+from worker.handoff import HandoffParams
 from worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from decode.remote import RemotePrefiller
     from worker.kv_source import KVSource
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.llm: AsyncLLM | None = None  # set by attach() once the model is loaded
         self.draining = False
         self.stopping = False  # set just before the server stops: Load streams end
-        # Set by worker/server.py before readiness on a decode worker: the receiver
-        # prefill peers write into, and its address (Info and registration report it).
-        self.prefiller: RemotePrefiller | None = None
+        # Set by worker/server.py before readiness: the address of the receiver prefill
+        # peers write into on a decode worker (Info and registration report it).
         self.kv_source: KVSource | None = None  # serves FetchKV (workers with a transport)
         self.transport_address = ""
         self.changed = asyncio.Event()  # poked on request start/end: load reports follow
@@ -161,36 +160,28 @@ class WorkerService(pb_grpc.WorkerServicer):
              ) -> AsyncGenerator[RequestOutput, None]:
         """The engine outputs for one request. On a decode worker the prompt's KV comes
         from the peers the gateway named (blocks pulled from `kv_peer`, the rest pushed by
-        `prefill_peer`) through `RemotePrefiller.fill`; otherwise it is computed here.
-        Closing the returned iterator aborts the request, cancels its remote fill and
-        frees its KV."""
+        `prefill_peer`) through the engine's hand-off connector (worker/handoff.py);
+        otherwise it is computed here. Closing the returned iterator aborts the request,
+        cancels its remote fill and frees its KV."""
         assert self.llm is not None  # Generate checked
-        remote: RemotePrefill | None = None
-        prefiller = self.prefiller
+        kv_params: HandoffParams | None = None
         kv_peer = request.kv_peer if request.HasField("kv_peer") else None
         resume = list(request.resume_token_ids)
         if resume and prefill_peer is not None:
             # A prefill samples the first output token, which a resumed request has:
             # its KV (prompt + resumed tokens) comes from a kv peer or is computed here.
             prefill_peer = None
-        if prefiller is not None and ((prefill_peer and prefill_peer.address)
-                                      or (kv_peer and kv_peer.address)):
-            async def remote(alloc: RemoteAlloc) -> RemoteResult | int | None:
-                assert prefiller is not None
-                t0 = time.monotonic()
-                try:
-                    return await prefiller.fill(alloc, request, prefill_peer, kv_peer,
-                                                deadline, timings)
-                finally:
-                    if timings is not None:  # the whole fill: pull, prefill, KV landing
-                        timings["remote_s"] = time.monotonic() - t0
+        if self.llm.handoff is not None and ((prefill_peer and prefill_peer.address)
+                                             or (kv_peer and kv_peer.address)):
+            kv_params = HandoffParams(request, prefill_peer, kv_peer, deadline,
+                                      timings if timings is not None else {})
         elif prefill_peer is not None or kv_peer is not None:
             log.debug("request %s: peers ignored by a %s worker", request.request_id,
                       self.config.role)
         return cast(AsyncGenerator[RequestOutput, None], self.llm.generate(
             request.request_id, list(request.prompt_token_ids), params,
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-            priority=request.priority, remote=remote, resume_token_ids=resume,
+            priority=request.priority, kv_params=kv_params, resume_token_ids=resume,
             tenant=request.tenant, labels=dict(request.labels),
             client_id=request.client_request_id))
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, RemoteResult
 from engine.llm import LLM, make_engine_config
 from engine.llm_engine import RemoteAlloc
 from engine.sampling_params import SamplingParams
@@ -16,9 +16,19 @@ from tests.factories import tiny_model_dir
 BS = 4
 
 
+class CallHandoff:
+    """A hand-off connector whose fill runs the request's own coroutine function (its
+    `kv_params`): the first token, None (computed here) or a raise."""
+
+    async def fill(self, alloc: RemoteAlloc, params) -> RemoteResult:
+        got = await params(alloc)
+        return got if isinstance(got, RemoteResult) else RemoteResult(first_token=got)
+
+
 def make_async(**kw) -> AsyncLLM:
     return AsyncLLM(make_engine_config(tiny_model_dir("llama"), dtype="float32",
-                                       block_size=BS, num_blocks=96, **kw))
+                                       block_size=BS, num_blocks=96, **kw),
+                    handoff=CallHandoff())
 
 
 async def remote_prefill(p: AsyncLLM, d: AsyncLLM, alloc: RemoteAlloc, prompt: list[int],
@@ -57,7 +67,7 @@ def test_remote_prefill_matches_local_and_frees_everything():
                 async def remote(alloc):
                     return await remote_prefill(p, d, alloc, prompts[i], logs[i])
                 outs = [o async for o in d.generate(f"r{i}", prompts[i], params,
-                                                    remote=remote)]
+                                                    kv_params=remote)]
                 return outs[-1]
 
             outs = [await one(0), await one(1), await one(2), await one(3)]
@@ -96,7 +106,7 @@ def test_remote_failure_policies(outcome):
                     raise ConnectionError("prefill worker gone")
                 await asyncio.sleep(30)  # hangs until the consumer leaves
 
-            agen = d.generate("r", prompt, params, remote=remote)
+            agen = d.generate("r", prompt, params, kv_params=remote)
             if outcome == "cancel":
                 task = asyncio.ensure_future(agen.__anext__())
                 await asyncio.wait_for(started.wait(), 5)
@@ -145,7 +155,7 @@ def test_seeded_sampling_through_remote_prefill_equals_one_node():
                 p.release("p")
                 return first
 
-            outs = [o async for o in d.generate("r", prompt, params, remote=remote)]
+            outs = [o async for o in d.generate("r", prompt, params, kv_params=remote)]
             assert outs[-1].token_ids == ref
         finally:
             p.shutdown()
