@@ -180,7 +180,7 @@ def test_abort_while_a_step_is_in_flight():
 
 def test_remote_prefill_with_async_scheduling_on_both_engines():
     from engine.async_llm import AsyncLLM
-    from tests.unit.engine.test_disagg_hooks import BS, remote_prefill
+    from tests.unit.engine.test_disagg_hooks import BS, CallHandoff, remote_prefill
 
     prompts = [list(range(10, 27)), list(range(100, 130))]
     params = SamplingParams(max_tokens=10, temperature=0)
@@ -189,7 +189,8 @@ def test_remote_prefill_with_async_scheduling_on_both_engines():
 
     def make(**kw) -> AsyncLLM:
         return AsyncLLM(make_engine_config(model(), dtype="float32", block_size=BS,
-                                           num_blocks=96, async_scheduling=True, **kw))
+                                           num_blocks=96, async_scheduling=True, **kw),
+                        handoff=CallHandoff())
 
     async def main():
         p, d = make(max_num_batched_tokens=8), make()
@@ -198,7 +199,7 @@ def test_remote_prefill_with_async_scheduling_on_both_engines():
             for i, prompt in enumerate(prompts):
                 async def remote(alloc, prompt=prompt):
                     return await remote_prefill(p, d, alloc, prompt, [])
-                got = [o async for o in d.generate(f"r{i}", prompt, params, remote=remote)]
+                got = [o async for o in d.generate(f"r{i}", prompt, params, kv_params=remote)]
                 outs.append(got[-1].token_ids)
             assert outs == ref
             for eng in (p, d):
