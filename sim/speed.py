@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
            "wall_s": round(wall, 2), "sim_requests_per_s": round(rate, 1),
            "events": sim.stats.events, "events_per_s": round(sim.stats.events / wall),
            "rate_by_tenth": tenths, "projected_1M_s": round(projected, 1),
-           "cpu_s": round(cpu, 2), "cpu_rate_by_tenth": cpu_tenths,
+           "cpu_s": round(cpu, 3), "cpu_rate_by_tenth": cpu_tenths,
            "projected_1M_cpu_s": round(projected_cpu, 1),
            # the process's peak so far (Linux: KiB): the cluster's pools and the run's
            # state; a million requests must fit the machine too

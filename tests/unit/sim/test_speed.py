@@ -24,11 +24,11 @@ def _bench_args(tmp_path: Path, *flags: str) -> tuple[argparse.Namespace, Path]:
 
 
 def test_bench_reports_speed_and_routing_cost(tmp_path: Path) -> None:
-    args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "12",
+    args, out = _bench_args(tmp_path, "--workers", "4", "--requests", "40",
                             "--route-sample", "6")
     assert speed.run(args) == 0
     got = json.loads(out.read_text())
-    assert got["requests"] == got["completed"] == 12 and got["sim_requests_per_s"] > 0
+    assert got["requests"] == got["completed"] == 40 and got["sim_requests_per_s"] > 0
     assert got["peak_rss_mb"] > 10  # a Python process with numpy and the engine
     # the machine it ran on, the interpreter's build among it
     assert got["machine"]["python"].startswith(platform.python_version() + " from /")
