@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import results_page
+from bench import results_page, results_rows
 from cluster.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -152,7 +152,7 @@ def test_the_readme_is_short_and_has_one_results_table() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= 12 * 1024
     assert "make run" in text and "make test" in text
-    assert text.count(results_page.HEADLINE_BEGIN) == 1
+    assert text.count(results_rows.HEADLINE_BEGIN) == 1
 
 
 def test_the_generated_results_are_up_to_date(capsys: pytest.CaptureFixture[str]) -> None:
