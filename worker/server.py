@@ -15,7 +15,6 @@ in-flight requests get up to `drain_timeout_s` to finish before the server stops
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import signal
@@ -276,33 +275,66 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()
     await _drain(config, service, health, llm)
+    # Every step is bounded and logged (DEBUG): a dead peer or an unreachable Redis
+    # must not keep the worker from stopping.
+    redis_s = 2 * config.redis_timeout_s + 1.0
     if beat is not None:
         beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beat
+        await _step("registration heartbeat", beat, redis_s)
     if registrar is not None:
-        await registrar.remove()
+        await _step("registration removal", registrar.remove(), redis_s)
     if sparing is not None:
-        await sparing.close()
+        await _step("tier sparing", sparing.close(), redis_s)
     if strategies is not None:
-        await strategies.close()
+        await _step("strategy watcher", strategies.close(), redis_s)
     if kv_index is not None:
-        await kv_index.close()
+        await _step("kv index publisher", kv_index.close(), 2 * redis_s)
     service.stopping = True
     service.changed.set()
     await asyncio.sleep(0.1)  # let Load streams return before the server cancels them
-    await health.enter_graceful_shutdown()
-    await server.stop(grace=1.0)
+    await _step("health shutdown", health.enter_graceful_shutdown(), 2.0)
+    await _step("grpc server", server.stop(grace=1.0), 3.0)
     if http is not None:
-        http[0].shutdown()
-    llm.shutdown()
+        _sync_step("metrics http", http[0].shutdown)
+    _sync_step("engine", lambda: llm.shutdown(timeout=5.0))
     if zmq_events is not None:
-        zmq_events.close()
+        _sync_step("kv events (zmq)", zmq_events.close)
     if tiers is not None:
-        tiers.close()
-    await kv_side.close()
+        _sync_step("kv tiers", tiers.close)
+    # Its transports bound their own waits (io_timeout_s) and must get to release the
+    # shared memory, so this one waits a little longer than they do.
+    io_s = transfer.io_timeout_s if transfer is not None else 1.0
+    await _step("kv transfer", kv_side.close(), io_s + 2.0)
     log.info("worker %s stopped", config.worker_id)
     return 0
+
+
+async def _step(what: str, aw: Awaitable[object], timeout_s: float) -> None:
+    """Awaits one shutdown step for at most `timeout_s`; past it the step is cancelled
+    and left behind (not awaited again: a step that ignores its cancellation must not
+    block the stop either). Its errors are logged, never raised."""
+    log.debug("stopping: %s", what)
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        log.warning("stopping: %s did not finish within %.1fs; going on", what, timeout_s)
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("stopping: %s failed: %r", what, task.exception())
+    else:
+        log.debug("stopping: %s done in %.3fs", what, time.monotonic() - t0)
+
+
+def _sync_step(what: str, fn: Callable[[], object]) -> None:
+    log.debug("stopping: %s", what)
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # the rest of the stop still runs
+        log.warning("stopping: %s failed: %r", what, e)
+    else:
+        log.debug("stopping: %s done in %.3fs", what, time.monotonic() - t0)
 
 
 def _registrar(config: WorkerConfig, model: str, address: str,
