@@ -119,14 +119,8 @@ class ReceiverBase:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:  # bounded: a task stuck on a dead sender must not hold up closing
-            _, stuck = await asyncio.wait(tasks, timeout=self.config.io_timeout_s)
-            if stuck:
-                log.warning("%d receiver task(s) did not end on cancel; closing anyway",
-                            len(stuck))
+        if stuck := await wire.cancel_all(list(self._tasks)):
+            log.warning("%d receiver task(s) did not end on cancel; closing anyway", stuck)
         for conn in list(self._conns.values()):
             conn.sock.close()
         self._conns.clear()

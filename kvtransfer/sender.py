@@ -210,13 +210,9 @@ class SenderBase:
         self._fail_peer(peer, PeerUnavailable("disconnected by sender"))
         current = asyncio.current_task()
         tasks = [t for t in peer.tasks if t is not current]
-        for task in tasks:
-            task.cancel()
-        if tasks:  # bounded: a task stuck on a dead peer must not hold up closing
-            _, stuck = await asyncio.wait(tasks, timeout=self.config.io_timeout_s)
-            if stuck:
-                log.warning("%d task(s) of peer %s:%s did not end on cancel; closing anyway",
-                            len(stuck), peer.address["host"], peer.address["port"])
+        if stuck := await wire.cancel_all(tasks):
+            log.warning("%d task(s) of peer %s:%s did not end on cancel; closing anyway",
+                        stuck, peer.address["host"], peer.address["port"])
         await self._on_disconnected(peer)
         peer.sock.close()
         self._peers.discard(peer)

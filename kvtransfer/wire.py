@@ -167,3 +167,18 @@ def tune_socket(sock: socket.socket, buffer_bytes: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
+
+
+CANCEL_WAIT_S = 1.0  # a cancelled socket task ends within a loop turn; this is slack
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]], timeout_s: float = CANCEL_WAIT_S) -> int:
+    """Cancels `tasks` and waits (bounded) for them to end, so that closing a
+    connection never waits on a peer, dead or alive. Returns how many did not end in
+    time (left running; the caller closes their socket under them)."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return 0
+    _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+    return len(stuck)

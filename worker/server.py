@@ -301,10 +301,9 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
         _sync_step("kv events (zmq)", zmq_events.close)
     if tiers is not None:
         _sync_step("kv tiers", tiers.close)
-    # Its transports bound their own waits (io_timeout_s) and must get to release the
-    # shared memory, so this one waits a little longer than they do.
-    io_s = transfer.io_timeout_s if transfer is not None else 1.0
-    await _step("kv transfer", kv_side.close(), io_s + 2.0)
+    # Its transports bound their own waits (wire.cancel_all) and must get to release
+    # the shared memory, so this one waits longer than they do.
+    await _step("kv transfer", kv_side.close(), 3.0)
     log.info("worker %s stopped", config.worker_id)
     return 0
 
