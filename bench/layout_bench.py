@@ -2,7 +2,7 @@
 head slice best, measured on this machine's device.
 
 A block's interior is [layers, K/V, token, head, dim] today (token-major: the cache
-`engine.model_runner.kv_cache_shape` allocates). One rank's KV heads of a block are
+`engine.kv_sizing.kv_cache_shape` allocates). One rank's KV heads of a block are
 then one strided run per (layer, K/V, token) of heads/TP x dim elements. A head-major
 interior [layers, K/V, head, token, dim] makes them one run per (layer, K/V).
 

@@ -32,7 +32,7 @@ from prometheus_client import start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import kv_cache_dtype, num_kv_blocks
+from engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, engine_layout
