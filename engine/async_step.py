@@ -1,7 +1,8 @@
 """Async scheduling (vLLM's `--async-scheduling`): the host schedules and lays out step
 n+1 while the device runs step n.
 
-    call k:  schedule k+1 | launch k+1 (inputs read k's ids on the device) | resolve k
+    call k:  schedule k+1 | forward k+1 (inputs read k's ids on the device)
+             | sample k+1 | resolve k
 
 A launched step's sampling requests each hold a placeholder (`Request.
 num_output_placeholders`) for the token being sampled; the scheduler counts it as a
@@ -11,22 +12,34 @@ is queued (`resolve`), then checks stops as the synchronous loop does: a request
 ends there was already scheduled once more, and that extra token is dropped. A request
 whose placeholder is its max_tokens'th token is not scheduled again.
 
-A step falls back to synchronous scheduling (it is resolved right after its launch, before
-the next step is scheduled) when the next step needs the host to have seen its tokens:
-structured outputs (the grammar's mask), presence/frequency/repetition penalties (the
-token history), parallel samples (n / best_of: the forks start from the first token),
-and prefill producers (`hold_kv`: every step reports their KV progress). (The engine
-has no speculative decoding, whose draft tokens would be placeholders too.) Block ids
-handed to writers off the compute stream (a remote prefill's KV, offload-tier loads)
-wait for the step in flight first: a request that ended while it ran freed blocks that
-step still writes.
+What the next step needs of step k's tokens it finds on the device or waits for:
+
+- penalties (presence/frequency/repetition): the sampler's token history takes a row's
+  placeholder token from step k's ids on the device (`sampler.PendingIds`), so step k+1
+  penalises exactly what the synchronous loop would.
+- structured outputs: the grammar's mask for step k+1 needs step k's token on the host.
+  As vLLM's async scheduler does (`pending_structured_output_tokens`), the whole step's
+  forward pass is queued first, then the host reads step k's tokens (advancing the
+  matchers) and only then samples step k+1: the forward overlaps, the sampling waits.
+  Steps whose structured requests have no token in flight (their first sample) do
+  not wait.
+- parallel samples (n / best_of): the first sample's row draws every fork's first
+  token; the forks start (fork onto the prompt's KV) when the host reads that step,
+  one step later than synchronous scheduling, and run as ordinary requests from there.
+- prefill producers (`hold_kv`): every step reports their KV progress, so a step with
+  one is read right after its launch, before the next step is scheduled.
+
+(The engine has no speculative decoding, whose draft tokens would be placeholders too.)
+Block ids handed to writers off the compute stream (a remote prefill's KV, offload-tier
+loads) wait for the step in flight first: a request that ended while it ran freed
+blocks that step still writes.
 
 The placeholder ids are written into the step's device input buffer before anything
 reads it: a decode step replayed from a CUDA graph finds them in the graph's buffer,
 and under tensor parallelism rank 0's broadcast of that buffer carries them to the
 other ranks (only rank 0 samples).
 
-On CPU torch runs each step before `launch` returns: the order of work is the same,
+On CPU torch runs each step before `forward` returns: the order of work is the same,
 with no overlap. On CUDA the device runs step k while the host builds step k+1.
 """
 
@@ -39,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import Request, RequestStatus
-from engine.sampler import DeviceTokens, Logprobs, has_penalty
+from engine.sampler import DeviceTokens, Logprobs, PendingIds
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepInputs
 
@@ -62,6 +75,7 @@ class StepTokens:
         self.sampling = list(sampling)
         self.rows = list(rows)
         self.device = device
+        self.pending = PendingIds(device.ids, {r.request_id: i for i, r in enumerate(self.rows)})
         device.to_host()
 
     def result(self) -> dict[str, Sampled]:
@@ -77,7 +91,7 @@ def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
         return
     if prev is None:
         raise RuntimeError("a step has placeholder tokens but no step in flight")
-    row = {r.request_id: i for i, r in enumerate(prev.rows)}
+    row = prev.pending.rows
     idx = torch.tensor([[i for i, _ in step.placeholders],
                         [row[r.request_id] for _, r in step.placeholders]])
     dev = step.input_ids.device
@@ -86,12 +100,18 @@ def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
     step.input_ids[idx[0]] = prev.device.ids[idx[1]].to(step.input_ids.dtype)
 
 
-def needs_host(out: SchedulerOutput, tokens: StepTokens) -> bool:
-    """Whether the step after this one needs its tokens on the host first (the module
-    docstring lists why)."""
-    return any(s.request.hold_kv for s in out.scheduled) or any(
-        r.grammar is not None or r.forks or has_penalty(r.sampling_params)
-        for r in tokens.sampling)
+@dataclass(slots=True)
+class StepLogits:
+    """A forwarded step's logits [S, V] on the device, row i for `sample_reqs[i]`."""
+
+    sample_reqs: list[Request]
+    logits: torch.Tensor
+
+
+def waits_for_tokens(step: StepLogits) -> bool:
+    """Whether sampling `step` needs the tokens of the step in flight on the host
+    first: a structured request's mask depends on its placeholder token."""
+    return any(r.grammar is not None and r.num_output_placeholders for r in step.sample_reqs)
 
 
 @dataclass(slots=True)
@@ -116,16 +136,23 @@ class AsyncSteps:
             e.offload.reap(e.kv.pool)
         out = e.scheduler.schedule()
         e.last_step_tokens = out.num_tokens
-        launched = self._launch(out) if out.scheduled else None
+        prev, self.in_flight = self.in_flight, None
         outputs: list[RequestOutput] = []
-        if self.in_flight is not None:
-            outputs += self._resolve(self.in_flight)
+        launched = None
+        if out.scheduled:
+            logits, ends = self._forward(out, prev)
+            if prev is not None and waits_for_tokens(logits):
+                outputs += self._resolve(prev)  # the grammars take step k's tokens
+                prev = None
+            launched = self._sample(out, ends, logits, prev)
+        if prev is not None:
+            outputs += self._resolve(prev)
         elif launched is None and e.offload is not None:
             e.offload.reap(e.kv.pool, timeout=0.01)  # idle but copies pending: don't spin
+        if launched is not None and any(s.request.hold_kv for s in out.scheduled):
+            outputs += self._resolve(launched)  # producers report every step's progress
+            launched = None
         self.in_flight = launched
-        if launched is not None and needs_host(launched.out, launched.tokens):
-            outputs += self._resolve(launched)  # synchronous: the next step needs them
-            self.in_flight = None
         return outputs
 
     def wait(self) -> None:
@@ -133,17 +160,27 @@ class AsyncSteps:
         if self.in_flight is not None and self.in_flight.done is not None:
             self.in_flight.done.synchronize()
 
-    def _launch(self, out: SchedulerOutput) -> _Launched:
+    def _forward(self, out: SchedulerOutput, prev: _Launched | None,
+                 ) -> tuple[StepLogits, list[int]]:
+        """Queues `out`'s forward pass (its placeholder inputs read from `prev`'s ids on
+        the device); advances its requests' computed tokens. Returns its logits and each
+        scheduled request's computed tokens once it is done."""
         e = self.engine
-        if e.offload is not None and e.offload.loads:
-            self.wait()  # the tiers write blocks off the compute stream
+        if e.offload is not None and e.offload.loads and prev is not None \
+                and prev.done is not None:
+            prev.done.synchronize()  # the tiers write blocks off the compute stream
         e._run_loads(out)
-        prev = self.in_flight.tokens if self.in_flight is not None else None
-        tokens = e.runner.launch(out, e.kv, prev)
+        logits = e.runner.forward(out, e.kv, prev.tokens if prev is not None else None)
         ends = []
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             ends.append(s.request.num_computed_tokens)
+        return logits, ends
+
+    def _sample(self, out: SchedulerOutput, ends: list[int], logits: StepLogits,
+                prev: _Launched | None) -> _Launched:
+        e = self.engine
+        tokens = e.runner.sample(logits, prev.tokens if prev is not None else None)
         for r in tokens.sampling:
             r.num_output_placeholders += 1
         return _Launched(out, ends, tokens, e.runner.record_kv_ready())

@@ -99,16 +99,14 @@ class KVCacheManager:
     def can_fork(self) -> bool:
         return self.pool.num_free_blocks > 0
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
-        """Gives `child` the parent's computed KV: full blocks shared (a reference each),
-        the last partial block copied, since both append to it. The child's blocks cover
-        `parent.num_computed_tokens` tokens.
+    def fork(self, parent: Request, child: Request, n: int) -> tuple[int, int] | None:
+        """Gives `child` the parent's first `n` computed tokens' KV: full blocks shared (a
+        reference each), the last partial block copied, since both append to it.
 
         # | shared full blocks (ref_cnt + 1) | partial block: a new block, copy of the parent's |
         Returns the (source, destination) block ids to copy, or None when the computed
         tokens fill whole blocks. The caller checked `can_fork` (one free block)."""
         blocks = self.req_blocks[parent.request_id]
-        n = parent.num_computed_tokens
         full = blocks[:n // self.block_size]
         self.pool.touch(full)
         mine = list(full)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.async_step import StepTokens, fill_placeholders
+from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
@@ -264,12 +264,17 @@ class ModelRunner:
         """
         return self.launch(out, kv).result()
 
-    @torch.inference_mode()
     def launch(self, out: SchedulerOutput, kv: KVCacheManager,
                prev: StepTokens | None = None) -> StepTokens:
         """Queues one step on the device and returns its sampled tokens (on the device,
         their copy to the host started). `prev`: the step still in flight, whose sampled
         ids are this step's placeholder inputs (async scheduling), read on the device."""
+        return self.sample(self.forward(out, kv, prev), prev)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, kv: KVCacheManager,
+                prev: StepTokens | None = None) -> StepLogits:
+        """Queues the step's forward pass; returns the logits of its sampling rows."""
         bucket = self._graph_bucket(out.scheduled)
         if bucket is not None:
             assert self.graphs is not None
@@ -278,25 +283,30 @@ class ModelRunner:
             fill_placeholders(step, prev)
             if self.tp is not None:  # the other ranks replay the same bucket
                 self.inputs.send(self.tp, step.meta, bucket)
-            logits = self.graphs.run(bucket, step)[:len(out.scheduled)]
-        else:
-            step = self.inputs.build(out.scheduled, kv)
-            fill_placeholders(step, prev)
-            if self.tp is not None:
-                self.inputs.send(self.tp, step.meta)
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
-            self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
-            if not step.sample_reqs:
-                return StepTokens([], [], self.sampler.sample(hidden[:0], []))
-            self._tell(("logits", None))
-            logits = self.model.compute_logits(hidden[step.sample_rows])
-        reqs = step.sample_reqs
-        if any(r.forks for r in reqs):
+            return StepLogits(step.sample_reqs, self.graphs.run(bucket, step)[:len(out.scheduled)])
+        step = self.inputs.build(out.scheduled, kv)
+        fill_placeholders(step, prev)
+        if self.tp is not None:
+            self.inputs.send(self.tp, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
+        if not step.sample_reqs:
+            return StepLogits([], hidden[:0])
+        self._tell(("logits", None))
+        return StepLogits(step.sample_reqs, self.model.compute_logits(hidden[step.sample_rows]))
+
+    @torch.inference_mode()
+    def sample(self, step: StepLogits, prev: StepTokens | None = None) -> StepTokens:
+        """Samples a forwarded step (rank 0 only); `prev` as in `launch`."""
+        reqs, logits = step.sample_reqs, step.logits
+        forks = [_first_forks(r) for r in reqs]
+        if any(forks):
             # Parallel samples draw their first tokens from the one prefill's logits row.
-            rows = [i for i, r in enumerate(reqs) for _ in range(1 + len(r.forks))]
-            reqs = [x for r in reqs for x in (r, *r.forks)]
+            rows = [i for i, k in enumerate(forks) for _ in range(1 + k)]
+            reqs = [x for r, k in zip(reqs, forks, strict=True) for x in (r, *r.forks[:k])]
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs))
+        pending = prev.pending if prev is not None else None
+        return StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs, pending))
 
     def record_kv_ready(self) -> torch.cuda.Event | None:
         """An event on the compute stream after the work queued so far (the step's
@@ -419,6 +429,13 @@ class ModelRunner:
                     or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
                 return None
         return self.graphs.bucket_for(len(scheduled))
+
+
+def _first_forks(r: Request) -> int:
+    """How many forks draw their first token from `r`'s row this step: all of them on
+    its first sample; none while that sample is in flight (async scheduling: the forks
+    start when the host has it)."""
+    return 0 if r.num_output_placeholders else len(r.forks)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@ presence/frequency/repetition penalties, logprobs.
 
 Everything is batched tensor work on the logits' device with one host->device copy of
 the per-row parameters (plus one of the token history when a row has a penalty) and
-one device->host copy of the results.
+one device->host copy of the results. Under async scheduling a row's newest token may
+still be on the device (`PendingIds`): the penalties' history takes it from there.
 
 Random draws carry no generator state: the noise for vocabulary entry `v` of a row is
 a pure function of (seed, position of the token being sampled, v), a counter-based
@@ -145,6 +146,16 @@ class _Rows:
     min_p: torch.Tensor
 
 
+@dataclass(slots=True)
+class PendingIds:
+    """Async scheduling: the ids the step in flight sampled, on the device (`ids`), and
+    the row of each request among them (`rows`). A request with an output placeholder
+    finds its newest token there before the host has read it."""
+
+    ids: torch.Tensor
+    rows: dict[str, int]
+
+
 def has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 \
         or p.repetition_penalty != 1.0
@@ -164,8 +175,11 @@ class Sampler:
         penalties and temperature) of the sampled token and the top-n tokens."""
         return self.sample(logits, requests).result()
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> DeviceTokens:
-        """`__call__`'s tokens, left on the device (the host reads them with `result`)."""
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request],
+               pending: PendingIds | None = None) -> DeviceTokens:
+        """`__call__`'s tokens, left on the device (the host reads them with `result`).
+        `pending`: the step in flight, which holds the placeholder tokens of `requests`
+        (async scheduling); the penalties count them as the synchronous loop would."""
         if not requests:
             return DeviceTokens(torch.empty(0, dtype=torch.int64, device=logits.device), [])
         if any(r.grammar is not None for r in requests):  # structured outputs, first of all
@@ -182,7 +196,7 @@ class Sampler:
         if edits is not None:  # logit_bias, min_tokens: before penalties, as vLLM
             processed = logits.index_put((edits[0], edits[1]), edits[2], accumulate=True)
         if penalties:
-            tokens = self._history(requests, logits.shape[1])
+            tokens = self._history(requests, logits.shape[1], pending)
             processed = apply_penalties(processed, tokens, rows.prompt_len, rows.presence,
                                         rows.frequency, rows.repetition)
         ids = processed.argmax(dim=-1)
@@ -241,20 +255,37 @@ class Sampler:
             req.sample_seed = self._seeds.getrandbits(63)
         return req.sample_seed
 
-    def _history(self, requests: Sequence[Request], vocab: int) -> torch.Tensor:
+    def _history(self, requests: Sequence[Request], vocab: int,
+                 pending: PendingIds | None = None) -> torch.Tensor:
         """[B, L] int64 on the device: prompt + output ids of rows with a repetition
-        penalty, output ids of rows with only presence/frequency, padded with `vocab`."""
+        penalty, output ids of rows with only presence/frequency, padded with `vocab`.
+        A penalised row's placeholder token (async scheduling) is copied in on the
+        device from `pending`: the host writes `vocab + 1 + its row` in its slot."""
         hist: list[list[int]] = []
+        filled = False
         for r in requests:
             p = r.sampling_params
             if p.repetition_penalty != 1.0:
-                hist.append(r.all_token_ids)
+                h = r.all_token_ids
             else:
-                hist.append(r.output_token_ids if has_penalty(p) else [])
+                h = r.output_token_ids if has_penalty(p) else []
+            if r.num_output_placeholders and has_penalty(p):
+                if pending is None or r.request_id not in pending.rows:
+                    raise RuntimeError(f"request {r.request_id} has a placeholder token "
+                                       "but no step in flight holds it")
+                h = [*h, vocab + 1 + pending.rows[r.request_id]]
+                filled = True
+            hist.append(h)
         out = torch.full((len(hist), max(map(len, hist))), vocab, dtype=torch.int64)
         for i, h in enumerate(hist):
             out[i, :len(h)] = torch.as_tensor(h, dtype=torch.int64)
-        return self._to_device(out)
+        out = self._to_device(out)
+        if filled:
+            assert pending is not None
+            slot = out > vocab
+            rows = (out - (vocab + 1)).clamp_(min=0, max=pending.ids.numel() - 1)
+            out = torch.where(slot, pending.ids[rows], out)
+        return out
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: list[SamplingParams], rows: _Rows,

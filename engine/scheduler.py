@@ -349,18 +349,21 @@ class Scheduler:
         token, on the parent's computed prompt KV (shared blocks, engine/kv_cache_manager
         `fork`); it is admitted like a request whose KV arrived. Without a free block for
         the copy it waits like a preempted request (recomputed, prefix hits apply).
-        Returns the block copy (source, destination) the runner must make, if any."""
+        Returns the block copy (source, destination) the runner must make, if any.
+        Under async scheduling the parent may have computed its first token (or been
+        preempted) meanwhile: the child takes the KV before it (or recomputes)."""
         self.requests[child.request_id] = child
         self.waiting.append(child)
         # the parent's place in line and policy; its prompt was charged once (VTC)
         child.policy, child.queued_time = parent.policy, parent.queued_time
         child.num_prompt_charged = parent.num_prompt_charged
-        if not self.kv.can_fork():
+        if not self.kv.can_fork() or not self.kv.holds(parent.request_id):
             child.status = RequestStatus.PREEMPTED
             return None
-        child.num_computed_tokens = parent.num_computed_tokens
+        n = min(parent.num_computed_tokens, parent.num_tokens - 1)  # not its own output
+        child.num_computed_tokens = n
         child.num_cached_tokens = parent.num_cached_tokens
-        return self.kv.fork(parent, child)
+        return self.kv.fork(parent, child, n)
 
     def release(self, request_id: str) -> bool:
         """Frees a finished producer's held blocks. False if none are held."""

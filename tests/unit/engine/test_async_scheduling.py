@@ -5,7 +5,10 @@ found one step late, aborts while a step is in flight, sampling and disaggregati
 
 import argparse
 import asyncio
+import json
 import random
+import re
+from dataclasses import replace
 
 from engine.cli import add_engine_arguments, engine_config_from_args
 from engine.llm import LLM, make_engine_config
@@ -90,8 +93,8 @@ def test_stops_found_a_step_late_change_nothing():
 
 
 def test_sampling_features_equal_sync():
-    """Seeded sampling, min_tokens, logit_bias and logprobs run async; penalties,
-    structured outputs and parallel samples fall back to synchronous steps."""
+    """Seeded sampling, min_tokens, logit_bias, logprobs, penalties, structured outputs
+    and parallel samples, all in one batch."""
     rng = random.Random(2)
     prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(3, 30))] for _ in range(7)]
     params = [
@@ -113,16 +116,102 @@ def test_sampling_features_equal_sync():
     assert len(outs) == 8  # n=2 gave two
 
 
-def trace_launches(engine: LLMEngine) -> list[tuple[str, int]]:
-    """Records ("launch", k) when step k is queued and ("result", k) when the host
-    reads its tokens."""
-    log: list[tuple[str, int]] = []
-    launch = engine.runner.launch
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "n"], "additionalProperties": False,
+}
 
-    def traced(*args, **kw):
-        k = sum(1 for e in log if e[0] == "launch")
-        log.append(("launch", k))
-        tokens = launch(*args, **kw)
+
+def mixed_params() -> list[SamplingParams]:
+    """Plain, penalised, structured and parallel requests, greedy and seeded."""
+    json_spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    compact = StructuredOutput("json_schema", json.dumps(SCHEMA), any_whitespace=False)
+    regex = StructuredOutput("regex", "[0-9]{2}-[a-z]{2,5}")
+    choice = StructuredOutput("choice", choices=("alpha", "beta gamma", "delta"))
+    greedy = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=14, temperature=1.0, ignore_eos=True)
+    return [
+        greedy,
+        replace(greedy, repetition_penalty=1.4),
+        replace(greedy, presence_penalty=0.7, frequency_penalty=0.4, max_tokens=17),
+        replace(seeded, seed=7, repetition_penalty=0.8, frequency_penalty=0.6),
+        replace(greedy, ignore_eos=False, max_tokens=40, structured=compact),
+        replace(seeded, ignore_eos=False, max_tokens=40, seed=3, structured=json_spec,
+                presence_penalty=0.5),
+        replace(seeded, ignore_eos=False, max_tokens=20, seed=5, structured=regex),
+        replace(greedy, ignore_eos=False, max_tokens=20, structured=choice,
+                repetition_penalty=1.2),
+        replace(seeded, seed=11, n=2, frequency_penalty=0.3),
+        replace(seeded, ignore_eos=False, max_tokens=20, seed=13, n=2, structured=regex),
+        replace(greedy, max_tokens=9),
+        replace(seeded, seed=17),
+    ]
+
+
+def test_penalties_grammars_and_forks_equal_sync_through_preemption(monkeypatch):
+    """Penalised, structured, parallel and plain requests in one batch with too few
+    blocks (preemption, of requests whose token is in flight too) and chunked prefill:
+    token-identical to synchronous scheduling; greedy rows (with a repetition penalty
+    too) equal transformers'."""
+    import torch
+
+    from engine.sampler import has_penalty
+    from engine.scheduler import Scheduler
+
+    prompts = make_prompts(12)
+    params = mixed_params()
+    kw = dict(num_blocks=44, max_num_batched_tokens=32, seed=1)
+    sync, _ = generate(prompts, params, False, **kw)
+    preempted = []  # (penalised, structured, forks to start, token in flight)
+    preempt = Scheduler._preempt
+
+    def recording(self, req, yielded=False):
+        preempted.append((has_penalty(req.sampling_params), req.grammar is not None,
+                          bool(req.forks), req.num_output_placeholders > 0))
+        preempt(self, req, yielded)
+    monkeypatch.setattr(Scheduler, "_preempt", recording)
+    outs, llm = generate(prompts, params, True, **kw)
+    assert (True, False, False, True) in preempted  # its newest token on the device
+    assert (True, False, True, True) in preempted  # forks start on a recomputed prompt
+    assert any(g for _, g, _, _ in preempted)
+    # (not num_cached_tokens: prefix hits at admission depend on when blocks were freed)
+    assert [summary(o)[:-1] for o in outs] == [summary(o)[:-1] for o in sync]
+    assert len(outs) == 14  # two n=2 requests
+    first = {}  # the first sample of each request, by its position in `params`
+    for o in outs:
+        first.setdefault(int(o.request_id.rsplit("-", 1)[1]), o)
+    assert {o.request_id for o in outs} == {o.request_id for o in first.values()}
+    structured = [first[i] for i in (4, 5, 6, 7)]
+    assert all(o.finish_reason == "stop" for o in structured)
+    assert set(json.loads(structured[0].text)) == {"name", "n"}
+    assert re.fullmatch("[0-9]{2}-[a-z]{2,5}", structured[2].text)
+    assert structured[3].text in ("alpha", "beta gamma", "delta")
+    hf = hf_model(model())
+    for i in (0, 1, 10):
+        p = params[i]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompts[i]]), max_new_tokens=p.max_tokens,
+                              do_sample=False, repetition_penalty=p.repetition_penalty,
+                              eos_token_id=None, pad_token_id=0)
+        assert first[i].token_ids == ref[0, len(prompts[i]):].tolist()
+
+
+def trace_launches(engine: LLMEngine) -> list[tuple[str, int]]:
+    """Records ("launch", k) when step k's forward pass is queued, ("sample", k) when its
+    sampling is, and ("result", k) when the host reads its tokens."""
+    log: list[tuple[str, int]] = []
+    forward, sample = engine.runner.forward, engine.runner.sample
+
+    def traced_forward(*args, **kw):
+        log.append(("launch", sum(1 for e in log if e[0] == "launch")))
+        return forward(*args, **kw)
+
+    def traced_sample(*args, **kw):
+        k = sum(1 for e in log if e[0] == "sample")
+        log.append(("sample", k))
+        tokens = sample(*args, **kw)
         result = tokens.result
 
         def traced_result():
@@ -130,27 +219,40 @@ def trace_launches(engine: LLMEngine) -> list[tuple[str, int]]:
             return result()
         tokens.result = traced_result
         return tokens
-    engine.runner.launch = traced
+    engine.runner.forward, engine.runner.sample = traced_forward, traced_sample
     return log
+
+
+def traced_run(prompts, params) -> tuple[list[tuple[str, int]], list[RequestOutput]]:
+    llm = LLM(model(), dtype="float32", block_size=4, async_scheduling=True)
+    log = trace_launches(llm.engine)
+    return log, llm.generate(prompts, params)
 
 
 def test_next_step_launches_before_the_host_sees_tokens():
     prompts = [list(range(10, 30)), list(range(40, 47))]
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    llm = LLM(model(), dtype="float32", block_size=4, async_scheduling=True)
-    log = trace_launches(llm.engine)
-    llm.generate(prompts, plain)
+    for params in (plain, replace(plain, presence_penalty=0.5, repetition_penalty=1.2)):
+        log, _ = traced_run(prompts, params)
+        n = sum(1 for e in log if e[0] == "launch")
+        assert n == 6  # prefill + 5 decodes: no step for a token past max_tokens
+        for k in range(n - 1):  # penalties too: the history reads the ids on the device
+            assert log.index(("sample", k + 1)) < log.index(("result", k))
+
+
+def test_structured_steps_forward_before_and_sample_after_the_host_sees_tokens():
+    """vLLM's deferred sampling: a grammar's mask needs the token in flight, so the step
+    after it queues its forward pass, then reads that token, then samples."""
+    prompts = [list(range(10, 30)), list(range(40, 47))]
+    spec = StructuredOutput("regex", "[a-z]{8}")
+    log, outs = traced_run(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                   structured=spec))
+    assert all(len(o.token_ids) > 2 for o in outs)
     n = sum(1 for e in log if e[0] == "launch")
-    assert n == 6  # prefill + 5 decodes: no step for a token past max_tokens
+    assert n > 2
     for k in range(n - 1):
-        assert log.index(("launch", k + 1)) < log.index(("result", k))
-    # a penalty needs the host to have the token: each step is read before the next
-    llm2 = LLM(model(), dtype="float32", block_size=4, async_scheduling=True)
-    log2 = trace_launches(llm2.engine)
-    llm2.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                          presence_penalty=0.5))
-    for k in range(sum(1 for e in log2 if e[0] == "launch") - 1):
-        assert log2.index(("result", k)) < log2.index(("launch", k + 1))
+        assert log.index(("launch", k + 1)) < log.index(("result", k)) \
+            < log.index(("sample", k + 1))
 
 
 def test_abort_while_a_step_is_in_flight():
@@ -179,11 +281,18 @@ def test_abort_while_a_step_is_in_flight():
 
 
 def test_remote_prefill_with_async_scheduling_on_both_engines():
+    """Plain, penalised and structured requests decoded side by side after a remote
+    prefill: the tokens of the colocated synchronous engine."""
     from engine.async_llm import AsyncLLM
     from tests.unit.engine.test_disagg_hooks import BS, CallHandoff, remote_prefill
 
-    prompts = [list(range(10, 27)), list(range(100, 130))]
-    params = SamplingParams(max_tokens=10, temperature=0)
+    prompts = [list(range(10, 27)), list(range(100, 130)), list(range(40, 61)),
+               list(range(200, 211))]
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    params = [greedy, replace(greedy, presence_penalty=0.6, frequency_penalty=0.5),
+              replace(greedy, max_tokens=16, repetition_penalty=1.3,
+                      structured=StructuredOutput("regex", "[a-z]{3}-[0-9]{3}")),
+              replace(greedy, temperature=1.0, seed=5, frequency_penalty=0.8)]
     ref = [o.token_ids for o in LLM(model(), dtype="float32", block_size=BS).generate(
         prompts, params)]
 
@@ -195,12 +304,13 @@ def test_remote_prefill_with_async_scheduling_on_both_engines():
     async def main():
         p, d = make(max_num_batched_tokens=8), make()
         try:
-            outs = []
-            for i, prompt in enumerate(prompts):
-                async def remote(alloc, prompt=prompt):
-                    return await remote_prefill(p, d, alloc, prompt, [])
-                got = [o async for o in d.generate(f"r{i}", prompt, params, kv_params=remote)]
-                outs.append(got[-1].token_ids)
+            async def one(i: int) -> list[int]:
+                async def remote(alloc):
+                    return await remote_prefill(p, d, alloc, prompts[i], [], params[i])
+                got = [o async for o in d.generate(f"r{i}", prompts[i], params[i],
+                                                   kv_params=remote)]
+                return got[-1].token_ids
+            outs = await asyncio.gather(*(one(i) for i in range(len(prompts))))
             assert outs == ref
             for eng in (p, d):
                 await eng.call(lambda e: e.check_integrity())

@@ -4,6 +4,7 @@ a request in WAITING_FOR_REMOTE_KV with blocks allocated, a producer engine pref
 two caches. The services do the same over kvtransfer."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -32,9 +33,12 @@ def make_async(**kw) -> AsyncLLM:
 
 
 async def remote_prefill(p: AsyncLLM, d: AsyncLLM, alloc: RemoteAlloc, prompt: list[int],
-                         log: list) -> int:
-    """Prefills on `p`; copies each finished block into `d` as chunks complete."""
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                         log: list, params: SamplingParams | None = None) -> int:
+    """Prefills on `p`; copies each finished block into `d` as chunks complete. `params`:
+    the request's (its first token sampled as it says); default greedy."""
+    if params is None:
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    params = replace(params, max_tokens=1)
     first = None
     sent = alloc.num_computed_tokens // BS  # blocks below this were a local hit on d
     async for out in p.generate("p-" + alloc.request_id, prompt, params, hold_kv=True):

@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.request import Request
-from engine.sampler import Sampler, apply_penalties, uniform_noise
+from engine.sampler import PendingIds, Sampler, apply_penalties, uniform_noise
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -247,6 +247,39 @@ def test_penalties_match_vllms_formula_row_by_row():
     assert torch.equal(got[-1], logits[-1])  # no penalty: untouched, bit for bit
     # Greedy rows take the argmax after penalties, as vLLM does.
     assert draw(logits, reqs) == torch.stack(want).argmax(dim=-1).tolist()
+
+
+def test_a_placeholder_token_is_penalised_from_the_device_ids():
+    """Async scheduling: a row whose newest output token is still on the device (in the
+    step in flight's ids) gets the history, penalties and tokens of the row whose host
+    already has it."""
+    gen = torch.Generator().manual_seed(6)
+    vocab = 25
+    logits = torch.randn(len(PENALTY_CASES), vocab, generator=gen) * 3
+    known, pending_reqs, newest = [], [], []
+    for i, case in enumerate(PENALTY_CASES):
+        prompt = torch.randint(vocab, (5 + i,), generator=gen).tolist()
+        output = torch.randint(vocab, (i,), generator=gen).tolist() + [7]
+        known.append(make_request(len(prompt) + len(output), output, prompt,
+                                  temperature=0.0, **case))
+        r = make_request(len(prompt) + len(output) - 1, output[:-1], prompt,
+                         temperature=0.0, **case)
+        r.request_id = f"r{i}"
+        r.num_output_placeholders = 1
+        pending_reqs.append(r)
+        newest.append(output[-1])
+    # The step in flight sampled these rows in another order, beside another request.
+    order = list(reversed(range(len(newest))))
+    ids = torch.tensor([newest[i] for i in order] + [11])
+    pending = PendingIds(ids, {f"r{i}": row for row, i in enumerate(order)})
+    sampler = Sampler(CPU)
+    want = sampler._history(known, vocab)
+    got = sampler._history(pending_reqs, vocab, pending)
+    assert torch.equal(got, want)
+    assert sampler.sample(logits, pending_reqs, pending).result() \
+        == sampler.sample(logits, known).result()
+    with pytest.raises(RuntimeError, match="placeholder"):
+        sampler._history(pending_reqs, vocab)
 
 
 def test_presence_penalty_steers_greedy_away_from_a_repeated_token():
