@@ -37,3 +37,23 @@ def test_async_scheduling_on_cuda_equals_sync_and_transformers(enforce_eager: bo
     eos = llm.engine.eos_token_ids[0]
     for p, params, g in zip(prompts, greedy, got[True], strict=False):
         assert g[0] == hf_greedy(hf, p, params.max_tokens, eos)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_penalties_grammars_and_forks_on_cuda_equal_sync(enforce_eager: bool) -> None:
+    """Penalty histories filled from the device ids, deferred structured sampling and
+    forks started a step later, through preemption, with graphs and eager."""
+    from tests.unit.engine.test_async_scheduling import mixed_params
+
+    prompts = make_prompts(12)
+    got = {}
+    for on in (False, True):
+        llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cuda", block_size=4,
+                  num_blocks=44, max_num_batched_tokens=32, enforce_eager=enforce_eager,
+                  seed=1, async_scheduling=on)
+        got[on] = [(o.request_id, o.index, o.token_ids, o.text, o.finish_reason)
+                   for o in llm.generate(prompts, mixed_params())]
+        llm.engine.check_integrity()
+        st = llm.engine.stats()
+        assert st.num_free_blocks == st.num_blocks and st.num_preemptions > 0
+    assert got[True] == got[False]
