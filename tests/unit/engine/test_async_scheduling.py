@@ -1,7 +1,8 @@
 """Async scheduling (engine/async_step.py): step n+1 is scheduled and launched before the
 host has step n's tokens, and every output is the one synchronous scheduling gives
 (and transformers' greedy), through chunked prefill, prefix hits, preemption, stops
-found one step late, aborts while a step is in flight, sampling and disaggregation."""
+found one step late, aborts while a step is in flight, sampling, penalties, structured
+outputs, parallel samples and disaggregation."""
 
 import argparse
 import asyncio
