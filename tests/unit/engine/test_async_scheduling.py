@@ -396,3 +396,42 @@ def test_scheduler_counts_placeholders():
     b.num_output_placeholders = 0  # its token arrived
     b.append_token(9)
     assert [x.request.request_id for x in s.schedule().scheduled] == ["b"]
+
+
+def test_fork_takes_the_prompt_kv_of_a_parent_that_moved_on():
+    """A parallel sample forks when the host reads the first token: by then its parent
+    may have computed that token (the child shares only the prompt's KV) or been
+    preempted (the child recomputes)."""
+    from engine.config import SchedulerConfig
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request, RequestStatus
+    from engine.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(), KVCacheManager(64, 4))
+    parents = [Request(f"p{i}", list(range(10, 20)), SamplingParams(max_tokens=5))
+               for i in range(2)]
+    for p in parents:
+        s.add_request(p)
+    for x in s.schedule().scheduled:  # the prompts; each samples its first token
+        x.request.num_computed_tokens += x.num_new_tokens
+        x.request.num_output_placeholders += 1
+    moved, preempted = parents
+    s._preempt(preempted)  # (the next schedule's victim)
+    for x in s.schedule().scheduled:  # the next step computes the token in flight
+        assert x.request is moved
+        x.request.num_computed_tokens += x.num_new_tokens
+        x.request.num_output_placeholders += 1
+    kids = []
+    for p in parents:
+        p.num_output_placeholders -= 1
+        p.append_token(42)  # the host reads the first token: the forks start
+        kids.append(Request(p.request_id + "#1", list(p.prompt_token_ids), p.sampling_params))
+        kids[-1].append_token(43)
+    assert moved.num_computed_tokens == 11
+    assert s.fork(moved, kids[0]) is not None  # the third block (prompt tokens 8, 9): copied
+    assert kids[0].num_computed_tokens == 10 and s.kv.block_ids(kids[0].request_id)[:2] \
+        == s.kv.block_ids(moved.request_id)[:2]
+    assert s.fork(preempted, kids[1]) is None
+    assert kids[1].status == RequestStatus.PREEMPTED and not s.kv.holds(kids[1].request_id)
+    assert {x.request.request_id: x.num_new_tokens for x in s.schedule().scheduled} \
+        == {"p0": 1, "p0#1": 1, "p1": 11, "p1#1": 11}
