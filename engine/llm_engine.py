@@ -16,12 +16,11 @@ import torch
 from engine.async_step import AsyncSteps
 from engine.block_hash import BlockHash, make_extra_key
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
 from engine.offload import KVOffload, OffloadConnector, RankGatheredOffload
+from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.parallel import SampleGroup
 from engine.pins import Pins
 from engine.request import Request, RequestStatus
 from engine.sampler import Logprobs
@@ -55,12 +54,6 @@ class RemoteAlloc:
         return self.block_ids[self.num_computed_tokens // self.block_size:]
 
 
-@dataclass(slots=True)
-class _Track:
-    detok: IncrementalDetokenizer
-    sent_tokens: int = 0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None,
                  offload: KVOffload | None = None) -> None:
@@ -82,8 +75,7 @@ class LLMEngine:
             self.offload = OffloadConnector(offload, self.block_size)
             self.kv.pool.track_new_cached = True
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
-        self._tracks: dict[str, _Track] = {}
-        self._groups: dict[str, SampleGroup] = {}  # n / best_of requests, by every member id
+        self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.kv.block_ids)
         self.pins = Pins(self.kv.pool)  # blocks peers fetch from here (pin_cached)
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
@@ -143,13 +135,6 @@ class LLMEngine:
             req.append_token(tok)
         return req
 
-    def _track(self, req: Request) -> None:
-        p = req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens, p.include_stop_str_in_output)
-        detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
-        self._tracks[req.request_id] = _Track(detok, sent_tokens=req.num_output_tokens)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, cache_salt: str | None = None,
                     priority: int = 0, hold_kv: bool = False,
@@ -165,20 +150,9 @@ class LLMEngine:
         them nor their text. Their KV is computed here (prefix hits apply)."""
         req = self._new_request(request_id, prompt_token_ids, params, cache_salt, priority,
                                 hold_kv, resume_token_ids, tenant, labels, client_id)
-        self._track(req)
-        self._new_group(req)
+        self.outputs.add(req)
         self.scheduler.add_request(req)
         return req
-
-    def _new_group(self, req: Request) -> None:
-        """n / best_of > 1: the other samples wait in `req.forks` (engine/parallel.py)."""
-        if req.sampling_params.num_samples == 1:
-            return
-        group = SampleGroup.of(req)
-        for m in group.members:
-            self._groups[m.request_id] = group
-            if m is not req:
-                self._track(m)
 
     def _fork(self, parent: Request, firsts: Sequence[tuple[int, Logprobs | None]],
               ) -> list[RequestOutput]:
@@ -191,28 +165,16 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_token_time = parent.first_token_time
             child.append_token(tok, lp)
-            status = self._check_stop(child)
+            status = self.outputs.check_stop(child)
             if status is not None:  # done already: its KV is never needed
                 child.status = status
-                outs += self._emit(child, final=True)
+                outs += self.outputs.emit(child, final=True)
                 continue
             copy = self.scheduler.fork(parent, child)
             if copy is not None:
                 copies.append(copy)
-            outs += self._emit(child, final=False)
+            outs += self.outputs.emit(child, final=False)
         self.runner.copy_blocks(copies)
-        return outs
-
-    def _emit(self, req: Request, final: bool) -> list[RequestOutput]:
-        """`req`'s output to deliver (none, or several, for a sample group's member)."""
-        group = self._groups.get(req.request_id)
-        if group is None:
-            return [self._finish_output(req) if final else self._output(req, final=False)]
-        if not final and group.hold:
-            return []  # text and tokens accumulate until the ranking
-        outs = group.add(self._finish_output(req) if final else self._output(req, False))
-        if final:
-            del self._groups[req.request_id]
         return outs
 
     # -- remote prefill (decode side) -------------------------------------------------
@@ -234,8 +196,7 @@ class LLMEngine:
         if not self.scheduler.allocate_remote(req):
             return None
         self._run_loads(None)
-        self._track(req)
-        self._new_group(req)
+        self.outputs.add(req)
         return RemoteAlloc(request_id, self.kv.block_ids(request_id),
                            req.num_computed_tokens, self.block_size,
                            tuple(req.update_block_hashes(self.block_size)),
@@ -270,10 +231,10 @@ class LLMEngine:
                 req.forks.remove(child)
                 self.scheduler.add_request(child)
             outs += self._fork(req, drawn)
-        status = self._check_stop(req)
+        status = self.outputs.check_stop(req)
         if status is not None:
             self.scheduler.finish(request_id, status)
-        return outs + self._emit(req, final=status is not None)
+        return outs + self.outputs.emit(req, final=status is not None)
 
     def set_strategies(self, strategies: StrategySet) -> None:
         """Scheduling strategies for every request, from the next step on."""
@@ -300,15 +261,15 @@ class LLMEngine:
         """Ends the request (as "error" when `error` is given) and frees its blocks;
         returns its final output, or None if the request is unknown or finished."""
         status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
-        group = self._groups.get(request_id)
+        group = self.outputs.groups.get(request_id)
         if group is not None and request_id == group.request_id:
             outs: list[RequestOutput] = []
             for m in group.members:  # every sample still live, started or not
-                if m.request_id not in self._groups:
+                if m.request_id not in self.outputs.groups:
                     continue
                 if self.scheduler.finish(m.request_id, status) is None:
                     m.status = status  # a fork not started yet
-                outs += self._emit(m, final=True)
+                outs += self.outputs.emit(m, final=True)
             if not outs:
                 return None
             outs[-1].error = error
@@ -316,7 +277,7 @@ class LLMEngine:
         req = self.scheduler.finish(request_id, status)
         if req is None:
             return None
-        out = self._finish_output(req)
+        out = self.outputs.finish(req)
         out.error = error
         return out
 
@@ -358,13 +319,13 @@ class LLMEngine:
                 req.first_token_time = now
             if req.forks:  # before its own stop check: they fork off its blocks
                 outputs += self._fork(req, [sampled[c.request_id] for c in req.forks])
-            status = self._check_stop(req)
+            status = self.outputs.check_stop(req)
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
-            outputs += self._emit(req, final=status is not None)
+            outputs += self.outputs.emit(req, final=status is not None)
         for s in out.scheduled:  # producers report KV progress of chunks too
             if s.request.hold_kv and s.request not in got_token:
-                outputs += self._emit(s.request, final=False)
+                outputs += self.outputs.emit(s.request, final=False)
         if kv_ready is not None:
             for o in outputs:
                 if o.block_ids is not None:  # a producer: its KV is final at this event
@@ -387,56 +348,6 @@ class LLMEngine:
             else:
                 ld.request.num_computed_tokens -= lost
                 ld.request.num_cached_tokens = ld.request.num_computed_tokens
-
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        track = self._tracks[req.request_id]
-        tok = req.output_token_ids[-1]
-        track.detok.add([tok])
-        if track.detok.stopped:
-            req.stop_reason = track.detok.stop_str
-            return RequestStatus.FINISHED_STOPPED
-        p = req.sampling_params
-        if tok in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if tok in p.stop_token_ids:
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
-            if not req.grammar.advance(req.output_token_ids):
-                log.warning("request %s: token %s is outside its grammar; ending it",
-                            req.request_id, req.grammar.rejected)
-                return RequestStatus.FINISHED_ERROR
-            if req.grammar.terminated:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _output(self, req: Request, final: bool) -> RequestOutput:
-        track = self._tracks[req.request_id]
-        new_ids = req.output_token_ids[track.sent_tokens:]
-        track.sent_tokens = req.num_output_tokens
-        return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=track.detok.text,
-            new_token_ids=new_ids, new_text=track.detok.take_delta(final),
-            finished=final, finish_reason=req.status.value if final else None,
-            stop_reason=req.stop_reason if final else None,
-            num_cached_tokens=req.num_cached_tokens or 0,
-            first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
-            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
-            index=req.index, cumulative_logprob=req.cumulative_logprob,
-            prompt_logprobs=req.prompt_logprobs
-            if req.sampling_params.prompt_logprobs is not None else None,
-            num_computed_tokens=req.num_computed_tokens,
-            block_ids=self.kv.block_ids(req.request_id) if req.hold_kv else None)
-
-    def _finish_output(self, req: Request) -> RequestOutput:
-        out = self._output(req, final=True)
-        del self._tracks[req.request_id]
-        if req.grammar is not None and req.grammar.rejected is not None:
-            out.error = f"token {req.grammar.rejected} is outside the request's grammar"
-        return out
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks, if any (also done when the engine is

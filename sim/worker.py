@@ -198,7 +198,7 @@ class SimWorker(DecodeWindows):
         return None
 
     def stop_reason(self, req: Request, max_tokens: int) -> RequestStatus | None:
-        """LLMEngine._check_stop for ignore_eos requests."""
+        """OutputProcessor.check_stop for ignore_eos requests."""
         if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
