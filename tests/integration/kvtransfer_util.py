@@ -50,6 +50,10 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     return peer_make_kv(layout, num_blocks, seed)
 
 
+# Every peer process the tests of this process started: shm_segments looks at theirs only.
+SPAWNED_PIDS: set[int] = set()
+
+
 class PeerProcess:
     """The other process; lines are JSON objects read with a deadline."""
 
@@ -63,6 +67,7 @@ class PeerProcess:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.integration.kvtransfer_peer", json.dumps(self.spec),
             stdout=subprocess.PIPE, env=env, cwd=str(ROOT))
+        SPAWNED_PIDS.add(self.proc.pid)
         return self
 
     async def line(self, timeout: float = 30.0) -> dict[str, Any]:
@@ -137,4 +142,10 @@ def open_sockets(ignore_listening: bool = False) -> int:
 
 
 def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("splitserve")}
+    """The KV segments (kvtransfer/shm.py names them after the creating process) made by
+    this process or a peer it started; other test processes on the machine may be
+    making theirs meanwhile."""
+    ours = {os.getpid(), *SPAWNED_PIDS}
+    return {n for n in os.listdir("/dev/shm")
+            if n.startswith("splitserve-kv-") and n.split("-")[2].isdigit()
+            and int(n.split("-")[2]) in ours}

@@ -22,10 +22,28 @@ def _run_up(*args: str) -> subprocess.Popen[str]:
                             text=True, start_new_session=True)
 
 
+def descendants(root: int) -> set[str]:
+    """`root` and every process under it: only their shared memory is looked at, as
+    other test runs on the machine may be making theirs."""
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state ppid
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(str(pid))
+        todo += children.get(pid, [])
+    return found
+
+
 def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
     """The default cluster (1 prefill + 1 decode), here over shm: nothing is left."""
     http, grpc_port = free_port(), free_port()
-    shm_before = set(os.listdir("/dev/shm"))
     proc = _run_up("--model", tiny_model_dir("llama"), "--transport", "shm", "--num-blocks",
                    "64", "--http-port", str(http), "--grpc-port", str(grpc_port),
                    "--demo-request")
@@ -43,6 +61,7 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
         # What the model produced is visible: its text and every generated token.
         assert '"text": ""' not in out and "generated tokens: [" in out
         assert "prefilled on a prefill worker" in out and "over shm" in out, out
+        cluster_pids = descendants(proc.pid)  # `up` and the processes it started
         logs = re.search(r"logs: (\S+)\)", out)
         assert logs, out
         proc.send_signal(signal.SIGINT)
@@ -63,4 +82,6 @@ def test_up_demo_request_then_ctrl_c_stops_everything() -> None:
         assert port_refused(port), f"port {port} still open after Ctrl-C"
     for w in worker_logs:
         assert "stopped" in w  # the worker drained and exited on its own
-    assert set(os.listdir("/dev/shm")) <= shm_before, "shared memory left behind"
+    left = [n for n in os.listdir("/dev/shm")
+            if n.startswith("splitserve-kv-") and n.split("-")[2] in cluster_pids]
+    assert not left, f"shared memory left behind: {left}"
