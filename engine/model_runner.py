@@ -4,8 +4,9 @@ SchedulerOutput into one forward pass, and samples.
 A step's inputs are built once on the host and copied to the device in one transfer
 (engine.step_inputs); the forward pass has no per-sequence Python (the attention
 backend reads the step's metadata tensors). On CUDA, decode-only steps replay CUDA
-graphs (engine.cuda_graphs) and the KV pool is sized from free GPU memory after a
-profiled forward pass of the largest batch.
+graphs per batch size (engine.cuda_graphs), mixed and prefill steps up to
+max_graph_tokens graphs per token count (engine.mixed_graphs), and the KV pool is sized
+from free GPU memory after a profiled forward pass of the largest batch.
 
 With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..N-1
 (engine/distributed.py); each builds this same runner over its shard of the model
@@ -29,6 +30,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_quant import load_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
+from engine.mixed_graphs import MixedGraphs
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.request import Request
 from engine.sampler import Logprobs, Sampler, token_logprobs
@@ -104,6 +106,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs or config.padded_decode:
             self.graphs = self._make_graphs(capture=config.use_cuda_graphs)
+        self.mixed_graphs: MixedGraphs | None = None
+        # MLA's mixed steps decompress K/V per sequence on the host's lengths: eager.
+        mixed_safe = config.graph_safe_backend and model_cfg.mla is None
+        capture_mixed = config.use_mixed_graphs and mixed_safe
+        if capture_mixed or (config.padded_mixed and config.max_graph_tokens > 0):
+            self.mixed_graphs = self._make_mixed_graphs(capture_mixed, mixed_safe)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
@@ -115,9 +123,19 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         if config.tunes_attention and model_cfg.mla is None:
             self._tune_attention()
-        if self.graphs is not None:  # every rank here, in the same order (lockstep)
-            with torch.inference_mode():
-                self.graphs.capture()
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Every rank here, in the same order (lockstep): the mixed graphs, then the
+        decode graphs, in one shared pool (the largest forward first)."""
+        sets = [g for g in (self.mixed_graphs, self.graphs) if g is not None]
+        if not sets:
+            return
+        pool = torch.cuda.graph_pool_handle() if any(g.capture_enabled for g in sets) \
+            else None
+        with torch.inference_mode():
+            for g in sets:
+                g.capture(pool)
 
     def _tune_attention(self) -> None:
         """Split-K decode's launch configuration per batch shape, timed on this rank's
@@ -143,23 +161,36 @@ class ModelRunner:
             attn.v_scale = v_scale
         self.kv_scales = scales
 
+    # The graphs call back into the runner that owns them through a weak reference: a
+    # cycle would keep a dropped engine's KV cache, weights and graph pool on the GPU
+    # until the cycle collector happened to run.
     def _make_graphs(self, capture: bool) -> DecodeGraphs:
-        # The graphs call back into the runner that owns them through a weak reference:
-        # a cycle would keep a dropped engine's KV cache, weights and graph pool on the
-        # GPU until the cycle collector happened to run.
         runner = weakref.ref(self)
 
         def forward(input_ids: torch.Tensor, positions: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
-            owner = runner()
-            if owner is None:
-                raise RuntimeError("the model runner that owned these CUDA graphs is gone")
-            return owner._forward_logits(input_ids, positions, meta)
+            return _alive(runner)._forward_logits(input_ids, positions, meta)
 
         return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
                             cdiv(self.max_model_len, self.block_size), self.device,
                             self.model_cfg.sliding_window, capture=capture, tp=self.tp,
                             max_seq_len=self.max_model_len)
+
+    def _make_mixed_graphs(self, capture: bool, fixed_meta: bool) -> MixedGraphs:
+        runner = weakref.ref(self)
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata, rows: torch.Tensor, out: torch.Tensor) -> None:
+            owner = _alive(runner)
+            hidden = owner.model(input_ids, positions, owner.kv_cache, meta)
+            owner.model.compute_logits(hidden[rows], out=out)
+
+        sched = self.config.scheduler
+        return MixedGraphs(
+            forward, min(self.config.max_graph_tokens, sched.max_num_batched_tokens),
+            sched.max_num_seqs, cdiv(self.max_model_len, self.block_size),
+            self.model_cfg.vocab_size, self.device, self.model_cfg.sliding_window,
+            self.max_model_len, capture=capture, fixed_meta=fixed_meta, tp=self.tp)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -204,7 +235,8 @@ class ModelRunner:
         its logits for max_num_seqs rows), memory outside torch this process took since
         the runner started (what other processes sharing the GPU hold is theirs, not
         counted: each worker's utilization is its own share of the GPU), and the CUDA
-        graphs' pool (estimated by a decode forward of the largest graph bucket)."""
+        graphs' pool (shared by every graph: estimated by the larger of a decode forward
+        of the largest batch bucket and a forward of the largest mixed bucket)."""
         dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -219,13 +251,11 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(dev)
         graph_bytes = 0
         if self.graphs is not None:
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
             b = self.graphs.max_batch
-            ids, pos, _, meta = self._dummy_batch(b, b)
-            self._forward_logits(ids, pos, meta)
-            torch.cuda.synchronize(dev)
-            graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+            graph_bytes = self._forward_bytes(b, b)
+        if self.mixed_graphs is not None:
+            graph_bytes = max(graph_bytes, self._forward_bytes(
+                min(self.mixed_graphs.max_tokens, t), 1))
         del scratch, hidden, self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
@@ -236,6 +266,16 @@ class ModelRunner:
         log.info("memory profile: peak %.2f GiB, outside torch %.2f GiB, graphs ~%.2f GiB",
                  peak / 2**30, non_torch / 2**30, graph_bytes / 2**30)
         return max(budget, 0)
+
+    def _forward_bytes(self, t: int, b: int) -> int:
+        """Peak bytes a forward pass of `_dummy_batch(t, b)` to logits allocates."""
+        dev = self.device
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        ids, pos, _, meta = self._dummy_batch(t, b)
+        self._forward_logits(ids, pos, meta)
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
 
     def _dummy_batch(self, t: int, b: int,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -275,15 +315,9 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
-        bucket = self._graph_bucket(out.scheduled)
-        if bucket is not None:
-            assert self.graphs is not None
-            step = self.inputs.build(out.scheduled, kv, pad_to=bucket,
-                                     width=self.graphs.width, out=self.graphs.buffer)
-            fill_placeholders(step, prev)
-            if self.tp is not None:  # the other ranks replay the same bucket
-                self.inputs.send(self.tp, step.meta, bucket)
-            return StepLogits(step.sample_reqs, self.graphs.run(bucket, step)[:len(out.scheduled)])
+        graphed = self._forward_graph(out.scheduled, kv, prev)
+        if graphed is not None:
+            return graphed
         step = self.inputs.build(out.scheduled, kv)
         fill_placeholders(step, prev)
         if self.tp is not None:
@@ -418,17 +452,34 @@ class ModelRunner:
         first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
         self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
 
-    def _graph_bucket(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """The graph bucket for a decode-only step (every sequence computes its one
-        newest token and samples), else None (eager)."""
-        if self.graphs is None or len(scheduled) > self.graphs.max_batch:
+    def _forward_graph(self, scheduled: list[ScheduledRequest], kv: KVCacheManager,
+                       prev: StepTokens | None) -> StepLogits | None:
+        """A decode-only step through the decode graphs, another step that fits a mixed
+        graph through those (padded to the graph's shape, built into its buffer); None
+        when neither takes it (the step runs eagerly)."""
+        graphs: DecodeGraphs | MixedGraphs | None = None
+        size = self.graphs.bucket_for_step(scheduled) if self.graphs is not None else None
+        if size is not None:
+            graphs, kind = self.graphs, "decode"
+        elif self.mixed_graphs is not None:
+            size = self.mixed_graphs.bucket_for_step(scheduled)
+            graphs, kind = self.mixed_graphs, "mixed"
+        if graphs is None or size is None:
             return None
-        for s in scheduled:
-            r = s.request
-            if s.num_new_tokens != 1 \
-                    or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
-                return None
-        return self.graphs.bucket_for(len(scheduled))
+        step = self.inputs.build(scheduled, kv, pad=graphs.pad(size), width=graphs.width,
+                                 out=graphs.buffer)
+        fill_placeholders(step, prev)
+        if self.tp is not None:  # the other ranks replay the same graph
+            self.inputs.send(self.tp, step.meta, (kind, size))
+        logits = graphs.run(size, step)
+        return StepLogits(step.sample_reqs, logits[:len(step.sample_reqs)])
+
+
+def _alive(runner: weakref.ref[ModelRunner]) -> ModelRunner:
+    owner = runner()
+    if owner is None:
+        raise RuntimeError("the model runner that owned these CUDA graphs is gone")
+    return owner
 
 
 def _first_forks(r: Request) -> int:

@@ -44,7 +44,7 @@ def test_layout_of_a_mixed_step_padding_and_sample_rows() -> None:
     # Padded to 4 one-token sequences (the decode graphs' layout): padding is inert.
     a.num_computed_tokens, b.num_computed_tokens = 9, 2
     padded = builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 1)], kv,
-                           pad_to=4, width=8)
+                           pad=(4, 4, 4), width=8)
     assert padded.meta.slot_mapping.tolist() == [ta[2] * 4 + 1, tb[0] * 4 + 2, -1, -1]
     assert padded.meta.seq_lens.tolist() == [10, 3, 0, 0]
     assert padded.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
