@@ -21,7 +21,8 @@ def summarize(path: str, workload: str, max_tokens: int | None) -> dict[str, Any
     fields = w["ours"]["step_fields"]
     steps = [dict(zip(fields, s, strict=True)) for s in w["ours"]["steps"]]
     engine = run["config"]["engine"]
-    limit = max_tokens if max_tokens is not None else engine.get("max_graph_tokens", 0)
+    limit = max_tokens if max_tokens is not None else min(
+        engine.get("max_graph_tokens", 0), engine["max_num_batched_tokens"])
     mixed = [s for s in steps if not s["decode_only"] and s["tokens"] <= limit]
     secs = sum(s["seconds"] for s in mixed)
     return {"tok_s": w["summary"]["ours_tok_s"], "replays": engine.get("graph_replays"),

@@ -26,13 +26,17 @@ import torch
 from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_quant import load_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
-from engine.mixed_graphs import MixedGraphs
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.request import Request
+from engine.runner_graphs import (
+    capture_graph_sets,
+    forward_graph,
+    graph_pool_bytes,
+    make_graph_sets,
+)
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
@@ -103,15 +107,7 @@ class ModelRunner:
         if config.fp8_kv:
             self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
-        self.graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs or config.padded_decode:
-            self.graphs = self._make_graphs(capture=config.use_cuda_graphs)
-        self.mixed_graphs: MixedGraphs | None = None
-        # MLA's mixed steps decompress K/V per sequence on the host's lengths: eager.
-        mixed_safe = config.graph_safe_backend and model_cfg.mla is None
-        capture_mixed = config.use_mixed_graphs and mixed_safe
-        if capture_mixed or (config.padded_mixed and config.max_graph_tokens > 0):
-            self.mixed_graphs = self._make_mixed_graphs(capture_mixed, mixed_safe)
+        self.graphs, self.mixed_graphs = make_graph_sets(self)  # (engine.runner_graphs)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
@@ -123,19 +119,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         if config.tunes_attention and model_cfg.mla is None:
             self._tune_attention()
-        self._capture_graphs()
-
-    def _capture_graphs(self) -> None:
-        """Every rank here, in the same order (lockstep): the mixed graphs, then the
-        decode graphs, in one shared pool (the largest forward first)."""
-        sets = [g for g in (self.mixed_graphs, self.graphs) if g is not None]
-        if not sets:
-            return
-        pool = torch.cuda.graph_pool_handle() if any(g.capture_enabled for g in sets) \
-            else None
-        with torch.inference_mode():
-            for g in sets:
-                g.capture(pool)
+        capture_graph_sets(self)
 
     def _tune_attention(self) -> None:
         """Split-K decode's launch configuration per batch shape, timed on this rank's
@@ -160,37 +144,6 @@ class ModelRunner:
             attn.k_scale = k_scale
             attn.v_scale = v_scale
         self.kv_scales = scales
-
-    # The graphs call back into the runner that owns them through a weak reference: a
-    # cycle would keep a dropped engine's KV cache, weights and graph pool on the GPU
-    # until the cycle collector happened to run.
-    def _make_graphs(self, capture: bool) -> DecodeGraphs:
-        runner = weakref.ref(self)
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-            return _alive(runner)._forward_logits(input_ids, positions, meta)
-
-        return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
-                            cdiv(self.max_model_len, self.block_size), self.device,
-                            self.model_cfg.sliding_window, capture=capture, tp=self.tp,
-                            max_seq_len=self.max_model_len)
-
-    def _make_mixed_graphs(self, capture: bool, fixed_meta: bool) -> MixedGraphs:
-        runner = weakref.ref(self)
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata, rows: torch.Tensor, out: torch.Tensor) -> None:
-            owner = _alive(runner)
-            hidden = owner.model(input_ids, positions, owner.kv_cache, meta)
-            owner.model.compute_logits(hidden[rows], out=out)
-
-        sched = self.config.scheduler
-        return MixedGraphs(
-            forward, min(self.config.max_graph_tokens, sched.max_num_batched_tokens),
-            sched.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-            self.model_cfg.vocab_size, self.device, self.model_cfg.sliding_window,
-            self.max_model_len, capture=capture, fixed_meta=fixed_meta, tp=self.tp)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -249,13 +202,7 @@ class ModelRunner:
         self.model.compute_logits(hidden[:sched.max_num_seqs]).sort(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        graph_bytes = 0
-        if self.graphs is not None:
-            b = self.graphs.max_batch
-            graph_bytes = self._forward_bytes(b, b)
-        if self.mixed_graphs is not None:
-            graph_bytes = max(graph_bytes, self._forward_bytes(
-                min(self.mixed_graphs.max_tokens, t), 1))
+        graph_bytes = graph_pool_bytes(self, t)
         del scratch, hidden, self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
@@ -266,16 +213,6 @@ class ModelRunner:
         log.info("memory profile: peak %.2f GiB, outside torch %.2f GiB, graphs ~%.2f GiB",
                  peak / 2**30, non_torch / 2**30, graph_bytes / 2**30)
         return max(budget, 0)
-
-    def _forward_bytes(self, t: int, b: int) -> int:
-        """Peak bytes a forward pass of `_dummy_batch(t, b)` to logits allocates."""
-        dev = self.device
-        base = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        ids, pos, _, meta = self._dummy_batch(t, b)
-        self._forward_logits(ids, pos, meta)
-        torch.cuda.synchronize(dev)
-        return torch.cuda.max_memory_allocated(dev) - base
 
     def _dummy_batch(self, t: int, b: int,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -315,7 +252,7 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
-        graphed = self._forward_graph(out.scheduled, kv, prev)
+        graphed = forward_graph(self, out.scheduled, kv, prev)
         if graphed is not None:
             return graphed
         step = self.inputs.build(out.scheduled, kv)
@@ -451,36 +388,6 @@ class ModelRunner:
         self.tp.broadcast(_as_bytes(full))
         first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
         self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
-
-    def _forward_graph(self, scheduled: list[ScheduledRequest], kv: KVCacheManager,
-                       prev: StepTokens | None) -> StepLogits | None:
-        """A decode-only step through the decode graphs, another step that fits a mixed
-        graph through those (padded to the graph's shape, built into its buffer); None
-        when neither takes it (the step runs eagerly)."""
-        graphs: DecodeGraphs | MixedGraphs | None = None
-        size = self.graphs.bucket_for_step(scheduled) if self.graphs is not None else None
-        if size is not None:
-            graphs, kind = self.graphs, "decode"
-        elif self.mixed_graphs is not None:
-            size = self.mixed_graphs.bucket_for_step(scheduled)
-            graphs, kind = self.mixed_graphs, "mixed"
-        if graphs is None or size is None:
-            return None
-        step = self.inputs.build(scheduled, kv, pad=graphs.pad(size), width=graphs.width,
-                                 out=graphs.buffer)
-        fill_placeholders(step, prev)
-        if self.tp is not None:  # the other ranks replay the same graph
-            self.inputs.send(self.tp, step.meta, (kind, size))
-        logits = graphs.run(size, step)
-        return StepLogits(step.sample_reqs, logits[:len(step.sample_reqs)])
-
-
-def _alive(runner: weakref.ref[ModelRunner]) -> ModelRunner:
-    owner = runner()
-    if owner is None:
-        raise RuntimeError("the model runner that owned these CUDA graphs is gone")
-    return owner
-
 
 def _first_forks(r: Request) -> int:
     """How many forks draw their first token from `r`'s row this step: all of them on

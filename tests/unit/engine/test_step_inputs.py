@@ -11,6 +11,7 @@ from engine.cuda_graphs import bucket_sizes
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.request import Request
+from engine.runner_graphs import make_decode_graphs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder
@@ -65,7 +66,7 @@ def _run(backend: str, arch: str, graphs: bool, n: int, max_tokens: int,
     runner = llm.engine.runner
     replays = []
     if graphs:
-        runner.graphs = runner._make_graphs(capture=False)
+        runner.graphs = make_decode_graphs(runner, capture=False)
         run = runner.graphs.run
         runner.graphs.run = lambda b, step: replays.append(b) or run(b, step)  # type: ignore
     prompts = _prompts(n)
