@@ -65,6 +65,9 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-tuning", choices=["auto", "off"], default="auto",
                    help="start-up tuning of split-K decode's tiles (CUDA, triton)")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--max-graph-tokens", type=int, default=512,
+                   help="CUDA graphs for mixed and prefill steps up to this many tokens "
+                        "(engine flag; 0: those steps eager)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 

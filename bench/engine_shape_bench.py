@@ -200,6 +200,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                block_size=bs, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                max_model_len=max_len,
                enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+               max_graph_tokens=getattr(args, "max_graph_tokens", 512),
                attention_backend=args.attention_backend,
                attention_tuning=getattr(args, "attention_tuning", "auto"),
                gpu_memory_utilization=args.gpu_memory_utilization,
@@ -343,6 +344,11 @@ def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: li
             "max_num_seqs": cfg.scheduler.max_num_seqs, "max_model_len": engine.max_model_len,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "attention_backend": cfg.backend, "cuda_graphs": cfg.use_cuda_graphs,
+            "mixed_graphs": engine.runner.mixed_graphs is not None
+            and engine.runner.mixed_graphs.capture_enabled,
+            "max_graph_tokens": cfg.max_graph_tokens,
+            "graph_replays": {"decode": getattr(engine.runner.graphs, "replays", 0),
+                              "mixed": getattr(engine.runner.mixed_graphs, "replays", 0)},
             "attention_tuning": cfg.tunes_attention,
             "prefix_caching": cfg.cache.enable_prefix_caching}
     del llm, engine

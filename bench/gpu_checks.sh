@@ -10,6 +10,7 @@
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
+#   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
 STEPS=${STEPS:-engine untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
@@ -18,7 +19,7 @@ SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
-T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-150}
+T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-150} T_MIXED=${T_MIXED:-360}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -103,4 +104,14 @@ step mla "$T_MLA" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
   --workloads a,b,d --skip-hf --json $OUT/engine_mla.json && \
   python3 -m cluster.cli bench transfer --device cuda --layout deepseek-v2-lite \
   --json $OUT/transfer_mla.json"
+# 8. CUDA graphs for mixed and prefill steps: workload c with a 512-token step budget (its
+# prefill phase is then mixed steps that fit the graphs), with them (--max-graph-tokens
+# 512, the default) and without (0); bench.mixed_compare prints output tok/s and the mixed
+# steps' mean time of both, and the graphs' replays. Then their GPU tests (graphs on vs
+# --enforce-eager token-identical, replays counted).
+step mixed "$T_MIXED" bash -c "for g in 512 0; do python3 -m cluster.cli bench engine \
+  --device cuda --model-shape $SHAPE --workloads c --skip-hf --max-num-batched-tokens 512 \
+  --max-graph-tokens \$g --json $OUT/mixed_\$g.json || exit 1; done; \
+  python3 -m bench.mixed_compare $OUT/mixed_512.json $OUT/mixed_0.json; \
+  python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_mixed_graphs_cuda.py"
 grep "^== " "$OUT/gpu.txt"

@@ -118,7 +118,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "logged) and use the fastest; off: the untuned tiles")
     add_parallel_arguments(p)
     p.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly (no CUDA graphs)")
+                   help="CUDA: run every step eagerly (no CUDA graphs)")
+    p.add_argument("--max-graph-tokens", type=int, default=512,
+                   help="CUDA: mixed and prefill steps of at most this many tokens replay "
+                        "CUDA graphs captured per token-count bucket; larger ones run "
+                        "eagerly (0: no graphs for them; decode-only steps keep theirs)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule step n+1 while the device runs step n; sampled ids "
                         "reach the host one step later (outputs unchanged)")
@@ -207,6 +211,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=getattr(args, "attention_backend", None),
         attention_tuning=getattr(args, "attention_tuning", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
+        max_graph_tokens=getattr(args, "max_graph_tokens", 512),
         async_scheduling=getattr(args, "async_scheduling", False),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),

@@ -272,10 +272,17 @@ class EngineConfig:
     # per batch shape at start-up and use the fastest (engine.attention.tuning); off:
     # the untuned configuration.
     attention_tuning: str = "auto"
-    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode-only steps
+    enforce_eager: bool = False  # CUDA: no CUDA graphs at all (every step eager)
     # Decode-only steps take the CUDA graphs' padded, fixed-address inputs even where
     # nothing is captured (CPU, enforce_eager): the graph path run eagerly, on every rank.
     padded_decode: bool = False
+    # vLLM's max capture size for steps that are not decode-only: mixed and prefill
+    # steps of at most this many tokens replay CUDA graphs captured per token-count
+    # bucket (engine/mixed_graphs.py); larger ones run eagerly. 0: all of them eager.
+    max_graph_tokens: int = 512
+    # Mixed and prefill steps take the mixed graphs' padded, fixed-address inputs even
+    # where nothing is captured (CPU, enforce_eager), as padded_decode does for decode.
+    padded_mixed: bool = False
     load_format: str = "auto"  # auto: *.safetensors; dummy: random weights from config.json
     # Ranks the model is split over (engine/distributed.py); rank 0 runs the engine,
     # ranks 1..N-1 the model only, on the next devices.
@@ -310,6 +317,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.collective_timeout_s <= 0:
             raise ValueError("collective_timeout_s must be positive")
+        if self.max_graph_tokens < 0:
+            raise ValueError("max_graph_tokens must be >= 0 (0: no graphs for mixed steps)")
 
     @property
     def backend(self) -> str:
@@ -334,7 +343,23 @@ class EngineConfig:
         return FP8_KV_DTYPE if self.fp8_kv else (self.dtype or model_dtype)
 
     @property
+    def graph_safe_backend(self) -> bool:
+        """Whether the attention backend's forward may be captured in a CUDA graph: the
+        Triton kernels launch on grids sized from host ints fixed per bucket and read
+        every length from device tensors. The torch reference is not graph-safe: it
+        loops over sequences with host-side lengths (a replay would keep the capture's),
+        its KV write and the MoE loop it comes with synchronise with the host."""
+        return self.backend == "triton"
+
+    @property
     def use_cuda_graphs(self) -> bool:
         """Capture decode graphs (every tensor-parallel rank captures the same buckets
-        and replays the one rank 0's step names)."""
-        return self.device.startswith("cuda") and not self.enforce_eager
+        and replays the one rank 0's step names): on CUDA, with a graph-safe backend."""
+        return self.device.startswith("cuda") and not self.enforce_eager \
+            and self.graph_safe_backend
+
+    @property
+    def use_mixed_graphs(self) -> bool:
+        """Capture graphs for mixed and prefill steps too (the model runner also needs a
+        model whose mixed-step attention is graph-safe: not MLA's decompressing prefill)."""
+        return self.use_cuda_graphs and self.max_graph_tokens > 0

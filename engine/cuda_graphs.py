@@ -4,8 +4,9 @@ On a slow host one eager kernel launch costs tens of microseconds, so a decode s
 a 32-layer model (hundreds of kernels) is bound by Python and launches, not by the
 GPU. At start-up we capture the whole forward pass (embedding -> logits) once per
 batch-size bucket; a decode-only step of B sequences is padded to the smallest bucket
->= B (padding rows: slot -1, seq_len 0) and replayed. Prefill and mixed steps run
-eagerly.
+>= B (padding rows: slot -1, seq_len 0) and replayed. Prefill and mixed steps replay
+graphs of their own (engine/mixed_graphs.py) or run eagerly. Only a graph-safe attention
+backend is captured (`EngineConfig.graph_safe_backend`: the Triton kernels).
 
 Graph inputs live at fixed addresses: one int32 buffer laid out as
 `engine.step_inputs` draws it for (T = B = bucket, W = the widest block table), which
@@ -32,7 +33,10 @@ from engine.attention.base import AttentionMetadata
 from engine.step_inputs import StepInputs, layout_size, views
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE as PoolHandle
+
     from engine.distributed import TPGroup
+    from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,46 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs]
     sizes += list(range(8, max_num_seqs, 8)) + [max_num_seqs]
     return sorted(set(sizes))
+
+
+def capture_graphs(sizes: list[int], prepare: Callable[[int], Callable[[], torch.Tensor]],
+                   device: torch.device, tp: TPGroup | None, pool: PoolHandle | None,
+                   ) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, torch.Tensor], int]:
+    """Captures `prepare(size)()` per size, largest first so the smaller ones reuse its
+    memory, in `pool` (one the caller shares between graph sets, else a new one).
+    Returns (graphs, their outputs, bytes the pool grew by)."""
+    pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+    before = torch.cuda.memory_reserved(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, torch.Tensor] = {}
+    with torch.cuda.stream(stream):
+        for size in sorted(sizes, reverse=True):
+            run = prepare(size)
+            for _ in range(2):  # warm-up: Triton compiles, allocator settles
+                run()
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the NCCL watchdog thread queries events meanwhile, which
+            # a global-mode capture would take for an unsafe call of its own
+            mode = "global" if tp is None else "thread_local"
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=mode):
+                outputs[size] = run()
+            graphs[size] = graph
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    return graphs, outputs, torch.cuda.memory_reserved(device) - before
+
+
+def check_ranks_agree(tp: TPGroup, device: torch.device, mine: list[int], what: str) -> None:
+    """Raises unless every rank's `mine` (a graph set's buckets and buffer layout) is
+    the same: a rank replaying another graph than its peers would pair their
+    collectives wrongly (a hang, or garbage)."""
+    low = tp.all_reduce_min(torch.tensor(mine, device=device))
+    high = tp.all_reduce_min(-torch.tensor(mine, device=device))
+    if low.tolist() != mine or (-high).tolist() != mine:
+        raise RuntimeError(f"tensor-parallel rank {tp.rank}: {what} differ from a peer's")
 
 
 class DecodeGraphs:
@@ -71,6 +115,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.memory_bytes = 0  # the graphs' private pool, measured at capture
+        self.replays = 0
 
     @property
     def max_batch(self) -> int:
@@ -78,6 +123,22 @@ class DecodeGraphs:
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def pad(self, b: int) -> tuple[int, int, int]:
+        """Bucket `b`'s step shape: (tokens, sequences, sampled rows)."""
+        return b, b, b
+
+    def bucket_for_step(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The bucket for a decode-only step (every sequence computes its one newest
+        token and samples), else None."""
+        if len(scheduled) > self.max_batch:
+            return None
+        for s in scheduled:
+            r = s.request
+            if s.num_new_tokens != 1 \
+                    or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
+                return None
+        return self.bucket_for(len(scheduled))
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, pos, slots, qsl, seq_lens, tables, _ = views(self.buffer, b, b, self.width, b)
@@ -94,48 +155,25 @@ class DecodeGraphs:
         ids.zero_(), pos.zero_(), slots.fill_(-1), seq_lens.zero_(), tables.zero_()
         qsl.copy_(torch.arange(b + 1, dtype=torch.int32, device=self.device))
 
-    def capture(self) -> None:
-        """Captures every bucket, largest first so the smaller ones reuse its pool."""
+    def capture(self, pool: PoolHandle | None = None) -> None:
+        """Captures every bucket (in `pool`, shared with the mixed graphs if given)."""
         if self.tp is not None:
-            self._check_ranks_agree()
+            check_ranks_agree(self.tp, self.device, [len(self.buckets), sum(self.buckets),
+                                                     self.max_batch, self.width],
+                              f"decode graph buckets {self.buckets} (width {self.width})")
         if not self.capture_enabled:
             return
-        pool = torch.cuda.graph_pool_handle()
-        before = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for b in reversed(self.buckets):
-                self._fill_padding(b)
-                ids, pos, meta = self._inputs(b)
-                for _ in range(2):  # warm-up: Triton compiles, allocator settles
-                    self.forward(ids, pos, meta)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: the NCCL watchdog thread queries events meanwhile, which
-                # a global-mode capture would take for an unsafe call of its own
-                mode = "global" if self.tp is None else "thread_local"
-                with torch.cuda.graph(graph, pool=pool, stream=stream,
-                                      capture_error_mode=mode):
-                    self._outputs[b] = self.forward(ids, pos, meta)
-                self._graphs[b] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+
+        def prepare(b: int) -> Callable[[], torch.Tensor]:
+            self._fill_padding(b)
+            ids, pos, meta = self._inputs(b)
+            return lambda: self.forward(ids, pos, meta)
+
+        self._graphs, self._outputs, self.memory_bytes = capture_graphs(
+            self.buckets, prepare, self.device, self.tp, pool)
         log.info("captured CUDA graphs for decode batch sizes %s (%.1f MiB)%s",
                  self.buckets, self.memory_bytes / 2**20,
                  "" if self.tp is None else f" on tensor-parallel rank {self.tp.rank}")
-
-    def _check_ranks_agree(self) -> None:
-        """Every rank has the same buckets and buffer layout (a rank replaying another
-        graph than its peers would pair their collectives wrongly: a hang, or garbage)."""
-        assert self.tp is not None
-        mine = [len(self.buckets), sum(self.buckets), self.max_batch, self.width]
-        low = self.tp.all_reduce_min(torch.tensor(mine, device=self.device))
-        high = self.tp.all_reduce_min(-torch.tensor(mine, device=self.device))
-        if low.tolist() != mine or (-high).tolist() != mine:
-            raise RuntimeError(f"tensor-parallel rank {self.tp.rank}: decode graph buckets "
-                               f"{self.buckets} (width {self.width}) differ from a peer's")
 
     def run(self, b: int, step: StepInputs) -> torch.Tensor:
         """Runs bucket `b` on `step`, which the step builder laid out in `buffer`
@@ -145,6 +183,7 @@ class DecodeGraphs:
         if graph is None:  # capture disabled: the same fixed-address inputs, eagerly
             return self.forward(step.input_ids, step.positions, step.meta)
         graph.replay()
+        self.replays += 1
         if self.tp is not None:
             self.tp.sync("a decode graph's replay")
         return self._outputs[b]

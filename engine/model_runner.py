@@ -4,8 +4,9 @@ SchedulerOutput into one forward pass, and samples.
 A step's inputs are built once on the host and copied to the device in one transfer
 (engine.step_inputs); the forward pass has no per-sequence Python (the attention
 backend reads the step's metadata tensors). On CUDA, decode-only steps replay CUDA
-graphs (engine.cuda_graphs) and the KV pool is sized from free GPU memory after a
-profiled forward pass of the largest batch.
+graphs per batch size (engine.cuda_graphs), mixed and prefill steps up to
+max_graph_tokens graphs per token count (engine.mixed_graphs), and the KV pool is sized
+from free GPU memory after a profiled forward pass of the largest batch.
 
 With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..N-1
 (engine/distributed.py); each builds this same runner over its shard of the model
@@ -25,12 +26,17 @@ import torch
 from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_quant import load_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.request import Request
+from engine.runner_graphs import (
+    capture_graph_sets,
+    forward_graph,
+    graph_pool_bytes,
+    make_graph_sets,
+)
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
@@ -101,9 +107,7 @@ class ModelRunner:
         if config.fp8_kv:
             self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
-        self.graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs or config.padded_decode:
-            self.graphs = self._make_graphs(capture=config.use_cuda_graphs)
+        self.graphs, self.mixed_graphs = make_graph_sets(self)  # (engine.runner_graphs)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
         expected = kv_cache_shape(self.rank_cfg, kv_cache.shape[0], self.block_size)
@@ -115,9 +119,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         if config.tunes_attention and model_cfg.mla is None:
             self._tune_attention()
-        if self.graphs is not None:  # every rank here, in the same order (lockstep)
-            with torch.inference_mode():
-                self.graphs.capture()
+        capture_graph_sets(self)
 
     def _tune_attention(self) -> None:
         """Split-K decode's launch configuration per batch shape, timed on this rank's
@@ -142,24 +144,6 @@ class ModelRunner:
             attn.k_scale = k_scale
             attn.v_scale = v_scale
         self.kv_scales = scales
-
-    def _make_graphs(self, capture: bool) -> DecodeGraphs:
-        # The graphs call back into the runner that owns them through a weak reference:
-        # a cycle would keep a dropped engine's KV cache, weights and graph pool on the
-        # GPU until the cycle collector happened to run.
-        runner = weakref.ref(self)
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-            owner = runner()
-            if owner is None:
-                raise RuntimeError("the model runner that owned these CUDA graphs is gone")
-            return owner._forward_logits(input_ids, positions, meta)
-
-        return DecodeGraphs(forward, self.config.scheduler.max_num_seqs,
-                            cdiv(self.max_model_len, self.block_size), self.device,
-                            self.model_cfg.sliding_window, capture=capture, tp=self.tp,
-                            max_seq_len=self.max_model_len)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -204,7 +188,8 @@ class ModelRunner:
         its logits for max_num_seqs rows), memory outside torch this process took since
         the runner started (what other processes sharing the GPU hold is theirs, not
         counted: each worker's utilization is its own share of the GPU), and the CUDA
-        graphs' pool (estimated by a decode forward of the largest graph bucket)."""
+        graphs' pool (shared by every graph: estimated by the larger of a decode forward
+        of the largest batch bucket and a forward of the largest mixed bucket)."""
         dev = self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
@@ -217,15 +202,7 @@ class ModelRunner:
         self.model.compute_logits(hidden[:sched.max_num_seqs]).sort(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        graph_bytes = 0
-        if self.graphs is not None:
-            base = torch.cuda.memory_allocated(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            b = self.graphs.max_batch
-            ids, pos, _, meta = self._dummy_batch(b, b)
-            self._forward_logits(ids, pos, meta)
-            torch.cuda.synchronize(dev)
-            graph_bytes = torch.cuda.max_memory_allocated(dev) - base
+        graph_bytes = graph_pool_bytes(self, t)
         del scratch, hidden, self.kv_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
@@ -275,15 +252,9 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
-        bucket = self._graph_bucket(out.scheduled)
-        if bucket is not None:
-            assert self.graphs is not None
-            step = self.inputs.build(out.scheduled, kv, pad_to=bucket,
-                                     width=self.graphs.width, out=self.graphs.buffer)
-            fill_placeholders(step, prev)
-            if self.tp is not None:  # the other ranks replay the same bucket
-                self.inputs.send(self.tp, step.meta, bucket)
-            return StepLogits(step.sample_reqs, self.graphs.run(bucket, step)[:len(out.scheduled)])
+        graphed = forward_graph(self, out.scheduled, kv, prev)
+        if graphed is not None:
+            return graphed
         step = self.inputs.build(out.scheduled, kv)
         fill_placeholders(step, prev)
         if self.tp is not None:
@@ -417,19 +388,6 @@ class ModelRunner:
         self.tp.broadcast(_as_bytes(full))
         first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
         self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
-
-    def _graph_bucket(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """The graph bucket for a decode-only step (every sequence computes its one
-        newest token and samples), else None (eager)."""
-        if self.graphs is None or len(scheduled) > self.graphs.max_batch:
-            return None
-        for s in scheduled:
-            r = s.request
-            if s.num_new_tokens != 1 \
-                    or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
-                return None
-        return self.graphs.bucket_for(len(scheduled))
-
 
 def _first_forks(r: Request) -> int:
     """How many forks draw their first token from `r`'s row this step: all of them on

@@ -11,8 +11,14 @@ rows:
 
 and one `copy_` moves it into a device buffer whose views the forward pass reads
 (under tensor parallelism, one broadcast of that buffer gives every rank the step). A
-decode-only step replayed from a CUDA graph is built the same way, padded to the
-graph's batch size, straight into the graph's own input buffer (fixed addresses).
+step replayed from a CUDA graph (engine/cuda_graphs.py for decode-only steps,
+engine/mixed_graphs.py for the others) is built the same way, padded to the graph's
+shape, straight into the graph's own input buffer (fixed addresses):
+
+    # | real tokens | padding tokens: id 0, position 0, slot -1 (no KV written) |
+    # | real sequences | padding sequences: seq_len 0 (zero output), owning the
+    #                    padding tokens: one each, the last one the rest |
+    # | real sampled rows | padding rows: row 0 |
 """
 
 from __future__ import annotations
@@ -84,13 +90,13 @@ class StepInputBuilder:
             n, dtype=torch.int32, device=self.device)
 
     def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager,
-              pad_to: int | None = None, width: int | None = None,
+              pad: tuple[int, int, int] | None = None, width: int | None = None,
               out: torch.Tensor | None = None) -> StepInputs:
         """Lays out the step for `scheduled` and copies it to the device.
 
-        `pad_to` (decode-only steps) pads the batch to that many one-token sequences
-        (slot -1, seq_len 0: not written, zero output); `width` fixes the block-table
-        width; `out` is the device buffer to fill (a CUDA graph's), else our own.
+        `pad` (a CUDA graph's shape: tokens, sequences, sampled rows) pads the step to
+        it as the module docstring draws; `width` fixes the block-table width; `out` is
+        the device buffer to fill (a CUDA graph's), else our own.
         """
         if self._copied is not None:
             self._copied.synchronize()
@@ -101,17 +107,19 @@ class StepInputBuilder:
         starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
         ends = starts + q_lens
         n_real, t_real = len(reqs), int(q_lens.sum())
-        b = pad_to or n_real
-        t = t_real + (b - n_real)
         w = width or max(1, cdiv(int(ends.max()), bs))
         samples = [i for i, r in enumerate(reqs) if ends[i] == r.num_tokens_with_placeholders]
-        s = len(samples)
+        t, b, s = pad or (t_real, n_real, len(samples))
+        if t < t_real or b < n_real or s < len(samples) or (t > t_real and b == n_real):
+            raise ValueError(f"a step of {t_real} tokens, {n_real} sequences and "
+                             f"{len(samples)} sampled rows does not pad to {pad}")
         self._reserve(layout_size(t, b, w, s))
         ids, pos, slots, qsl, seq_lens, tables, rows = (
             v.numpy() for v in views(self._host, t, b, w, s))
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:n_real + 1])
-        qsl[n_real + 1:] = t_real + np.arange(1, b - n_real + 1)
+        qsl[n_real + 1:] = np.minimum(t_real + np.arange(1, b - n_real + 1), t)
+        qsl[b] = t
         seq_lens[:n_real] = ends
         seq_lens[n_real:] = 0
         tables.fill(0)
@@ -131,8 +139,8 @@ class StepInputBuilder:
         pos[:t_real] = p
         slots[:t_real] = tables[seq_of, p // bs] * bs + p % bs
         ids[t_real:], pos[t_real:], slots[t_real:] = 0, 0, -1
-        if s:
-            rows[:] = qsl[1:][samples] - 1
+        rows[:len(samples)] = qsl[1:][samples] - 1
+        rows[len(samples):] = 0
         n = layout_size(t, b, w, s)
         dev = self._dev if out is None else out
         if dev.data_ptr() != self._host.data_ptr():
@@ -149,20 +157,22 @@ class StepInputBuilder:
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
         return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples], placeholders)
 
-    def send(self, tp: TPGroup, meta: AttentionMetadata, bucket: int | None = None) -> None:
+    def send(self, tp: TPGroup, meta: AttentionMetadata,
+             graph: tuple[str, int] | None = None) -> None:
         """Rank 0: the last built step to ranks 1..N-1 (its shape and host-side lists
-        on their command pipes, then one broadcast of the buffer itself). `bucket`: the
-        decode graph it replays (built into the graphs' buffer), else None (eager)."""
+        on their command pipes, then one broadcast of the buffer itself). `graph`: the
+        graph it replays, ("decode", batch size) or ("mixed", tokens), built into those
+        graphs' buffer; None: an eager step."""
         assert self._last is not None
         dev, n, shape = self._last
         tp.send(("forward", n, shape, meta.max_query_len, meta.max_seq_len,
-                 meta.query_start_loc_cpu, meta.seq_lens_cpu, bucket))
+                 meta.query_start_loc_cpu, meta.seq_lens_cpu, graph))
         tp.broadcast(dev[:n])
 
     def receive(self, tp: TPGroup, command: tuple,
                 out: torch.Tensor | None = None) -> StepInputs:
         """Ranks 1..N-1: the step rank 0 `send`s (`command` from the pipe), into `out`
-        (this rank's decode graphs' buffer for a replayed step), else our own buffer."""
+        (the buffer of this rank's graphs for a replayed step), else our own buffer."""
         _, n, (t, b, w, s), max_query_len, max_seq_len, qsl_cpu, seq_lens_cpu, _ = command
         if out is None:
             self._reserve(n)

@@ -7,9 +7,9 @@ commands in order:
 
     ("forward", ...)  the step's shape on the pipe, its staging buffer by one broadcast
                       (engine/step_inputs.py `send` / `receive`); runs the forward pass,
-                      or, for a decode-only step, replays the decode graph of rank 0's
-                      bucket (every rank captured the same ones at start-up), the
-                      logits' gather included
+                      or replays the graph rank 0 names, ("decode", batch size) or
+                      ("mixed", tokens) (every rank captured the same ones at
+                      start-up), the logits' gather included
     ("logits", rows)  the LM head on rows of the last forward (None: its sampled rows);
                       the logits gather's other side
     ("copy", pairs)   KV block copies (a forked sample's partial block)
@@ -84,13 +84,15 @@ def serve(runner: Any, conn: Connection) -> None:
         except (EOFError, OSError):
             os._exit(TP_FAILURE_EXIT)  # rank 0 is gone
         op = command[0]
-        if op == "forward" and command[-1] is not None:  # a decode graph's bucket
-            graphs = runner.graphs
-            if graphs is None or command[2][:3] != (command[-1], command[-1], graphs.width):
-                raise RuntimeError(f"rank 0's decode step {command[2]} (bucket "
-                                   f"{command[-1]}) does not fit this rank's decode graphs")
+        if op == "forward" and command[-1] is not None:  # a graph's bucket
+            kind, size = command[-1]
+            graphs = runner.graphs if kind == "decode" else runner.mixed_graphs
+            if graphs is None or command[2] != (*graphs.pad(size)[:2], graphs.width,
+                                                graphs.pad(size)[2]):
+                raise RuntimeError(f"rank 0's step {command[2]} ({kind} bucket {size}) "
+                                   f"does not fit this rank's {kind} graphs")
             step = runner.inputs.receive(tp, command, out=graphs.buffer)
-            graphs.run(command[-1], step)  # its logits' gather ends it
+            graphs.run(size, step)  # its logits' gather ends it
             step = hidden = None
         elif op == "forward":
             step = runner.inputs.receive(tp, command)

@@ -243,11 +243,16 @@ class CausalLM(nn.Module):
             elif isinstance(m, SparseMoeBlock):
                 m.use_triton = fused
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [n, vocab]; under TP every rank calls it (a gather)."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [n, vocab], into `out` if given (a CUDA graph's static buffer:
+        the copy converts, no float32 temporary); under TP every rank calls it (a gather)."""
         if self.tp is not None:
-            return gather_logits(hidden, self.lm_head.weight, self.config.vocab_size, self.tp)
-        return self.lm_head(hidden).float()
+            logits = gather_logits(hidden, self.lm_head.weight, self.config.vocab_size,
+                                   self.tp)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -11,6 +11,7 @@ from engine.cuda_graphs import bucket_sizes
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.request import Request
+from engine.runner_graphs import make_decode_graphs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder
@@ -44,7 +45,7 @@ def test_layout_of_a_mixed_step_padding_and_sample_rows() -> None:
     # Padded to 4 one-token sequences (the decode graphs' layout): padding is inert.
     a.num_computed_tokens, b.num_computed_tokens = 9, 2
     padded = builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 1)], kv,
-                           pad_to=4, width=8)
+                           pad=(4, 4, 4), width=8)
     assert padded.meta.slot_mapping.tolist() == [ta[2] * 4 + 1, tb[0] * 4 + 2, -1, -1]
     assert padded.meta.seq_lens.tolist() == [10, 3, 0, 0]
     assert padded.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
@@ -65,7 +66,7 @@ def _run(backend: str, arch: str, graphs: bool, n: int, max_tokens: int,
     runner = llm.engine.runner
     replays = []
     if graphs:
-        runner.graphs = runner._make_graphs(capture=False)
+        runner.graphs = make_decode_graphs(runner, capture=False)
         run = runner.graphs.run
         runner.graphs.run = lambda b, step: replays.append(b) or run(b, step)  # type: ignore
     prompts = _prompts(n)

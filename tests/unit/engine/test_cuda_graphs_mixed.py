@@ -1,0 +1,183 @@
+"""Graphs for mixed and prefill steps (engine/mixed_graphs.py), run here through
+`padded_mixed`: each such step padded to its token bucket in the graphs' fixed-address
+buffer, everything but the capture. Greedy output token-identical to the eager engine and
+to transformers (float32) through chunked prefill, prefix hits and preemption, with the
+torch backend (llama, Qwen3-MoE), the Triton kernels (Triton's interpreter), async
+scheduling and tensor parallelism; and graphs only where the attention backend is
+graph-safe."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+import torch
+
+from engine.cli import add_engine_arguments, engine_config_from_args
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.llm import LLM
+from engine.mixed_graphs import token_buckets
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest
+from engine.step_inputs import StepInputBuilder
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.unit.engine.test_correctness import make_prompts
+
+# chunks (prompts up to ~70 tokens), prefix hits, and too few blocks: preemption
+ENGINE = dict(dtype="float32", block_size=4, num_blocks=40, max_num_seqs=8,
+              max_num_batched_tokens=32)
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(0) == []
+    assert token_buckets(1) == [1]
+    assert token_buckets(20) == [1, 2, 4, 8, 16, 20]
+    sizes = token_buckets(512)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-3:] == [480, 496, 512]
+    assert 248 in sizes and 256 in sizes and 264 not in sizes and len(sizes) == 51
+
+
+def test_layout_of_a_mixed_step_padded_to_its_bucket() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    a = Request("a", list(range(10, 20)), SamplingParams())  # decodes its 10th token
+    b = Request("b", list(range(30, 36)), SamplingParams())  # prefill chunk of 3 of 6
+    for r in (a, b):
+        assert kv.allocate_slots(r, r.num_tokens)
+    a.num_computed_tokens = 9
+    builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
+    # bucket 8 of an engine with max_num_seqs 4: 8 tokens, 5 sequences, 4 sampled rows
+    step = builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 3)], kv,
+                         pad=(8, 5, 4), width=8)
+    ta, tb = kv.block_ids("a"), kv.block_ids("b")
+    assert step.input_ids.tolist() == [19, 30, 31, 32, 0, 0, 0, 0]
+    assert step.positions.tolist() == [9, 0, 1, 2, 0, 0, 0, 0]
+    assert step.meta.slot_mapping.tolist() == [ta[2] * 4 + 1, tb[0] * 4, tb[0] * 4 + 1,
+                                               tb[0] * 4 + 2, -1, -1, -1, -1]
+    # padding sequences: one token each, the last one the rest; the batch ends at 8
+    assert step.meta.query_start_loc.tolist() == [0, 1, 4, 5, 6, 8]
+    assert step.meta.seq_lens.tolist() == [10, 3, 0, 0, 0]
+    assert step.sample_rows.tolist() == [0, 0, 0, 0]  # a's row 0, then padding rows
+    assert [r.request_id for r in step.sample_reqs] == ["a"]
+    # padding tokens need a padding sequence to own them
+    with pytest.raises(ValueError, match="does not pad"):
+        builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 3)], kv, pad=(8, 2, 2))
+
+
+def _generate(arch: str, prompts: list[list[int]], params: list[SamplingParams],
+              padded: bool, **kw: Any) -> tuple[list[list[int]], list[tuple[int, int]], LLM]:
+    """(token ids per prompt, (bucket, real tokens) of each mixed step run padded, llm);
+    the engine's stats at the end in `llm.final_stats`."""
+    llm = LLM(tiny_model_dir(arch), padded_mixed=padded, **{**ENGINE, **kw})
+    runner = llm.engine.runner
+    steps: list[tuple[int, int]] = []
+    try:
+        assert (runner.mixed_graphs is not None) == padded
+        if runner.mixed_graphs is not None:
+            assert not runner.mixed_graphs._graphs  # nothing captured off CUDA
+            run = runner.mixed_graphs.run
+
+            def recording(t: int, step: Any) -> torch.Tensor:
+                steps.append((t, int((step.meta.slot_mapping >= 0).sum())))
+                return run(t, step)
+
+            runner.mixed_graphs.run = recording  # type: ignore[method-assign]
+        outs = llm.generate(prompts, params)
+        llm.engine.check_integrity()
+        stats = llm.final_stats = llm.engine.stats()  # type: ignore[attr-defined]
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        llm.engine.close()
+    return [o.token_ids for o in outs], steps, llm
+
+
+def _check(arch: str, n: int, backend: str = "torch", **kw: Any) -> LLM:
+    """Padded equals eager equals transformers; returns the padded run's engine."""
+    prompts = make_prompts(n)
+    params = [SamplingParams(max_tokens=3 + i, temperature=0) for i in range(n)]
+    got, steps, llm = _generate(arch, prompts, params, True, attention_backend=backend, **kw)
+    ref, none, _ = _generate(arch, prompts, params, False, attention_backend=backend)
+    assert not none
+    # padded steps, of several buckets, some with real tokens short of their bucket
+    assert len({t for t, _ in steps}) > 1 and any(t > real for t, real in steps)
+    assert all(real <= t for t, real in steps)
+    hf = hf_model(tiny_model_dir(arch))
+    eos = llm.engine.eos_token_ids[0] if llm.engine.eos_token_ids else None
+    for prompt, p, a, b in zip(prompts, params, got, ref, strict=True):
+        assert a == b == hf_greedy(hf, prompt, p.max_tokens, eos), (arch, prompt)
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_padded_mixed_equals_eager_and_transformers_through_chunks_hits_and_preemption(
+        arch: str) -> None:
+    assert max(len(p) for p in make_prompts(10)) > 32  # chunks
+    stats = _check(arch, 10, padded_decode=arch == "llama").final_stats  # type: ignore
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_padded_mixed_with_async_scheduling() -> None:
+    """Placeholder ids (the step in flight's tokens) land in the mixed graphs' buffer."""
+    _check("llama", 8, async_scheduling=True)
+
+
+def test_padded_mixed_with_triton_kernels_reads_the_buckets_constant_metadata() -> None:
+    """The unified kernel under Triton's interpreter with each bucket's fixed metadata
+    (max_query_len the bucket, the model's length, no real host-side lengths): what a
+    capture records."""
+    pytest.importorskip("triton")
+    prompts = make_prompts(3, seed=5)
+    params = [SamplingParams(max_tokens=4, temperature=0)] * 3
+    kw = dict(attention_backend="triton", max_num_batched_tokens=16, num_blocks=64)
+    got, steps, llm = _generate("llama", prompts, params, True, **kw)
+    assert llm.engine.runner.mixed_graphs is not None
+    assert llm.engine.runner.mixed_graphs.fixed_meta
+    assert any(t > real for t, real in steps)
+    hf = hf_model(tiny_model_dir("llama"))
+    eos = llm.engine.eos_token_ids[0] if llm.engine.eos_token_ids else None
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, prompt, 4, eos), prompt
+
+
+def test_tp2_padded_mixed_equals_transformers() -> None:
+    """Every rank runs rank 0's bucket from its own mixed graphs' buffer (gloo)."""
+    _check("llama", 6, tensor_parallel_size=2, num_blocks=64)
+
+
+def _config(*flags: str) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    return engine_config_from_args(p.parse_args(["--model", "/m", *flags]))
+
+
+def test_graphs_only_with_a_graph_safe_backend_and_the_flags() -> None:
+    cfg = _config("--device", "cuda")
+    assert cfg.graph_safe_backend and cfg.use_cuda_graphs and cfg.use_mixed_graphs
+    assert cfg.max_graph_tokens == 512
+    # the torch reference loops over host-side lengths: nothing captured with it
+    torch_cfg = _config("--device", "cuda", "--attention-backend", "torch")
+    assert not torch_cfg.graph_safe_backend
+    assert not torch_cfg.use_cuda_graphs and not torch_cfg.use_mixed_graphs
+    off = _config("--device", "cuda", "--max-graph-tokens", "0")
+    assert off.use_cuda_graphs and not off.use_mixed_graphs
+    assert not _config("--device", "cuda", "--enforce-eager").use_mixed_graphs
+    assert not _config("--device", "cpu").use_cuda_graphs
+    with pytest.raises(ValueError, match="max_graph_tokens"):
+        EngineConfig(model_dir="/m", max_graph_tokens=-1)
+
+
+def test_mixed_graphs_bucket_only_steps_they_can_replay() -> None:
+    """Steps over the largest bucket and steps wanting prompt logprobs run eagerly; MLA
+    models pad their mixed steps without the constant metadata (not graph-safe)."""
+    llm = LLM(tiny_model_dir("deepseek_v2"), padded_mixed=True, attention_backend="triton",
+              **{**ENGINE, "max_num_batched_tokens": 64})
+    graphs = llm.engine.runner.mixed_graphs
+    assert graphs is not None and not graphs.fixed_meta and graphs.max_tokens == 64
+    a = Request("a", list(range(10, 50)), SamplingParams())
+    b = Request("b", list(range(10, 50)), SamplingParams(prompt_logprobs=1))
+    assert graphs.bucket_for_step([ScheduledRequest(a, 30)]) == 32
+    assert graphs.bucket_for_step([ScheduledRequest(a, 40), ScheduledRequest(a, 30)]) is None
+    assert graphs.bucket_for_step([ScheduledRequest(b, 30)]) is None
+    llm.engine.close()
