@@ -171,9 +171,11 @@ class WindowClock:
         """`walk` over arrays: each iteration's time as `dt` computes it (elementwise,
         in the same order), the ends and the busy time as running sums."""
         # In place, with fewer temporaries: x += a is a + x to the bit (IEEE addition
-        # and multiplication commute), in the order `dt` computes.
-        pairs = np.arange(self.base + self.rows, self.base + self.rows * (n + 1),
-                          self.rows, dtype=np.int64)
+        # and multiplication commute), in the order `dt` computes. Row 0 of the arrays
+        # is the running sums' seed (the start, the busy time), the i-th iteration's
+        # time row i: no copy into arrays one longer.
+        pairs = np.arange(self.base, self.base + self.rows * (n + 1), self.rows,
+                          dtype=np.int64)
         c = (pairs * self.flop_pair + self.flops) * self.s_flop  # floats from here
         m = (pairs * self.kv_token + self.weights) * self.s_byte
         if self.biggest:
@@ -182,13 +184,10 @@ class WindowClock:
             c += m
         c += self.fixed
         c += self.extra
-        t = np.empty(n + 1)  # t[i]: the i-th's end
-        t[0] = self.start
-        t[1:] = c
-        np.add.accumulate(t, out=t)
-        b = t.copy()  # b[i]: busy + the first i's times
+        b = c.copy()  # b[i]: busy + the first i's times
+        c[0] = self.start  # t[i]: the i-th's end
         b[0] = busy
-        b[1:] = c
+        t = np.add.accumulate(c, out=c)
         np.add.accumulate(b, out=b)
         self._ends, self._busy, self._busy0 = t, b, busy
         return self._search(n, now, marks)

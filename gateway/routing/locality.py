@@ -67,8 +67,12 @@ class PrefixLocalityScorer:
         # value (hashing a long tuple is what the stretches spare).
         rows = candidates.rows_of(locality.keys())
         runs = list(locality.values())
-        if runs.count(runs[0]) == len(runs):  # one run for all (identity is checked
-            starts = [0]                       # first: one object costs no compares)
+        # One run for all? list.count checks identity first (one object costs no
+        # compares), then compares item by item: holders of one prefix to different
+        # depths hold runs equal up to the shorter one's end, each a compare as long as
+        # it. The last run unlike the first (one compare) skips it.
+        if runs[-1] == runs[0] and runs.count(runs[0]) == len(runs):
+            starts = [0]
         else:
             starts = [0, *itertools.compress(itertools.count(1),
                                              map(operator.is_not, runs[1:], runs))]

@@ -14,7 +14,7 @@ from gateway.http_server import build_app
 from gateway.locality import Locality
 from gateway.metrics import GatewayMetrics
 from gateway.routing.base import Candidate, CandidateSet, RouteRequest
-from gateway.routing.locality import PrefixLocalityScorer
+from gateway.routing.locality import DEFAULT_TIER_WEIGHTS, PrefixLocalityScorer
 from gateway.routing.profile import Router, RoutingProfile
 from kvtransfer.index import IndexLookup
 from tests.factories import workerless_gateway as _gateway
@@ -72,6 +72,19 @@ def test_a_shared_run_scores_as_equal_runs_do() -> None:
     two = {**held, "w0": ("device",) * 4}  # two stretches: the kept one and another
     assert kept.score(req(two, 4), cands).tolist() == \
         PrefixLocalityScorer().score(req(two, 4), cands).tolist()
+
+
+def test_holders_to_two_depths_score_their_own_runs() -> None:
+    """Holders of one prefix to different depths (runs equal up to the shorter's end,
+    the last unlike the first, or like it with others between): each scores its run."""
+    cands = CandidateSet([cand(f"w{i}") for i in range(101)])
+    deep, shallow = ("device",) * 4, ("device",) * 2
+    for held in (dict.fromkeys((f"w{i}" for i in range(100)), deep) | {"w99": shallow},
+                 {**dict.fromkeys((f"w{i}" for i in range(100)), deep), "w50": shallow}):
+        got = PrefixLocalityScorer().score(req(held, 4), cands).tolist()
+        peer = DEFAULT_TIER_WEIGHTS["peer"]
+        want = [(4.0 if held[f"w{i}"] is deep else 2.0 + 2 * peer) / 4 for i in range(100)]
+        assert got == [*want, 4 * peer / 4]
 
 
 def test_profile_options_round_trip_and_validate() -> None:

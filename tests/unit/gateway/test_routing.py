@@ -57,6 +57,24 @@ def test_candidate_set_inflight_update_reaches_its_subsets() -> None:
     assert cs.rows_of(["d", "x", "a"]).tolist() == [2, -1, 0]
 
 
+def test_candidate_set_rows_of_many_workers_is_kept_and_read_only() -> None:
+    """A long list's rows are kept for the next call with the same workers (a popular
+    prefix's holders, route after route), read-only since they are shared, and right
+    after many other lists pushed older ones out."""
+    cs = CandidateSet([cand(f"w{i}") for i in range(100)])
+    holders = [f"w{i}" for i in range(99, 9, -1)] + ["gone"]
+    rows = cs.rows_of(holders)
+    assert rows.tolist() == [*range(99, 9, -1), -1]
+    assert cs.rows_of(dict.fromkeys(holders).keys()) is rows
+    with pytest.raises(ValueError):
+        rows[0] = 0
+    for k in range(40):  # other lists, each long enough to be kept
+        assert cs.rows_of([f"w{i}" for i in range(k, k + 50)]).tolist() == \
+            list(range(k, k + 50))
+    assert cs.rows_of(holders).tolist() == [*range(99, 9, -1), -1]
+    assert cs.rows_of(["w3", "x"]).tolist() == [3, -1]
+
+
 def test_candidate_set_load_reports_of_several_rows_at_once() -> None:
     """set_load: each named row gets its own figures (a worker's Candidate made before
     shows the new ones), the others keep theirs, and kept subsets are made again."""
