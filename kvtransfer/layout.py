@@ -200,3 +200,65 @@ def engine_layout(engine_config: EngineConfig) -> KVLayout:
     return KVLayout(num_layers=m.num_layers, num_kv_heads=heads, head_dim=head_dim,
                     block_size=engine_config.cache.block_size,
                     dtype=engine_config.kv_dtype_name(m.dtype), name=m.kv_layout_name)
+
+
+# -- tensor parallelism: which rank holds which KV heads --------------------------------
+# Rank r of a TP t worker holds KV heads head_map(H, t)[r] of the model's H, in its own
+# cache under the pool's block ids. With fewer heads than ranks (H < t) each head is
+# replicated on t / H consecutive ranks. A transfer between a TP p and a TP d worker
+# moves, for each destination rank, its heads from the source rank(s) holding them.
+
+
+def head_map(num_kv_heads: int, tp: int) -> list[tuple[int, int]]:
+    """[first, end) of the KV heads (of the model's) each rank of a TP `tp` worker holds.
+    ValueError unless `tp` divides `num_kv_heads` or is a multiple of it."""
+    if num_kv_heads < 1 or tp < 1:
+        raise ValueError("num_kv_heads and tp must be positive")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp} ranks")
+        n = num_kv_heads // tp
+        return [(r * n, (r + 1) * n) for r in range(tp)]
+    if tp % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be replicated over {tp} ranks")
+    return [(r * num_kv_heads // tp, r * num_kv_heads // tp + 1) for r in range(tp)]
+
+
+def local_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds."""
+    first, end = head_map(num_kv_heads, tp)[0]
+    return end - first
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """`num_heads` consecutive KV heads that a destination rank takes from one source
+    rank: heads [src_head, src_head + num_heads) of the source rank's cache (its own
+    numbering) land at [dst_head, dst_head + num_heads) of the destination rank's."""
+
+    src_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def head_plan(src_tp: int, dst_tp: int, num_kv_heads: int) -> list[list[HeadSlice]]:
+    """For each destination rank, the slices that fill every one of its heads, in head
+    order. A head the source replicates is taken from one of its holders, spread over
+    them by destination rank (TP p to TP p is rank r to rank r)."""
+    src, dst = head_map(num_kv_heads, src_tp), head_map(num_kv_heads, dst_tp)
+    plan: list[list[HeadSlice]] = []
+    for d, (first, end) in enumerate(dst):
+        slices: list[HeadSlice] = []
+        for h in range(first, end):
+            holders = [s for s, (a, b) in enumerate(src) if a <= h < b]
+            s = holders[d % len(holders)]
+            src_head, dst_head = h - src[s][0], h - first
+            last = slices[-1] if slices else None
+            if last is not None and last.src_rank == s and \
+                    last.src_head + last.num_heads == src_head:
+                slices[-1] = HeadSlice(s, last.src_head, last.dst_head, last.num_heads + 1)
+            else:
+                slices.append(HeadSlice(s, src_head, dst_head, 1))
+        plan.append(slices)
+    return plan
