@@ -30,6 +30,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_quant import load_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
+from engine.rank_segments import RankSegment
 from engine.request import Request
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -64,6 +65,11 @@ class ModelRunner:
             weakref.finalize(self, tp.close)
         self.tp = tp
         self.kv_staging: torch.Tensor | None = None  # see `staging`
+        self.staged_blocks = 0  # blocks moved through `staging` (gathers and scatters)
+        # Every rank's KV cache, rank 0's own first, where rank 0 can address them (CPU:
+        # engine/rank_segments.py); None where it cannot (CUDA: the staging path)
+        self.rank_caches: list[torch.Tensor] | None = None
+        self._segments: list[RankSegment] = []
         try:
             self._init(config, model_cfg, kv_cache)
         except BaseException:
@@ -112,6 +118,7 @@ class ModelRunner:
                              f"the model's layout {expected} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
+        self._map_rank_caches()
         self.sampler = Sampler(self.device, config.seed)
         if config.tunes_attention and model_cfg.mla is None:
             self._tune_attention()
@@ -194,8 +201,26 @@ class ModelRunner:
                     "raise --gpu-memory-utilization or lower --max-model-len")
             log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
                      num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
-        return torch.zeros(kv_cache_shape(self.rank_cfg, num_blocks, self.block_size),
-                           dtype=self.kv_dtype, device=self.device)
+        shape = kv_cache_shape(self.rank_cfg, num_blocks, self.block_size)
+        if self.tp is not None and self.device.type == "cpu":  # zeroed by the kernel
+            seg = RankSegment(self.tp.segments[self.tp.rank], shape, self.kv_dtype, True)
+            self._segments.append(seg)
+            return seg.tensor
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _map_rank_caches(self) -> None:
+        """Rank 0 maps every other rank's KV segment once all exist (every rank passes
+        here in lockstep: the barrier is a collective)."""
+        if self.tp is None:
+            self.rank_caches = [self.kv_cache]
+            return
+        if not self._segments:  # CUDA, or a cache the caller allocated
+            return
+        self.tp.all_reduce(torch.zeros(1, device=self.device))  # every segment exists
+        if self.tp.rank == 0:
+            shape, names = tuple(self.kv_cache.shape), self.tp.segments
+            self._segments += [RankSegment(n, shape, self.kv_dtype, False) for n in names[1:]]
+            self.rank_caches = [s.tensor for s in self._segments]
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -375,6 +400,7 @@ class ModelRunner:
     def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
         """Rank 0: blocks `ids` with every KV head, from every rank, into staging[ids]."""
         if ids:
+            self.staged_blocks += len(ids)
             self._tell(("read", list(ids)))
             staging[ids] = self.read_blocks(ids).to(staging.device)
             if self.device.type == "cuda":  # a transport reads staging from another stream
@@ -384,6 +410,7 @@ class ModelRunner:
     def scatter_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
         """Rank 0: staging[ids] (every KV head) into each rank's heads of blocks `ids`."""
         if ids:
+            self.staged_blocks += len(ids)
             self._tell(("write", list(ids)))
             self.write_blocks(ids, staging[ids].to(self.device))
 
