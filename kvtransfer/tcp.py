@@ -40,11 +40,17 @@ class TcpReceiver(ReceiverBase):
         if not admitted:
             await self._discard(conn, payload_len)
             return
+        region = header.region
         try:
-            off, nbytes = self.kv.locate(header.region)
+            nbytes = self.kv.region_bytes(region)
             if payload_len != nbytes:
                 raise ProtocolError(f"payload of {payload_len} bytes for a {nbytes}-byte region")
-            await self._land(conn, header, payload_len)
+            # A head slice is strided in the rank's cache: its runs arrive packed and are
+            # laid into place once all arrived (and the transfer is still live)
+            dst = self.kv.view(region) if self.kv.contiguous(region) \
+                else memoryview(bytearray(nbytes))
+            if await self._land(conn, header, dst) and not self.kv.contiguous(region):
+                self.kv.unpack(region, dst)
         except BaseException as e:
             error = e if isinstance(e, KVTransferError) else \
                 PeerUnavailable(f"connection to sender {conn.peer} lost mid-region")
@@ -53,19 +59,19 @@ class TcpReceiver(ReceiverBase):
         ok = True
         if header.flags & wire.FLAG_CHECKSUM and self.table.is_live(header.xfer_id,
                                                                    header.generation):
-            ok = compute_checksum(self.kv.view(header.region)) == header.checksum
-        self.table.landed(header.xfer_id, header.region, ok)
+            ok = compute_checksum(dst) == header.checksum
+        self.table.landed(header.xfer_id, region, ok)
 
-    async def _land(self, conn: Conn, header: wire.WriteHeader, nbytes: int) -> None:
-        """Receive the payload into the destination, re-checking the fence per chunk."""
-        assert self.kv is not None
+    async def _land(self, conn: Conn, header: wire.WriteHeader, dst: memoryview) -> bool:
+        """Receive the payload into `dst`, re-checking the fence per chunk; False if the
+        transfer was fenced meanwhile (the rest of the payload discarded)."""
         loop = asyncio.get_running_loop()
-        dst = self.kv.view(header.region)
+        nbytes = len(dst)
         got = 0
         while got < nbytes:
             if not self.table.is_live(header.xfer_id, header.generation):
                 await self._discard(conn, nbytes - got)  # fenced: nothing more lands
-                return
+                return False
             try:
                 k = await loop.sock_recv_into(conn.sock, dst[got:])
             except OSError as e:
@@ -74,6 +80,7 @@ class TcpReceiver(ReceiverBase):
                 raise PeerUnavailable(f"sender {conn.peer} closed mid-region")
             got += k
             conn.last_rx = loop.time()
+        return self.table.is_live(header.xfer_id, header.generation)
 
     async def _discard(self, conn: Conn, nbytes: int) -> None:
         loop = asyncio.get_running_loop()
@@ -106,7 +113,7 @@ class TcpSender(SenderBase):
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
         for src, dst in pairs:
-            data = self.kv.view(src) if staged is None else host_bytes(next(staged))
+            data = self.kv.payload(src) if staged is None else host_bytes(next(staged))
             flags = wire.FLAG_CHECKSUM if checksum else 0
             header = wire.WriteHeader(xfer_id, generation, dst, flags,
                                       compute_checksum(data) if checksum else 0)
