@@ -11,7 +11,10 @@ With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
 (engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
-the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off" below).
+on CUDA the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off"
+below). On CPU each rank's cache is a named shared-memory segment rank 0 maps
+(`rank_caches`, engine/rank_segments.py): the hand-off and the tiers move each rank's
+heads straight between its cache and the wire.
 """
 
 from __future__ import annotations
@@ -379,12 +382,12 @@ class ModelRunner:
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
-    # -- the KV hand-off under tensor parallelism ---------------------------------------
-    # Each rank holds its KV heads of every block; the wire carries whole blocks with
-    # every head (`kvtransfer.layout.engine_layout`, what a TP 1 worker sends). Rank 0
-    # keeps `staging`, a full-head tensor with the pool's block ids, that the transports
-    # register instead of the cache: blocks are gathered into it before they are sent
-    # and scattered from it to the ranks after they land.
+    # -- the KV hand-off under tensor parallelism where rank 0 cannot address the ranks'
+    # caches (CUDA) ---------------------------------------------------------------------
+    # Each rank holds its KV heads of every block. Rank 0 keeps `staging`, a full-head
+    # tensor with the pool's block ids, that the transports register instead of the
+    # cache: blocks are gathered into it before they are sent and scattered from it to
+    # the ranks after they land (the wire carries full-head blocks, as from TP 1).
     def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
 

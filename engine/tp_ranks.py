@@ -14,9 +14,10 @@ commands in order:
                       the logits gather's other side
     ("copy", pairs)   KV block copies (a forked sample's partial block)
     ("read", ids)     this rank's heads of those blocks, all-gathered (the KV hand-off's
-                      send side: rank 0 assembles full-head blocks)
+                      send side through rank 0's staging copy, CUDA: rank 0 assembles
+                      full-head blocks)
     ("write", ids)    those blocks' full heads by one broadcast; keeps its own (the
-                      hand-off's receive side)
+                      hand-off's receive side through the staging copy)
     ("exit",)         rank 0's engine is done
 
 A closed pipe means rank 0's process is gone: the rank exits. The pipe has no timeout
