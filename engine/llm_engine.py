@@ -19,13 +19,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
-from engine.offload import (
-    KVOffload,
-    OffloadConnector,
-    RankGatheredOffload,
-    RankView,
-    RankViewOffload,
-)
+from engine.offload import KVOffload, OffloadConnector, RankGatheredOffload
 from engine.outputs import RequestOutput
 from engine.parallel import SampleGroup
 from engine.pins import Pins
@@ -107,6 +101,7 @@ class LLMEngine:
         if runner.rank_caches is None:
             return RankGatheredOffload(offload, runner)
         from engine.models.parallel_layers import kv_head_range
+        from engine.offload import RankView, RankViewOffload
 
         assert runner.tp is not None
         heads = [kv_head_range(self.model_config, r, runner.tp.size)
