@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -121,6 +122,15 @@ class RegisteredKV:
             return self.view(region)
         return host_bytes(self.tensor_of(region).contiguous().cpu())
 
+    def payload_parts(self, region: Region, max_bytes: int) -> Iterator[memoryview]:
+        """`payload(region)` a few whole blocks at a time (at most `max_bytes`, at least
+        one block): a head slice packed in pieces that stay in the CPU's cache."""
+        if self.contiguous(region):
+            yield self.view(region)
+            return
+        for part in block_parts(region, self.region_bytes(region), max_bytes):
+            yield self.payload(part)
+
     def unpack(self, region: Region, data: Any) -> None:
         """Writes packed bytes (`payload`'s order) into `region`."""
         view = self.tensor_of(region)
@@ -148,6 +158,16 @@ class RegisteredKV:
             stream.wait_event(after)
             with torch.cuda.stream(stream):
                 return [checksum(host_bytes(self.device_slice(r).cpu())) for r in regions]
+
+
+def block_parts(region: Region, nbytes: int, max_bytes: int) -> list[Region]:
+    """`region` (of `nbytes`) cut into runs of whole blocks of at most `max_bytes` (at
+    least one block each), in order."""
+    per_block = nbytes // region.num_blocks
+    k = max(1, max_bytes // per_block)
+    return [replace(region, block_id=region.block_id + i,
+                    num_blocks=min(k, region.num_blocks - i))
+            for i in range(0, region.num_blocks, k)]
 
 
 def region_view(cache: torch.Tensor, region: Region, layout: KVLayout) -> torch.Tensor:

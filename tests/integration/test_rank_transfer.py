@@ -18,7 +18,7 @@ from kvtransfer.layout import Region, head_map, whole_blocks
 from kvtransfer.memory import RankCaches
 from tests.integration.kvtransfer_util import fast_config
 
-SRC, DST = [3, 4, 5, 9], [10, 11, 2, 7]
+SRC, DST = [3, 4, 5, 9], [10, 2, 3, 7]  # 4, 5 -> 2, 3: one region of two blocks
 NUM_BLOCKS = 16
 UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="no ucxx")
 CASES = [(p, d, h) for h in (2, 1) for p, d in ((1, 2), (2, 1), (2, 2))]
@@ -33,7 +33,7 @@ def _shards(full: torch.Tensor, tp: int) -> list[torch.Tensor]:
     return [full[..., a:b, :].contiguous() for a, b in head_map(full.shape[4], tp)]
 
 
-async def _move(transport: str, p: int, d: int, heads: int) -> None:
+async def _move(transport: str, p: int, d: int, heads: int, checksum: bool = True) -> None:
     layout = _layout(heads)
     full = torch.randn(layout.tensor_shape(NUM_BLOCKS), generator=torch.Generator()
                        .manual_seed(p * 10 + d))
@@ -51,11 +51,11 @@ async def _move(transport: str, p: int, d: int, heads: int) -> None:
         peer = await sender.connect(receiver.address())
         landed = receiver.expect("x", whole_blocks(DST), 1)
         await sender.write(peer, whole_blocks(SRC[:1]), whole_blocks(DST[:1]), "x", 1,
-                           checksum=True)
+                           checksum=checksum)
         await asyncio.sleep(0.05)
         assert not landed.done()  # one block of four: not runnable yet
         await sender.write(peer, whole_blocks(SRC[1:]), whole_blocks(DST[1:]), "x", 1,
-                           checksum=True)
+                           checksum=checksum)
         await sender.finish(peer, "x", 1)
         await asyncio.wait_for(landed, 5)
         want = torch.zeros_like(full)
@@ -76,6 +76,16 @@ async def _move(transport: str, p: int, d: int, heads: int) -> None:
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_each_rank_receives_its_heads(transport: str, p: int, d: int, heads: int) -> None:
     asyncio.run(_move(transport, p, d, heads))
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
+def test_tcp_moves_a_head_slice_a_block_at_a_time(monkeypatch, p: int, d: int,
+                                                  checksum: bool) -> None:
+    """tcp packs and lays a slice's runs in parts of whole blocks (here one block a
+    part), the checksum over the whole payload."""
+    monkeypatch.setattr("kvtransfer.tcp._SLICE_PART_BYTES", 1)
+    asyncio.run(_move("tcp", p, d, 2, checksum))
 
 
 @UCX
