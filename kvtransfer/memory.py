@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
@@ -115,12 +116,20 @@ class RegisteredKV:
         """`region` of its rank's cache as a (strided) tensor view."""
         return region_view(self.tensors[region.rank], region, self.rank_layout)
 
+    def host_array(self, region: Region) -> np.ndarray:
+        """`region` of a host cache as a strided numpy array of its bytes (numpy copies
+        strided runs at memory speed; torch's CPU strided copy runs an order of
+        magnitude slower on a loaded few-core host)."""
+        return byte_array(self.tensors[region.rank], region, self.rank_layout)
+
     def payload(self, region: Region) -> memoryview:
         """`region`'s bytes in host memory: a view of the cache, or for a head slice
         its runs packed in order (one copy)."""
         if self.contiguous(region):
             return self.view(region)
-        return host_bytes(self.tensor_of(region).contiguous().cpu())
+        if self.is_cuda:
+            return host_bytes(self.tensor_of(region).contiguous().cpu())
+        return np.ascontiguousarray(self.host_array(region)).reshape(-1).data
 
     def payload_parts(self, region: Region, max_bytes: int) -> Iterator[memoryview]:
         """`payload(region)` a few whole blocks at a time (at most `max_bytes`, at least
@@ -132,11 +141,9 @@ class RegisteredKV:
             yield self.payload(part)
 
     def unpack(self, region: Region, data: Any) -> None:
-        """Writes packed bytes (`payload`'s order) into `region`."""
-        view = self.tensor_of(region)
-        src = torch.frombuffer(data, dtype=torch.uint8) if not isinstance(data, torch.Tensor) \
-            else data
-        view.copy_(src.view(view.dtype).view(view.shape))
+        """Writes packed bytes (`payload`'s order) into `region` of a host cache."""
+        out = self.host_array(region)
+        np.copyto(out, np.frombuffer(data, dtype=np.uint8).reshape(out.shape))
 
     def device_slice(self, region: Region) -> torch.Tensor:
         off, n = self.locate(region)
@@ -177,6 +184,12 @@ def region_view(cache: torch.Tensor, region: Region, layout: KVLayout) -> torch.
     first, last = region.heads(layout)
     b = region.block_id
     return cache[b:b + region.num_blocks, start:end, :, :, first:last]
+
+
+def byte_array(cache: torch.Tensor, region: Region, layout: KVLayout) -> np.ndarray:
+    """`region` of one rank's host cache as a strided numpy array of bytes:
+    [blocks, layers, parts, block_size, heads, head_dim * itemsize]."""
+    return region_view(cache.view(torch.uint8), region, layout).numpy()
 
 
 def byte_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:

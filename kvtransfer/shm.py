@@ -12,13 +12,14 @@ import secrets
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
-from kvtransfer.memory import RankCaches, Ready, region_view, torch_dtype, wait_ready
+from kvtransfer.memory import RankCaches, Ready, byte_array, torch_dtype, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -153,10 +154,12 @@ class ShmSender(InPlaceSender):
             if time.monotonic() >= deadline:
                 raise TransferTimeout("shm grant expired before the copy")
             dst.check(layout, total, len(caches))
-            out = region_view(caches[dst.rank], dst, layout)
+            out = byte_array(caches[dst.rank], dst, layout)
             # one strided copy from the source rank's cache into the destination rank's
-            out.copy_(self.kv.tensor_of(src) if staged is None
-                      else next(staged).view(out.dtype).view(out.shape))
+            if staged is None:
+                np.copyto(out, self.kv.host_array(src))
+            else:
+                np.copyto(out, next(staged).cpu().numpy().reshape(out.shape))
         return None
 
     async def _on_disconnected(self, peer: Peer) -> None:

@@ -15,7 +15,13 @@ import pytest
 from cluster.placement import WorkerPlacement
 from engine.config import ModelConfig
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.disagg_util import child, generate_remotely, logs, start_cluster
+from tests.integration.disagg_util import (
+    child,
+    generate_remotely,
+    logs,
+    shm_left_behind,
+    start_cluster,
+)
 from tests.integration.serving_util import metric
 
 # 9 shares 7's first 48 tokens: its prefix is a hit on the decode, the rest is sent
@@ -50,6 +56,7 @@ def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
     finally:
         cluster.stop()
     assert staged == [0, 0], staged  # the per-rank path on both sides
+    assert shm_left_behind(cluster) == []  # the ranks' cache segments went with them
     cfg = ModelConfig.from_model_dir(model_dir)
     # every decode rank's heads crossed: K and V of every KV head (replicated heads once
     # per rank holding them), every layer, whole blocks
