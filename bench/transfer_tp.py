@@ -1,21 +1,28 @@
 """`splitserve bench transfer --prefill-tensor-parallel-size P
 --decode-tensor-parallel-size D`: whole-prompt KV hand-offs from a TP P prefill engine
-to a TP D decode engine, beside TP 1 -> TP 1 measured in the same run.
+to a TP D decode engine by both paths a worker has, beside TP 1 -> TP 1, in one run.
 
 Both sides are real engines (engine.llm.LLM over `--model DIR`, or `--model-shape S`
 with random weights) with their ranks and process group (gloo on CPU, NCCL on CUDA).
-A hand-off moves a prompt's blocks the way a worker does under tensor parallelism:
-the prefill's rank 0 gathers every rank's KV heads of the blocks into its full-head
-staging copy (`ModelRunner.gather_blocks`), the transport writes them (`write` +
-`finish`) into the decode's staging copy, whose rank 0 then scatters them to its ranks
-(`scatter_blocks`). At TP 1 there is no staging: the transports read and write the
-cache itself, as a TP 1 worker's do. Source blocks are a run, destination blocks are
-scattered over the decode's pool. One hand-off at a time, p50 of `--repeats`; the last
-of each size is checked (the decode's ranks, read back, hold the sent bytes).
+Paths (the row's `path`):
+
+- `rank`: each decode rank's heads move straight from the prefill rank holding them
+  into its own cache (the transports register every rank's cache, `RankCaches`; what a
+  CPU worker does). Not on CUDA (rank 0 cannot address its ranks' device caches).
+- `staging`: the prefill's rank 0 gathers every rank's KV heads of the blocks into its
+  full-head staging copy (`ModelRunner.gather_blocks`), the transport writes them into
+  the decode's staging copy, whose rank 0 then scatters them to its ranks
+  (`scatter_blocks`): what a CUDA worker does.
+- `direct`: TP 1 -> TP 1, the transports read and write the caches themselves.
+
+Source blocks are a run, destination blocks are scattered over the decode's pool. One
+hand-off at a time, p50 of `--repeats`; the last of each size is checked (the decode's
+ranks, read back, hold the sent bytes).
 
 Per row: bytes, hand-off ms (gather + wire + scatter), GB/s, and the gather/scatter
-share of the hand-off (the cost tensor parallelism adds). Summary (`--json`): at the
-largest prompt, `tp_gbps`, `ref_gbps` (TP 1 -> TP 1), `tp_vs_ref` and `tp_share`.
+share of the hand-off. Summary (`--json`): at the largest prompt, `tp_gbps` (the rank
+path where there is one), `staging_gbps`, `rank_vs_staging`, `ref_gbps` (TP 1 -> TP 1),
+`tp_vs_ref` and `tp_share`.
 
 Placement on CUDA: the prefill's ranks on cuda:0..P-1, the decode's after them when
 P + D GPUs are visible, else from cuda:0 as well (a group per process, sharing GPUs).
@@ -39,6 +46,7 @@ from typing import Any
 class TPRow:
     prefill_tp: int
     decode_tp: int
+    path: str  # rank, staging, direct (see the module doc)
     tokens: int
     bytes: int
     handoffs: int
@@ -115,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
     p, d, tokens = _check(args)
     cuda = args.device.startswith("cuda")
     model_dir, load_format = _model(args, cuda)
-    pairs = [(1, 1)] + ([(p, d)] if (p, d) != (1, 1) else [])
+    runs = [(1, 1, "direct")]
+    if (p, d) != (1, 1):
+        runs += [(p, d, "staging")] + ([] if cuda else [(p, d, "rank")])
     rows: list[TPRow] = []
     layout = None
-    for pp, dd in pairs:
-        got, layout = asyncio.run(bench_pair(pp, dd, args, model_dir, load_format, tokens))
+    for pp, dd, path in runs:
+        got, layout = asyncio.run(bench_pair(pp, dd, args, model_dir, load_format, tokens,
+                                             path))
         rows += got
     summary = summarize(rows, (p, d), tokens)
     report(rows, summary)
@@ -141,14 +152,20 @@ def _engine(model_dir: str, load_format: str, device: str, tp: int, pool: int) -
                load_format=load_format, tensor_parallel_size=tp)
 
 
-def _kv(llm: Any) -> Any:
-    """What the transports register: the cache at TP 1, else rank 0's staging copy."""
+def _kv(llm: Any, path: str) -> Any:
+    """What the transports register: the cache at TP 1, every rank's cache on the rank
+    path, else rank 0's staging copy."""
+    from kvtransfer.memory import RankCaches
+
     runner = llm.engine.runner
-    return runner.kv_cache if runner.tp is None else runner.staging()
+    if runner.tp is None:
+        return runner.kv_cache
+    return RankCaches(list(runner.rank_caches)) if path == "rank" else runner.staging()
 
 
 async def bench_pair(p: int, d: int, args: argparse.Namespace, model_dir: str,
-                     load_format: str, tokens: list[int]) -> tuple[list[TPRow], Any]:
+                     load_format: str, tokens: list[int], path: str = "staging",
+                     ) -> tuple[list[TPRow], Any]:
     from bench.transfer_handoff import _config, _recv, plan
     from kvtransfer import Region, make_receiver
     from kvtransfer.layout import engine_layout
@@ -162,11 +179,11 @@ async def bench_pair(p: int, d: int, args: argparse.Namespace, model_dir: str,
     conn, child = ctx.Pipe()
     # not a daemon: the sender's engine spawns its own ranks
     proc = ctx.Process(target=sender_main, args=(child, args.tp_transport, model_dir,
-                                                 load_format, send_dev, p, pool))
+                                                 load_format, send_dev, p, pool, path))
     try:
         runner = llm.engine.runner
         layout = engine_layout(llm.engine.config)
-        kv = _kv(llm)
+        kv = _kv(llm, path)
         receiver = make_receiver(_config(args.tp_transport))
         receiver.register(kv, layout)
         await receiver.start()
@@ -190,8 +207,8 @@ async def bench_pair(p: int, d: int, args: argparse.Namespace, model_dir: str,
                 if reply[0] != "done":
                     raise RuntimeError(f"TP {p} sender: {reply[1]}")
                 await asyncio.wait_for(landed, 120)
-                scatter = 0.0  # TP 1: the transport wrote the cache itself
-                if runner.tp is not None:
+                scatter = 0.0  # TP 1 / rank: the transport wrote the caches themselves
+                if runner.tp is not None and path == "staging":
                     t0 = time.perf_counter()
                     runner.scatter_blocks(dst, kv)
                     if runner.device.type == "cuda":
@@ -200,12 +217,13 @@ async def bench_pair(p: int, d: int, args: argparse.Namespace, model_dir: str,
                         torch.cuda.synchronize(runner.device)
                     scatter = time.perf_counter() - t0
                 if i == args.repeats - 1:
-                    _verify(runner, kv, dst, reply[3], p, d)
+                    _verify(runner, kv if runner.tp is None else runner.staging(), dst,
+                            reply[3], p, d)
                 gathers.append(reply[1])
                 wires.append(reply[2])
                 scatters.append(scatter)
                 totals.append(reply[1] + reply[2] + scatter)
-            rows.append(_row(p, d, t, n * layout.block_bytes, totals, gathers, wires,
+            rows.append(_row(p, d, path, t, n * layout.block_bytes, totals, gathers, wires,
                              scatters))
             print(f"  {_fmt(rows[-1])}", flush=True)
         conn.send(("stop",))
@@ -236,23 +254,23 @@ def _p50(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def _row(p: int, d: int, tokens: int, nbytes: int, totals: list[float],
+def _row(p: int, d: int, path: str, tokens: int, nbytes: int, totals: list[float],
          gathers: list[float], wires: list[float], scatters: list[float]) -> TPRow:
     total = _p50(totals)
     g, s = _p50(gathers), _p50(scatters)
-    return TPRow(p, d, tokens, nbytes, len(totals), total * 1e3, nbytes / total / 1e9,
+    return TPRow(p, d, path, tokens, nbytes, len(totals), total * 1e3, nbytes / total / 1e9,
                  g * 1e3, _p50(wires) * 1e3, s * 1e3, min(1.0, (g + s) / total))
 
 
 def sender_main(conn: Connection, transport: str, model_dir: str, load_format: str,
-                device: str, tp: int, pool: int) -> None:
+                device: str, tp: int, pool: int, path: str = "staging") -> None:
     try:
         llm = _engine(model_dir, load_format, device, tp, pool)
     except Exception as e:  # report, then exit: the parent raises it
         conn.send(("error", repr(e)))
         return
     try:
-        asyncio.run(_sender(conn, transport, llm))
+        asyncio.run(_sender(conn, transport, llm, path))
     finally:
         llm.engine.runner.close()
 
@@ -282,7 +300,7 @@ def _checksum(kv: Any, ids: list[int]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-async def _sender(conn: Connection, transport: str, llm: Any) -> None:
+async def _sender(conn: Connection, transport: str, llm: Any, path: str) -> None:
     import torch
 
     from bench.transfer_handoff import _config
@@ -290,8 +308,9 @@ async def _sender(conn: Connection, transport: str, llm: Any) -> None:
     from kvtransfer.layout import engine_layout, whole_blocks
 
     runner = llm.engine.runner
-    kv = _kv(llm)
-    _fill(runner, kv)
+    staging = runner.kv_cache if runner.tp is None else runner.staging()
+    _fill(runner, staging)
+    kv = _kv(llm, path)
     sender = make_sender(_config(transport))
     sender.register(kv, engine_layout(llm.engine.config))
     loop = asyncio.get_running_loop()
@@ -302,15 +321,17 @@ async def _sender(conn: Connection, transport: str, llm: Any) -> None:
         while (msg := await loop.run_in_executor(None, conn.recv))[0] != "stop":
             _, xfer, src, dst = msg
             t0 = t1 = time.perf_counter()
-            if runner.tp is not None:
-                runner.gather_blocks(src, kv)
+            if runner.tp is not None and path == "staging":
+                runner.gather_blocks(src, staging)
                 t1 = time.perf_counter()
             await sender.write(peer, whole_blocks(src), whole_blocks(dst), xfer, 1)
             await sender.finish(peer, xfer, timeout_s=120.0)
-            if kv.device.type == "cuda":
-                torch.cuda.synchronize(kv.device)
+            if staging.device.type == "cuda":
+                torch.cuda.synchronize(staging.device)
             wire = time.perf_counter() - t1
-            conn.send(("done", t1 - t0, wire, _checksum(kv, src)))
+            if runner.tp is not None and path == "rank":  # the digest's full-head blocks
+                runner.gather_blocks(src, staging)
+            conn.send(("done", t1 - t0, wire, _checksum(staging, src)))
     except Exception as e:  # report, then exit: the parent raises it
         conn.send(("error", repr(e)))
     finally:
@@ -318,16 +339,23 @@ async def _sender(conn: Connection, transport: str, llm: Any) -> None:
 
 
 def summarize(rows: list[TPRow], pair: tuple[int, int], tokens: list[int]) -> dict[str, Any]:
+    """At the largest prompt: the pair's rank path (else staging, else TP 1) beside
+    its staging path and TP 1 -> TP 1."""
     big = max(tokens)
-    ref = next(r for r in rows if (r.prefill_tp, r.decode_tp) == (1, 1) and r.tokens == big)
-    tp = next(r for r in rows if (r.prefill_tp, r.decode_tp) == pair and r.tokens == big)
-    return {"prefill_tp": pair[0], "decode_tp": pair[1], "tokens": big, "bytes": tp.bytes,
-            "tp_gbps": tp.gbps, "ref_gbps": ref.gbps, "tp_vs_ref": tp.gbps / ref.gbps,
-            "tp_share": tp.tp_share, "tp_p50_ms": tp.p50_ms, "ref_p50_ms": ref.p50_ms}
+    at = {r.path: r for r in rows if r.tokens == big and (r.prefill_tp, r.decode_tp) in
+          (pair, (1, 1))}
+    ref = at["direct"]
+    tp = at.get("rank") or at.get("staging") or ref
+    staging = at.get("staging") or ref
+    return {"prefill_tp": pair[0], "decode_tp": pair[1], "path": tp.path, "tokens": big,
+            "bytes": tp.bytes, "tp_gbps": tp.gbps, "staging_gbps": staging.gbps,
+            "rank_vs_staging": tp.gbps / staging.gbps, "ref_gbps": ref.gbps,
+            "tp_vs_ref": tp.gbps / ref.gbps, "tp_share": tp.tp_share, "tp_p50_ms": tp.p50_ms,
+            "ref_p50_ms": ref.p50_ms}
 
 
 def _fmt(r: TPRow) -> str:
-    return (f"TP {r.prefill_tp}->{r.decode_tp} {r.tokens:>6} tok {r.bytes / 2**20:>8.2f} MiB "
+    return (f"TP {r.prefill_tp}->{r.decode_tp} {r.path:<7} {r.tokens:>6} tok {r.bytes / 2**20:>8.2f} MiB "
             f"{r.p50_ms:>9.3f} ms {r.gbps:>8.3f} GB/s  gather {r.gather_ms:.3f} ms "
             f"wire {r.wire_ms:.3f} ms scatter {r.scatter_ms:.3f} ms "
             f"(TP share {r.tp_share:.0%})")
@@ -339,8 +367,9 @@ def report(rows: list[TPRow], summary: dict[str, Any]) -> None:
     for r in rows:
         print(_fmt(r))
     print(f"\nTP {summary['prefill_tp']} -> TP {summary['decode_tp']} at {summary['tokens']} "
-          f"tokens: {summary['tp_gbps']:.3f} GB/s, TP 1 -> TP 1 {summary['ref_gbps']:.3f} GB/s "
-          f"(ratio {summary['tp_vs_ref']:.2f}); gather/scatter {summary['tp_share']:.0%} "
-          "of the hand-off")
+          f"tokens: {summary['path']} {summary['tp_gbps']:.3f} GB/s vs staging "
+          f"{summary['staging_gbps']:.3f} GB/s (ratio {summary['rank_vs_staging']:.2f}); "
+          f"TP 1 -> TP 1 {summary['ref_gbps']:.3f} GB/s (ratio {summary['tp_vs_ref']:.2f}); "
+          f"gather/scatter {summary['tp_share']:.0%} of the hand-off")
     for key, value in summary.items():
         print(f"{key:<12} {value:.3f}" if isinstance(value, float) else f"{key:<12} {value}")

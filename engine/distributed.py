@@ -78,6 +78,22 @@ class TPGroup:
     procs: list[Any] = field(default_factory=list)
     closing: bool = False
     store: Any = None  # the rendezvous store, kept alive with the group
+    root_pid: int = 0  # rank 0's process and the rendezvous port name the group's
+    port: int = 0  # KV segments (engine/rank_segments.py)
+
+    @property
+    def segments(self) -> list[str]:
+        """Every rank's KV segment name (CPU; engine/rank_segments.py)."""
+        from engine.rank_segments import segment_names
+
+        return segment_names(self.root_pid, self.port, self.size)
+
+    def unlink_segments(self) -> None:
+        """Removes every rank's KV segment name: the group is going away."""
+        if self.device.type == "cpu":
+            from engine.rank_segments import unlink_segments
+
+            unlink_segments(self.segments)
 
     def _wait(self, work: Any, what: str) -> None:
         # NCCL: `wait()` without a timeout only makes the current stream wait (no host
@@ -92,6 +108,7 @@ class TPGroup:
         self.closing = True
         for proc in self.procs:  # rank 0: a hung rank goes too (SIGKILL ends it stopped)
             proc.kill()
+        self.unlink_segments()
         fatal(f"tensor-parallel rank {self.rank}: {what} failed "
               f"(collective timeout {self.timeout_s:g}s): {error}")
 
@@ -145,6 +162,7 @@ class TPGroup:
             try:
                 p.send(command)
             except OSError as e:
+                self.unlink_segments()
                 fatal(f"tensor-parallel rank gone ({e})")
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -164,6 +182,7 @@ class TPGroup:
                 proc.join(timeout_s)
         for p in self.pipes:
             p.close()
+        self.unlink_segments()
 
     def watch(self) -> None:
         """Rank 0: a thread that ends this process when a rank's process ends
@@ -181,6 +200,7 @@ class TPGroup:
             for proc in self.procs:
                 if proc.is_alive():
                     proc.kill()
+            self.unlink_segments()
             fatal("tensor-parallel rank(s) exited: " + ", ".join(
                 f"rank {r} (exit code {code})" for r, code in dead))
 
@@ -226,7 +246,8 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
         theirs.close()
         pipes.append(ours)
         procs.append(proc)
-    group = TPGroup(0, size, device, None, config.collective_timeout_s, pipes, procs)
+    group = TPGroup(0, size, device, None, config.collective_timeout_s, pipes, procs,
+                    root_pid=os.getpid(), port=store.port)
     # At exit, ranks are stopped on purpose (before multiprocessing's own exit hook,
     # registered earlier, terminates them: the watch would take that for a failure).
     atexit.register(group.close)
@@ -236,11 +257,12 @@ def start_group(config: Any, device: torch.device) -> TPGroup:
     return group
 
 
-def join_group(config: Any, rank: int, port: int, device: torch.device) -> TPGroup:
-    """Ranks 1..N-1: joins rank 0's group."""
+def join_group(config: Any, rank: int, port: int, device: torch.device,
+               root_pid: int) -> TPGroup:
+    """Ranks 1..N-1: joins rank 0's group (rank 0's process is `root_pid`)."""
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, False,
                           timeout=timedelta(seconds=START_TIMEOUT_S))
     pg = make_group(store, rank, config.tensor_parallel_size, device)
     group = TPGroup(rank, config.tensor_parallel_size, device, pg, config.collective_timeout_s,
-                    store=store)
+                    store=store, root_pid=root_pid, port=port)
     return group

@@ -71,7 +71,7 @@ class LLMEngine:
         self.offload: OffloadConnector | None = None
         if offload is not None and config.cache.enable_prefix_caching:
             if self.runner.tp is not None:  # the tiers hold full-head blocks
-                offload = RankGatheredOffload(offload, self.runner)
+                offload = self._rank_offload(offload)
             self.offload = OffloadConnector(offload, self.block_size)
             self.kv.pool.track_new_cached = True
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
@@ -85,6 +85,20 @@ class LLMEngine:
         self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
                                             eos)
         self.async_steps = AsyncSteps(self) if config.async_scheduling else None
+
+    def _rank_offload(self, offload: KVOffload) -> KVOffload:
+        """The tiers' view of a tensor-parallel pool: every rank's cache directly where
+        rank 0 maps them (CPU), else through rank 0's staging copy (CUDA)."""
+        runner = self.runner
+        if runner.rank_caches is None:
+            return RankGatheredOffload(offload, runner)
+        from engine.models.parallel_layers import kv_head_range
+        from engine.offload import RankView, RankViewOffload
+
+        assert runner.tp is not None
+        heads = [kv_head_range(self.model_config, r, runner.tp.size)
+                 for r in range(runner.tp.size)]
+        return RankViewOffload(offload, RankView(runner.rank_caches, heads))
 
     # -- requests -----------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,

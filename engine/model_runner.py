@@ -12,7 +12,10 @@ With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
 (engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
-the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off" below).
+on CUDA the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off"
+below). On CPU each rank's cache is a named shared-memory segment rank 0 maps
+(`rank_caches`, engine/rank_segments.py): the hand-off and the tiers move each rank's
+heads straight between its cache and the wire.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_quant import load_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
+from engine.rank_segments import RankSegment
 from engine.request import Request
 from engine.runner_graphs import (
     capture_graph_sets,
@@ -70,6 +74,11 @@ class ModelRunner:
             weakref.finalize(self, tp.close)
         self.tp = tp
         self.kv_staging: torch.Tensor | None = None  # see `staging`
+        self.staged_blocks = 0  # blocks moved through `staging` (gathers and scatters)
+        # Every rank's KV cache, rank 0's own first, where rank 0 can address them (CPU:
+        # engine/rank_segments.py); None where it cannot (CUDA: the staging path)
+        self.rank_caches: list[torch.Tensor] | None = None
+        self._segments: list[RankSegment] = []
         try:
             self._init(config, model_cfg, kv_cache)
         except BaseException:
@@ -116,6 +125,7 @@ class ModelRunner:
                              f"the model's layout {expected} {self.kv_dtype}")
         self.kv_cache = kv_cache
         self.num_blocks = kv_cache.shape[0]
+        self._map_rank_caches()
         self.sampler = Sampler(self.device, config.seed)
         if config.tunes_attention and model_cfg.mla is None:
             self._tune_attention()
@@ -178,8 +188,26 @@ class ModelRunner:
                     "raise --gpu-memory-utilization or lower --max-model-len")
             log.info("KV cache: %d blocks (%.2f GiB) from gpu_memory_utilization=%.2f",
                      num_blocks, budget / 2**30, self.config.cache.gpu_memory_utilization)
-        return torch.zeros(kv_cache_shape(self.rank_cfg, num_blocks, self.block_size),
-                           dtype=self.kv_dtype, device=self.device)
+        shape = kv_cache_shape(self.rank_cfg, num_blocks, self.block_size)
+        if self.tp is not None and self.device.type == "cpu":  # zeroed by the kernel
+            seg = RankSegment(self.tp.segments[self.tp.rank], shape, self.kv_dtype, True)
+            self._segments.append(seg)
+            return seg.tensor
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+
+    def _map_rank_caches(self) -> None:
+        """Rank 0 maps every other rank's KV segment once all exist (every rank passes
+        here in lockstep: the barrier is a collective)."""
+        if self.tp is None:
+            self.rank_caches = [self.kv_cache]
+            return
+        if not self._segments:  # CUDA, or a cache the caller allocated
+            return
+        self.tp.all_reduce(torch.zeros(1, device=self.device))  # every segment exists
+        if self.tp.rank == 0:
+            shape, names = tuple(self.kv_cache.shape), self.tp.segments
+            self._segments += [RankSegment(n, shape, self.kv_dtype, False) for n in names[1:]]
+            self.rank_caches = [s.tensor for s in self._segments]
 
     @torch.inference_mode()
     def _profile_kv_budget(self) -> int:
@@ -325,12 +353,12 @@ class ModelRunner:
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
-    # -- the KV hand-off under tensor parallelism ---------------------------------------
-    # Each rank holds its KV heads of every block; the wire carries whole blocks with
-    # every head (`kvtransfer.layout.engine_layout`, what a TP 1 worker sends). Rank 0
-    # keeps `staging`, a full-head tensor with the pool's block ids, that the transports
-    # register instead of the cache: blocks are gathered into it before they are sent
-    # and scattered from it to the ranks after they land.
+    # -- the KV hand-off under tensor parallelism where rank 0 cannot address the ranks'
+    # caches (CUDA) ---------------------------------------------------------------------
+    # Each rank holds its KV heads of every block. Rank 0 keeps `staging`, a full-head
+    # tensor with the pool's block ids, that the transports register instead of the
+    # cache: blocks are gathered into it before they are sent and scattered from it to
+    # the ranks after they land (the wire carries full-head blocks, as from TP 1).
     def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
 
@@ -346,6 +374,7 @@ class ModelRunner:
     def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
         """Rank 0: blocks `ids` with every KV head, from every rank, into staging[ids]."""
         if ids:
+            self.staged_blocks += len(ids)
             self._tell(("read", list(ids)))
             staging[ids] = self.read_blocks(ids).to(staging.device)
             if self.device.type == "cuda":  # a transport reads staging from another stream
@@ -355,6 +384,7 @@ class ModelRunner:
     def scatter_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
         """Rank 0: staging[ids] (every KV head) into each rank's heads of blocks `ids`."""
         if ids:
+            self.staged_blocks += len(ids)
             self._tell(("write", list(ids)))
             self.write_blocks(ids, staging[ids].to(self.device))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from engine.block_hash import BlockHash
 from engine.block_pool import BlockPool, KVBlock
@@ -113,8 +113,82 @@ class OffloadConnector:
         pool.free(self.saving.pop(b) for b in done)
 
 
+class RankView:
+    """A tensor-parallel engine's pool as the tiers see it (rank 0 maps every rank's
+    cache: CPU): `index_select(0, ids)` returns the blocks with every KV head, read
+    straight from the ranks' caches (a head replicated on several ranks from one);
+    `scatter` writes full-head blocks into each rank's heads of the blocks. What a
+    KVOffload reads on its own thread: the device, and blocks by id."""
+
+    def __init__(self, caches: list[torch.Tensor], heads: list[tuple[int, int]]) -> None:
+        self.caches = caches
+        self.heads = heads  # [first, end) of the model's KV heads, per rank
+        self.owners: list[int] = []  # one rank per run of heads, in head order
+        covered = 0
+        for r, (first, end) in enumerate(heads):
+            if first >= covered:
+                self.owners.append(r)
+                covered = end
+        self.device = caches[0].device
+        self.is_cuda = caches[0].is_cuda
+
+    def full_shape(self, num_blocks: int) -> tuple[int, ...]:
+        shape = list(self.caches[0].shape)
+        shape[0], shape[4] = num_blocks, self.heads[-1][1]
+        return tuple(shape)
+
+    def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        if dim != 0:
+            raise ValueError("a rank view selects blocks (dim 0) only")
+        return torch.cat([self.caches[r].index_select(0, ids) for r in self.owners], dim=4)
+
+    def scatter(self, block_ids: Sequence[int], full: torch.Tensor) -> None:
+        for cache, (first, end) in zip(self.caches, self.heads, strict=True):
+            cache[list(block_ids)] = full[:, :, :, :, first:end]
+
+
+class RankViewOffload:
+    """A KVOffload for a tensor-parallel engine whose rank 0 maps every rank's cache
+    (CPU): the tiers keep full-head blocks (the same as a TP 1 worker's), saved from
+    each rank's cache and loaded into each rank's cache directly (`RankView`), with
+    no copy of the pool through rank 0. A block a save still reads is held by the
+    engine (`OffloadConnector.saving`), as on one rank."""
+
+    def __init__(self, inner: KVOffload, view: RankView) -> None:
+        self.inner = inner
+        self.view = view
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> int:
+        return self.inner.lookup(hashes)
+
+    def load(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> int:
+        import torch
+
+        full = torch.empty(self.view.full_shape(len(block_ids)), dtype=kv_cache.dtype,
+                           device=kv_cache.device)
+        got = self.inner.load(hashes, range(len(block_ids)), full)
+        if got:
+            self.view.scatter(block_ids[:got], full[:got])
+        return got
+
+    def save(self, hashes: Sequence[BlockHash], block_ids: Sequence[int],
+             kv_cache: torch.Tensor) -> list[int]:
+        # the tiers read blocks by id on their own thread: from the ranks' caches
+        return self.inner.save(hashes, block_ids, cast("torch.Tensor", self.view))
+
+    def take_saved(self, timeout: float = 0.0) -> list[int]:
+        return self.inner.take_saved(timeout)
+
+    def __getattr__(self, name: str) -> Any:  # the rest (stats, close) is the tiers'
+        return getattr(self.inner, name)
+
+
 class RankGatheredOffload:
-    """A KVOffload for a tensor-parallel engine, whose ranks each hold their KV heads:
+    """A KVOffload for a tensor-parallel engine, whose ranks each hold their KV heads,
+    where rank 0 cannot address the ranks' caches (CUDA):
     the tiers keep full-head blocks (the same as a TP 1 worker's) and copy them through
     rank 0's staging copy of the pool: saves gather the blocks from every rank into it
     first; loads land in it and are then scattered to the ranks. A block a save still

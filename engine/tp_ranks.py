@@ -14,9 +14,10 @@ commands in order:
                       the logits gather's other side
     ("copy", pairs)   KV block copies (a forked sample's partial block)
     ("read", ids)     this rank's heads of those blocks, all-gathered (the KV hand-off's
-                      send side: rank 0 assembles full-head blocks)
+                      send side through rank 0's staging copy, CUDA: rank 0 assembles
+                      full-head blocks)
     ("write", ids)    those blocks' full heads by one broadcast; keeps its own (the
-                      hand-off's receive side)
+                      hand-off's receive side through the staging copy)
     ("exit",)         rank 0's engine is done
 
 A closed pipe means rank 0's process is gone: the rank exits. The pipe has no timeout
@@ -36,16 +37,19 @@ from typing import Any
 import torch
 
 from engine.distributed import TP_FAILURE_EXIT, join_group, rank_device
+from engine.rank_segments import segment_names, unlink_segments
 
 log = logging.getLogger(__name__)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, segments: list[str]) -> None:
     """Exits when rank 0's process is gone (SIGKILLed rank 0 cannot close our pipe
-    before a collective we wait in times out; this notices within half a second)."""
+    before a collective we wait in times out; this notices within half a second),
+    removing the group's KV segments (rank 0 could not)."""
     def run() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.5)
+        unlink_segments(segments)
         os._exit(TP_FAILURE_EXIT)
 
     threading.Thread(target=run, name="tp-parent", daemon=True).start()
@@ -60,14 +64,16 @@ def rank_main(config: Any, rank: int, port: int, conn: Connection, parent_pid: i
     # 0's to act on: it drains, then stops us; we go when it says so or when it is gone.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _watch_parent(parent_pid)
+    segments = segment_names(parent_pid, port, config.tensor_parallel_size) \
+        if not config.device.startswith("cuda") else []
+    _watch_parent(parent_pid, segments)
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
 
     device = rank_device(torch.device(config.device), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp = join_group(config, rank, port, device)
+    tp = join_group(config, rank, port, device, parent_pid)
     runner = ModelRunner(config, ModelConfig.from_model_dir(config.model_dir), tp=tp)
     log.info("tensor-parallel rank %d of %d ready on %s (%d KV blocks)",
              rank, tp.size, runner.device, runner.num_blocks)
@@ -82,6 +88,7 @@ def serve(runner: Any, conn: Connection) -> None:
         try:
             command = conn.recv()
         except (EOFError, OSError):
+            tp.unlink_segments()
             os._exit(TP_FAILURE_EXIT)  # rank 0 is gone
         op = command[0]
         if op == "forward" and command[-1] is not None:  # a graph's bucket

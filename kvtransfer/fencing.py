@@ -60,9 +60,13 @@ class TransferTable:
 
     def __init__(self, layout: KVLayout, num_blocks: int, metrics: TransferMetrics,
                  on_resolved: ResolvedHook | None = None,
-                 on_abort: AbortHook | None = None) -> None:
+                 on_abort: AbortHook | None = None, tp: int = 1) -> None:
+        """`layout`: one rank's cache (its KV heads); `tp` ranks hold the blocks, each
+        under the same ids. A cell is (block, rank, head, layer): a transfer is complete
+        when every expected cell of every rank landed."""
         self.layout = layout
         self.num_blocks = num_blocks
+        self.tp = tp
         self.metrics = metrics
         self._live: dict[str, _Transfer] = {}
         self._fenced: dict[str, int] = {}  # xfer_id -> last fenced generation
@@ -83,8 +87,9 @@ class TransferTable:
             raise ValueError(f"generation {generation} of {xfer_id!r} was already fenced")
         expected: dict[int, int] = {}
         for region in regions:
-            region.resolve(self.layout, self.num_blocks)
-            for block, mask in region.cells(self.layout):
+            region.check(self.layout, self.num_blocks, self.tp)
+            mask = _mask(region, self.layout)
+            for block in range(region.block_id, region.block_id + region.num_blocks):
                 if block in self._owner or expected.get(block, 0) & mask:
                     raise ValueError(f"block {block} is already expected by a transfer")
                 expected[block] = expected.get(block, 0) | mask
@@ -110,7 +115,7 @@ class TransferTable:
             log.info("dropped stale write for %s gen %d", xfer_id, generation)
             return False
         try:
-            region.resolve(self.layout, self.num_blocks)
+            region.check(self.layout, self.num_blocks, self.tp)
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
             return False
@@ -225,8 +230,15 @@ class TransferTable:
 
 
 def _mask(region: Region, layout: KVLayout) -> int:
+    """The region's cells of one block: bit (rank * heads + head) * layers + layer."""
     start, end = region.layers(layout)
-    return ((1 << (end - start)) - 1) << start
+    first, last = region.heads(layout)
+    layers = ((1 << (end - start)) - 1) << start
+    mask = 0
+    for head in range(region.rank * layout.num_kv_heads + first,
+                      region.rank * layout.num_kv_heads + last):
+        mask |= layers << (head * layout.num_layers)
+    return mask
 
 
 def _claim(xfer: _Transfer, region: Region, layout: KVLayout) -> bool:

@@ -31,7 +31,6 @@ from kvtransfer import wire
 from kvtransfer.errors import KVTransferError, ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
 from kvtransfer.memory import Ready, producer_event
-from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
@@ -141,7 +140,8 @@ class InPlaceSender(SenderBase):
         req = secrets.randbits(62)
         reply_future: asyncio.Future[dict[str, Any]] = loop.create_future()
         peer.replies[req] = reply_future
-        regions = [[d.block_id, d.layer_start, d.layer_end, d.num_blocks] for _, d in pairs]
+        regions = [[d.block_id, d.layer_start, d.layer_end, d.num_blocks, d.rank, d.head_start,
+                    d.head_end] for _, d in pairs]
         asked = time.monotonic()
         await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
             "req": req, "xfer": xfer_id, "gen": generation, "regions": regions}))
@@ -207,7 +207,7 @@ class InPlaceSender(SenderBase):
                          ready: Ready | None) -> list[int]:
         assert self.kv is not None
         if not self.kv.is_cuda:
-            return [compute_checksum(self.kv.view(src)) for src, _ in pairs]
+            return [self.kv.checksum(src) for src, _ in pairs]
         # Read after `ready`, in a worker thread: not behind (nor blocking the event loop
         # on) the compute queued after the chunk.
         after = producer_event(self.kv.tensor.device, ready)

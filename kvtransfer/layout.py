@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvtransfer.errors import LayoutMismatch
@@ -115,16 +115,26 @@ class Region:
     """`num_blocks` consecutive blocks from `block_id`, layers [layer_start, layer_end).
 
     A region spanning several blocks must cover every layer, so it stays contiguous.
-    `layer_end=None` means all layers.
+    `layer_end=None` means all layers. Under tensor parallelism a region lies in one
+    rank's cache (`rank`) and may cover only some of its KV heads,
+    [head_start, head_end) in the rank's own numbering (`head_end=None`: all of them);
+    the block interior is token-major, so such a head slice is one strided run per
+    (block, layer, K/V, token), not one byte range.
     """
 
     block_id: int
     layer_start: int = 0
     layer_end: int | None = None
     num_blocks: int = 1
+    rank: int = 0
+    head_start: int = 0
+    head_end: int | None = None
 
     def resolve(self, layout: KVLayout, total_blocks: int) -> tuple[int, int]:
-        """(byte offset, nbytes) in a tensor of `total_blocks`; ValueError if outside."""
+        """(byte offset, nbytes) in a tensor of `total_blocks` (one rank's cache: the
+        layout its heads); ValueError if outside, or if a head slice (no byte range)."""
+        if (self.head_start, self.heads(layout)[1]) != (0, layout.num_kv_heads):
+            raise ValueError(f"{self} is a head slice: strided, not one byte range")
         end = layout.num_layers if self.layer_end is None else self.layer_end
         if not 0 <= self.layer_start < end <= layout.num_layers:
             raise ValueError(f"bad layer range [{self.layer_start}, {end}) in {self}")
@@ -141,19 +151,31 @@ class Region:
             return offset, self.num_blocks * block_bytes
         return offset, (end - self.layer_start) * layer_bytes
 
+    def check(self, layout: KVLayout, total_blocks: int, tp: int = 1) -> None:
+        """ValueError unless the region lies in rank caches of `total_blocks` blocks
+        of `layout` (one rank's heads) of a TP `tp` worker."""
+        first, end = self.head_start, self.heads(layout)[1]
+        if not 0 <= self.rank < tp or not 0 <= first < end <= layout.num_kv_heads:
+            raise ValueError(f"{self} is outside {tp} rank(s) of {layout.num_kv_heads} "
+                             "KV heads")
+        Region(self.block_id, self.layer_start, self.layer_end,
+               self.num_blocks).resolve(layout, total_blocks)
+
+    def whole_heads(self, layout: KVLayout) -> bool:
+        """True where the region covers every head of its rank (one byte range)."""
+        return self.head_start == 0 and self.heads(layout)[1] == layout.num_kv_heads
+
     def layers(self, layout: KVLayout) -> tuple[int, int]:
         return self.layer_start, layout.num_layers if self.layer_end is None else self.layer_end
 
-    def cells(self, layout: KVLayout) -> Iterable[tuple[int, int]]:
-        """(block_id, layer mask) per block: the (block, layer) cells this region covers."""
-        start, end = self.layers(layout)
-        mask = ((1 << (end - start)) - 1) << start
-        for b in range(self.block_id, self.block_id + self.num_blocks):
-            yield b, mask
+    def heads(self, layout: KVLayout) -> tuple[int, int]:
+        return self.head_start, layout.num_kv_heads if self.head_end is None else self.head_end
 
     def nbytes(self, layout: KVLayout) -> int:
         start, end = self.layers(layout)
-        return self.num_blocks * (end - start) * layout.layer_bytes
+        first, last = self.heads(layout)
+        return (self.num_blocks * (end - start) * layout.layer_bytes * (last - first)
+                // layout.num_kv_heads)
 
 
 def coalesce(src: Sequence[Region], dst: Sequence[Region],
@@ -172,9 +194,10 @@ def coalesce(src: Sequence[Region], dst: Sequence[Region],
         if out and _whole(s, layout) and _whole(out[-1][0], layout):
             ps, pd = out[-1]
             if ps.block_id + ps.num_blocks == s.block_id and \
-                    pd.block_id + pd.num_blocks == d.block_id:
+                    pd.block_id + pd.num_blocks == d.block_id and \
+                    _same_slice(ps, s) and _same_slice(pd, d):
                 n = ps.num_blocks + s.num_blocks
-                out[-1] = (Region(ps.block_id, 0, None, n), Region(pd.block_id, 0, None, n))
+                out[-1] = (replace(ps, num_blocks=n), replace(pd, num_blocks=n))
                 continue
         out.append((s, d))
     return out
@@ -182,6 +205,10 @@ def coalesce(src: Sequence[Region], dst: Sequence[Region],
 
 def _whole(r: Region, layout: KVLayout) -> bool:
     return r.layers(layout) == (0, layout.num_layers)
+
+
+def _same_slice(a: Region, b: Region) -> bool:
+    return (a.rank, a.head_start, a.head_end) == (b.rank, b.head_start, b.head_end)
 
 
 def whole_blocks(block_ids: Iterable[int]) -> list[Region]:
@@ -200,3 +227,93 @@ def engine_layout(engine_config: EngineConfig) -> KVLayout:
     return KVLayout(num_layers=m.num_layers, num_kv_heads=heads, head_dim=head_dim,
                     block_size=engine_config.cache.block_size,
                     dtype=engine_config.kv_dtype_name(m.dtype), name=m.kv_layout_name)
+
+
+# -- tensor parallelism: which rank holds which KV heads --------------------------------
+# Rank r of a TP t worker holds KV heads head_map(H, t)[r] of the model's H, in its own
+# cache under the pool's block ids. With fewer heads than ranks (H < t) each head is
+# replicated on t / H consecutive ranks. A transfer between a TP p and a TP d worker
+# moves, for each destination rank, its heads from the source rank(s) holding them.
+
+
+def head_map(num_kv_heads: int, tp: int) -> list[tuple[int, int]]:
+    """[first, end) of the KV heads (of the model's) each rank of a TP `tp` worker holds.
+    ValueError unless `tp` divides `num_kv_heads` or is a multiple of it."""
+    if num_kv_heads < 1 or tp < 1:
+        raise ValueError("num_kv_heads and tp must be positive")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp} ranks")
+        n = num_kv_heads // tp
+        return [(r * n, (r + 1) * n) for r in range(tp)]
+    if tp % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be replicated over {tp} ranks")
+    return [(r * num_kv_heads // tp, r * num_kv_heads // tp + 1) for r in range(tp)]
+
+
+def local_heads(num_kv_heads: int, tp: int) -> int:
+    """KV heads one rank holds."""
+    first, end = head_map(num_kv_heads, tp)[0]
+    return end - first
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """`num_heads` consecutive KV heads that a destination rank takes from one source
+    rank: heads [src_head, src_head + num_heads) of the source rank's cache (its own
+    numbering) land at [dst_head, dst_head + num_heads) of the destination rank's."""
+
+    src_rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def head_plan(src_tp: int, dst_tp: int, num_kv_heads: int) -> list[list[HeadSlice]]:
+    """For each destination rank, the slices that fill every one of its heads, in head
+    order. A head the source replicates is taken from one of its holders, spread over
+    them by destination rank (TP p to TP p is rank r to rank r)."""
+    src, dst = head_map(num_kv_heads, src_tp), head_map(num_kv_heads, dst_tp)
+    plan: list[list[HeadSlice]] = []
+    for d, (first, end) in enumerate(dst):
+        slices: list[HeadSlice] = []
+        for h in range(first, end):
+            holders = [s for s, (a, b) in enumerate(src) if a <= h < b]
+            s = holders[d % len(holders)]
+            src_head, dst_head = h - src[s][0], h - first
+            last = slices[-1] if slices else None
+            if last is not None and last.src_rank == s and \
+                    last.src_head + last.num_heads == src_head:
+                slices[-1] = HeadSlice(s, last.src_head, last.dst_head, last.num_heads + 1)
+            else:
+                slices.append(HeadSlice(s, src_head, dst_head, 1))
+        plan.append(slices)
+    return plan
+
+
+def rank_layout(layout: KVLayout, tp: int) -> KVLayout:
+    """The layout of one rank's cache of a TP `tp` worker: its KV heads only."""
+    return layout if tp == 1 else replace(layout, num_kv_heads=local_heads(
+        layout.num_kv_heads, tp))
+
+
+def rank_pairs(pairs: Sequence[tuple[Region, Region]], num_kv_heads: int, src_tp: int,
+               dst_tp: int) -> list[tuple[Region, Region]]:
+    """(source, destination) regions of whole-head blocks, as the per-rank slices that
+    move them between a TP `src_tp` and a TP `dst_tp` worker (`head_plan`): for each
+    destination rank, each source rank's run of its heads. A slice that covers all of
+    its rank's heads keeps `head_end=None` (one byte range there)."""
+    plan = head_plan(src_tp, dst_tp, num_kv_heads)
+    src_n, dst_n = local_heads(num_kv_heads, src_tp), local_heads(num_kv_heads, dst_tp)
+
+    def sliced(r: Region, rank: int, first: int, n: int, held: int) -> Region:
+        return replace(r, rank=rank, head_start=first,
+                       head_end=None if (first, n) == (0, held) else first + n)
+
+    out: list[tuple[Region, Region]] = []
+    for s, d in pairs:
+        for dst_rank, slices in enumerate(plan):
+            for h in slices:
+                out.append((sliced(s, h.src_rank, h.src_head, h.num_heads, src_n),
+                            sliced(d, dst_rank, h.dst_head, h.num_heads, dst_n)))
+    return out

@@ -7,12 +7,16 @@ registration, and slice regions out of it without copying.
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import xxhash
 
-from kvtransfer.layout import KVLayout, Region
+from kvtransfer.layout import KVLayout, Region, rank_layout
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16, "float8_e4m3fn": torch.float8_e4m3fn}
@@ -34,52 +38,121 @@ def check_kv_tensor(kv: torch.Tensor, layout: KVLayout) -> int:
     return int(kv.shape[0])
 
 
-class RegisteredKV:
-    """The local KV cache, registered once with a transport.
+@dataclass(frozen=True, slots=True)
+class RankCaches:
+    """A tensor-parallel worker's KV caches, one per rank (rank 0's first), each
+    holding that rank's KV heads of every block under the same block ids; `names`:
+    their shared-memory segments, where they are in named ones (the `shm` receiver
+    hands them to senders)."""
 
-    Holds a reference to the tensor (the engine owns it; it must outlive the
+    tensors: list[torch.Tensor]
+    names: list[str] | None = None
+
+
+class RegisteredKV:
+    """The local KV cache, registered once with a transport: one block-major tensor,
+    or (`RankCaches`) one per tensor-parallel rank, each with its heads.
+
+    Holds references to the tensors (the engine owns them; they must outlive the
     transport). `view()` gives writable memoryviews into host memory; for CUDA
-    tensors `device_slice()` gives the byte slice on the device (for UCX).
+    tensors `device_slice()` gives the byte slice on the device (for UCX). A region
+    names its rank; a head slice of a rank's cache (strided) is read with `payload`
+    and written with `unpack`.
     """
 
-    def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
-        self.layout = layout
-        self.num_blocks = check_kv_tensor(kv, layout)
-        self.tensor = kv
-        self.is_cuda = kv.is_cuda
-        self.bytes = kv.view(-1).view(torch.uint8)
-        self._host: memoryview | None = None
+    def __init__(self, kv: torch.Tensor | RankCaches, layout: KVLayout) -> None:
+        tensors = kv.tensors if isinstance(kv, RankCaches) else [kv]
+        self.layout = layout  # the model's: every KV head (what the handshake checks)
+        self.tp = len(tensors)
+        self.rank_layout = rank_layout(layout, self.tp)  # one rank's cache
+        self.num_blocks = check_kv_tensor(tensors[0], self.rank_layout)
+        for t in tensors[1:]:
+            if check_kv_tensor(t, self.rank_layout) != self.num_blocks:
+                raise ValueError("every rank's KV cache must hold the same blocks")
+        self.tensors = tensors
+        self.tensor = tensors[0]
+        self.is_cuda = self.tensor.is_cuda
+        self.rank_bytes = [t.view(-1).view(torch.uint8) for t in tensors]
+        self.bytes = self.rank_bytes[0]
+        self._hosts: list[memoryview] | None = None
         if not self.is_cuda:
-            self._host = host_bytes(self.bytes)
+            self._hosts = [host_bytes(b) for b in self.rank_bytes]
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.layout.block_bytes
+        """Bytes of one rank's cache."""
+        return self.num_blocks * self.rank_layout.block_bytes
 
     @property
     def address(self) -> int:
-        """Base address of the cache (host or device): what RMA registers."""
+        """Base address of rank 0's cache (host or device): what RMA registers."""
         return int(self.tensor.data_ptr())
 
+    def check(self, region: Region) -> None:
+        """ValueError if `region` lies outside the rank caches."""
+        region.check(self.rank_layout, self.num_blocks, self.tp)
+
     def locate(self, region: Region) -> tuple[int, int]:
-        """(offset, nbytes) of `region`; ValueError if it lies outside this cache."""
-        return region.resolve(self.layout, self.num_blocks)
+        """(offset, nbytes) of `region` in its rank's cache; ValueError if it lies
+        outside it or is a head slice (no one byte range)."""
+        if not 0 <= region.rank < self.tp:
+            raise ValueError(f"{region} names a rank of {self.tp}")
+        return region.resolve(self.rank_layout, self.num_blocks)
+
+    def region_bytes(self, region: Region) -> int:
+        return region.nbytes(self.rank_layout)
+
+    def contiguous(self, region: Region) -> bool:
+        return region.whole_heads(self.rank_layout)
 
     def view(self, region: Region) -> memoryview:
         """A writable memoryview of `region` in host memory (no copy)."""
-        if self._host is None:
+        if self._hosts is None:
             raise ValueError("host view of a CUDA KV cache; stage it or use ucx")
         off, n = self.locate(region)
-        return self._host[off:off + n]
+        return self._hosts[region.rank][off:off + n]
+
+    def tensor_of(self, region: Region) -> torch.Tensor:
+        """`region` of its rank's cache as a (strided) tensor view."""
+        return region_view(self.tensors[region.rank], region, self.rank_layout)
+
+    def host_array(self, region: Region) -> np.ndarray:
+        """`region` of a host cache as a strided numpy array of its bytes (numpy copies
+        strided runs at memory speed; torch's CPU strided copy runs an order of
+        magnitude slower on a loaded few-core host)."""
+        return byte_array(self.tensors[region.rank], region, self.rank_layout)
+
+    def payload(self, region: Region) -> memoryview:
+        """`region`'s bytes in host memory: a view of the cache, or for a head slice
+        its runs packed in order (one copy)."""
+        if self.contiguous(region):
+            return self.view(region)
+        if self.is_cuda:
+            return host_bytes(self.tensor_of(region).contiguous().cpu())
+        return np.ascontiguousarray(self.host_array(region)).reshape(-1).data
+
+    def payload_parts(self, region: Region, max_bytes: int) -> Iterator[memoryview]:
+        """`payload(region)` a few whole blocks at a time (at most `max_bytes`, at least
+        one block): a head slice packed in pieces that stay in the CPU's cache."""
+        if self.contiguous(region):
+            yield self.view(region)
+            return
+        for part in block_parts(region, self.region_bytes(region), max_bytes):
+            yield self.payload(part)
+
+    def unpack(self, region: Region, data: Any) -> None:
+        """Writes packed bytes (`payload`'s order) into `region` of a host cache."""
+        out = self.host_array(region)
+        np.copyto(out, np.frombuffer(data, dtype=np.uint8).reshape(out.shape))
 
     def device_slice(self, region: Region) -> torch.Tensor:
         off, n = self.locate(region)
-        return self.bytes[off:off + n]
+        return self.rank_bytes[region.rank][off:off + n]
 
     def checksum(self, region: Region) -> int:
-        """On CUDA: copied to the host on this thread's current stream, behind the work
-        queued there (a sender uses `device_checksums`)."""
-        return checksum(self.view(region)) if self._host is not None else \
+        """Of `payload`'s bytes. On CUDA: copied to the host on this thread's current
+        stream, behind the work queued there (a sender uses `device_checksums`)."""
+        return checksum(self.payload(region)) if self._hosts is not None else \
             checksum(host_bytes(self.device_slice(region).cpu()))
 
     def device_checksums(self, regions: list[Region], after: Any) -> list[int]:
@@ -92,6 +165,49 @@ class RegisteredKV:
             stream.wait_event(after)
             with torch.cuda.stream(stream):
                 return [checksum(host_bytes(self.device_slice(r).cpu())) for r in regions]
+
+
+def block_parts(region: Region, nbytes: int, max_bytes: int) -> list[Region]:
+    """`region` (of `nbytes`) cut into runs of whole blocks of at most `max_bytes` (at
+    least one block each), in order."""
+    per_block = nbytes // region.num_blocks
+    k = max(1, max_bytes // per_block)
+    return [replace(region, block_id=region.block_id + i,
+                    num_blocks=min(k, region.num_blocks - i))
+            for i in range(0, region.num_blocks, k)]
+
+
+def region_view(cache: torch.Tensor, region: Region, layout: KVLayout) -> torch.Tensor:
+    """`region` of one rank's block-major cache `cache` (whose heads `layout` counts)
+    as a tensor view: [blocks, layers, parts, block_size, heads, head_dim]."""
+    start, end = region.layers(layout)
+    first, last = region.heads(layout)
+    b = region.block_id
+    return cache[b:b + region.num_blocks, start:end, :, :, first:last]
+
+
+def byte_array(cache: torch.Tensor, region: Region, layout: KVLayout) -> np.ndarray:
+    """`region` of one rank's host cache as a strided numpy array of bytes:
+    [blocks, layers, parts, block_size, heads, head_dim * itemsize]."""
+    return region_view(cache.view(torch.uint8), region, layout).numpy()
+
+
+def byte_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, nbytes) of the contiguous runs that copy
+    view `src` into view `dst` (same shape), offsets from each one's storage start:
+    one run where both are contiguous, else one per (block, layer, part, token)."""
+    size = src.element_size()
+    if src.is_contiguous() and dst.is_contiguous():
+        return [(int(src.storage_offset()) * size, int(dst.storage_offset()) * size,
+                 src.numel() * size)]
+    run = src.shape[-1] * src.shape[-2] * size  # heads x head_dim: contiguous in both
+    lead = src.shape[:-2]
+    out = []
+    for idx in itertools.product(*(range(n) for n in lead)):
+        s = int(src.storage_offset()) + sum(i * st for i, st in zip(idx, src.stride(), strict=False))
+        d = int(dst.storage_offset()) + sum(i * st for i, st in zip(idx, dst.stride(), strict=False))
+        out.append((s * size, d * size, run))
+    return out
 
 
 class Ready(Protocol):

@@ -28,8 +28,9 @@ class KVPusher:
                  registry: CollectorRegistry | None = None) -> None:
         self.sender: KVSender = make_sender(config, registry)
         self.sender.register(kv, layout)
-        # Makes blocks of `kv` current before they are sent: under tensor parallelism
-        # `kv` is rank 0's full-head staging copy, gathered from the ranks (worker/server.py)
+        # Makes blocks of `kv` current before they are sent: under tensor parallelism on
+        # CUDA `kv` is rank 0's full-head staging copy, gathered from the ranks
+        # (worker/server.py); on CPU `kv` is every rank's cache and nothing is staged
         self.stage: Callable[[list[int]], Awaitable[None]] | None = None
         self._peers: dict[str, Any] = {}
         self._lock = asyncio.Lock()

@@ -11,6 +11,7 @@ import logging
 import socket
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
@@ -76,8 +77,8 @@ class ReceiverBase:
         if self.kv is not None:
             raise RuntimeError("KV memory is already registered")
         self.kv = RegisteredKV(kv, layout)
-        self._table = TransferTable(layout, self.kv.num_blocks, self.metrics,
-                                    self._on_resolved, self._on_abort)
+        self._table = TransferTable(self.kv.rank_layout, self.kv.num_blocks, self.metrics,
+                                    self._on_resolved, self._on_abort, tp=self.kv.tp)
 
     async def start(self) -> None:
         """Listen for senders on config.host:config.port (0 = pick a free port)."""
@@ -102,9 +103,14 @@ class ReceiverBase:
     def expect(self, xfer_id: str, dst_regions: Sequence[Region], generation: int,
                lease_s: float | None = None) -> asyncio.Future[None]:
         """Announce an incoming transfer; the future resolves when every region landed
-        and verified, or fails (typed) once the blocks are safe to reuse."""
+        and verified, or fails (typed) once the blocks are safe to reuse. Under tensor
+        parallelism a region of the worker's blocks is expected on every rank: the
+        transfer completes when each rank's heads of it landed, and a failure of any
+        rank's slice fails the whole."""
         lease = self.config.lease_s if lease_s is None else lease_s
         self._results.pop((xfer_id, generation), None)
+        if self.kv is not None and self.kv.tp > 1:
+            dst_regions = [replace(r, rank=k) for r in dst_regions for k in range(self.kv.tp)]
         return self.table.expect(xfer_id, dst_regions, generation, lease)
 
     def cancel(self, xfer_id: str, reason: str = "cancelled by receiver") -> bool:
@@ -210,8 +216,9 @@ class ReceiverBase:
         elif hello.get("transport") != self.name:
             reason, message = "transport", f"receiver speaks {self.name}"
         else:
-            try:
-                self.table.layout.check_same(KVLayout(**hello["layout"]))
+            try:  # the model's layout (every head): the TP sizes may differ
+                assert self.kv is not None
+                self.kv.layout.check_same(KVLayout(**hello["layout"]))
             except (LayoutMismatch, TypeError, ValueError) as e:
                 reason, message = "layout", str(e)
         conn = Conn(self._next_conn, sock, peer)
@@ -231,7 +238,7 @@ class ReceiverBase:
             return None
         await wire.send_all(loop, sock, wire.pack_json(Frame.WELCOME, {
             "proof": wire.proof(self.config.token, b"s", client_nonce, challenge),
-            "conn_id": conn.id, **extra}))
+            "conn_id": conn.id, "tp": self.table.tp, **extra}))
         self._conns[conn.id] = conn
         log.info("accepted sender %s as connection %d", peer, conn.id)
         return conn

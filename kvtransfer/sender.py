@@ -28,7 +28,7 @@ from kvtransfer.errors import (
     VersionMismatch,
     error_from_kind,
 )
-from kvtransfer.layout import KVLayout, Region, coalesce
+from kvtransfer.layout import KVLayout, Region, coalesce, rank_pairs
 from kvtransfer.memory import Ready, RegisteredKV
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.wire import Frame
@@ -153,8 +153,11 @@ class SenderBase:
             out.verdict.result()  # raises the receiver's error (cancelled, timeout...)
         assert self.kv is not None
         pairs = coalesce(src_regions, dst_regions, self.kv.layout)
+        dst_tp = int(peer.welcome.get("tp", 1))
+        if self.kv.tp > 1 or dst_tp > 1:  # each rank's heads to the rank(s) taking them
+            pairs = rank_pairs(pairs, self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)
         for src, _ in pairs:
-            self.kv.locate(src)
+            self.kv.check(src)
         use_checksum = self.config.checksum if checksum is None else checksum
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
@@ -166,7 +169,7 @@ class SenderBase:
             self._fail_peer(peer, error)  # a frame may be half-sent: the stream is unusable
             self.metrics.failure(error.kind)
             raise error from None
-        nbytes = sum(s.nbytes(self.kv.layout) for s, _ in pairs)
+        nbytes = sum(self.kv.region_bytes(s) for s, _ in pairs)
         out.nbytes += nbytes
         self.metrics.bytes.inc(nbytes)
 
@@ -256,7 +259,8 @@ class SenderBase:
         await wire.send_all(loop, sock, wire.pack_json(Frame.HELLO, {
             "proof": wire.proof(token, b"c", server_nonce, client_nonce),
             "nonce": client_nonce.hex(), "transport": self.name,
-            "layout": json.loads(layout.to_json()), "version": wire.PROTOCOL_VERSION}))
+            "layout": json.loads(layout.to_json()), "version": wire.PROTOCOL_VERSION,
+            "tp": self.kv.tp if self.kv is not None else 1}))
         kind, reply = await wire.expect_json(loop, sock, Frame.WELCOME, Frame.REFUSE)
         if kind is Frame.REFUSE:
             log.warning("receiver refused us: %s (%s)", reply["kind"], reply["message"])

@@ -12,13 +12,14 @@ import secrets
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
-from kvtransfer.layout import KVLayout, Region
-from kvtransfer.memory import Ready, torch_dtype, wait_ready
+from kvtransfer.layout import KVLayout, Region, rank_layout
+from kvtransfer.memory import RankCaches, Ready, byte_array, torch_dtype, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -80,11 +81,15 @@ def reap_orphaned_segments() -> list[str]:
 
 
 class ShmReceiver(InPlaceReceiver):
+    """Hands senders the names of its cache's segments: one, or one per rank of a
+    tensor-parallel worker (`RankCaches` with names: the engine's rank segments)."""
+
     name = "shm"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shared: SharedKV | None = None
+        self._names: list[str] = []
 
     def allocate(self, layout: KVLayout, num_blocks: int) -> torch.Tensor:
         """Create the shared KV cache and register it; returns the engine's KV tensor."""
@@ -94,17 +99,21 @@ class ShmReceiver(InPlaceReceiver):
 
     def register_shared(self, shared: SharedKV, layout: KVLayout) -> None:
         self.shared = shared
+        self._names = [shared.name]
         super().register(shared.tensor, layout)
 
     def register(self, kv: Any, layout: KVLayout) -> None:
-        if self.shared is None or kv is not self.shared.tensor:
-            raise ValueError("shm needs its KV cache in shared memory: use allocate() or "
-                             "register_shared(allocate_shared_kv(...))")
+        if isinstance(kv, RankCaches) and kv.names is not None:
+            self._names = list(kv.names)
+        elif self.shared is None or kv is not self.shared.tensor:
+            raise ValueError("shm needs its KV cache in shared memory: use allocate(), "
+                             "register_shared(allocate_shared_kv(...)) or RankCaches with "
+                             "segment names")
         super().register(kv, layout)
 
     async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
-        assert self.shared is not None
-        return {"shm_name": self.shared.name, "shm_bytes": self.shared.nbytes}
+        assert self.kv is not None
+        return {"shm_names": self._names, "shm_bytes": self.kv.nbytes}
 
     def _close_memory(self) -> None:
         super()._close_memory()
@@ -116,35 +125,48 @@ class ShmSender(InPlaceSender):
     name = "shm"
 
     async def _on_connected(self, peer: Peer) -> None:
-        path = os.path.join(SHM_DIR, str(peer.welcome["shm_name"]))
-        fd = os.open(path, os.O_RDWR)
-        try:
-            mapping = mmap.mmap(fd, int(peer.welcome["shm_bytes"]))
-        finally:
-            os.close(fd)
-        peer.state = (mapping, torch.frombuffer(mapping, dtype=torch.uint8))
+        """Maps every segment of the receiver (one per rank): its rank caches."""
+        assert self.kv is not None
+        names = [str(n) for n in peer.welcome["shm_names"]]
+        nbytes = int(peer.welcome["shm_bytes"])
+        layout = rank_layout(self.kv.layout, len(names))
+        maps, caches = [], []
+        for name in names:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            try:
+                maps.append(mmap.mmap(fd, nbytes))
+            finally:
+                os.close(fd)
+            caches.append(torch.frombuffer(maps[-1], dtype=torch.uint8).view(
+                torch_dtype(layout)).view(layout.tensor_shape(nbytes // layout.block_bytes)))
+        peer.state = (maps, caches, layout)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
-        dst_bytes: torch.Tensor = peer.state[1]
-        total = len(dst_bytes) // self.kv.layout.block_bytes
+        _, caches, layout = peer.state
+        total = caches[0].shape[0]
         # A CUDA cache's regions come over to the host a batch of blocks at a time
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
         for src, dst in pairs:
             if time.monotonic() >= deadline:
                 raise TransferTimeout("shm grant expired before the copy")
-            off, n = dst.resolve(self.kv.layout, total)
-            dst_bytes[off:off + n].copy_(self.kv.device_slice(src) if staged is None
-                                         else next(staged))
+            dst.check(layout, total, len(caches))
+            out = byte_array(caches[dst.rank], dst, layout)
+            # one strided copy from the source rank's cache into the destination rank's
+            if staged is None:
+                np.copyto(out, self.kv.host_array(src))
+            else:
+                np.copyto(out, next(staged).cpu().numpy().reshape(out.shape))
         return None
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None:
-            mapping, view = peer.state
+            maps, caches, _ = peer.state
             peer.state = None
-            del view
-            with contextlib.suppress(BufferError):
-                mapping.close()
+            del caches
+            for mapping in maps:
+                with contextlib.suppress(BufferError):
+                    mapping.close()

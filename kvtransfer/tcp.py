@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import xxhash
 from prometheus_client import CollectorRegistry
 
 from kvtransfer import wire
@@ -18,13 +19,16 @@ from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
 from kvtransfer.faults import Faults, on_wire
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, host_bytes, wait_ready
+from kvtransfer.memory import Ready, block_parts, host_bytes, wait_ready
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
 
 _SCRATCH_BYTES = 1 << 20
+# A head slice's packed runs are received (and sent) this many bytes of whole blocks
+# at a time, and laid into the rank's cache while they are still in the CPU's cache
+_SLICE_PART_BYTES = 4 << 20
 
 
 class TcpReceiver(ReceiverBase):
@@ -33,6 +37,7 @@ class TcpReceiver(ReceiverBase):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._parts = memoryview(bytearray(0))  # a head slice's part, grown as needed
 
     async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
         assert self.kv is not None
@@ -40,11 +45,17 @@ class TcpReceiver(ReceiverBase):
         if not admitted:
             await self._discard(conn, payload_len)
             return
+        region = header.region
         try:
-            off, nbytes = self.kv.locate(header.region)
+            nbytes = self.kv.region_bytes(region)
             if payload_len != nbytes:
                 raise ProtocolError(f"payload of {payload_len} bytes for a {nbytes}-byte region")
-            await self._land(conn, header, payload_len)
+            if self.kv.contiguous(region):
+                dst = self.kv.view(region)
+                await self._land(conn, header, dst)
+                digest = compute_checksum(dst) if header.flags & wire.FLAG_CHECKSUM else 0
+            else:
+                digest = await self._land_slice(conn, header, nbytes)
         except BaseException as e:
             error = e if isinstance(e, KVTransferError) else \
                 PeerUnavailable(f"connection to sender {conn.peer} lost mid-region")
@@ -53,19 +64,40 @@ class TcpReceiver(ReceiverBase):
         ok = True
         if header.flags & wire.FLAG_CHECKSUM and self.table.is_live(header.xfer_id,
                                                                    header.generation):
-            ok = compute_checksum(self.kv.view(header.region)) == header.checksum
-        self.table.landed(header.xfer_id, header.region, ok)
+            ok = digest == header.checksum
+        self.table.landed(header.xfer_id, region, ok)
 
-    async def _land(self, conn: Conn, header: wire.WriteHeader, nbytes: int) -> None:
-        """Receive the payload into the destination, re-checking the fence per chunk."""
+    async def _land_slice(self, conn: Conn, header: wire.WriteHeader, nbytes: int) -> int:
+        """A head slice is strided in its rank's cache: its packed runs arrive a few
+        blocks at a time, each part laid into place while the transfer is live (after a
+        fence the rest is discarded). Returns the payload's checksum (0 when unasked)."""
         assert self.kv is not None
+        digest = xxhash.xxh3_64() if header.flags & wire.FLAG_CHECKSUM else None
+        left = nbytes
+        for part in block_parts(header.region, nbytes, _SLICE_PART_BYTES):
+            n = self.kv.region_bytes(part)
+            if len(self._parts) < n:
+                self._parts = memoryview(bytearray(n))
+            buf = self._parts[:n]
+            if not await self._land(conn, header, buf):
+                await self._discard(conn, left - n)
+                return 0
+            left -= n
+            if digest is not None:
+                digest.update(buf)
+            self.kv.unpack(part, buf)
+        return digest.intdigest() if digest is not None else 0
+
+    async def _land(self, conn: Conn, header: wire.WriteHeader, dst: memoryview) -> bool:
+        """Receive `len(dst)` payload bytes into `dst`, re-checking the fence per chunk;
+        False if the transfer was fenced meanwhile (the rest of them discarded)."""
         loop = asyncio.get_running_loop()
-        dst = self.kv.view(header.region)
+        nbytes = len(dst)
         got = 0
         while got < nbytes:
             if not self.table.is_live(header.xfer_id, header.generation):
                 await self._discard(conn, nbytes - got)  # fenced: nothing more lands
-                return
+                return False
             try:
                 k = await loop.sock_recv_into(conn.sock, dst[got:])
             except OSError as e:
@@ -74,6 +106,7 @@ class TcpReceiver(ReceiverBase):
                 raise PeerUnavailable(f"sender {conn.peer} closed mid-region")
             got += k
             conn.last_rx = loop.time()
+        return self.table.is_live(header.xfer_id, header.generation)
 
     async def _discard(self, conn: Conn, nbytes: int) -> None:
         loop = asyncio.get_running_loop()
@@ -106,20 +139,30 @@ class TcpSender(SenderBase):
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
         for src, dst in pairs:
-            data = self.kv.view(src) if staged is None else host_bytes(next(staged))
+            # a head slice without a checksum is packed and sent a few blocks at a time
+            parts = None
+            if staged is None and not checksum and not self.kv.contiguous(src):
+                parts, data = self.kv.payload_parts(src, _SLICE_PART_BYTES), None
+            else:
+                data = self.kv.payload(src) if staged is None else host_bytes(next(staged))
             flags = wire.FLAG_CHECKSUM if checksum else 0
             header = wire.WriteHeader(xfer_id, generation, dst, flags,
-                                      compute_checksum(data) if checksum else 0)
+                                      compute_checksum(data) if data is not None and checksum
+                                      else 0)
             meta = header.pack()
+            size = len(data) if data is not None else self.kv.region_bytes(src)
             # The lock is per region, so concurrent transfers interleave region by region.
             async with peer.send_lock:
                 peer.check()
-                head = wire.pack_frame(Frame.WRITE, meta, len(data))
+                head = wire.pack_frame(Frame.WRITE, meta, size)
                 if self._faults is not None:
+                    data = data if data is not None else host_bytes(
+                        self.kv.tensor_of(src).contiguous())
                     await self._faults.send_write(loop, peer.sock, head, data)
                     continue
                 await wire.send_all(loop, peer.sock, head)
-                await wire.send_all(loop, peer.sock, data)
+                for piece in parts if parts is not None else (data,):
+                    await wire.send_all(loop, peer.sock, piece)
 
 
 __all__ = ["TcpReceiver", "TcpSender"]

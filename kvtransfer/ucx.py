@@ -47,10 +47,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from kvtransfer.errors import ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
-from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, device_ready, wait_ready
+from kvtransfer.layout import Region, rank_layout
+from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 from kvtransfer.ucp_rma import Batch, Flushes, Ucp
@@ -166,7 +168,7 @@ class UcxReceiver(InPlaceReceiver):
         super().__init__(*args, **kwargs)
         self._lanes: list[_Lane] = []
         self._ucp: Ucp | None = None
-        self._memh = 0
+        self._memhs: list[int] = []
         self._welcome_info: dict[str, Any] = {}
 
     async def start(self) -> None:
@@ -177,10 +179,13 @@ class UcxReceiver(InPlaceReceiver):
         # RMA between hosts without RDMA); cma, RDMA and cuda_ipc need nothing here.
         lane = _Lane(self.config.ucx_options_for(kv.is_cuda), asyncio.get_running_loop())
         self._lanes = [lane]
-        self._memh = self._ucp.mem_map(lane.context.handle, kv.address, kv.nbytes, kv.is_cuda)
+        # every rank's cache (tensor parallelism: rank 0 maps them all), one key each
+        bases = [int(t.data_ptr()) for t in kv.tensors]
+        self._memhs = [self._ucp.mem_map(lane.context.handle, b, kv.nbytes, kv.is_cuda)
+                       for b in bases]
         self._welcome_info = {
-            "ucx_worker": lane.address, "base": kv.address, "nbytes": kv.nbytes,
-            "rkey": self._ucp.rkey_pack(lane.context.handle, self._memh).hex()}
+            "ucx_worker": lane.address, "bases": bases, "nbytes": kv.nbytes,
+            "rkeys": [self._ucp.rkey_pack(lane.context.handle, m).hex() for m in self._memhs]}
         await super().start()
 
     async def _welcome(self, conn: Conn, hello: dict[str, Any]) -> dict[str, Any]:
@@ -189,19 +194,21 @@ class UcxReceiver(InPlaceReceiver):
     def _close_memory(self) -> None:
         super()._close_memory()
         if self._ucp is not None and self._lanes:
-            self._ucp.mem_unmap(self._lanes[0].context.handle, self._memh)
+            for memh in self._memhs:
+                self._ucp.mem_unmap(self._lanes[0].context.handle, memh)
+        self._memhs = []
         _close_lanes(self._lanes)
 
 
 @dataclass(slots=True)
 class _Remote:
-    """A receiver as this sender sees it: its cache's base and size, and per lane an
-    endpoint to its worker and its remote key unpacked on that endpoint."""
+    """A receiver as this sender sees it: its caches' bases (one per rank) and size, and
+    per lane an endpoint to its worker and its remote keys unpacked on that endpoint."""
 
-    base: int
+    bases: list[int]
     nbytes: int
     eps: list[Any] = field(default_factory=list)
-    rkeys: list[int] = field(default_factory=list)
+    rkeys: list[list[int]] = field(default_factory=list)  # [lane][rank]
     busy: int = 0  # batches a lane thread may still be issuing on these endpoints
 
 
@@ -211,7 +218,7 @@ class UcxSender(InPlaceSender):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lanes: list[_Lane] = []
-        self._memhs: list[int] = []
+        self._memhs: list[list[int]] = []  # [lane][rank]
         self._batches: list[Batch] = []
         self._ucp: Ucp | None = None
         self._flushes: Flushes | None = None
@@ -228,11 +235,9 @@ class UcxSender(InPlaceSender):
         for _ in range(self.config.ucx_lanes):
             lane = _Lane(options, loop)
             self._lanes.append(lane)
-            self._memhs.append(ucp.mem_map(lane.context.handle, kv.address, kv.nbytes,
-                                           kv.is_cuda))
+            self._memhs.append([ucp.mem_map(lane.context.handle, int(t.data_ptr()), kv.nbytes,
+                                            kv.is_cuda) for t in kv.tensors])
             self._batches.append(Batch(ucp, lane.worker.handle, self._flushes))
-        import torch
-
         # The issuing threads need the device's CUDA context current (cuda_ipc copies).
         init = functools.partial(torch.cuda.set_device, kv.tensor.device) if kv.is_cuda \
             else None
@@ -244,22 +249,23 @@ class UcxSender(InPlaceSender):
 
     async def _on_connected(self, peer: Peer) -> None:
         welcome = peer.welcome
-        if not {"ucx_worker", "rkey", "base", "nbytes"} <= welcome.keys():
+        if not {"ucx_worker", "rkeys", "bases", "nbytes"} <= welcome.keys():
             raise ProtocolError("ucx WELCOME without the receiver's registration")
         if not self._lanes:
             self._open_lanes()
         assert self._ucp is not None
-        remote = peer.state = _Remote(int(welcome["base"]), int(welcome["nbytes"]))
-        packed = bytes.fromhex(str(welcome["rkey"]))
+        remote = peer.state = _Remote([int(b) for b in welcome["bases"]],
+                                      int(welcome["nbytes"]))
+        packed = [bytes.fromhex(str(k)) for k in welcome["rkeys"]]
         for lane in self._lanes:
             ep = lane.connect(str(welcome["ucx_worker"]), self.config.ucx_error_handling)
             remote.eps.append(ep)
-            remote.rkeys.append(self._ucp.rkey_unpack(ep.handle, packed))
+            remote.rkeys.append([self._ucp.rkey_unpack(ep.handle, k) for k in packed])
         # Wire every lane up now, with a small get into scratch (connect() bounds it):
         # a peer that dies while UCX is still wiring an endpoint up (error handling
         # off) can corrupt the heap; after this round trip a dead peer is a silent one.
         n, base = min(_WIREUP_BYTES, remote.nbytes), self._scratch.data_ptr()
-        await self._run(remote, "get", [[(base + i * _WIREUP_BYTES, n, remote.base)]
+        await self._run(remote, "get", [[(base + i * _WIREUP_BYTES, n, remote.bases[0])]
                                         for i in range(len(self._lanes))], scratch=True)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
@@ -269,26 +275,44 @@ class UcxSender(InPlaceSender):
         # UCX reads the source itself: the forward that wrote it must be done (its event;
         # without one, all work queued on the compute stream so far).
         await (device_ready(kv.tensor.device, ready) if kv.is_cuda else wait_ready(ready))
-        total = remote.nbytes // kv.layout.block_bytes
-        items = []
-        for src, dst in pairs:
-            off, n = dst.resolve(kv.layout, total)
-            items.append((kv.address + kv.locate(src)[0], n, remote.base + off))
+        groups = self._items(remote, pairs)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
         try:
-            await asyncio.wait_for(self._run(remote, "put", plan_lanes(items, len(self._lanes))),
-                                   left)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(left):
+                for (src_rank, dst_rank), items in groups.items():
+                    await self._run(remote, "put", plan_lanes(items, len(self._lanes)),
+                                    src_rank=src_rank, dst_rank=dst_rank)
+        except TimeoutError:
             # Puts may still be in flight: the connection goes (its endpoints with it).
             error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
             self._fail_peer(peer, error)
             raise error from None
         return None  # flushed: the bytes are in place
 
+    def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
+               ) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+        """The puts of `pairs` by (source rank, destination rank): (local address,
+        nbytes, remote address), one per byte run (a head slice: one per token)."""
+        assert self.kv is not None
+        kv = self.kv
+        layout = rank_layout(kv.layout, len(remote.bases))
+        there = torch.empty(layout.tensor_shape(remote.nbytes // layout.block_bytes),
+                            dtype=kv.tensor.dtype, device="meta")  # strides only
+        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for src, dst in pairs:
+            dst.check(layout, there.shape[0], len(remote.bases))
+            # byte runs count from the storage's start, as the receiver's bases do
+            local = kv.tensors[src.rank].untyped_storage().data_ptr()
+            far = remote.bases[dst.rank]
+            runs = byte_runs(kv.tensor_of(src), region_view(there, dst, layout))
+            groups.setdefault((src.rank, dst.rank), []).extend(
+                (local + s, n, far + d) for s, d, n in runs)
+        return groups
+
     async def _run(self, remote: _Remote, op: str, plan: list[list[tuple[int, int, int]]],
-                   scratch: bool = False) -> None:
+                   scratch: bool = False, src_rank: int = 0, dst_rank: int = 0) -> None:
         """Each lane issues its list (from its own thread), then flushes; returns once
         every lane's flush completed. PeerUnavailable on a UCX error."""
         assert self._flushes is not None and self._pool is not None and self._ucp is not None
@@ -304,7 +328,8 @@ class UcxSender(InPlaceSender):
                 waits.append(done)
                 issued = loop.run_in_executor(
                     self._pool, self._batches[lane].run, op, remote.eps[lane].handle,
-                    remote.rkeys[lane], parts, fid, 0 if scratch else self._memhs[lane], cuda)
+                    remote.rkeys[lane][dst_rank], parts, fid,
+                    0 if scratch else self._memhs[lane][src_rank], cuda)
                 issued.add_done_callback(functools.partial(self._issued, fid))
             for status in await asyncio.gather(*waits):
                 if status != 0:
@@ -324,8 +349,9 @@ class UcxSender(InPlaceSender):
         while remote.busy and time.monotonic() < deadline:  # a lane thread may be issuing
             await asyncio.sleep(0.01)
         assert self._ucp is not None
-        for rkey in remote.rkeys:
-            self._ucp.rkey_destroy(rkey)
+        for rkeys in remote.rkeys:
+            for rkey in rkeys:
+                self._ucp.rkey_destroy(rkey)
         for ep in remote.eps:
             _close_endpoint(ep)
 
@@ -334,8 +360,9 @@ class UcxSender(InPlaceSender):
             self._pool.shutdown(wait=True)
             self._pool = None
         if self._ucp is not None:
-            for lane, memh in zip(self._lanes, self._memhs, strict=True):
-                self._ucp.mem_unmap(lane.context.handle, memh)
+            for lane, memhs in zip(self._lanes, self._memhs, strict=True):
+                for memh in memhs:
+                    self._ucp.mem_unmap(lane.context.handle, memh)
         self._memhs.clear()
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()

@@ -38,9 +38,13 @@ from kvtransfer.layout import Region
 #   2: in-place writers (RESERVE / GRANT / WRITTEN, one notice per chunk) for shm,
 #      cuda_ipc and ucx RMA; WELCOME carries the exported cache or the remote key;
 #      HELLO carries the version.
-PROTOCOL_VERSION = 2
+#   3: tensor parallelism: HELLO and WELCOME carry each side's TP size; a region names
+#      its rank and KV head range (WRITE header, RESERVE), so each rank's heads move
+#      between the two sides' rank caches directly (`layout.rank_pairs`).
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("!BIQ")
-WRITE_META = struct.Struct("!QBIIIIQ")
+WRITE_META = struct.Struct("!QBIIIIQIII")
+_ALL = 0xFFFFFFFF  # layer_end / head_end None
 MAX_META = 1 << 20
 
 FLAG_CHECKSUM = 1
@@ -74,16 +78,20 @@ class WriteHeader:
 
     def pack(self) -> bytes:
         r = self.region
-        end = 0xFFFFFFFF if r.layer_end is None else r.layer_end
+        end = _ALL if r.layer_end is None else r.layer_end
+        heads = _ALL if r.head_end is None else r.head_end
         return WRITE_META.pack(self.generation, self.flags, r.block_id, r.num_blocks,
-                               r.layer_start, end, self.checksum) + self.xfer_id.encode()
+                               r.layer_start, end, self.checksum, r.rank, r.head_start,
+                               heads) + self.xfer_id.encode()
 
     @classmethod
     def unpack(cls, meta: bytes) -> WriteHeader:
         if len(meta) < WRITE_META.size:
             raise ProtocolError("short WRITE header")
-        gen, flags, block, nblocks, start, end, csum = WRITE_META.unpack_from(meta)
-        region = Region(block, start, None if end == 0xFFFFFFFF else end, nblocks)
+        gen, flags, block, nblocks, start, end, csum, rank, first, last = \
+            WRITE_META.unpack_from(meta)
+        region = Region(block, start, None if end == _ALL else end, nblocks, rank, first,
+                        None if last == _ALL else last)
         return cls(meta[WRITE_META.size:].decode(), gen, region, flags, csum)
 
 

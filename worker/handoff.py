@@ -27,9 +27,10 @@ receiver's verdict is awaited, the held blocks are released and the first token 
 returned. A cancelled call cancels its writes, fences the transfer on the receiver and
 frees its blocks.
 
-Under tensor parallelism the transports see rank 0's full-head staging copy: `land`
-scatters received blocks to the ranks, the pusher's `stage` gathers blocks before a send
-(worker/server.py).
+Under tensor parallelism on CPU the transports see every rank's cache and move each
+rank's heads directly (the receiver's `expect` covers every rank); on CUDA they see rank
+0's full-head staging copy: `land` scatters received blocks to the ranks, the pusher's
+`stage` gathers blocks before a send (worker/server.py).
 """
 
 from __future__ import annotations
@@ -151,8 +152,8 @@ class HandoffConnector(pb_grpc.PrefillServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._address = ""
         self.failures = 0
-        # Makes landed blocks the engine's before the request runs (tensor parallelism's
-        # scatter from the staging copy, worker/server.py)
+        # Makes landed blocks the engine's before the request runs (tensor parallelism on
+        # CUDA: the scatter from the staging copy, worker/server.py)
         self.land: Callable[[list[int]], Awaitable[None]] | None = None
 
     # -- decode side: the receiver ------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import start_http_server
+from prometheus_client import Counter, start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
@@ -36,6 +36,7 @@ from engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import KVLayout, engine_layout
+from kvtransfer.memory import RankCaches
 from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
 from kvtransfer.tiers.worker import attach_index, open_tiers
@@ -87,6 +88,11 @@ class KVSide:
         self._shared = False
         self._staging: torch.Tensor | None = None
         self._stage: Callable[[list[int]], Awaitable[None]] | None = None
+        self.staged = Counter(
+            "splitserve:kv_staging_blocks", "KV blocks the hand-off copied through rank 0's "
+            "full-head staging copy (tensor parallelism where rank 0 cannot address its "
+            "ranks' caches: CUDA); 0 where each rank's heads move directly",
+            registry=self.registry)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         if self.handoff is not None and self.role == "prefill":
@@ -102,6 +108,8 @@ class KVSide:
         num_blocks = num_kv_blocks(engine_config, m.shard(tp), dtype)
         if num_blocks is None:  # CUDA, sized from free memory: the engine allocates it
             return None
+        if tp > 1 and not engine_config.device.startswith("cuda"):
+            return None  # the ranks' own caches, in named segments (RankCaches)
         kv = self.handoff.allocate_kv(self.layout, num_blocks)
         self._shared = kv is not None
         if tp > 1:  # the transport's memory is rank 0's full-head staging copy
@@ -124,14 +132,17 @@ class KVSide:
             if self.handoff is not None:
                 self.handoff.pusher = self.pusher
 
-    def _transport_kv(self, llm: AsyncLLM) -> torch.Tensor:
+    def _transport_kv(self, llm: AsyncLLM) -> torch.Tensor | RankCaches:
         """What the transports register: the engine's KV cache; under tensor parallelism
-        (each rank holds its KV heads) rank 0's staging copy with every head and the
-        pool's block ids, gathered from the ranks before a send and scattered to them
-        after a receive lands (so the wire carries what a TP 1 worker sends)."""
+        (each rank holds its KV heads) every rank's cache where rank 0 maps them (CPU:
+        each rank's heads move straight between its cache and the wire), else (CUDA)
+        rank 0's staging copy with every head and the pool's block ids, gathered from
+        the ranks before a send and scattered to them after a receive lands."""
         runner = llm.engine.runner
         if runner.tp is None:
             return runner.kv_cache
+        if runner.rank_caches is not None:
+            return RankCaches(list(runner.rank_caches), runner.tp.segments)
         if self._staging is not None:  # shm's shared segment
             if self._staging.shape[0] != runner.num_blocks:
                 raise ValueError(f"the shared KV staging holds {self._staging.shape[0]} "
@@ -140,9 +151,11 @@ class KVSide:
         staging = runner.staging()
 
         async def stage(ids: list[int]) -> None:
+            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.gather_blocks(ids, staging))
 
         async def land(ids: list[int]) -> None:
+            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.scatter_blocks(ids, staging))
 
         if self.handoff is not None:
@@ -188,9 +201,10 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
-    if engine_config.tensor_parallel_size > 1 and (config.role != "colocated"
-                                                   or (tier_config is not None and tier_config.enabled)):
-        # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies)
+    if engine_config.tensor_parallel_size > 1 and engine_config.device.startswith("cuda") \
+            and (config.role != "colocated" or (tier_config is not None and tier_config.enabled)):
+        # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies): its
+        # memory counts in the KV budget
         engine_config = replace(engine_config, kv_staging=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -23,17 +23,20 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
     ("tcp", "llama", 1, "auto"), ("shm", "llama", 1, "auto"), ("ucx", "llama", 1, "auto"),
     ("tcp", "deepseek_v2", 1, "auto"),  # MLA: the latent blocks, sized by their layout
     ("tcp", "llama", 1, "fp8"),  # an FP8 cache: one byte a value
-    # TP 2 decodes with an FP8 cache: full-head blocks gathered, then scattered, as bytes
-    ("tcp", "llama", 2, "fp8"),
+    # a TP 1 and a TP 2 decode with an FP8 cache: each rank's heads straight between
+    # its cache and the other worker's (no staging copy), as bytes
+    ("tcp", "llama", (1, 2), "fp8"),
 ])
 def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch, tp,
                                                        kv_dtype) -> None:
+    """`tp`: both decodes' TP size, or each one's."""
     from cluster.placement import WorkerPlacement
 
     (tmp_path / "routing.yaml").write_text(PROFILE)
     model = tiny_model_dir(arch)
     placement = {} if tp == 1 else {
-        f"decode-{i}": WorkerPlacement(("--tensor-parallel-size", str(tp))) for i in range(2)}
+        f"decode-{i}": WorkerPlacement(("--tensor-parallel-size", str(t)))
+        for i, t in enumerate(tp)}
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
                        worker_args=("--num-blocks", str(NUM_BLOCKS),
                                     "--kv-cache-dtype", kv_dtype), placement=placement,
@@ -65,6 +68,7 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
         sent = sum(metric(p, "splitserve:kv_transfer_bytes_total", role="sender")
                    for p in ports.values())
         assert sent > 0
+        assert sum(metric(p, "splitserve:kv_staging_blocks_total") for p in ports.values()) == 0
         if arch == "deepseek_v2":  # the 6 blocks' latents: (32 + 16) x 3 layers x 4 bytes
             assert sent == 96 * (32 + 16) * 3 * 4
         if kv_dtype == "fp8":  # K and V x 2 layers x 2 heads x 16 dims x 1 byte

@@ -1,18 +1,28 @@
 """Disaggregated serving with tensor-parallel workers (CPU, gloo, real processes): the
 prefill worker at TP p, the decode worker at TP d, every prompt prefilled remotely
-(decider threshold 0). The wire carries full-head blocks: rank 0 of the prefill gathers
-them from its ranks, rank 0 of the decode scatters them to its ranks' heads. Greedy
-output through the gateway equals transformers' for p != d, p == d, a model with
-fewer KV heads than ranks (each replicated), over tcp and shm."""
+(decider threshold 0). Each decode rank receives exactly its KV heads from the prefill
+rank(s) holding them, straight between the ranks' caches (no block goes through rank
+0's staging copy on either side: its counter stays 0). Greedy output through the
+gateway equals transformers' for p != d, p == d, a model with fewer KV heads than
+ranks (each replicated), over tcp and shm, and one pair over ucx."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 
 from cluster.placement import WorkerPlacement
 from engine.config import ModelConfig
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
-from tests.integration.disagg_util import generate_remotely, logs, start_cluster
+from tests.integration.disagg_util import (
+    child,
+    generate_remotely,
+    logs,
+    shm_left_behind,
+    start_cluster,
+)
+from tests.integration.serving_util import metric
 
 # 9 shares 7's first 48 tokens: its prefix is a hit on the decode, the rest is sent
 _LENGTHS = (17, 40, 90, 64)
@@ -24,8 +34,12 @@ def _prompts() -> tuple[list[list[int]], list[int]]:
     return prompts, [5, 9, 6, 4, 7]
 
 
+UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="no ucxx")
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport", "kv_heads"), [
-    (1, 2, "tcp", 2), (2, 1, "tcp", 2), (2, 2, "tcp", 1), (2, 2, "shm", 2)])
+    (1, 2, "tcp", 2), (2, 1, "tcp", 2), (2, 2, "tcp", 1), (2, 2, "shm", 2),
+    (1, 2, "shm", 1), (2, 1, "shm", 2), pytest.param(1, 2, "ucx", 2, marks=UCX)])
 def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
                                                      decode_tp: int, transport: str,
                                                      kv_heads: int) -> None:
@@ -37,10 +51,15 @@ def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
                    "decode-0": WorkerPlacement(("--tensor-parallel-size", str(decode_tp)))})
     try:
         got, moved = generate_remotely(cluster, prompts, max_tokens)
+        staged = [metric(int(child(cluster, n).extra["metrics_port"]),
+                         "splitserve:kv_staging_blocks_total") for n in ("prefill-0", "decode-0")]
     finally:
         cluster.stop()
+    assert staged == [0, 0], staged  # the per-rank path on both sides
+    assert shm_left_behind(cluster) == []  # the ranks' cache segments went with them
     cfg = ModelConfig.from_model_dir(model_dir)
-    # full-head blocks crossed the wire: K and V of every KV head, every layer
+    # every decode rank's heads crossed: K and V of every KV head (replicated heads once
+    # per rank holding them), every layer, whole blocks
     block_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * 4 * 16
     assert moved > 0 and moved % block_bytes == 0
     hf = hf_model(model_dir)

@@ -118,3 +118,43 @@ def test_a_hung_rank_ends_generate_within_the_collective_timeout() -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def _generating(*extra: str) -> tuple[subprocess.Popen[str], int]:
+    """`splitserve generate -tp 2` on CPU, running once rank 1 is ready: (process, rank)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "generate", "--model", tiny_model_dir("llama"),
+         "-tp", "2", "--device", "cpu", "--num-blocks", "128", "--prompt", "hello",
+         "--max-tokens", "1000", "--ignore-eos", *extra],
+        cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stderr is not None
+    err = ""
+    while "rank 1 of 2 ready" not in err:
+        line = proc.stderr.readline()
+        assert line, err
+        err += line
+    [rank] = _ranks(proc.pid)
+    return proc, rank
+
+
+def _segments(pid: int) -> list[str]:
+    """The KV segments of the group whose rank 0 is `pid` (engine/rank_segments.py)."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"splitserve-kv-{pid}-tp")]
+
+
+def test_a_killed_rank_leaves_no_kv_segment() -> None:
+    """Each rank's KV cache is a shared-memory segment: SIGKILL to rank 1 (rank 0 removes
+    every name as it goes down) or to rank 0 (rank 1 does) leaves none behind."""
+    for victim in ("rank 1", "rank 0"):
+        proc, rank = _generating()
+        try:
+            assert len(_segments(proc.pid)) == 2
+            os.kill(rank if victim == "rank 1" else proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+            wait_for(lambda r=rank: _gone(r), 10, "rank 1 to end")
+            assert _segments(proc.pid) == [], victim
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

@@ -1,6 +1,7 @@
 """`splitserve bench transfer --prefill-tensor-parallel-size P --decode-tensor-parallel-size D`
-on a CPU (gloo): real TP engines of a tiny shape hand prompts off, beside TP 1 -> TP 1;
-the report's fields and the landed bytes (checked by the benchmark), not its timings."""
+on a CPU (gloo): real TP engines of a tiny shape hand prompts off by the per-rank path
+and the staging path, beside TP 1 -> TP 1; the report's fields and the landed bytes
+(checked by the benchmark), not its timings."""
 
 from __future__ import annotations
 
@@ -28,22 +29,26 @@ def test_bench_transfer_between_tp_sizes_on_cpu(tmp_path, monkeypatch, capsys):
     result = json.loads(out.read_text())
     block_bytes = result["layout"]["block_size"] * 2 * TINY["num_hidden_layers"] \
         * TINY["head_dim"] * 4  # K and V, one KV head, float32
-    rows = {(r["prefill_tp"], r["decode_tp"], r["tokens"]): r for r in result["rows"]}
-    assert set(rows) == {(1, 1, 16), (1, 1, 40), (2, 2, 16), (2, 2, 40)}
-    for (p, _, tokens), r in rows.items():
+    rows = {(r["prefill_tp"], r["decode_tp"], r["path"], r["tokens"]): r
+            for r in result["rows"]}
+    assert set(rows) == {(1, 1, "direct", 16), (1, 1, "direct", 40), (2, 2, "staging", 16),
+                         (2, 2, "staging", 40), (2, 2, "rank", 16), (2, 2, "rank", 40)}
+    for (_, _, path, tokens), r in rows.items():
         assert r["bytes"] == -(-tokens // 16) * block_bytes
         assert r["handoffs"] == 2 and r["p50_ms"] > 0 and r["gbps"] > 0
         assert 0 <= r["tp_share"] <= 1
-        if p == 1:  # TP 1: the transports read and write the caches, nothing staged
+        if path != "staging":  # the transports read and write the caches, nothing staged
             assert r["gather_ms"] == r["scatter_ms"] == r["tp_share"] == 0
         else:
             assert r["gather_ms"] > 0 and r["scatter_ms"] > 0 and r["tp_share"] > 0
     s = result["summary"]
-    assert (s["prefill_tp"], s["decode_tp"], s["tokens"]) == (2, 2, 40)
+    assert (s["prefill_tp"], s["decode_tp"], s["path"], s["tokens"]) == (2, 2, "rank", 40)
+    assert s["tp_gbps"] == rows[(2, 2, "rank", 40)]["gbps"]
+    assert s["staging_gbps"] == rows[(2, 2, "staging", 40)]["gbps"]
+    assert s["rank_vs_staging"] == pytest.approx(s["tp_gbps"] / s["staging_gbps"])
     assert s["tp_vs_ref"] == pytest.approx(s["tp_gbps"] / s["ref_gbps"])
-    assert s["tp_share"] == rows[(2, 2, 40)]["tp_share"]
     printed = capsys.readouterr().out
-    assert "TP 2 -> TP 2 at 40 tokens" in printed and "ratio" in printed
+    assert "TP 2 -> TP 2 at 40 tokens: rank" in printed and "vs staging" in printed
 
 
 def test_bench_transfer_refuses_a_bad_tp_size(capsys):

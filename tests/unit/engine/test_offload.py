@@ -159,13 +159,15 @@ def test_host_tier_with_a_cuda_kv_cache(model, tmp_path):
 
 
 def test_tensor_parallel_host_tier_hits_match_transformers(model):
-    """TP 2 (gloo, one KV head a rank): the tier keeps full-head blocks, gathered from
-    both ranks on save and scattered to them on load; a TP 1 layout's bytes."""
+    """TP 2 (gloo, one KV head a rank): the tier keeps full-head blocks (a TP 1 layout's
+    bytes), read from both ranks' caches on save and written into them on load, with
+    no block through rank 0's staging copy."""
     model_dir = model[0]
     with TieredCache(TierConfig(host_blocks=64), layout_of(model_dir)) as tiers:
         llm = LLM(model_dir, offload=tiers, dtype="float32", block_size=BS, num_blocks=16,
                   tensor_parallel_size=2)
         try:
             run_twice(model, tiers, "host", llm)
+            assert llm.engine.runner.staged_blocks == 0
         finally:
             llm.engine.runner.close()
