@@ -79,6 +79,14 @@ class Tokenizer:
             return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
 
+    def decode_batch(self, seqs: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each of `seqs`, in one call (a few µs less per sequence)."""
+        if not seqs:
+            return []
+        out = self._tok.decode_batch(list(seqs), skip_special_tokens=skip_special_tokens)
+        return [str(t) for t in out]
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'
         convert_ids_to_tokens."""

@@ -1,0 +1,172 @@
+"""`splitserve bench host`: the engine's host (CPU) time per decode step, split by phase.
+
+A real engine on a tiny random-weight Llama (CPU) runs a batch of decode requests at
+workload c's lengths (prompts and outputs U[100, 1024], nano-vllm's benchmark); once
+every request is past its prefill, `--steps` decode steps are timed. Each phase is timed
+with `perf_counter` around the engine's own calls (the bench wraps them on the one
+engine instance it builds; nothing in the engine changes):
+
+    # | schedule | inputs | forward | sample | update | outputs | other |
+
+`schedule`: Scheduler.schedule; `inputs`: StepInputBuilder.build; `forward`: the model
+call (the tiny model's CPU forward, the reference, not host overhead); `sample`:
+ModelRunner.sample and reading the tokens; `update`: Scheduler.update_from_output;
+`outputs`: stop checks, detokenization and RequestOutputs; `other`: the rest of
+`LLMEngine.step`. Host time is the step minus `forward`; on a GPU it is what the device
+waits for unless async scheduling hides it behind the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
+WARMUP_TOKENS = 8  # every request's, before timing: all prefills are done
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=256, help="running decode requests")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
+                   metavar=("MIN", "MAX"), help="output tokens left when timing starts "
+                   "(ignore_eos)")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per repeat")
+    p.add_argument("--repeats", type=int, default=3, help="timed windows; medians reported")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase while `active`."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.active = False
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn: Callable[..., Any] = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if self.active:
+                    self.seconds[phase] += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def instrument(engine: Any) -> PhaseTimer:
+    """Times `engine`'s phases (instance attributes shadow the methods)."""
+    timer = PhaseTimer()
+    runner = engine.runner
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(runner.inputs, "build", "inputs")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner, "sample", "sample")
+    timer.wrap(engine.scheduler, "update_from_output", "update")
+    timer.wrap(engine, "_step_outputs", "outputs")
+    return timer
+
+
+def _sample_total(engine: Any, timer: PhaseTimer) -> None:
+    """`sample` also covers reading the tokens (StepTokens.result) in the step."""
+    launch = engine.runner.launch
+
+    def timed_launch(*a: Any, **kw: Any) -> Any:
+        tokens = launch(*a, **kw)
+        result = tokens.result
+
+        def timed_result() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return result()
+            finally:
+                if timer.active:
+                    timer.seconds["sample"] += time.perf_counter() - t0
+        tokens.result = timed_result
+        return tokens
+
+    engine.runner.launch = timed_launch
+
+
+def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
+    from bench.engine_bench import build_model
+    from engine.llm import LLM
+
+    model_dir, _ = build_model(root, args.hidden_size, args.num_layers)
+    llm = LLM(model_dir, dtype="float32", block_size=16,
+              num_blocks=total_tokens // 16 + 2 * args.batch, max_num_seqs=args.batch,
+              max_num_batched_tokens=16384, max_model_len=4096)
+    return llm.engine
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.sampling_params import SamplingParams
+
+    rng = random.Random(args.seed)
+    lo, hi = args.input_len
+    prompts = [[rng.randrange(10, 250) for _ in range(rng.randint(lo, hi))]
+               for _ in range(args.batch)]
+    # Each request has its U[MIN, MAX] output tokens still to go when timing starts.
+    extra = WARMUP_TOKENS + 2 * args.steps * args.repeats
+    outs = [rng.randint(*args.output_len) + extra for _ in range(args.batch)]
+    with tempfile.TemporaryDirectory() as root:
+        engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
+        timer = instrument(engine)
+        _sample_total(engine, timer)
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0,
+                                                          ignore_eos=True))
+        while engine.scheduler.waiting or any(
+                r.num_output_tokens < WARMUP_TOKENS for r in engine.scheduler.running):
+            engine.step()  # prefills, then a few decode steps
+        windows = []
+        for _ in range(args.repeats):
+            timer.seconds = dict.fromkeys(PHASES, 0.0)
+            timer.active = True
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+                assert engine.last_step_tokens == args.batch, "not a full decode step"
+            total = time.perf_counter() - t0
+            timer.active = False
+            windows.append({**timer.seconds, "step": total})
+    per_step = {k: statistics.median(w[k] for w in windows) / args.steps * 1e6
+                for k in (*PHASES, "step")}
+    per_step["other"] = per_step["step"] - sum(per_step[k] for k in PHASES)
+    host = per_step["step"] - per_step["forward"]
+    result = {"summary": {"host_us_per_step": host, "host_us_per_request": host / args.batch,
+                          "forward_us_per_step": per_step["forward"],
+                          "step_us": per_step["step"]},
+              "phases_us_per_step": per_step,
+              "config": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
+    print(f"batch {args.batch}: host {host:.0f} us/step ({host / args.batch:.2f} us/request), "
+          f"forward {per_step['forward']:.0f} us/step")
+    print("  " + "  ".join(f"{k} {per_step[k]:.0f}" for k in (*PHASES, "other")))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
