@@ -3,7 +3,7 @@
 A real engine on a tiny random-weight Llama (CPU) runs a batch of decode requests at
 workload c's lengths (prompts and outputs U[100, 1024], nano-vllm's benchmark); once
 every request is past its prefill, `--steps` decode steps are timed. Each phase is timed
-with `perf_counter` around the engine's own calls (the bench wraps them on the one
+(the engine thread's CPU time) around the engine's own calls (the bench wraps them on the one
 engine instance it builds; nothing in the engine changes):
 
     # | schedule | inputs | forward | sample | update | outputs | other |
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -30,6 +32,10 @@ from typing import Any
 
 PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
 WARMUP_TOKENS = 8  # every request's, before timing: all prefills are done
+# CPU time of the engine's thread: time the shared machine gives other processes is not
+# counted. Torch and the tokenizer run on that thread alone (`run`), so it is all the
+# step's work.
+CLOCK = time.thread_time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
                    metavar=("MIN", "MAX"), help="output tokens left when timing starts "
                    "(ignore_eos)")
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps per repeat")
-    p.add_argument("--repeats", type=int, default=3, help="timed windows; medians reported")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps (medians)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -58,12 +63,12 @@ class PhaseTimer:
 
         @functools.wraps(fn)
         def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             try:
                 return fn(*a, **kw)
             finally:
                 if self.active:
-                    self.seconds[phase] += time.perf_counter() - t0
+                    self.seconds[phase] += CLOCK() - t0
 
         setattr(obj, name, timed)
 
@@ -90,16 +95,38 @@ def _sample_total(engine: Any, timer: PhaseTimer) -> None:
         result = tokens.result
 
         def timed_result() -> Any:
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             try:
                 return result()
             finally:
                 if timer.active:
-                    timer.seconds["sample"] += time.perf_counter() - t0
+                    timer.seconds["sample"] += CLOCK() - t0
         tokens.result = timed_result
         return tokens
 
     engine.runner.launch = timed_launch
+
+
+class GCTimer:
+    """CPU seconds the cyclic garbage collector took while `active` (within the phases
+    it interrupted), and how many full (generation 2) collections ran."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self.active = False
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = CLOCK()
+        elif self.active:
+            self.seconds += CLOCK() - self._t0
+            self.full += info["generation"] == 2
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
@@ -114,14 +141,19 @@ def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer's first use
+    import torch
+
     from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
 
     rng = random.Random(args.seed)
     lo, hi = args.input_len
     prompts = [[rng.randrange(10, 250) for _ in range(rng.randint(lo, hi))]
                for _ in range(args.batch)]
     # Each request has its U[MIN, MAX] output tokens still to go when timing starts.
-    extra = WARMUP_TOKENS + 2 * args.steps * args.repeats
+    extra = WARMUP_TOKENS + 2 * args.steps
     outs = [rng.randint(*args.output_len) + extra for _ in range(args.batch)]
     with tempfile.TemporaryDirectory() as root:
         engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
@@ -133,29 +165,34 @@ def run(args: argparse.Namespace) -> int:
         while engine.scheduler.waiting or any(
                 r.num_output_tokens < WARMUP_TOKENS for r in engine.scheduler.running):
             engine.step()  # prefills, then a few decode steps
-        windows = []
-        for _ in range(args.repeats):
+        steps = []
+        gct = GCTimer()
+        timer.active = gct.active = True
+        for _ in range(args.steps):
             timer.seconds = dict.fromkeys(PHASES, 0.0)
-            timer.active = True
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                engine.step()
-                assert engine.last_step_tokens == args.batch, "not a full decode step"
-            total = time.perf_counter() - t0
-            timer.active = False
-            windows.append({**timer.seconds, "step": total})
-    per_step = {k: statistics.median(w[k] for w in windows) / args.steps * 1e6
-                for k in (*PHASES, "step")}
-    per_step["other"] = per_step["step"] - sum(per_step[k] for k in PHASES)
-    host = per_step["step"] - per_step["forward"]
+            gct.seconds = 0.0
+            t0 = CLOCK()
+            engine.step()
+            steps.append({**timer.seconds, "step": CLOCK() - t0, "gc": gct.seconds})
+            assert engine.last_step_tokens == args.batch, "not a full decode step"
+        timer.active = gct.active = False
+        gct.close()
+    # Medians over steps: a step the shared machine slowed down does not move them.
+    per_step = {k: statistics.median(s[k] for s in steps) * 1e6 for k in (*PHASES, "step")}
+    host = statistics.median((s["step"] - s["forward"]) for s in steps) * 1e6
+    per_step["other"] = host - sum(per_step[k] for k in PHASES if k != "forward")
+    gc_mean = statistics.fmean(s["gc"] for s in steps) * 1e6
     result = {"summary": {"host_us_per_step": host, "host_us_per_request": host / args.batch,
                           "forward_us_per_step": per_step["forward"],
+                          "gc_us_per_step_mean": gc_mean, "gc_full_collections": gct.full,
                           "step_us": per_step["step"]},
               "phases_us_per_step": per_step,
               "config": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     print(f"batch {args.batch}: host {host:.0f} us/step ({host / args.batch:.2f} us/request), "
           f"forward {per_step['forward']:.0f} us/step")
     print("  " + "  ".join(f"{k} {per_step[k]:.0f}" for k in (*PHASES, "other")))
+    print(f"  garbage collector: {gc_mean:.0f} us/step on average (within the phases), "
+          f"{gct.full} full collections in {args.steps} steps")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

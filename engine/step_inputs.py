@@ -78,8 +78,9 @@ def _fill_tables(tables: np.ndarray, rows: Sequence[array[int]], need: np.ndarra
         need = np.minimum(lens, need)
         starts = np.cumsum(lens) - lens
         flat = np.concatenate([flat[s:s + n] for s, n in zip(starts, need, strict=True)])
-    mask = np.arange(tables.shape[1]) < need[:, None]
-    tables[:len(rows)][mask] = flat
+    # Only the columns in use: a CUDA graph's table is max_model_len wide.
+    width = int(need.max())
+    tables[:len(rows), :width][np.arange(width) < need[:, None]] = flat
 
 
 class StepInputBuilder:
