@@ -104,8 +104,10 @@ class KVCacheManager:
         """Publishes the request's newly full, computed blocks to the prefix cache."""
         if not self.enable_caching:
             return
-        blocks = self.req_blocks.get(request.request_id, [])
         start = self._num_cached.get(request.request_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # most decode steps: no block became full
+        blocks = self.req_blocks.get(request.request_id, [])
         end = min(num_computed_tokens // self.block_size, len(blocks))
         if end <= start:
             return
