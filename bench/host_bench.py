@@ -47,64 +47,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps (medians)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine schedules step n+1 before it reads step n's tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
 
 
 class PhaseTimer:
-    """Accumulates seconds per phase while `active`."""
+    """Accumulates seconds per phase while `active`, exclusive: a phase timed inside
+    another (the outputs inside an async step's resolve) counts for itself only."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self.active = False
+        self._inner: list[float] = []  # per open phase: seconds of phases inside it
+
+    def time(self, phase: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        self._inner.append(0.0)
+        t0 = CLOCK()
+        try:
+            return fn(*a, **kw)
+        finally:
+            elapsed = CLOCK() - t0
+            inner = self._inner.pop()
+            if self._inner:
+                self._inner[-1] += elapsed
+            if self.active:
+                self.seconds[phase] += elapsed - inner
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
         fn: Callable[..., Any] = getattr(obj, name)
 
         @functools.wraps(fn)
         def timed(*a: Any, **kw: Any) -> Any:
-            t0 = CLOCK()
-            try:
-                return fn(*a, **kw)
-            finally:
-                if self.active:
-                    self.seconds[phase] += CLOCK() - t0
+            return self.time(phase, fn, *a, **kw)
 
         setattr(obj, name, timed)
 
 
 def instrument(engine: Any) -> PhaseTimer:
-    """Times `engine`'s phases (instance attributes shadow the methods)."""
+    """Times `engine`'s phases (instance attributes shadow the methods). `sample` also
+    covers reading the sampled tokens; under async scheduling `update` is the resolve
+    of the step in flight (appending its tokens)."""
     timer = PhaseTimer()
     runner = engine.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.inputs, "build", "inputs")
     timer.wrap(runner.model, "forward", "forward")
-    timer.wrap(runner, "sample", "sample")
     timer.wrap(engine.scheduler, "update_from_output", "update")
     timer.wrap(engine, "_step_outputs", "outputs")
-    return timer
+    if engine.async_steps is not None:
+        timer.wrap(engine.async_steps, "_resolve", "update")
+    sample = runner.sample
 
-
-def _sample_total(engine: Any, timer: PhaseTimer) -> None:
-    """`sample` also covers reading the tokens (StepTokens.result) in the step."""
-    launch = engine.runner.launch
-
-    def timed_launch(*a: Any, **kw: Any) -> Any:
-        tokens = launch(*a, **kw)
+    def timed_sample(*a: Any, **kw: Any) -> Any:
+        tokens = timer.time("sample", sample, *a, **kw)
         result = tokens.result
-
-        def timed_result() -> Any:
-            t0 = CLOCK()
-            try:
-                return result()
-            finally:
-                if timer.active:
-                    timer.seconds["sample"] += CLOCK() - t0
-        tokens.result = timed_result
+        tokens.result = lambda: timer.time("sample", result)
         return tokens
 
-    engine.runner.launch = timed_launch
+    runner.sample = timed_sample
+    return timer
 
 
 class GCTimer:
@@ -136,7 +139,8 @@ def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
     model_dir, _ = build_model(root, args.hidden_size, args.num_layers)
     llm = LLM(model_dir, dtype="float32", block_size=16,
               num_blocks=total_tokens // 16 + 2 * args.batch, max_num_seqs=args.batch,
-              max_num_batched_tokens=16384, max_model_len=4096)
+              max_num_batched_tokens=16384, max_model_len=4096,
+              async_scheduling=args.async_scheduling)
     return llm.engine
 
 
@@ -158,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as root:
         engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
         timer = instrument(engine)
-        _sample_total(engine, timer)
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0,
                                                           ignore_eos=True))

@@ -68,3 +68,19 @@ def test_batched_detokenization_equals_token_by_token() -> None:
         [(d.text, d.stopped, d.stop_str) for d in one]
     assert any(d.stopped for d in one) and not all(d.stopped for d in one)
     assert any(any(tok.is_special(t) for t in out) for out in outputs)
+
+
+def test_decode_batch_equals_decode_and_remembers_single_ids() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        vocab = write_tokenizer(d)
+        tok = Tokenizer(d)
+    rng = random.Random(1)
+    seqs = [[rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 5]))]
+            for _ in range(300)]
+    seqs += [[0], [1], [0, 1]]  # special tokens
+    for skip in (True, False):
+        want = [tok.decode(s, skip) for s in seqs]
+        assert tok.decode_batch(seqs, skip) == want
+        assert tok.decode_batch(seqs, skip) == want  # single ids now remembered
+    assert tok.decode_batch([[0]], True) != tok.decode_batch([[0]], False)
+    assert tok.decode_batch([]) == []
