@@ -46,6 +46,24 @@ class IncrementalDetokenizer:
             self._ids.append(tid)
             self._step()
 
+    @staticmethod
+    def add_newest(detoks: Sequence[IncrementalDetokenizer],
+                   token_ids: Sequence[int]) -> None:
+        """`detoks[i].add([token_ids[i]])` for every i, with one tokenizer call per
+        skip_special_tokens value instead of two calls per detokenizer (a decode step:
+        each request's one new token). They share one tokenizer."""
+        live = [(d, t) for d, t in zip(detoks, token_ids, strict=True) if not d.stopped]
+        if not live:
+            return
+        for d, t in live:
+            d._ids.append(t)
+        tok = live[0][0]._tok
+        for skip in {d._skip for d, _ in live}:
+            group = [d for d, _ in live if d._skip == skip]
+            texts = tok.decode_batch([ids for d in group for ids in d._pending()], skip)
+            for i, d in enumerate(group):
+                d._apply(texts[2 * i], texts[2 * i + 1])
+
     def skip(self, token_ids: Sequence[int]) -> None:
         """Adds tokens whose text an earlier stream of this request already showed
         (fail-over): the text holds them (stop strings see it whole), and what a stream
@@ -55,8 +73,17 @@ class IncrementalDetokenizer:
         self.take_delta()
 
     def _step(self) -> None:
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        prefix, full = self._pending()
+        self._apply(self._tok.decode(prefix, self._skip), self._tok.decode(full, self._skip))
+
+    def _pending(self) -> tuple[list[int], list[int]]:
+        """The ids to decode for the newest token: (the joining context, it and the
+        tokens after it)."""
+        return (self._ids[self._prefix_offset:self._read_offset],
+                self._ids[self._prefix_offset:])
+
+    def _apply(self, prefix: str, full: str) -> None:
+        """Takes the decoded `_pending` ids: new text, offsets, stop strings."""
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for more bytes
         start = len(self.text)
@@ -78,3 +105,4 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+

@@ -5,6 +5,8 @@ The scheduler side of the KV cache: decides which blocks a request's tokens go t
 
 from __future__ import annotations
 
+from array import array
+
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
 
@@ -22,6 +24,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching) if pool is None else pool
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as int32 block ids, kept in step with `req_blocks`: every step
+        # joins them into its block table without a Python loop (engine/step_inputs.py).
+        self._req_ids: dict[str, array[int]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -34,7 +39,13 @@ class KVCacheManager:
         return request_id in self.req_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        """A copy of the request's block table (ids); [] if it holds none."""
+        return list(self._req_ids.get(request_id, ()))
+
+    def block_ids_view(self, request_id: str) -> array[int]:
+        """The request's block table (int32 ids) itself, read-only, valid until its
+        next allocation or free; the caller must not keep or change it."""
+        return self._req_ids.get(request_id) or array("i")
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of `request`, as blocks (not yet referenced).
@@ -58,8 +69,14 @@ class KVCacheManager:
         # | computed | new computed (prefix hit) | new tokens | -> blocks needed
         Returns False (changing nothing) when the pool cannot supply the blocks.
         """
+        blocks = self.req_blocks.get(request.request_id)
+        if not new_computed_blocks and blocks is not None and \
+                request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return True  # most decode steps: the token fits in the last block
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if blocks is None:
+            blocks = self.req_blocks[request.request_id] = []
+            self._req_ids[request.request_id] = array("i")
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size \
             + num_new_tokens
         num_new = cdiv(total, self.block_size) - len(blocks) - len(new_computed_blocks)
@@ -67,15 +84,18 @@ class KVCacheManager:
         num_revived = self.pool.num_unreferenced(new_computed_blocks)
         if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
             if not blocks:
-                del self.req_blocks[request.request_id]
+                del self.req_blocks[request.request_id], self._req_ids[request.request_id]
             return False
         self.pool.touch(new_computed_blocks)
+        ids = self._req_ids[request.request_id]
         blocks.extend(new_computed_blocks)
+        ids.extend(b.block_id for b in new_computed_blocks)
         if num_new > 0:
             new = self.pool.get_new_blocks(num_new)
             if new is None:  # cannot happen: counted above
                 raise RuntimeError("block pool ran dry after a successful check")
             blocks.extend(new)
+            ids.extend(b.block_id for b in new)
         if new_computed_blocks:
             self._num_cached[request.request_id] = len(blocks) - max(num_new, 0)
         return True
@@ -84,8 +104,10 @@ class KVCacheManager:
         """Publishes the request's newly full, computed blocks to the prefix cache."""
         if not self.enable_caching:
             return
-        blocks = self.req_blocks.get(request.request_id, [])
         start = self._num_cached.get(request.request_id, 0)
+        if num_computed_tokens // self.block_size <= start:
+            return  # most decode steps: no block became full
+        blocks = self.req_blocks.get(request.request_id, [])
         end = min(num_computed_tokens // self.block_size, len(blocks))
         if end <= start:
             return
@@ -118,6 +140,7 @@ class KVCacheManager:
             copy = (blocks[len(full)].block_id, new[0].block_id)
             mine += new
         self.req_blocks[child.request_id] = mine
+        self._req_ids[child.request_id] = array("i", [b.block_id for b in mine])
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0),
                                                  len(full))
         return copy
@@ -125,6 +148,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks (tail first, so its prefix is evicted last)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self._req_ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
@@ -132,6 +156,9 @@ class KVCacheManager:
         """`other_holders`: references held outside requests (block_id -> count)."""
         self.pool.check_integrity()
         held: dict[int, int] = dict(other_holders or {})
+        assert self._req_ids == {r: array("i", [b.block_id for b in blocks])
+                                 for r, blocks in self.req_blocks.items()}, \
+            "block id tables out of step with the block tables"
         for blocks in self.req_blocks.values():
             for b in blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1

@@ -328,12 +328,13 @@ class LLMEngine:
         stops end requests, producers report KV progress."""
         now = time.monotonic()
         outputs = []
+        self.outputs.detokenize(got_token)
         for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.forks:  # before its own stop check: they fork off its blocks
                 outputs += self._fork(req, [sampled[c.request_id] for c in req.forks])
-            status = self.outputs.check_stop(req)
+            status = self.outputs.stop_status(req)
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
             outputs += self.outputs.emit(req, final=status is not None)

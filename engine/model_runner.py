@@ -321,6 +321,8 @@ class ModelRunner:
                          query_start_loc: list[int]) -> None:
         """Appends to `prompt_logprobs` of each request that asked, for the prompt tokens
         this step's chunk predicts: position p's logits score prompt token p + 1."""
+        if all(s.request.sampling_params.prompt_logprobs is None for s in scheduled):
+            return  # most steps: nobody asked
         rows: list[int] = []
         owners: list[Request] = []
         targets: list[int] = []

@@ -6,7 +6,7 @@ per group."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
@@ -55,9 +55,19 @@ class OutputProcessor:
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Takes `req`'s newest token; the status it ends the request with, if any."""
+        self.detokenize([req])
+        return self.stop_status(req)
+
+    def detokenize(self, reqs: Sequence[Request]) -> None:
+        """Takes each request's newest token into its text (one tokenizer call for them
+        all); `stop_status` then says whether it ends the request."""
+        IncrementalDetokenizer.add_newest([self._tracks[r.request_id].detok for r in reqs],
+                                          [r.output_token_ids[-1] for r in reqs])
+
+    def stop_status(self, req: Request) -> RequestStatus | None:
+        """The status `req` ends with after its newest token (`detokenize`d), if any."""
         track = self._tracks[req.request_id]
         tok = req.output_token_ids[-1]
-        track.detok.add([tok])
         if track.detok.stopped:
             req.stop_reason = track.detok.stop_str
             return RequestStatus.FINISHED_STOPPED

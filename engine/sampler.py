@@ -230,6 +230,8 @@ class Sampler:
         table: list[tuple[int, int, float]] = []
         for i, r in enumerate(requests):
             p = r.sampling_params
+            if not p.logit_bias and not p.min_tokens:
+                continue  # most requests: nothing to edit
             table += [(i, t, b) for t, b in p.logit_bias.items()]
             if r.num_output_tokens + r.num_output_placeholders < p.min_tokens:
                 table += [(i, t, float("-inf"))

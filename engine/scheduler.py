@@ -136,7 +136,8 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n))
-                self.fair.charge_prompt(req, n)
+                if req.num_prompt_charged < req.num_prompt_tokens:  # (decode: charged)
+                    self.fair.charge_prompt(req, n)
                 budget -= n
                 i += 1
         if not self.waiting:  # most steps: only running requests, nothing left waiting

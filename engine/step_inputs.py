@@ -23,6 +23,7 @@ shape, straight into the graph's own input buffer (fixed addresses):
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -62,6 +63,24 @@ def views(buf: torch.Tensor, t: int, b: int, w: int, s: int) -> tuple[torch.Tens
     parts = list(torch.split(buf[:sum(sizes)], sizes))
     parts[5] = parts[5].view(b, w)
     return tuple(parts)
+
+
+def _fill_tables(tables: np.ndarray, rows: Sequence[array[int]], need: np.ndarray) -> None:
+    """Writes each real sequence's first `need` block ids (of its int32 row in `rows`)
+    into its row of `tables` [B, W], zeros elsewhere: one join and one masked copy for
+    the whole step instead of a copy per sequence."""
+    tables.fill(0)
+    if not rows:
+        return
+    lens = np.fromiter(map(len, rows), np.int64, len(rows))
+    flat = np.frombuffer(b"".join(rows), np.int32)
+    if (lens != need).any():  # a row holds blocks past this step's tokens: cut them
+        need = np.minimum(lens, need)
+        starts = np.cumsum(lens) - lens
+        flat = np.concatenate([flat[s:s + n] for s, n in zip(starts, need, strict=True)])
+    # Only the columns in use: a CUDA graph's table is max_model_len wide.
+    width = int(need.max())
+    tables[:len(rows), :width][np.arange(width) < need[:, None]] = flat
 
 
 class StepInputBuilder:
@@ -108,7 +127,9 @@ class StepInputBuilder:
         ends = starts + q_lens
         n_real, t_real = len(reqs), int(q_lens.sum())
         w = width or max(1, cdiv(int(ends.max()), bs))
-        samples = [i for i, r in enumerate(reqs) if ends[i] == r.num_tokens_with_placeholders]
+        starts_l, ends_l = starts.tolist(), ends.tolist()
+        samples = [i for i, (r, e) in enumerate(zip(reqs, ends_l, strict=True))
+                   if e == r.num_tokens + r.num_output_placeholders]
         t, b, s = pad or (t_real, n_real, len(samples))
         if t < t_real or b < n_real or s < len(samples) or (t > t_real and b == n_real):
             raise ValueError(f"a step of {t_real} tokens, {n_real} sequences and "
@@ -122,14 +143,13 @@ class StepInputBuilder:
         qsl[b] = t
         seq_lens[:n_real] = ends
         seq_lens[n_real:] = 0
-        tables.fill(0)
+        _fill_tables(tables, [kv.block_ids_view(r.request_id) for r in reqs],
+                     (ends + bs - 1) // bs)
         tok: list[int] = []
         placeholders: list[tuple[int, Request]] = []
-        for i, r in enumerate(reqs):
-            table = kv.block_ids(r.request_id)[:cdiv(int(ends[i]), bs)]
-            tables[i, :len(table)] = table
-            tok += r.all_token_ids[starts[i]:ends[i]]
-            if len(tok) < qsl[i + 1]:
+        for r, lo, hi, end in zip(reqs, starts_l, ends_l, qsl[1:].tolist(), strict=False):
+            tok += r.all_token_ids[lo:hi]
+            if len(tok) < end:
                 placeholders.append((len(tok), r))  # the newest token: not sampled yet
                 tok.append(0)
         ids[:t_real] = tok

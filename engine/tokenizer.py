@@ -63,6 +63,9 @@ class Tokenizer:
             self._tok.token_to_id(t.content)
             for t in self._tok.get_added_tokens_decoder().values() if t.special}
         self._template: Any = None
+        # decode([id]) per skip_special_tokens value: a pure function of the id, and every
+        # decode step asks for one per request (the detokenizer's joining context).
+        self._pieces: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Releases the GIL while it works (`encode_batch`; a lone `encode` holds it), so
@@ -78,6 +81,22 @@ class Tokenizer:
         if len(ids) < _LONG_DECODE:
             return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
         return str(self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]],
+                     skip_special_tokens: bool = True) -> list[str]:
+        """`decode` of each of `seqs`, in one call (a few µs less per sequence); single
+        ids from memory after their first decode."""
+        pieces = self._pieces[skip_special_tokens]
+        out: list[str | None] = [pieces.get(s[0]) if len(s) == 1 else None for s in seqs]
+        todo = [i for i, t in enumerate(out) if t is None]
+        if todo:
+            texts = self._tok.decode_batch([seqs[i] for i in todo],
+                                           skip_special_tokens=skip_special_tokens)
+            for i, t in zip(todo, texts, strict=True):
+                out[i] = t = str(t)
+                if len(seqs[i]) == 1:
+                    pieces[seqs[i][0]] = t
+        return out  # type: ignore[return-value]  # (every None was filled)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'

@@ -1,0 +1,212 @@
+"""`splitserve bench host`: the engine's host (CPU) time per decode step, split by phase.
+
+A real engine on a tiny random-weight Llama (CPU) runs a batch of decode requests at
+workload c's lengths (prompts and outputs U[100, 1024], nano-vllm's benchmark); once
+every request is past its prefill, `--steps` decode steps are timed. Each phase is timed
+(the engine thread's CPU time) around the engine's own calls (the bench wraps them on the one
+engine instance it builds; nothing in the engine changes):
+
+    # | schedule | inputs | forward | sample | update | outputs | other |
+
+`schedule`: Scheduler.schedule; `inputs`: StepInputBuilder.build; `forward`: the model
+call (the tiny model's CPU forward, the reference, not host overhead); `sample`:
+ModelRunner.sample and reading the tokens; `update`: Scheduler.update_from_output;
+`outputs`: stop checks, detokenization and RequestOutputs; `other`: the rest of
+`LLMEngine.step`. Host time is the step minus `forward`; on a GPU it is what the device
+waits for unless async scheduling hides it behind the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
+WARMUP_TOKENS = 8  # every request's, before timing: all prefills are done
+# CPU time of the engine's thread: time the shared machine gives other processes is not
+# counted. Torch and the tokenizer run on that thread alone (`run`), so it is all the
+# step's work.
+CLOCK = time.thread_time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=256, help="running decode requests")
+    p.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024],
+                   metavar=("MIN", "MAX"), help="output tokens left when timing starts "
+                   "(ignore_eos)")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps (medians)")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine schedules step n+1 before it reads step n's tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write results here")
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase while `active`, exclusive: a phase timed inside
+    another (the outputs inside an async step's resolve) counts for itself only."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.active = False
+        self._inner: list[float] = []  # per open phase: seconds of phases inside it
+
+    def time(self, phase: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        self._inner.append(0.0)
+        t0 = CLOCK()
+        try:
+            return fn(*a, **kw)
+        finally:
+            elapsed = CLOCK() - t0
+            inner = self._inner.pop()
+            if self._inner:
+                self._inner[-1] += elapsed
+            if self.active:
+                self.seconds[phase] += elapsed - inner
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        fn: Callable[..., Any] = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*a: Any, **kw: Any) -> Any:
+            return self.time(phase, fn, *a, **kw)
+
+        setattr(obj, name, timed)
+
+
+def instrument(engine: Any) -> PhaseTimer:
+    """Times `engine`'s phases (instance attributes shadow the methods). `sample` also
+    covers reading the sampled tokens; under async scheduling `update` is the resolve
+    of the step in flight (appending its tokens)."""
+    timer = PhaseTimer()
+    runner = engine.runner
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(runner.inputs, "build", "inputs")
+    timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(engine.scheduler, "update_from_output", "update")
+    timer.wrap(engine, "_step_outputs", "outputs")
+    if engine.async_steps is not None:
+        timer.wrap(engine.async_steps, "_resolve", "update")
+    sample = runner.sample
+
+    def timed_sample(*a: Any, **kw: Any) -> Any:
+        tokens = timer.time("sample", sample, *a, **kw)
+        result = tokens.result
+        tokens.result = lambda: timer.time("sample", result)
+        return tokens
+
+    runner.sample = timed_sample
+    return timer
+
+
+class GCTimer:
+    """CPU seconds the cyclic garbage collector took while `active` (within the phases
+    it interrupted), and how many full (generation 2) collections ran."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self.active = False
+        self._t0 = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = CLOCK()
+        elif self.active:
+            self.seconds += CLOCK() - self._t0
+            self.full += info["generation"] == 2
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
+    from bench.engine_bench import build_model
+    from engine.llm import LLM
+
+    model_dir, _ = build_model(root, args.hidden_size, args.num_layers)
+    llm = LLM(model_dir, dtype="float32", block_size=16,
+              num_blocks=total_tokens // 16 + 2 * args.batch, max_num_seqs=args.batch,
+              max_num_batched_tokens=16384, max_model_len=4096,
+              async_scheduling=args.async_scheduling)
+    return llm.engine
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer's first use
+    import torch
+
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+
+    rng = random.Random(args.seed)
+    lo, hi = args.input_len
+    prompts = [[rng.randrange(10, 250) for _ in range(rng.randint(lo, hi))]
+               for _ in range(args.batch)]
+    # Each request has its U[MIN, MAX] output tokens still to go when timing starts.
+    extra = WARMUP_TOKENS + 2 * args.steps
+    outs = [rng.randint(*args.output_len) + extra for _ in range(args.batch)]
+    with tempfile.TemporaryDirectory() as root:
+        engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
+        timer = instrument(engine)
+        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0,
+                                                          ignore_eos=True))
+        while engine.scheduler.waiting or any(
+                r.num_output_tokens < WARMUP_TOKENS for r in engine.scheduler.running):
+            engine.step()  # prefills, then a few decode steps
+        steps = []
+        gct = GCTimer()
+        timer.active = gct.active = True
+        for _ in range(args.steps):
+            timer.seconds = dict.fromkeys(PHASES, 0.0)
+            gct.seconds = 0.0
+            t0 = CLOCK()
+            engine.step()
+            steps.append({**timer.seconds, "step": CLOCK() - t0, "gc": gct.seconds})
+            assert engine.last_step_tokens == args.batch, "not a full decode step"
+        timer.active = gct.active = False
+        gct.close()
+    # Medians over steps: a step the shared machine slowed down does not move them.
+    per_step = {k: statistics.median(s[k] for s in steps) * 1e6 for k in (*PHASES, "step")}
+    host = statistics.median((s["step"] - s["forward"]) for s in steps) * 1e6
+    per_step["other"] = host - sum(per_step[k] for k in PHASES if k != "forward")
+    gc_mean = statistics.fmean(s["gc"] for s in steps) * 1e6
+    result = {"summary": {"host_us_per_step": host, "host_us_per_request": host / args.batch,
+                          "forward_us_per_step": per_step["forward"],
+                          "gc_us_per_step_mean": gc_mean, "gc_full_collections": gct.full,
+                          "step_us": per_step["step"]},
+              "phases_us_per_step": per_step,
+              "config": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
+    print(f"batch {args.batch}: host {host:.0f} us/step ({host / args.batch:.2f} us/request), "
+          f"forward {per_step['forward']:.0f} us/step")
+    print("  " + "  ".join(f"{k} {per_step[k]:.0f}" for k in (*PHASES, "other")))
+    print(f"  garbage collector: {gc_mean:.0f} us/step on average (within the phases), "
+          f"{gct.full} full collections in {args.steps} steps")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    raise SystemExit(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
