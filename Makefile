@@ -37,8 +37,10 @@ sysdeps:
 run: deps sysdeps
 	$(BIN)/splitserve up --demo-request
 
+# the suite's files spread over JOBS processes (tests of one file stay together)
+JOBS ?= 2
 test: deps sysdeps
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile tests
 
 lint: deps
 	$(BIN)/ruff check engine kvtransfer cluster bench protos worker gateway sim tests
