@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Sequence
@@ -132,10 +133,19 @@ class LMCacheTier:
         self._remote = bool(getattr(lmc_cfg, "remote_url", None))
         # Unique per tier: an abandoned (hung) destroy leaves its id registered.
         self._instance = f"{config.instance_id}-{uuid.uuid4().hex[:8]}"
-        self.engine = LMCacheEngineBuilder.get_or_create(
-            self._instance, lmc_cfg, self._meta, self._connector,
-            lambda t, r: None, lambda o, r: o)
-        self.engine.post_init()
+        # LMCache's metrics logger sets PROMETHEUS_MULTIPROC_DIR when it is unset. This
+        # process's metrics chose their mode at import, but every process started later
+        # would inherit it and write pid-named files in one shared directory (processes in
+        # PID namespaces all have pid 1): put the environment back.
+        multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        try:
+            self.engine = LMCacheEngineBuilder.get_or_create(
+                self._instance, lmc_cfg, self._meta, self._connector,
+                lambda t, r: None, lambda o, r: o)
+            self.engine.post_init()
+        finally:
+            if multiproc_dir is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._held = 0  # blocks put and not evicted by us (LMCache may drop more)
 
     def _offsets(self, n: int) -> list[int]:

@@ -54,9 +54,14 @@ async def run_sender(spec: dict[str, Any]) -> None:
     if spec.get("corrupt"):
         import kvtransfer.memory as memory
         real = memory.checksum
+
+        def wrong(data: Any) -> int:
+            return real(data) ^ 1
+
+        memory.checksum = wrong  # what the regions' own checksum (KVMemory) calls
         for mod in list(sys.modules.values()):
             if getattr(mod, "compute_checksum", None) is real:
-                mod.compute_checksum = lambda data: real(data) ^ 1  # type: ignore[attr-defined]
+                mod.compute_checksum = wrong  # type: ignore[attr-defined]
     try:
         peer = await sender.connect(spec["address"])
     except KVTransferError as e:

@@ -157,8 +157,9 @@ def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> No
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
 def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # noqa: F811
-    """The receiver's remote key opens its whole cache to RMA puts: a peer without the
-    cluster token gets REFUSE and no key; one with it gets the key in WELCOME."""
+    """The receiver's remote keys (one per rank cache) open its caches to RMA puts: a
+    peer without the cluster token gets REFUSE and no key; one with it gets the keys in
+    WELCOME."""
     import json
     import socket
 
@@ -181,9 +182,9 @@ def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # n
         receiver = await start_receiver(config, LAYOUT_F32, 16)
         try:
             kind, reply = await hello(receiver.address(), "not-the-token")
-            assert kind is wire.Frame.REFUSE and "rkey" not in reply
+            assert kind is wire.Frame.REFUSE and "rkeys" not in reply
             kind, reply = await hello(receiver.address(), config.token)
-            assert kind is wire.Frame.WELCOME and reply["rkey"] and reply["ucx_worker"]
+            assert kind is wire.Frame.WELCOME and reply["rkeys"] and reply["ucx_worker"]
             assert "rkey" not in receiver.address()
         finally:
             await receiver.close()

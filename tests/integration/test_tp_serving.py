@@ -93,25 +93,13 @@ def test_tp2_worker_serves_and_a_dead_rank_takes_it_down_whole() -> None:
 def test_a_hung_rank_ends_generate_within_the_collective_timeout() -> None:
     """Rank 1 stopped (SIGSTOP) mid-generation: rank 0's next collective times out, the
     process exits with the reason and takes the stopped rank with it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "generate", "--model", tiny_model_dir("llama"),
-         "-tp", "2", "--collective-timeout", "3", "--device", "cpu", "--num-blocks", "128",
-         "--prompt", "hello", "--max-tokens", "1000", "--ignore-eos"],
-        cwd=ROOT, env=child_env(PYTHONUNBUFFERED="1"), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc, rank = _generating("--collective-timeout", "3")
     try:
-        assert proc.stderr is not None
-        err = ""
-        while "rank 1 of 2 ready" not in err:
-            line = proc.stderr.readline()
-            assert line, err
-            err += line
-        [rank] = _ranks(proc.pid)
         os.kill(rank, signal.SIGSTOP)
         t0 = time.monotonic()
         rest = proc.communicate(timeout=30)[1]
         assert time.monotonic() - t0 < 3 + 10
-        assert proc.returncode == 70, err + rest
+        assert proc.returncode == 70, rest
         assert "collective timeout 3s" in rest and "goes down whole" in rest
         wait_for(lambda: _gone(rank), 10, "the stopped rank to be killed")
     finally:

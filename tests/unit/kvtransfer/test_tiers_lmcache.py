@@ -2,6 +2,7 @@
 backends: bit-exact restore of our block-major blocks keyed by our block hashes.
 LMCache writes asynchronously (no flush), so tests poll `contains` with a deadline."""
 
+import os
 import time
 
 import pytest
@@ -75,3 +76,14 @@ def test_lmcache_tier_redis_remote_with_bounded_close():
         tier.close()  # bounded by close_timeout_s, not by LMCache
         assert time.monotonic() - t0 < 3.0
         server.kill()
+
+
+def test_lmcache_tier_leaves_the_environment_as_it_was(monkeypatch):
+    """LMCache's metrics logger sets PROMETHEUS_MULTIPROC_DIR; children started after
+    the tier (TP ranks, a worker's subprocesses) must not inherit it."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    tier = make_tier("t-env", local_cpu=True)
+    try:
+        assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    finally:
+        tier.close()
