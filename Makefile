@@ -28,8 +28,7 @@ $(STAMP): pyproject.toml Makefile
 
 deps: $(STAMP)
 
-# Debian packages the tests need (redis-server; iproute2 for the multi-host test's
-# network namespaces); installed only when missing.
+# Debian packages the tests need (redis-server; iproute2 for the multi-host test), if missing
 sysdeps:
 	@command -v redis-server >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq redis-server >/dev/null; }
 	@command -v ip >/dev/null 2>&1 || { $(APT) update -qq && $(APT) install -y -qq iproute2 >/dev/null; }
@@ -37,10 +36,11 @@ sysdeps:
 run: deps sysdeps
 	$(BIN)/splitserve up --demo-request
 
-# the suite's files spread over JOBS processes (tests of one file stay together)
+# files spread over JOBS processes; then, alone, the tests marked serial (timing models)
 JOBS ?= 2
 test: deps sysdeps
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 lint: deps
 	$(BIN)/ruff check engine kvtransfer cluster bench protos worker gateway sim tests

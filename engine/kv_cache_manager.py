@@ -145,6 +145,13 @@ class KVCacheManager:
                                                  len(full))
         return copy
 
+    def set_blocks(self, request_id: str, blocks: list[KVBlock]) -> None:
+        """Replaces the block table of a request that holds one, references unchanged:
+        for a caller that hands out blocks the pool already gave (the simulator's decode
+        windows)."""
+        self.req_blocks[request_id][:] = blocks
+        self._req_ids[request_id] = array("i", [b.block_id for b in blocks])
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks (tail first, so its prefix is evicted last)."""
         blocks = self.req_blocks.pop(request.request_id, [])

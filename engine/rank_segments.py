@@ -5,8 +5,9 @@ between its own cache and the wire with no copy through rank 0's.
 
 Names are fixed by the group, `splitserve-kv-<rank 0's pid>-tp<rendezvous port>r<rank>`,
 so any rank can unlink all of them: rank 0 at close and when a rank fails, a rank when
-rank 0 is gone, and `kvtransfer.shm.reap_orphaned_segments` after a SIGKILL of the whole
-group (the pid is rank 0's). CUDA caches stay in device memory (no segment).
+rank 0 is gone. After a SIGKILL of the whole group they stay until
+`kvtransfer.shm.reap_orphaned_segments` runs (the pid in them is rank 0's). CUDA caches
+stay in device memory (no segment).
 """
 
 from __future__ import annotations
@@ -18,6 +19,18 @@ import os
 import torch
 
 SHM_DIR = "/dev/shm"  # where Linux's shm_open keeps POSIX segments
+
+
+def reserve(fd: int, nbytes: int, name: str) -> None:
+    """Sizes a new segment and takes its memory now: a tmpfs past its size limit (a
+    container's /dev/shm) would otherwise fail on a later write, with SIGBUS."""
+    os.ftruncate(fd, nbytes)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise OSError(e.errno, f"{SHM_DIR} has no room for the {nbytes:,}-byte KV segment "
+                      f"{name} ({e.strerror}): enlarge it (docker --shm-size, a "
+                      "memory-backed emptyDir) or use fewer KV blocks") from None
 
 
 def segment_names(root_pid: int, port: int, size: int) -> list[str]:
@@ -45,7 +58,7 @@ class RankSegment:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, nbytes)
+                reserve(fd, nbytes, name)
             elif os.fstat(fd).st_size != nbytes:
                 raise ValueError(f"segment {name} holds {os.fstat(fd).st_size} bytes, "
                                  f"expected {nbytes}")

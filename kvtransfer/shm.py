@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.rank_segments import reserve
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
@@ -38,7 +39,7 @@ class SharedKV:
         self.nbytes = num_blocks * layout.block_bytes
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, self.nbytes)
+            reserve(fd, self.nbytes, name)
             self._map = mmap.mmap(fd, self.nbytes)
         except BaseException:
             os.unlink(os.path.join(SHM_DIR, name))
@@ -63,7 +64,9 @@ def allocate_shared_kv(layout: KVLayout, num_blocks: int,
 
 def reap_orphaned_segments() -> list[str]:
     """Unlink segments whose creating process is gone (a receiver killed by SIGKILL
-    cannot unlink its own). Names carry the creator's pid; call at service start."""
+    cannot unlink its own). Names carry the creator's pid, so run it only where every
+    process that may hold one shares this PID namespace (a process in another one looks
+    gone): workers do not run it themselves."""
     reaped = []
     for entry in os.listdir(SHM_DIR):
         parts = entry.split("-")
@@ -130,15 +133,23 @@ class ShmSender(InPlaceSender):
         names = [str(n) for n in peer.welcome["shm_names"]]
         nbytes = int(peer.welcome["shm_bytes"])
         layout = rank_layout(self.kv.layout, len(names))
-        maps, caches = [], []
-        for name in names:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-            try:
-                maps.append(mmap.mmap(fd, nbytes))
-            finally:
-                os.close(fd)
-            caches.append(torch.frombuffer(maps[-1], dtype=torch.uint8).view(
-                torch_dtype(layout)).view(layout.tensor_shape(nbytes // layout.block_bytes)))
+        maps: list[mmap.mmap] = []
+        caches = []
+        try:
+            for name in names:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                try:
+                    maps.append(mmap.mmap(fd, nbytes))
+                finally:
+                    os.close(fd)
+                caches.append(torch.frombuffer(maps[-1], dtype=torch.uint8).view(
+                    torch_dtype(layout)).view(layout.tensor_shape(nbytes // layout.block_bytes)))
+        except BaseException:
+            del caches  # the views first: a mapping with live exports cannot close
+            for m in maps:
+                with contextlib.suppress(BufferError):
+                    m.close()
+            raise
         peer.state = (maps, caches, layout)
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],

@@ -37,7 +37,6 @@ class TcpReceiver(ReceiverBase):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
-        self._parts = memoryview(bytearray(0))  # a head slice's part, grown as needed
 
     async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
         assert self.kv is not None
@@ -74,11 +73,12 @@ class TcpReceiver(ReceiverBase):
         assert self.kv is not None
         digest = xxhash.xxh3_64() if header.flags & wire.FLAG_CHECKSUM else None
         left = nbytes
-        for part in block_parts(header.region, nbytes, _SLICE_PART_BYTES):
+        parts = block_parts(header.region, nbytes, _SLICE_PART_BYTES)
+        # This write's own buffer: other connections land their slices meanwhile.
+        room = memoryview(bytearray(max(self.kv.region_bytes(p) for p in parts)))
+        for part in parts:
             n = self.kv.region_bytes(part)
-            if len(self._parts) < n:
-                self._parts = memoryview(bytearray(n))
-            buf = self._parts[:n]
+            buf = room[:n]
             if not await self._land(conn, header, buf):
                 await self._discard(conn, left - n)
                 return 0

@@ -279,12 +279,14 @@ class UcxSender(InPlaceSender):
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
+        async def put_all() -> None:
+            for (src_rank, dst_rank), items in groups.items():
+                await self._run(remote, "put", plan_lanes(items, len(self._lanes)),
+                                src_rank=src_rank, dst_rank=dst_rank)
+
         try:
-            async with asyncio.timeout(left):
-                for (src_rank, dst_rank), items in groups.items():
-                    await self._run(remote, "put", plan_lanes(items, len(self._lanes)),
-                                    src_rank=src_rank, dst_rank=dst_rank)
-        except TimeoutError:
+            await asyncio.wait_for(put_all(), left)
+        except asyncio.TimeoutError:
             # Puts may still be in flight: the connection goes (its endpoints with it).
             error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
             self._fail_peer(peer, error)

@@ -191,7 +191,7 @@ class DecodeWindows:
             table = self.kv.req_blocks[r.request_id]
             if len(table) - h != len(m):
                 raise RuntimeError("decode window: the scheduler took other blocks")
-            table[h:] = m
+            self.kv.set_blocks(r.request_id, table[:h] + m)
         # the evictions: each at its iteration's start instead (below)
         if any(not isinstance(ev, BlockRemoved) for ev in pool.take_events()) or (
                 self.offload is not None and self.offload.loads):
@@ -296,8 +296,10 @@ class DecodeWindows:
             return
         tables = self.kv.req_blocks
         for j in range(w.kept - 1, keep - 1, -1):  # each owner's latest blocks first
-            if tables[w.owners[j]].pop() is not w.blocks[j]:
+            table = tables[w.owners[j]]
+            if table[-1] is not w.blocks[j]:
                 raise RuntimeError("decode window: a block table changed under the window")
+            self.kv.set_blocks(w.owners[j], table[:-1])
         self.pool.unget(w.blocks[keep:w.kept], w.hashes[keep:w.kept])
         w.kept = keep
 

@@ -42,8 +42,11 @@ from sim.profile import at_speed, load_profile
 from sim.run_cli import MOONCAKE_TRACE, simulate
 from sim.workload import from_bench
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(MOONCAKE_TRACE),
-                                reason=f"no Mooncake trace at {MOONCAKE_TRACE}")
+# Serial: the real cluster's timings are held to the CPU profile, which no other test's
+# load may skew.
+pytestmark = [pytest.mark.skipif(not os.path.isfile(MOONCAKE_TRACE),
+                                 reason=f"no Mooncake trace at {MOONCAKE_TRACE}"),
+              pytest.mark.serial]
 
 PINS = {"colocated-0": "0", "colocated-1": "1"}
 TOLERANCE = {"ttft_p50": 0.15, "tpot_p50": 0.15}
