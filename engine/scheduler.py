@@ -5,19 +5,19 @@ decoding, a chunk when still prefilling), then waiting requests, whose prompts a
 chunked to fit. When blocks run out, the least-progressed running request is
 preempted: its blocks are freed and it is recomputed later.
 
-Waiting requests are admitted by the policy: `fcfs` (arrival), `priority` (the request's
-`priority` value, lower first), or `vtc` (fair sharing between tenants, engine/fairness.py).
-Scheduling strategies (engine/strategies.py) act under every policy: `priority: true`
-requests come first, running and waiting, and preempt lower ones when blocks, seats or the
-token budget are short; `max_running` caps a tenant's running requests; a request that ran
-its `execution_time` slice while a request of its rank was left waiting yields its place
-(a preemption whose full blocks stay in the prefix cache) and rejoins the back of the line.
+Waiting requests are admitted, and running ones preempted, in the policy's order
+(engine/request_order.py: `fcfs`, `priority` or `vtc`). Scheduling strategies
+(engine/strategies.py) act under every policy: `priority: true` requests come first,
+running and waiting, and preempt lower ones when blocks, seats or the token budget are
+short; `max_running` caps a tenant's running requests; a request that ran its
+`execution_time` slice while a request of its rank was left waiting yields its place (a
+preemption whose full blocks stay in the prefix cache) and rejoins the back of the line.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +28,7 @@ from engine.fairness import FairShare, TenantServed
 from engine.kv_cache_manager import KVCacheManager
 from engine.offload import OffloadConnector
 from engine.request import Request, RequestStatus
+from engine.request_order import RequestOrder, capped, rank
 from engine.strategies import EMPTY, StrategySet
 
 
@@ -61,11 +62,6 @@ class SchedulerStats:
     strategies_version: int = 0
 
 
-def _rank(r: Request) -> int:
-    """0 for requests a `priority` strategy selects, 1 for the rest."""
-    return 0 if r.policy.priority else 1
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  offload: OffloadConnector | None = None,
@@ -80,6 +76,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.clock = clock  # time slices and waiting order (tests pass a step clock)
         self.fair = FairShare(config.vtc_input_cost, config.vtc_output_cost)
+        self.order = RequestOrder(config.policy, self.fair)
         self.strategies = EMPTY
         self._left_waiting: Counter[int] = Counter()  # rank -> ready requests left waiting
 
@@ -107,16 +104,12 @@ class Scheduler:
         return bool(self.running or any(r.status != RequestStatus.WAITING_FOR_REMOTE_KV
                                         for r in self.waiting))
 
-    def _order_key(self, r: Request) -> tuple[int, float, float]:
-        prio = float(r.priority) if self.config.policy == "priority" else 0.0
-        return (_rank(r), prio, r.queued_time)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         now = self.clock()
         yielded = self._yield_slices(now)
-        self.running.sort(key=_rank)  # stable: priority strategies first, else as before
+        self.running.sort(key=rank)  # stable: priority strategies first, else as before
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -129,7 +122,7 @@ class Scheduler:
                 n += req.num_output_placeholders
             n = min(n, budget)
             while not self.kv.allocate_slots(req, n):
-                victim = self._pick_victim(self.running[i:])
+                victim = self.order.victim(self.running[i:])
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
@@ -146,8 +139,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget, yielded, now)
         running = Counter(r.tenant for r in self.running)
-        self._left_waiting = Counter(_rank(r) for r in self._ready()
-                                     if not self._capped(r, running))
+        self._left_waiting = Counter(rank(r) for r in self._ready()
+                                     if not capped(r, running))
         return out
 
     def _ready(self, skip: Collection[Request] = ()) -> Iterator[Request]:
@@ -156,37 +149,13 @@ class Scheduler:
                 if r.status != RequestStatus.WAITING_FOR_REMOTE_KV and r not in skip
                 and not r.num_output_placeholders)
 
-    @staticmethod
-    def _capped(r: Request, running: Counter[str]) -> bool:
-        cap = r.policy.max_running
-        return cap is not None and running[r.tenant] >= cap
-
-    def _admission_order(self, skip: Collection[Request]) -> Iterator[Request]:
-        """Ready waiting requests in the order the policy admits them. Lazy: under VTC
-        each pick goes to the tenant whose counter is smallest now, after the charges of
-        the picks before it."""
-        ready = sorted(self._ready(skip), key=self._order_key)
-        if self.config.policy != "vtc":
-            yield from ready
-            return
-        queues: dict[str, deque[Request]] = {}
-        for r in ready:
-            queues.setdefault(r.tenant, deque()).append(r)
-        while queues:
-            tenant = min(queues, key=lambda t: (_rank(queues[t][0]), self.fair.counter(t),
-                                                queues[t][0].queued_time))
-            q = queues[tenant]
-            yield q.popleft()
-            if not q:
-                del queues[tenant]
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int,
                        skip: Collection[Request], now: float) -> None:
         running = Counter(r.tenant for r in self.running)
         admitted: list[Request] = []
         blocked = False  # a request did not fit: order is kept, but see below
-        for req in self._admission_order(skip):
-            if self._capped(req, running):
+        for req in self.order.admission(self._ready(skip)):
+            if capped(req, running):
                 continue
             if blocked and not self.kv.holds(req.request_id):
                 continue
@@ -251,10 +220,10 @@ class Scheduler:
     def _preempt_lower(self, req: Request, out: SchedulerOutput) -> tuple[Request, int] | None:
         """Makes room for `req` by preempting a running request of lower rank (taking it
         out of this step); returns it and the budget it gave back, or None if none."""
-        lower = [r for r in self.running if _rank(r) > _rank(req)]
+        lower = [r for r in self.running if rank(r) > rank(req)]
         if not lower:
             return None
-        victim = self._pick_victim(lower)
+        victim = self.order.victim(lower)
         refund = 0
         for s in out.scheduled:
             if s.request is victim:
@@ -269,8 +238,8 @@ class Scheduler:
         """Decoding requests whose `execution_time` slice is over give their place, one
         for each request of their rank left waiting by the last step."""
         yielded: set[Request] = set()
-        for rank, num_waiting in self._left_waiting.items():
-            over = sorted((r for r in self.running if _rank(r) == rank
+        for level, num_waiting in self._left_waiting.items():
+            over = sorted((r for r in self.running if rank(r) == level
                            and r.policy.execution_time_ns is not None
                            and r.num_computed_tokens >= r.num_prompt_tokens
                            and (now - r.slice_start) * 1e9 >= r.policy.execution_time_ns),
@@ -373,15 +342,6 @@ class Scheduler:
             return False
         self.kv.free(req)
         return True
-
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        # Requests without a priority strategy go first; least progressed loses the least
-        # work; under the priority policy the lowest priority (largest value) goes first,
-        # latest arrival breaking ties.
-        def badness(r: Request) -> tuple[int, float, int, float]:
-            prio = float(r.priority) if self.config.policy == "priority" else 0.0
-            return (_rank(r), prio, -r.num_computed_tokens, r.arrival_time)
-        return max(candidates, key=badness)
 
     def _preempt(self, req: Request, yielded: bool = False) -> None:
         """Frees `req`'s blocks (its full ones stay in the prefix cache) and puts it back

@@ -89,7 +89,7 @@ def test_priority_policy_orders_waiting_and_picks_victims():
     s.add_request(low)
     s.add_request(high)
     assert scheduled(s.schedule()) == {"r1": 10}
-    assert s._pick_victim([low, high]) is low
+    assert s.order.victim([low, high]) is low
 
 
 def test_finish_frees_blocks_wherever_the_request_is():
