@@ -27,13 +27,20 @@ from tests.integration.kvtransfer_util import (
     start_receiver,
 )
 
+NO_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                            reason="ucxx not installed")
 TRANSPORTS = [
     "tcp",
     "shm",
     "cuda_ipc",  # host caches here: the same protocol with the host mover
-    pytest.param("ucx", marks=pytest.mark.skipif(
-        importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")),
+    pytest.param("ucx", marks=NO_UCX),
 ]
+LAYOUTS = {"f32": LAYOUT_F32, "bf16": LAYOUT_BF16, "fp8": LAYOUT_FP8, "mla": LAYOUT_MLA}
+# Every layout over every transport; tcp's f32, bf16 and fp8 round trips are those of
+# test_fp8_blocks_move_half_the_bytes_of_bf16_over_tcp (the same checks, and their bytes).
+ROUND_TRIPS = [pytest.param(t, layout, id=f"{name}-{t}", marks=NO_UCX if t == "ucx" else ())
+               for name, layout in LAYOUTS.items() for t in ("tcp", "shm", "cuda_ipc", "ucx")
+               if t != "tcp" or name == "mla"]
 SRC_BLOCKS, DST_BLOCKS, N_XFERS = 64, 128, 20
 
 
@@ -93,9 +100,7 @@ def check_bit_exact(kv: torch.Tensor, src: torch.Tensor, plan: list[dict[str, An
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("layout", [LAYOUT_F32, LAYOUT_BF16, LAYOUT_FP8, LAYOUT_MLA],
-                         ids=["f32", "bf16", "fp8", "mla"])
+@pytest.mark.parametrize(("transport", "layout"), ROUND_TRIPS)
 def test_round_trip_bit_exact(transport: str, layout: KVLayout, no_leaks: None) -> None:
     asyncio.run(round_trip(transport, layout))
 
