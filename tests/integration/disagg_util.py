@@ -6,11 +6,13 @@ worker (decider threshold 0), and the checks every hand-off test makes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import Any
 
 from cluster.launcher import ClusterSpec, LocalCluster
-from tests.factories import tiny_model_dir
+from engine.config import ModelConfig
+from tests.factories import hf_greedy, hf_model, tiny_model_dir
 from tests.integration.serving_util import grpc_generate, load_report, metric, wait_for
 
 NUM_BLOCKS = 128
@@ -95,3 +97,19 @@ def shm_left_behind(cluster: LocalCluster) -> list[str]:
     pids = {str(c.proc.pid) for c in cluster.children}
     return [n for n in os.listdir("/dev/shm")
             if n.startswith("splitserve-kv-") and n.split("-")[2] in pids]
+
+
+def transformers_greedy(model_dir: str, prompts: list[list[int]],
+                        max_tokens: list[int]) -> list[list[int]]:
+    """transformers' greedy ids of each prompt, computed once per model and prompts (the
+    hand-off tests check the same prompts over several transports and TP sizes)."""
+    return _greedy(model_dir, tuple(map(tuple, prompts)), tuple(max_tokens))
+
+
+@functools.cache
+def _greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...],
+            max_tokens: tuple[int, ...]) -> list[list[int]]:
+    hf = hf_model(model_dir)
+    eos = ModelConfig.from_model_dir(model_dir).eos_token_ids
+    return [hf_greedy(hf, list(p), m, eos[0] if eos else None)
+            for p, m in zip(prompts, max_tokens, strict=True)]

@@ -9,7 +9,6 @@ the last of them kills its prefill worker."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import signal
 import threading
@@ -38,6 +37,7 @@ from tests.integration.disagg_util import (
     mixed_prompts,
     shm_left_behind,
     start_cluster,
+    transformers_greedy,
 )
 from tests.integration.serving_util import (
     grpc_generate,
@@ -125,20 +125,9 @@ def test_deepseek_latent_kv_through_remote_prefill_equals_transformers(tmp_path,
     layout = KVLayout.from_json(_layout_json(model_dir))
     assert layout.name == "mla_latent_v1" and layout.token_bytes == per_token
     assert moved == sum(len(p) for p in prompts) * per_token
-    want = _transformers_greedy(model_dir, tuple(map(tuple, prompts)), tuple(max_tokens))
+    want = transformers_greedy(model_dir, prompts, max_tokens)
     for g, w in zip(got, want, strict=True):
         assert g == w
-
-
-@functools.cache
-def _transformers_greedy(model_dir: str, prompts: tuple[tuple[int, ...], ...],
-                         max_tokens: tuple[int, ...]) -> list[list[int]]:
-    """transformers' greedy ids of each prompt; cached, as the DeepSeek test checks the
-    same prompts over every transport."""
-    hf = hf_model(model_dir)
-    eos = ModelConfig.from_model_dir(model_dir).eos_token_ids
-    return [hf_greedy(hf, list(p), m, eos[0] if eos else None)
-            for p, m in zip(prompts, max_tokens, strict=True)]
 
 
 def test_fp8_kv_through_remote_prefill_over_tcp(tmp_path) -> None:

@@ -14,13 +14,14 @@ import pytest
 
 from cluster.placement import WorkerPlacement
 from engine.config import ModelConfig
-from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.factories import tiny_model_dir
 from tests.integration.disagg_util import (
     child,
     generate_remotely,
     logs,
     shm_left_behind,
     start_cluster,
+    transformers_greedy,
 )
 from tests.integration.serving_util import metric
 
@@ -62,7 +63,5 @@ def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
     # per rank holding them), every layer, whole blocks
     block_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers * 4 * 16
     assert moved > 0 and moved % block_bytes == 0
-    hf = hf_model(model_dir)
-    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
-    for p, m, g in zip(prompts, max_tokens, got, strict=True):
-        assert g == hf_greedy(hf, p, m, eos), logs(cluster)
+    for g, want in zip(got, transformers_greedy(model_dir, prompts, max_tokens), strict=True):
+        assert g == want, logs(cluster)
