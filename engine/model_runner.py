@@ -30,7 +30,7 @@ from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.kv_quant import load_kv_scales
+from engine.kv_scales import calibrating, make_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.rank_segments import RankSegment
@@ -113,8 +113,7 @@ class ModelRunner:
         self.attention = make_backend(config.backend)
         self.model.set_kernels(self.attention, config.backend == "triton",
                                self.max_model_len)
-        if config.fp8_kv:
-            self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
+        self.kv_scales = make_kv_scales(self) if config.fp8_kv else None
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
         self.graphs, self.mixed_graphs = make_graph_sets(self)  # (engine.runner_graphs)
         if kv_cache is None:
@@ -144,16 +143,6 @@ class ModelRunner:
             self.kv_cache[:, 0], self.rank_cfg.num_heads, self.dtype,
             self.model_cfg.sliding_window, self.config.scheduler.max_num_seqs,
             self.max_model_len)
-
-    def _set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
-        """Each attention layer's (k_scale, v_scale) for the float8 cache."""
-        from engine.models.llama import Attention
-
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for attn, (k_scale, v_scale) in zip(layers, scales, strict=True):
-            attn.k_scale = k_scale
-            attn.v_scale = v_scale
-        self.kv_scales = scales
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -280,14 +269,16 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
-        graphed = forward_graph(self, out.scheduled, kv, prev)
+        calibrate = self.kv_scales is not None and self.kv_scales.pending
+        graphed = None if calibrate else forward_graph(self, out.scheduled, kv, prev)
         if graphed is not None:
             return graphed
         step = self.inputs.build(out.scheduled, kv)
         fill_placeholders(step, prev)
         if self.tp is not None:
             self.inputs.send(self.tp, step.meta)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        with calibrating(self.kv_scales):  # --calculate-kv-scales: the first one eagerly
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
         if not step.sample_reqs:
             return StepLogits([], hidden[:0])

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.distributed import TP_FAILURE_EXIT, join_group, rank_device
+from engine.kv_scales import calibrating
 from engine.rank_segments import segment_names, unlink_segments
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ def serve(runner: Any, conn: Connection) -> None:
             step = hidden = None
         elif op == "forward":
             step = runner.inputs.receive(tp, command)
-            hidden = runner.model(step.input_ids, step.positions, runner.kv_cache, step.meta)
+            with calibrating(runner.kv_scales):  # as rank 0 (--calculate-kv-scales)
+                hidden = runner.model(step.input_ids, step.positions, runner.kv_cache,
+                                      step.meta)
         elif op == "logits":
             assert step is not None and hidden is not None
             rows = step.sample_rows if command[1] is None else torch.tensor(

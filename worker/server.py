@@ -186,6 +186,24 @@ def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig
                          "cpu use --transport shm (workers on one node) or tcp")
 
 
+def check_kv_scales(role: str, engine_config: EngineConfig,
+                    tier_config: TierConfig | None) -> None:
+    """Refuse, at start-up, what --calculate-kv-scales does not cover: KV bytes from
+    another process (a hand-off, a peer's fetch, the disk tier's files of an earlier run,
+    LMCache) carry no scales there, and this process's own scales are its first
+    request's (engine/kv_scales.py). The host tier holds this process's bytes only."""
+    if not engine_config.cache.calculate_kv_scales:
+        return
+    if role != "colocated":
+        raise ValueError(f"--calculate-kv-scales serves colocated workers only (a {role} "
+                         "worker's KV moves between processes); drop the flag to use the "
+                         "checkpoint's scales")
+    tiers = tier_config.tiers if tier_config is not None else ()
+    if set(tiers) - {"host"}:
+        raise ValueError("--calculate-kv-scales keeps KV in the host tier only (disk and "
+                         "LMCache blocks outlive the process whose scales wrote them)")
+
+
 def advertised(address: str, host: str) -> str:
     """A receiver bound to a wildcard address is dialled at the advertised host."""
     desc = json.loads(address)
@@ -201,6 +219,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
+    check_kv_scales(config.role, engine_config, tier_config)
     if engine_config.tensor_parallel_size > 1 and engine_config.device.startswith("cuda") \
             and (config.role != "colocated" or (tier_config is not None and tier_config.enabled)):
         # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies): its
