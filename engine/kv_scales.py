@@ -151,3 +151,30 @@ def make_kv_scales(runner: ModelRunner) -> KVScales:
 def calibrating(scales: KVScales | None) -> contextlib.AbstractContextManager[None]:
     """`scales.calibrating()`, or nothing without a float8 cache."""
     return contextlib.nullcontext() if scales is None else scales.calibrating()
+
+
+def wire_scales(runner: ModelRunner) -> list[float]:
+    """What a sender puts beside the KV bytes it sends: its scales flattened (k0, v0,
+    k1, v1, ...); [] without a float8 cache. Engine thread."""
+    if runner.kv_scales is None:
+        return []
+    return [s for pair in runner.kv_scales.values() for s in pair]
+
+
+def accept_blocks(runner: ModelRunner, block_ids: Sequence[int], wire: Sequence[float],
+                  staging: torch.Tensor | None = None) -> None:
+    """Blocks `block_ids` landed, written under the sender's `wire_scales`: adopted or
+    requantized (KVScales.accept) where the engine reads them: rank 0's full-head
+    `staging` copy before it is scattered to the ranks (CUDA tensor parallelism), else
+    every rank's cache. Engine thread."""
+    scales = runner.kv_scales
+    if scales is None or not block_ids:
+        return
+    if len(wire) != 2 * len(scales.layers):
+        raise ValueError(f"the sender's KV scales have {len(wire)} values; this float8 "
+                         f"cache needs k and v for {len(scales.layers)} layers")
+    src = [(float(wire[i]), float(wire[i + 1])) for i in range(0, len(wire), 2)]
+    if scales.pending:
+        runner._tell(("scales", src))  # every rank adopts them too
+    caches = [staging] if staging is not None else (runner.rank_caches or [runner.kv_cache])
+    scales.accept(caches, block_ids, src)

@@ -18,6 +18,8 @@ commands in order:
                       full-head blocks)
     ("write", ids)    those blocks' full heads by one broadcast; keeps its own (the
                       hand-off's receive side through the staging copy)
+    ("scales", src)   the float8 KV scales a sender's blocks carried, adopted before this
+                      rank calculated its own (engine/kv_scales.py)
     ("exit",)         rank 0's engine is done
 
 A closed pipe means rank 0's process is gone: the rank exits. The pipe has no timeout
@@ -118,6 +120,8 @@ def serve(runner: Any, conn: Connection) -> None:
             runner.read_blocks(command[1])
         elif op == "write":
             runner.write_blocks(command[1])
+        elif op == "scales":  # rank 0 adopted a KV sender's scales (engine/kv_scales.py)
+            runner.kv_scales.adopt(command[1])
         elif op == "exit":
             return
         else:

@@ -32,6 +32,7 @@ from prometheus_client import Counter, start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_scales import accept_blocks
 from engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
@@ -139,6 +140,7 @@ class KVSide:
         rank 0's staging copy with every head and the pool's block ids, gathered from
         the ranks before a send and scattered to them after a receive lands."""
         runner = llm.engine.runner
+        self._accept_into(llm, None)
         if runner.tp is None:
             return runner.kv_cache
         if runner.rank_caches is not None:
@@ -160,8 +162,20 @@ class KVSide:
 
         if self.handoff is not None:
             self.handoff.land = land
+        self._accept_into(llm, staging)
         self._stage = stage
         return staging
+
+    def _accept_into(self, llm: AsyncLLM, staging: torch.Tensor | None) -> None:
+        """Landed blocks take the engine's float8 scales where the transports wrote
+        them: rank 0's staging copy (scattered afterwards), else the caches."""
+        if self.handoff is None:
+            return
+
+        async def accept(ids: list[int], kv_scales: list[float]) -> None:
+            await llm.call(lambda eng: accept_blocks(eng.runner, ids, kv_scales, staging))
+
+        self.handoff.accept = accept
 
     async def close(self) -> None:
         if self.handoff is not None:
@@ -186,22 +200,16 @@ def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig
                          "cpu use --transport shm (workers on one node) or tcp")
 
 
-def check_kv_scales(role: str, engine_config: EngineConfig,
-                    tier_config: TierConfig | None) -> None:
-    """Refuse, at start-up, what --calculate-kv-scales does not cover: KV bytes from
-    another process (a hand-off, a peer's fetch, the disk tier's files of an earlier run,
-    LMCache) carry no scales there, and this process's own scales are its first
-    request's (engine/kv_scales.py). The host tier holds this process's bytes only."""
-    if not engine_config.cache.calculate_kv_scales:
-        return
-    if role != "colocated":
-        raise ValueError(f"--calculate-kv-scales serves colocated workers only (a {role} "
-                         "worker's KV moves between processes); drop the flag to use the "
-                         "checkpoint's scales")
+def check_kv_scales(engine_config: EngineConfig, tier_config: TierConfig | None) -> None:
+    """Refuse, at start-up, what --calculate-kv-scales does not cover: the disk tier's
+    files of an earlier run and LMCache's blocks outlive the process whose scales wrote
+    them, and carry none. (The hand-off and peer fetch carry the sender's scales; the
+    host tier holds this process's bytes only: engine/kv_scales.py.)"""
     tiers = tier_config.tiers if tier_config is not None else ()
-    if set(tiers) - {"host"}:
+    if engine_config.cache.calculate_kv_scales and set(tiers) - {"host"}:
         raise ValueError("--calculate-kv-scales keeps KV in the host tier only (disk and "
-                         "LMCache blocks outlive the process whose scales wrote them)")
+                         "LMCache blocks outlive the process whose scales wrote them); "
+                         "drop the flag to use the checkpoint's scales")
 
 
 def advertised(address: str, host: str) -> str:
@@ -219,7 +227,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
-    check_kv_scales(config.role, engine_config, tier_config)
+    check_kv_scales(engine_config, tier_config)
     if engine_config.tensor_parallel_size > 1 and engine_config.device.startswith("cuda") \
             and (config.role != "colocated" or (tier_config is not None and tier_config.enabled)):
         # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies): its

@@ -202,10 +202,77 @@ def test_worker_refuses_what_the_scales_do_not_cover():
 
     calc = make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8",
                               calculate_kv_scales=True)
-    check_kv_scales("colocated", calc, TierConfig(host_blocks=8))
-    check_kv_scales("decode", make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8"),
-                    None)
-    with pytest.raises(ValueError, match="--calculate-kv-scales serves colocated workers"):
-        check_kv_scales("decode", calc, None)
-    with pytest.raises(ValueError, match="host tier only"):
-        check_kv_scales("colocated", calc, TierConfig(disk_dir="/tmp/x", disk_blocks=4))
+    check_kv_scales(calc, TierConfig(host_blocks=8))
+    check_kv_scales(calc, None)
+    disk = TierConfig(disk_dir="/tmp/x", disk_blocks=4)
+    check_kv_scales(make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8"), disk)
+    with pytest.raises(ValueError, match="--calculate-kv-scales keeps KV in the host tier"):
+        check_kv_scales(calc, disk)
+
+
+def _handoff_run(convert: bool) -> tuple[list[tuple[float, float]], list, list]:
+    """A prefill and a decode engine (two engines in one process, tests/unit/engine/
+    test_disagg_hooks.py) that each calculated their scales on a different first request;
+    then a prompt prefilled on the one and decoded on the other, its blocks landed with
+    (`convert`) or without KVScales.accept. Returns (the two engines' scales, the
+    decode's output, the float32 engine's)."""
+    import asyncio
+
+    from engine.kv_scales import accept_blocks, wire_scales
+    from tests.unit.engine.test_disagg_hooks import BS, make_async, remote_prefill
+
+    fp8 = dict(cache_dtype="fp8", calculate_kv_scales=True)
+    first = [SamplingParams(max_tokens=1, temperature=0)]
+    prompt = list(range(40, 75))
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=0, ignore_eos=True)
+    ref = LLM(tiny_model_dir("llama"), dtype="float32", block_size=BS).generate(
+        [prompt], params)[0]
+
+    async def main():
+        p, d = make_async(max_num_batched_tokens=8, **fp8), make_async(**fp8)
+        try:
+            for llm, own in ((p, list(range(200, 230))), (d, list(range(300, 304)))):
+                _ = [o async for o in llm.generate(f"own-{id(llm)}", own, first[0])]
+
+            async def remote(alloc):
+                token = await remote_prefill(p, d, alloc, prompt, [])
+                if convert:
+                    wire = await p.call(lambda eng: wire_scales(eng.runner))
+                    ids = alloc.block_ids[alloc.num_computed_tokens // BS:]
+                    await d.call(lambda eng: accept_blocks(eng.runner, ids, wire))
+                return token
+
+            outs = [o async for o in d.generate("r", prompt, params, kv_params=remote)]
+            scales = [llm.engine.runner.kv_scales.values() for llm in (p, d)]
+            return scales, outs[-1]
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+    scales, out = asyncio.run(main())
+    return scales, out, ref
+
+
+def _worst(out, ref) -> tuple[int, float]:
+    agree, worst = 0, 0.0
+    # (the first token's logprobs stay with the prefill engine of this harness)
+    skip = len(out.token_ids) - len(out.logprobs)
+    for k, (a, b) in enumerate(zip(ref.token_ids, out.token_ids, strict=True)):
+        if a != b:
+            break
+        agree += 1
+        if k >= skip:
+            worst = max(worst, abs(ref.logprobs[k][a] - out.logprobs[k - skip][a]))
+    return agree, worst
+
+
+def test_decode_with_other_scales_requantizes_the_landed_blocks():
+    (p_scales, d_scales), out, ref = _handoff_run(convert=True)
+    assert p_scales != d_scales  # each engine's own first request
+    agree, worst = _worst(out, ref)
+    _, raw, _ = _handoff_run(convert=False)
+    raw_agree, raw_worst = _worst(raw, ref)
+    print(f"requantized: {agree}/10 agree, max |dlogprob| {worst:.3f}; read under the "
+          f"wrong scales: {raw_agree}/10, {raw_worst:.3f}")
+    assert agree >= 8 and worst < 0.1
+    assert raw_agree < agree or raw_worst > 2 * worst
