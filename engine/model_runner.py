@@ -74,7 +74,9 @@ class ModelRunner:
             weakref.finalize(self, tp.close)
         self.tp = tp
         self.kv_staging: torch.Tensor | None = None  # see `staging`
-        self.staged_blocks = 0  # blocks moved through `staging` (gathers and scatters)
+        # blocks moved through `staging` (gathers and scatters, for the hand-off and the
+        # tiers): the one count, exported as splitserve:kv_staging_blocks_total
+        self.staged_blocks = 0
         # Every rank's KV cache, rank 0's own first, where rank 0 can address them (CPU:
         # engine/rank_segments.py); None where it cannot (CUDA: the staging path)
         self.rank_caches: list[torch.Tensor] | None = None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import Counter, start_http_server
+from prometheus_client import start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
@@ -46,13 +46,15 @@ from worker.config import WorkerConfig
 from worker.handoff import HandoffConfig, HandoffConnector
 from worker.kv_events import start_kv_publisher
 from worker.kv_source import KVSource
-from worker.metrics import WorkerMetrics
+from worker.metrics import StagingCollector, WorkerMetrics
 from worker.registration import RedisRegistrar
 from worker.service import WorkerService
 from worker.strategies import StrategyWatcher
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +91,10 @@ class KVSide:
         self._shared = False
         self._staging: torch.Tensor | None = None
         self._stage: Callable[[list[int]], Awaitable[None]] | None = None
-        self.staged = Counter(
-            "splitserve:kv_staging_blocks", "KV blocks the hand-off copied through rank 0's "
-            "full-head staging copy (tensor parallelism where rank 0 cannot address its "
-            "ranks' caches: CUDA); 0 where each rank's heads move directly",
-            registry=self.registry)
+        # one count of staged blocks: the runner's (none before the engine exists)
+        self._runner: ModelRunner | None = None
+        self.registry.register(StagingCollector(
+            lambda: self._runner.staged_blocks if self._runner is not None else None))
 
     def add_to(self, server: grpc.aio.Server) -> None:
         if self.handoff is not None and self.role == "prefill":
@@ -139,7 +140,7 @@ class KVSide:
         each rank's heads move straight between its cache and the wire), else (CUDA)
         rank 0's staging copy with every head and the pool's block ids, gathered from
         the ranks before a send and scattered to them after a receive lands."""
-        runner = llm.engine.runner
+        runner = self._runner = llm.engine.runner
         self._accept_into(llm, None)
         if runner.tp is None:
             return runner.kv_cache
@@ -153,11 +154,9 @@ class KVSide:
         staging = runner.staging()
 
         async def stage(ids: list[int]) -> None:
-            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.gather_blocks(ids, staging))
 
         async def land(ids: list[int]) -> None:
-            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.scatter_blocks(ids, staging))
 
         if self.handoff is not None:
