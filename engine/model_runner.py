@@ -12,8 +12,8 @@ With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
 (engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
-on CUDA the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off"
-below). On CPU each rank's cache is a named shared-memory segment rank 0 maps
+on CUDA the KV hand-off's gathers and scatters of whole blocks (engine/runner_staging.py,
+whose KVStaging methods the runner has). On CPU each rank's cache is a named shared-memory segment rank 0 maps
 (`rank_caches`, engine/rank_segments.py): the hand-off and the tiers move each rank's
 heads straight between its cache and the wire.
 """
@@ -41,6 +41,7 @@ from engine.runner_graphs import (
     graph_pool_bytes,
     make_graph_sets,
 )
+from engine.runner_staging import KVStaging
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
@@ -51,7 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Sampled = tuple[int, Logprobs | None]
-class ModelRunner:
+
+
+class ModelRunner(KVStaging):
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
                  kv_cache: torch.Tensor | None = None, tp: TPGroup | None = None) -> None:
         """`kv_cache`, if given, is a preallocated block-major tensor (e.g. in shared
@@ -348,71 +351,6 @@ class ModelRunner:
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
-    # -- the KV hand-off under tensor parallelism where rank 0 cannot address the ranks'
-    # caches (CUDA) ---------------------------------------------------------------------
-    # Each rank holds its KV heads of every block. Rank 0 keeps `staging`, a full-head
-    # tensor with the pool's block ids, that the transports register instead of the
-    # cache: blocks are gathered into it before they are sent and scattered from it to
-    # the ranks after they land (the wire carries full-head blocks, as from TP 1).
-    def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
-
-    def staging(self) -> torch.Tensor:
-        """Rank 0's full-head staging copy (allocated on first use, unless the worker
-        set `kv_staging` to one it allocated: shm's shared segment)."""
-        if self.kv_staging is None:
-            self.kv_staging = torch.zeros(self.full_kv_shape(self.num_blocks),
-                                          dtype=self.kv_dtype, device=self.device)
-        return self.kv_staging
-
-    @torch.inference_mode()
-    def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
-        """Rank 0: blocks `ids` with every KV head, from every rank, into staging[ids]."""
-        if ids:
-            self.staged_blocks += len(ids)
-            self._tell(("read", list(ids)))
-            staging[ids] = self.read_blocks(ids).to(staging.device)
-            if self.device.type == "cuda":  # a transport reads staging from another stream
-                torch.cuda.current_stream(self.device).synchronize()
-
-    @torch.inference_mode()
-    def scatter_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
-        """Rank 0: staging[ids] (every KV head) into each rank's heads of blocks `ids`."""
-        if ids:
-            self.staged_blocks += len(ids)
-            self._tell(("write", list(ids)))
-            self.write_blocks(ids, staging[ids].to(self.device))
-
-    def read_blocks(self, ids: list[int]) -> torch.Tensor:
-        """Every rank (rank 0's "read" command): this rank's heads of blocks `ids`,
-        all-gathered; the full-head blocks (replicated heads taken once)."""
-        from engine.models.parallel_layers import kv_head_range
-
-        assert self.tp is not None
-        # as bytes: the collectives and cat take any 1-byte cache (FP8) that way
-        local = _as_bytes(self.kv_cache[torch.tensor(ids, device=self.device)])
-        parts = self.tp.all_gather(local.unsqueeze(0), dim=0)
-        owners: list[int] = []  # for each rank in head order, one holding new heads
-        covered = 0
-        for r in range(self.tp.size):
-            first, end = kv_head_range(self.model_cfg, r, self.tp.size)
-            if first >= covered:
-                owners.append(r)
-                covered = end
-        return torch.cat([parts[r] for r in owners], dim=4).view(self.kv_cache.dtype)
-
-    def write_blocks(self, ids: list[int], full: torch.Tensor | None = None) -> None:
-        """Every rank (rank 0's "write" command): blocks `ids` with every head, broadcast
-        from rank 0 (`full` there); this rank keeps its heads."""
-        from engine.models.parallel_layers import kv_head_range
-
-        assert self.tp is not None
-        if full is None:
-            full = torch.empty(self.full_kv_shape(len(ids)), dtype=self.kv_cache.dtype,
-                               device=self.device)
-        self.tp.broadcast(_as_bytes(full))
-        first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
-        self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
 
 def _first_forks(r: Request) -> int:
     """How many forks draw their first token from `r`'s row this step: all of them on
@@ -420,7 +358,3 @@ def _first_forks(r: Request) -> int:
     start when the host has it)."""
     return 0 if r.num_output_placeholders else len(r.forks)
 
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 tensor as uint8 (the same bytes), others as they are."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

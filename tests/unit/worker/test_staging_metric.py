@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
 from prometheus_client import generate_latest
 
 from engine.async_llm import AsyncLLM
@@ -34,13 +35,21 @@ def test_staged_blocks_are_counted_once_by_the_runner() -> None:
         side = KVSide(config, None, WorkerService(config, metrics, kv_layout_string(cfg)), metrics)
         assert staged(metrics) == 0  # before the engine exists
         runner = llm.engine.runner
+        caches = list(runner.rank_caches or [])
+        assert len(caches) == 2
+        for c in caches:
+            c.copy_(torch.randn(c.shape))
         runner.rank_caches = None  # rank 0 cannot address the ranks' caches (as on CUDA)
         staging = side._transport_kv(llm)
         assert staging is runner.staging()
         assert side._stage is not None
         asyncio.run(side._stage([1, 2, 3]))  # the hand-off's gather before a send
         runner.gather_blocks([4, 5], staging)  # a tier save's (engine/offload.py)
+        # full-head blocks: each rank's KV heads side by side
+        assert torch.equal(staging[[4, 5]], torch.cat([c[[4, 5]] for c in caches], dim=4))
+        staging[6] = staging[5]
         runner.scatter_blocks([6], staging)  # a tier load's
+        assert all(torch.equal(c[6], c[5]) for c in caches)
         assert runner.staged_blocks == 6
         assert staged(metrics) == 6
     finally:
