@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
@@ -60,9 +60,14 @@ class KVScales:
         for i, attn in enumerate(self.layers):
             attn.k_scale, attn.v_scale = self.tensor[i, 0], self.tensor[i, 1]
         self.pending = calculate  # the first real forward (or an adoption) fixes them
+        # the checkpoint's, or 1.0, as float32 (what the cache and the wire hold)
+        self.initial: ScaleList = [(k, v) for k, v in self.tensor.tolist()]
+        # called with the scales once they are fixed (calculated or adopted), on the
+        # thread that fixed them: the disk tier's record (kvtransfer/tiers/disk_scales.py)
+        self.on_fixed: list[Callable[[ScaleList], None]] = []
         self.constants = torch.tensor(constants, dtype=torch.float32, device=device)
         self.tp = tp
-        self._host: ScaleList | None = None if calculate else [(k, v) for k, v in initial]
+        self._host: ScaleList | None = None if calculate else self.initial
 
     def values(self) -> ScaleList:
         """The scales on the host (what a sender puts beside the bytes it sends). Under
@@ -90,6 +95,7 @@ class KVScales:
         self.pending = False
         log.info("KV scales calculated from the first forward pass: %s",
                  [(round(k, 6), round(v, 6)) for k, v in self.values()])
+        self._fixed()
 
     def _calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         amax = torch.stack([k.abs().amax(), v.abs().amax()]).float()
@@ -121,9 +127,14 @@ class KVScales:
     def adopt(self, src: ScaleList) -> None:
         """Takes `src` as this engine's fixed scales (it has not calibrated)."""
         self.tensor.copy_(torch.tensor(src, dtype=torch.float32))
-        self._host = [(float(k), float(v)) for k, v in src]
+        self._host = None  # (read back: float32, as the wire and the cache hold them)
         self.pending = False
         log.info("KV scales adopted from the KV's sender")
+        self._fixed()
+
+    def _fixed(self) -> None:
+        for fn in self.on_fixed:
+            fn(self.values())
 
 
 def requantize(blocks: torch.Tensor, src: ScaleList, dst: ScaleList) -> torch.Tensor:
@@ -175,6 +186,14 @@ def accept_blocks(runner: ModelRunner, block_ids: Sequence[int], wire: Sequence[
                          f"cache needs k and v for {len(scales.layers)} layers")
     src = [(float(wire[i]), float(wire[i + 1])) for i in range(0, len(wire), 2)]
     if scales.pending:
-        runner._tell(("scales", src))  # every rank adopts them too
+        adopt_scales(runner, src)
+        return
     caches = [staging] if staging is not None else (runner.rank_caches or [runner.kv_cache])
     scales.accept(caches, block_ids, src)
+
+
+def adopt_scales(runner: ModelRunner, src: ScaleList) -> None:
+    """The engine takes `src` as its fixed scales, on every rank. Engine thread."""
+    assert runner.kv_scales is not None and runner.kv_scales.pending
+    runner._tell(("scales", src))
+    runner.kv_scales.adopt(src)

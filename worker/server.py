@@ -40,6 +40,7 @@ from kvtransfer.layout import KVLayout, engine_layout
 from kvtransfer.memory import RankCaches
 from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
+from kvtransfer.tiers.disk_scales import bind_disk_scales
 from kvtransfer.tiers.worker import attach_index, open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
@@ -200,15 +201,16 @@ def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig
 
 
 def check_kv_scales(engine_config: EngineConfig, tier_config: TierConfig | None) -> None:
-    """Refuse, at start-up, what --calculate-kv-scales does not cover: the disk tier's
-    files of an earlier run and LMCache's blocks outlive the process whose scales wrote
-    them, and carry none. (The hand-off and peer fetch carry the sender's scales; the
-    host tier holds this process's bytes only: engine/kv_scales.py.)"""
-    tiers = tier_config.tiers if tier_config is not None else ()
-    if engine_config.cache.calculate_kv_scales and set(tiers) - {"host"}:
-        raise ValueError("--calculate-kv-scales keeps KV in the host tier only (disk and "
-                         "LMCache blocks outlive the process whose scales wrote them); "
-                         "drop the flag to use the checkpoint's scales")
+    """Refuse, at start-up, what --calculate-kv-scales does not cover: LMCache's blocks
+    outlive the process whose scales wrote them (and may be shared between workers), and
+    carry none. (The hand-off and peer fetch carry the sender's scales, the disk tier
+    records its own, the host tier holds this process's bytes only: engine/kv_scales.py,
+    kvtransfer/tiers/disk_scales.py.)"""
+    lmcache = tier_config is not None and tier_config.lmcache is not None
+    if engine_config.cache.calculate_kv_scales and lmcache:
+        raise ValueError("--calculate-kv-scales runs without --lmcache-config (LMCache's "
+                         "blocks outlive the process whose scales wrote them); drop the "
+                         "flag to use the checkpoint's scales")
 
 
 def advertised(address: str, host: str) -> str:
@@ -282,6 +284,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     try:
         llm = await asyncio.to_thread(AsyncLLM, engine_config, kv_side.kv_cache(engine_config),
                                       tiers)
+        if tiers is not None:  # the disk tier's blocks keep the scales they were written under
+            await llm.call(lambda eng: bind_disk_scales(tiers, eng.runner))
         await kv_side.start(llm, config.advertise_host or config.host)
     except BaseException:
         if tiers is not None:

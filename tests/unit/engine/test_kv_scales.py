@@ -198,16 +198,17 @@ def test_calculated_scales_under_tensor_parallelism():
 def test_worker_refuses_what_the_scales_do_not_cover():
     from engine.llm import make_engine_config
     from kvtransfer.tiers import TierConfig
+    from kvtransfer.tiers.config import LMCacheTierConfig
     from worker.server import check_kv_scales
 
     calc = make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8",
                               calculate_kv_scales=True)
-    check_kv_scales(calc, TierConfig(host_blocks=8))
+    check_kv_scales(calc, TierConfig(host_blocks=8, disk_dir="/tmp/x", disk_blocks=4))
     check_kv_scales(calc, None)
-    disk = TierConfig(disk_dir="/tmp/x", disk_blocks=4)
-    check_kv_scales(make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8"), disk)
-    with pytest.raises(ValueError, match="--calculate-kv-scales keeps KV in the host tier"):
-        check_kv_scales(calc, disk)
+    lmcache = TierConfig(lmcache=LMCacheTierConfig())
+    check_kv_scales(make_engine_config(tiny_model_dir("llama"), cache_dtype="fp8"), lmcache)
+    with pytest.raises(ValueError, match="--calculate-kv-scales runs without --lmcache"):
+        check_kv_scales(calc, lmcache)
 
 
 def _handoff_run(convert: bool) -> tuple[list[tuple[float, float]], list, list]:
