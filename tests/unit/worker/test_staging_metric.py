@@ -49,8 +49,12 @@ def test_staged_blocks_are_counted_once_by_the_runner() -> None:
         assert torch.equal(staging[[4, 5]], torch.cat([c[[4, 5]] for c in caches], dim=4))
         staging[6] = staging[5]
         runner.scatter_blocks([6], staging)  # a tier load's
+        # (rank 1 runs commands in order: its write is done before it serves this read)
+        staging[6] = 0
+        runner.gather_blocks([6], staging)
+        assert torch.equal(staging[6], staging[5])
         assert all(torch.equal(c[6], c[5]) for c in caches)
-        assert runner.staged_blocks == 6
-        assert staged(metrics) == 6
+        assert runner.staged_blocks == 7
+        assert staged(metrics) == 7
     finally:
         llm.shutdown()
