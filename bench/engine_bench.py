@@ -19,7 +19,12 @@ import tempfile
 import time
 from typing import Any
 
-from engine.cli import add_kv_cache_dtype_argument, add_parallel_arguments, parallel_kwargs
+from engine.cli import (
+    add_kv_cache_dtype_argument,
+    add_parallel_arguments,
+    cache_dtype_kwargs,
+    parallel_kwargs,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,9 +144,10 @@ def run(args: argparse.Namespace) -> int:
                    for _ in range(args.num_prompts)]
         out_lens = [rng.randint(*args.output_len) for _ in range(args.num_prompts)]
         n_out = sum(out_lens)
+        kv = cache_dtype_kwargs(args)
         ours = run_ours(model_dir, prompts, out_lens, args.max_num_batched_tokens or 2048,
-                        args.kv_cache_dtype, async_scheduling=args.async_scheduling,
-                        **parallel_kwargs(args))
+                        kv.pop("cache_dtype"), async_scheduling=args.async_scheduling,
+                        **kv, **parallel_kwargs(args))
         hf = run_hf(model_dir, prompts, out_lens, args.hf_batch_size or len(prompts))
     result: dict[str, Any] = {
         "summary": {"splitserve_tok_s": n_out / ours, "hf_tok_s": n_out / hf,

@@ -35,7 +35,7 @@ from bench.engine_roofline import (
     measure_limits,
     step_summary,
 )
-from engine.cli import parallel_kwargs
+from engine.cli import cache_dtype_kwargs, parallel_kwargs
 from engine.config import ModelConfig
 
 WORKLOADS = ("a", "b", "c", "d", "e")
@@ -204,7 +204,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                attention_backend=args.attention_backend,
                attention_tuning=getattr(args, "attention_tuning", "auto"),
                gpu_memory_utilization=args.gpu_memory_utilization,
-               cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+               **cache_dtype_kwargs(args),
                async_scheduling=getattr(args, "async_scheduling", False),
                **parallel_kwargs(args), **kw)
 

@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "float32 on CPU)")
     p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
                    help="every worker's KV cache dtype (default auto: the model's dtype)")
+    p.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="with --kv-cache-dtype fp8: every worker calculates its k/v scales "
+                        "from its first request, or adopts those of the KV it receives first "
+                        "(K_SCALE_CONSTANT / V_SCALE_CONSTANT from this environment)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="every worker's tensor parallel size (GPUs per worker; default 1)")
     p.add_argument("--prefill-tensor-parallel-size", type=int, default=None, metavar="N",
@@ -98,7 +102,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"{args.config}: expected a mapping")
     for key in ("model", "prefill", "decode", "colocated", "transport", "http_port",
                 "grpc_port", "gateways", "num_blocks", "device", "dtype", "kv_cache_dtype",
-                *PLACEMENT_KEYS,
+                "calculate_kv_scales", *PLACEMENT_KEYS,
                 *RESTART_KEYS):
         if getattr(args, key) is not None:
             conf[key] = getattr(args, key)
@@ -119,6 +123,8 @@ def build_spec(args: argparse.Namespace) -> Any:
     for key in ("num_blocks", "device", "dtype", "kv_cache_dtype"):
         if s.get(key):
             worker_args += [f"--{key.replace('_', '-')}", str(s[key])]
+    if s.get("calculate_kv_scales"):
+        worker_args.append("--calculate-kv-scales")
     placement = place_workers(s, prefill, decode, colocated)
     return ClusterSpec(
         placement=placement,

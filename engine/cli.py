@@ -81,6 +81,27 @@ def add_kv_cache_dtype_argument(p: argparse.ArgumentParser) -> None:
                    metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                    help="auto: the model's dtype; fp8 (= fp8_e4m3): float8 e4m3 KV with "
                         "per-tensor k/v scales from the checkpoint, else 1.0")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="with --kv-cache-dtype fp8: compute each layer's k/v scales from "
+                        "the first request's K and V (max|K| / $K_SCALE_CONSTANT, default "
+                        "200; max|V| / $V_SCALE_CONSTANT, default 100), then keep them")
+
+
+def kv_scale_constants() -> tuple[float, float]:
+    """vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT from the environment."""
+    try:
+        return (float(os.environ.get("K_SCALE_CONSTANT", "200")),
+                float(os.environ.get("V_SCALE_CONSTANT", "100")))
+    except ValueError as e:
+        raise ValueError(f"K_SCALE_CONSTANT / V_SCALE_CONSTANT: {e}") from None
+
+
+def cache_dtype_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """CacheConfig's KV dtype fields from the flags (and the environment)."""
+    calculate = getattr(args, "calculate_kv_scales", False)
+    return {"cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+            "calculate_kv_scales": calculate,
+            "kv_scale_constants": kv_scale_constants() if calculate else (200.0, 100.0)}
 
 
 def kv_cache_dtype_arg(value: str) -> str:
@@ -216,7 +237,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
                           gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
-                          cache_dtype=getattr(args, "kv_cache_dtype", "auto")),
+                          **cache_dtype_kwargs(args)),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   policy=getattr(args, "scheduling_policy", "fcfs")))

@@ -215,9 +215,20 @@ class CacheConfig:
     # vLLM's cache_dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (float8 e4m3
     # with per-tensor k/v scales, engine.kv_quant).
     cache_dtype: str = "auto"
+    # vLLM's --calculate-kv-scales: the first real forward pass computes each layer's
+    # k/v scales, max|K| / k and max|V| / v for these constants (vLLM's environment
+    # variables K_SCALE_CONSTANT and V_SCALE_CONSTANT), instead of the checkpoint's.
+    calculate_kv_scales: bool = False
+    kv_scale_constants: tuple[float, float] = (200.0, 100.0)
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.cache_dtype)
+        if self.calculate_kv_scales and self.cache_dtype == "auto":
+            raise ValueError("--calculate-kv-scales needs --kv-cache-dtype fp8 (the scales "
+                             "quantize a float8 cache)")
+        if not all(c > 0 for c in self.kv_scale_constants):
+            raise ValueError(f"KV scale constants must be positive, got "
+                             f"{self.kv_scale_constants} (K_SCALE_CONSTANT, V_SCALE_CONSTANT)")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         if self.num_blocks is not None and self.num_blocks <= 0:

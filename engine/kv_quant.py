@@ -4,7 +4,8 @@ scale per tensor (per layer, one for K and one for V).
 The cache write stores `x / scale` clamped to e4m3's range (+-448); attention reads
 `stored * scale` back in the compute dtype. Scales come from the checkpoint where it
 has them (vLLM's names: `model.layers.N.self_attn.k_scale` / `v_scale`, or one
-`kv_scale` for both), else 1.0. The KV layout carries the dtype (`float8_e4m3fn`,
+`kv_scale` for both), else 1.0; with `--calculate-kv-scales` from the first real
+forward pass (engine.kv_scales, which also keeps them where the KV moves). The KV layout carries the dtype (`float8_e4m3fn`,
 kvtransfer.layout), so the hand-off, the tiers and peer fetch move one byte a value
 and a peer with another KV dtype is refused at the handshake.
 """
@@ -28,15 +29,24 @@ def is_kv_scale_key(key: str) -> bool:
     return _SCALE_KEY.match(key) is not None
 
 
-def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+# A scale: a Python float, or a float32 device scalar (the engine's own, which CUDA graphs
+# read through its address).
+Scale = float | torch.Tensor
+
+
+def _is_one(scale: Scale) -> bool:
+    return not isinstance(scale, torch.Tensor) and scale == 1.0
+
+
+def quantize(x: torch.Tensor, scale: Scale) -> torch.Tensor:
     """x / scale in float8 e4m3, clamped to +-448 (what the cache stores)."""
-    y = x.float() if scale == 1.0 else x.float() / scale
+    y = x.float() if _is_one(scale) else x.float() / scale
     return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(x: torch.Tensor, scale: Scale, dtype: torch.dtype) -> torch.Tensor:
     """Stored values back in the compute dtype: x * scale."""
-    y = x.float() if scale == 1.0 else x.float() * scale
+    y = x.float() if _is_one(scale) else x.float() * scale
     return y.to(dtype)
 
 

@@ -12,8 +12,8 @@ With tensor_parallel_size N the runner of rank 0 (the engine's) spawns ranks 1..
 (engine/distributed.py); each builds this same runner over its shard of the model
 and of the KV cache (its KV heads), and then follows rank 0's commands
 (engine/tp_ranks.py): a step's forward, the logits of some rows, block copies, and
-on CUDA the KV hand-off's gathers and scatters of whole blocks (see "the KV hand-off"
-below). On CPU each rank's cache is a named shared-memory segment rank 0 maps
+on CUDA the KV hand-off's gathers and scatters of whole blocks (engine/runner_staging.py,
+whose KVStaging methods the runner has). On CPU each rank's cache is a named shared-memory segment rank 0 maps
 (`rank_caches`, engine/rank_segments.py): the hand-off and the tiers move each rank's
 heads straight between its cache and the wire.
 """
@@ -30,7 +30,7 @@ from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.kv_quant import load_kv_scales
+from engine.kv_scales import calibrating, make_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
 from engine.rank_segments import RankSegment
@@ -41,6 +41,7 @@ from engine.runner_graphs import (
     graph_pool_bytes,
     make_graph_sets,
 )
+from engine.runner_staging import KVStaging
 from engine.sampler import Logprobs, Sampler, token_logprobs
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.step_inputs import StepInputBuilder
@@ -51,7 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Sampled = tuple[int, Logprobs | None]
-class ModelRunner:
+
+
+class ModelRunner(KVStaging):
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
                  kv_cache: torch.Tensor | None = None, tp: TPGroup | None = None) -> None:
         """`kv_cache`, if given, is a preallocated block-major tensor (e.g. in shared
@@ -74,7 +77,9 @@ class ModelRunner:
             weakref.finalize(self, tp.close)
         self.tp = tp
         self.kv_staging: torch.Tensor | None = None  # see `staging`
-        self.staged_blocks = 0  # blocks moved through `staging` (gathers and scatters)
+        # blocks moved through `staging` (gathers and scatters, for the hand-off and the
+        # tiers): the one count, exported as splitserve:kv_staging_blocks_total
+        self.staged_blocks = 0
         # Every rank's KV cache, rank 0's own first, where rank 0 can address them (CPU:
         # engine/rank_segments.py); None where it cannot (CUDA: the staging path)
         self.rank_caches: list[torch.Tensor] | None = None
@@ -113,8 +118,7 @@ class ModelRunner:
         self.attention = make_backend(config.backend)
         self.model.set_kernels(self.attention, config.backend == "triton",
                                self.max_model_len)
-        if config.fp8_kv:
-            self._set_kv_scales(load_kv_scales(config.model_dir, model_cfg.num_layers))
+        self.kv_scales = make_kv_scales(self) if config.fp8_kv else None
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
         self.graphs, self.mixed_graphs = make_graph_sets(self)  # (engine.runner_graphs)
         if kv_cache is None:
@@ -144,16 +148,6 @@ class ModelRunner:
             self.kv_cache[:, 0], self.rank_cfg.num_heads, self.dtype,
             self.model_cfg.sliding_window, self.config.scheduler.max_num_seqs,
             self.max_model_len)
-
-    def _set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
-        """Each attention layer's (k_scale, v_scale) for the float8 cache."""
-        from engine.models.llama import Attention
-
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for attn, (k_scale, v_scale) in zip(layers, scales, strict=True):
-            attn.k_scale = k_scale
-            attn.v_scale = v_scale
-        self.kv_scales = scales
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
@@ -280,14 +274,16 @@ class ModelRunner:
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
-        graphed = forward_graph(self, out.scheduled, kv, prev)
+        calibrate = self.kv_scales is not None and self.kv_scales.pending
+        graphed = None if calibrate else forward_graph(self, out.scheduled, kv, prev)
         if graphed is not None:
             return graphed
         step = self.inputs.build(out.scheduled, kv)
         fill_placeholders(step, prev)
         if self.tp is not None:
             self.inputs.send(self.tp, step.meta)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        with calibrating(self.kv_scales):  # --calculate-kv-scales: the first one eagerly
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
         if not step.sample_reqs:
             return StepLogits([], hidden[:0])
@@ -355,71 +351,6 @@ class ModelRunner:
             src, dst = zip(*pairs, strict=True)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
-    # -- the KV hand-off under tensor parallelism where rank 0 cannot address the ranks'
-    # caches (CUDA) ---------------------------------------------------------------------
-    # Each rank holds its KV heads of every block. Rank 0 keeps `staging`, a full-head
-    # tensor with the pool's block ids, that the transports register instead of the
-    # cache: blocks are gathered into it before they are sent and scattered from it to
-    # the ranks after they land (the wire carries full-head blocks, as from TP 1).
-    def full_kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return kv_cache_shape(self.model_cfg, num_blocks, self.block_size)
-
-    def staging(self) -> torch.Tensor:
-        """Rank 0's full-head staging copy (allocated on first use, unless the worker
-        set `kv_staging` to one it allocated: shm's shared segment)."""
-        if self.kv_staging is None:
-            self.kv_staging = torch.zeros(self.full_kv_shape(self.num_blocks),
-                                          dtype=self.kv_dtype, device=self.device)
-        return self.kv_staging
-
-    @torch.inference_mode()
-    def gather_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
-        """Rank 0: blocks `ids` with every KV head, from every rank, into staging[ids]."""
-        if ids:
-            self.staged_blocks += len(ids)
-            self._tell(("read", list(ids)))
-            staging[ids] = self.read_blocks(ids).to(staging.device)
-            if self.device.type == "cuda":  # a transport reads staging from another stream
-                torch.cuda.current_stream(self.device).synchronize()
-
-    @torch.inference_mode()
-    def scatter_blocks(self, ids: list[int], staging: torch.Tensor) -> None:
-        """Rank 0: staging[ids] (every KV head) into each rank's heads of blocks `ids`."""
-        if ids:
-            self.staged_blocks += len(ids)
-            self._tell(("write", list(ids)))
-            self.write_blocks(ids, staging[ids].to(self.device))
-
-    def read_blocks(self, ids: list[int]) -> torch.Tensor:
-        """Every rank (rank 0's "read" command): this rank's heads of blocks `ids`,
-        all-gathered; the full-head blocks (replicated heads taken once)."""
-        from engine.models.parallel_layers import kv_head_range
-
-        assert self.tp is not None
-        # as bytes: the collectives and cat take any 1-byte cache (FP8) that way
-        local = _as_bytes(self.kv_cache[torch.tensor(ids, device=self.device)])
-        parts = self.tp.all_gather(local.unsqueeze(0), dim=0)
-        owners: list[int] = []  # for each rank in head order, one holding new heads
-        covered = 0
-        for r in range(self.tp.size):
-            first, end = kv_head_range(self.model_cfg, r, self.tp.size)
-            if first >= covered:
-                owners.append(r)
-                covered = end
-        return torch.cat([parts[r] for r in owners], dim=4).view(self.kv_cache.dtype)
-
-    def write_blocks(self, ids: list[int], full: torch.Tensor | None = None) -> None:
-        """Every rank (rank 0's "write" command): blocks `ids` with every head, broadcast
-        from rank 0 (`full` there); this rank keeps its heads."""
-        from engine.models.parallel_layers import kv_head_range
-
-        assert self.tp is not None
-        if full is None:
-            full = torch.empty(self.full_kv_shape(len(ids)), dtype=self.kv_cache.dtype,
-                               device=self.device)
-        self.tp.broadcast(_as_bytes(full))
-        first, end = kv_head_range(self.model_cfg, self.tp.rank, self.tp.size)
-        self.kv_cache[torch.tensor(ids, device=self.device)] = full[:, :, :, :, first:end]
 
 def _first_forks(r: Request) -> int:
     """How many forks draw their first token from `r`'s row this step: all of them on
@@ -427,7 +358,3 @@ def _first_forks(r: Request) -> int:
     start when the host has it)."""
     return 0 if r.num_output_placeholders else len(r.forks)
 
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """An FP8 tensor as uint8 (the same bytes), others as they are."""
-    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -16,6 +16,7 @@ cycle collector happened to run.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -95,29 +96,42 @@ def capture_graph_sets(runner: ModelRunner) -> None:
             g.capture(pool)
 
 
-def graph_pool_bytes(runner: ModelRunner, max_tokens: int) -> int:
-    """The graphs' shared pool, estimated on CUDA by the larger of a decode forward of
-    the largest batch bucket and a forward of the largest mixed bucket (at most
-    `max_tokens`, what the profile's scratch cache holds); 0 without graphs."""
+def graph_pool_bytes(runner: ModelRunner, max_tokens: int,
+                     measure: Callable[[Callable[[], object]], int] | None = None) -> int:
+    """The graphs' shared pool, estimated on CUDA by the larger of the forwards the
+    graphs capture: a decode forward of the largest batch bucket (logits for every row:
+    each is sampled) and the mixed graphs' own forward of their largest bucket (at most
+    `max_tokens`, what the profile's scratch cache holds), whose logits are its S sampled
+    rows only, written into the static buffer the graphs share (allocated outside the
+    pool). 0 without graphs. `measure(fn)`: the peak bytes `fn` allocates (default: the
+    CUDA allocator's peak; tests pass their own)."""
+    measure = measure or _cuda_peak_bytes(runner.device)
     need = 0
     if runner.graphs is not None:
         b = runner.graphs.max_batch
-        need = _forward_bytes(runner, b, b)
-    if runner.mixed_graphs is not None:
-        need = max(need, _forward_bytes(runner, min(runner.mixed_graphs.max_tokens,
-                                                    max_tokens), 1))
+        ids, pos, _, meta = runner._dummy_batch(b, b)
+        need = measure(lambda: runner._forward_logits(ids, pos, meta))
+    mixed = runner.mixed_graphs
+    if mixed is not None:
+        t = min(mixed.max_tokens, max_tokens)
+        s = mixed.pad(t)[2]
+        ids, pos, _, meta = runner._dummy_batch(t, 1)
+        rows = torch.zeros(s, dtype=torch.int32, device=runner.device)
+        need = max(need, measure(lambda: mixed.forward(ids, pos, meta, rows,
+                                                       mixed.logits[:s])))
     return need
 
 
-def _forward_bytes(runner: ModelRunner, t: int, b: int) -> int:
-    """Peak bytes a forward pass of `_dummy_batch(t, b)` to logits allocates."""
-    dev = runner.device
-    base = torch.cuda.memory_allocated(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    ids, pos, _, meta = runner._dummy_batch(t, b)
-    runner._forward_logits(ids, pos, meta)
-    torch.cuda.synchronize(dev)
-    return torch.cuda.max_memory_allocated(dev) - base
+def _cuda_peak_bytes(dev: torch.device) -> Callable[[Callable[[], object]], int]:
+    def measure(fn: Callable[[], object]) -> int:
+        """Peak bytes allocated while `fn` runs, above what was allocated before."""
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev) - base
+
+    return measure
 
 
 def forward_graph(runner: ModelRunner, scheduled: list[ScheduledRequest],

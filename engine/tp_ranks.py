@@ -18,6 +18,8 @@ commands in order:
                       full-head blocks)
     ("write", ids)    those blocks' full heads by one broadcast; keeps its own (the
                       hand-off's receive side through the staging copy)
+    ("scales", src)   the float8 KV scales a sender's blocks carried, adopted before this
+                      rank calculated its own (engine/kv_scales.py)
     ("exit",)         rank 0's engine is done
 
 A closed pipe means rank 0's process is gone: the rank exits. The pipe has no timeout
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.distributed import TP_FAILURE_EXIT, join_group, rank_device
+from engine.kv_scales import calibrating
 from engine.rank_segments import segment_names, unlink_segments
 
 log = logging.getLogger(__name__)
@@ -103,7 +106,9 @@ def serve(runner: Any, conn: Connection) -> None:
             step = hidden = None
         elif op == "forward":
             step = runner.inputs.receive(tp, command)
-            hidden = runner.model(step.input_ids, step.positions, runner.kv_cache, step.meta)
+            with calibrating(runner.kv_scales):  # as rank 0 (--calculate-kv-scales)
+                hidden = runner.model(step.input_ids, step.positions, runner.kv_cache,
+                                      step.meta)
         elif op == "logits":
             assert step is not None and hidden is not None
             rows = step.sample_rows if command[1] is None else torch.tensor(
@@ -115,6 +120,8 @@ def serve(runner: Any, conn: Connection) -> None:
             runner.read_blocks(command[1])
         elif op == "write":
             runner.write_blocks(command[1])
+        elif op == "scales":  # rank 0 adopted a KV sender's scales (engine/kv_scales.py)
+            runner.kv_scales.adopt(command[1])
         elif op == "exit":
             return
         else:

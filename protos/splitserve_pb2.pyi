@@ -376,10 +376,12 @@ class FetchKVRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., dest: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
 
 class FetchKVResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "kv_scales")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    kv_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_blocks: _Optional[int] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("transport_address", "block_ids", "generation", "num_computed_tokens", "worker_id")
@@ -437,7 +439,7 @@ class PrefillTimings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., bytes_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "num_cached_tokens", "num_blocks_written", "timings", "first_tokens", "first_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token", "num_cached_tokens", "num_blocks_written", "timings", "first_tokens", "first_logprobs", "prompt_logprobs", "kv_scales")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +448,7 @@ class PrefillResponse(_message.Message):
     FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     num_cached_tokens: int
@@ -454,4 +457,5 @@ class PrefillResponse(_message.Message):
     first_tokens: _containers.RepeatedScalarFieldContainer[int]
     first_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks_written: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_scales: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_blocks_written: _Optional[int] = ..., timings: _Optional[_Union[PrefillTimings, _Mapping]] = ..., first_tokens: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., kv_scales: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -48,6 +48,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter
 
 from engine.async_llm import AsyncLLM, RemoteResult
+from engine.kv_scales import wire_scales
 from engine.llm_engine import RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver, KVSender
@@ -155,6 +156,9 @@ class HandoffConnector(pb_grpc.PrefillServicer):
         # Makes landed blocks the engine's before the request runs (tensor parallelism on
         # CUDA: the scatter from the staging copy, worker/server.py)
         self.land: Callable[[list[int]], Awaitable[None]] | None = None
+        # Blocks landed with the sender's float8 KV scales: adopted or requantized to
+        # ours before `land` and before the engine reads them (engine/kv_scales.py)
+        self.accept: Callable[[list[int], list[float]], Awaitable[None]] | None = None
 
     # -- decode side: the receiver ------------------------------------------------------
     def allocate_kv(self, layout: KVLayout, num_blocks: int) -> object | None:
@@ -238,11 +242,10 @@ class HandoffConnector(pb_grpc.PrefillServicer):
                                   block_ids=alloc.block_ids[first:end],
                                   worker_id=self.worker.config.worker_id))
         try:
-            await pb_grpc.WorkerStub(self._channel(peer.address)).FetchKV(
+            resp = await pb_grpc.WorkerStub(self._channel(peer.address)).FetchKV(
                 call, timeout=rpc_timeout, metadata=(("x-request-id", alloc.request_id),))
             await asyncio.wait_for(asyncio.shield(landed), lease)
-            if self.land is not None:
-                await self.land(list(alloc.block_ids[first:end]))
+            await self._landed(list(alloc.block_ids[first:end]), list(resp.kv_scales))
         except asyncio.CancelledError:
             await self._fence(xid, landed, "request cancelled")
             raise
@@ -285,8 +288,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
             resp = await pb_grpc.PrefillStub(self._channel(peer.address)).Prefill(
                 call, timeout=rpc_timeout, metadata=(("x-request-id", rid),))
             await asyncio.wait_for(asyncio.shield(landed), lease)
-            if self.land is not None:
-                await self.land(list(alloc.missing_block_ids))
+            await self._landed(list(alloc.missing_block_ids), list(resp.kv_scales))
             self._outcomes.labels("ok").inc()
             return resp
         except asyncio.CancelledError:
@@ -302,6 +304,14 @@ class HandoffConnector(pb_grpc.PrefillServicer):
             if self.config.policy == "fail":
                 raise RemotePrefillFailed(reason) from e
             return None
+
+    async def _landed(self, block_ids: list[int], kv_scales: list[float]) -> None:
+        """Blocks that landed whole, made readable by the engine: the sender's scales
+        applied, then (CUDA tensor parallelism) scattered to the ranks."""
+        if self.accept is not None and kv_scales:
+            await self.accept(block_ids, kv_scales)
+        if self.land is not None:
+            await self.land(block_ids)
 
     async def _fence(self, rid: str, landed: asyncio.Future[None], reason: str) -> None:
         """Fences the transfer and waits until its blocks are safe to reuse (no write
@@ -409,6 +419,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
             llm.release(pid)  # no-op when the request was aborted (its blocks are freed)
         t_end = time.monotonic()
         n_written = sent - dest.num_computed_tokens // bs
+        kv_scales = await llm.call(lambda eng: wire_scales(eng.runner))
         samples = [firsts[i] for i in sorted(firsts)]
         return pb.PrefillResponse(
             request_id=rid, first_token=final.token_ids[0],
@@ -419,6 +430,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
                 final.prompt_logprobs, request.token_ids[1:], asked.prompt_logprobs or 0)
             if final.prompt_logprobs else [],
             num_cached_tokens=final.num_cached_tokens, num_blocks_written=n_written,
+            kv_scales=kv_scales,
             timings=pb.PrefillTimings(
                 queue_s=0.0, compute_s=t_compute - t0,
                 transfer_s=t_end - (t_first_write or t_end),

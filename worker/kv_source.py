@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from engine.async_llm import AsyncLLM
 from engine.block_hash import BlockHash
+from engine.kv_scales import wire_scales
 from kvtransfer.errors import KVTransferError
 from kvtransfer.pusher import KVPusher
 from protos import splitserve_pb2 as pb
@@ -58,9 +59,11 @@ class KVSource:
                 log.warning("request %s: FetchKV to %s failed: %s", request.request_id,
                             dest.worker_id, e)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            # (the scales they were written under, read while they are still pinned)
+            scales = await self.llm.call(lambda eng: wire_scales(eng.runner))
         finally:
             await asyncio.shield(self.llm.call(lambda eng: eng.unpin(ids)))
         self._served.labels("ok").inc()
         log.info("event=peer_fetch_served request_id=%s blocks=%d to=%s", request.request_id,
                  len(ids), dest.worker_id)
-        return pb.FetchKVResponse(num_blocks=len(ids))
+        return pb.FetchKVResponse(num_blocks=len(ids), kv_scales=scales)

@@ -26,6 +26,23 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 
+class StagingCollector(Collector):
+    """`splitserve:kv_staging_blocks_total`, read from the one count the model runner
+    keeps (`ModelRunner.staged_blocks`: every gather into and scatter out of rank 0's
+    full-head staging copy, the hand-off's and the offload tiers' alike); `count` gives
+    None before the engine exists (0 then)."""
+
+    def __init__(self, count: Callable[[], int | None]) -> None:
+        self._count = count
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "splitserve:kv_staging_blocks", "KV blocks copied through rank 0's full-head "
+            "staging copy (tensor parallelism where rank 0 cannot address its ranks' "
+            "caches: CUDA), by the hand-off and the offload tiers; 0 where each rank's "
+            "heads move directly", value=float(self._count() or 0))
+
+
 class _StatsCollector(Collector):
     def __init__(self, model: str, stats: Callable[[], SchedulerStats | None]) -> None:
         self._model = model

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import Counter, start_http_server
+from prometheus_client import start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_scales import accept_blocks
 from engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
 from kvtransfer.config import TransferConfig
@@ -39,19 +40,22 @@ from kvtransfer.layout import KVLayout, engine_layout
 from kvtransfer.memory import RankCaches
 from kvtransfer.pusher import KVPusher
 from kvtransfer.tiers.config import TierConfig
+from kvtransfer.tiers.disk_scales import bind_disk_scales
 from kvtransfer.tiers.worker import attach_index, open_tiers
 from protos import splitserve_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
 from worker.handoff import HandoffConfig, HandoffConnector
 from worker.kv_events import start_kv_publisher
 from worker.kv_source import KVSource
-from worker.metrics import WorkerMetrics
+from worker.metrics import StagingCollector, WorkerMetrics
 from worker.registration import RedisRegistrar
 from worker.service import WorkerService
 from worker.strategies import StrategyWatcher
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +92,10 @@ class KVSide:
         self._shared = False
         self._staging: torch.Tensor | None = None
         self._stage: Callable[[list[int]], Awaitable[None]] | None = None
-        self.staged = Counter(
-            "splitserve:kv_staging_blocks", "KV blocks the hand-off copied through rank 0's "
-            "full-head staging copy (tensor parallelism where rank 0 cannot address its "
-            "ranks' caches: CUDA); 0 where each rank's heads move directly",
-            registry=self.registry)
+        # one count of staged blocks: the runner's (none before the engine exists)
+        self._runner: ModelRunner | None = None
+        self.registry.register(StagingCollector(
+            lambda: self._runner.staged_blocks if self._runner is not None else None))
 
     def add_to(self, server: grpc.aio.Server) -> None:
         if self.handoff is not None and self.role == "prefill":
@@ -138,7 +141,8 @@ class KVSide:
         each rank's heads move straight between its cache and the wire), else (CUDA)
         rank 0's staging copy with every head and the pool's block ids, gathered from
         the ranks before a send and scattered to them after a receive lands."""
-        runner = llm.engine.runner
+        runner = self._runner = llm.engine.runner
+        self._accept_into(llm, None)
         if runner.tp is None:
             return runner.kv_cache
         if runner.rank_caches is not None:
@@ -151,17 +155,27 @@ class KVSide:
         staging = runner.staging()
 
         async def stage(ids: list[int]) -> None:
-            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.gather_blocks(ids, staging))
 
         async def land(ids: list[int]) -> None:
-            self.staged.inc(len(ids))
             await llm.call(lambda eng: eng.runner.scatter_blocks(ids, staging))
 
         if self.handoff is not None:
             self.handoff.land = land
+        self._accept_into(llm, staging)
         self._stage = stage
         return staging
+
+    def _accept_into(self, llm: AsyncLLM, staging: torch.Tensor | None) -> None:
+        """Landed blocks take the engine's float8 scales where the transports wrote
+        them: rank 0's staging copy (scattered afterwards), else the caches."""
+        if self.handoff is None:
+            return
+
+        async def accept(ids: list[int], kv_scales: list[float]) -> None:
+            await llm.call(lambda eng: accept_blocks(eng.runner, ids, kv_scales, staging))
+
+        self.handoff.accept = accept
 
     async def close(self) -> None:
         if self.handoff is not None:
@@ -186,6 +200,19 @@ def check_device_transport(engine_config: EngineConfig, transfer: TransferConfig
                          "cpu use --transport shm (workers on one node) or tcp")
 
 
+def check_kv_scales(engine_config: EngineConfig, tier_config: TierConfig | None) -> None:
+    """Refuse, at start-up, what --calculate-kv-scales does not cover: LMCache's blocks
+    outlive the process whose scales wrote them (and may be shared between workers), and
+    carry none. (The hand-off and peer fetch carry the sender's scales, the disk tier
+    records its own, the host tier holds this process's bytes only: engine/kv_scales.py,
+    kvtransfer/tiers/disk_scales.py.)"""
+    lmcache = tier_config is not None and tier_config.lmcache is not None
+    if engine_config.cache.calculate_kv_scales and lmcache:
+        raise ValueError("--calculate-kv-scales runs without --lmcache-config (LMCache's "
+                         "blocks outlive the process whose scales wrote them); drop the "
+                         "flag to use the checkpoint's scales")
+
+
 def advertised(address: str, host: str) -> str:
     """A receiver bound to a wildcard address is dialled at the advertised host."""
     desc = json.loads(address)
@@ -201,6 +228,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     `transfer` is required for the prefill and decode roles; `tier_config`: the KV
     offload tiers (host, disk, LMCache), if any."""
     check_device_transport(engine_config, transfer)
+    check_kv_scales(engine_config, tier_config)
     if engine_config.tensor_parallel_size > 1 and engine_config.device.startswith("cuda") \
             and (config.role != "colocated" or (tier_config is not None and tier_config.enabled)):
         # rank 0's full-head staging copy (KVSide._transport_kv, the tiers' copies): its
@@ -256,6 +284,8 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     try:
         llm = await asyncio.to_thread(AsyncLLM, engine_config, kv_side.kv_cache(engine_config),
                                       tiers)
+        if tiers is not None:  # the disk tier's blocks keep the scales they were written under
+            await llm.call(lambda eng: bind_disk_scales(tiers, eng.runner))
         await kv_side.start(llm, config.advertise_host or config.host)
     except BaseException:
         if tiers is not None:

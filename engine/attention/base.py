@@ -23,6 +23,8 @@ from typing import Protocol
 
 import torch
 
+from engine.kv_quant import Scale
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -66,7 +68,7 @@ class AttentionBackend(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_layer: cache[:, layer].
         Returns the attention output [T, H, D] (a new tensor). A float8 cache
         (engine.kv_quant) stores K / k_scale and V / v_scale, and reads them back

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
-from engine.kv_quant import FP8_DTYPE, dequantize, quantize
+from engine.kv_quant import FP8_DTYPE, Scale, dequantize, quantize
 
 _HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
@@ -31,7 +31,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
     """Scatters the new tokens' K/V into their slots (padding slots, -1, skipped);
     into a float8 cache quantized by the scales."""
     bs = kv_layer.shape[2]
@@ -50,7 +50,7 @@ class TorchSDPABackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> torch.Tensor:
         write_kv(k, v, kv_layer, meta.slot_mapping, k_scale, v_scale)
         fp8 = kv_layer.dtype == FP8_DTYPE
         if fp8:

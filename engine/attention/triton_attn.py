@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from engine.attention.triton_fp8 import _kv_load, _kv_store
-from engine.kv_quant import FP8_DTYPE
+from engine.kv_quant import FP8_DTYPE, Scale
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -58,7 +58,7 @@ class DecodeTile:
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads, k_scale, v_scale,
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads, k_scale_ptr, v_scale_ptr,
                      k_st, k_sh, k_sd, v_st, v_sh, v_sd,
                      c_sb, c_skv, c_so, c_sh, c_sd,
                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -76,8 +76,19 @@ def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, num_kv_heads, k_scale, v
     kx = tl.load(k_ptr + t * k_st + h * k_sh + d * k_sd, mask=mask)
     vx = tl.load(v_ptr + t * v_st + h * v_sh + d * v_sd, mask=mask)
     dst = cache_ptr + blk * c_sb + off * c_so + h * c_sh + d * c_sd
+    k_scale, v_scale = _scales(k_scale_ptr, v_scale_ptr, FP8)
     tl.store(dst, _kv_store(kx, k_scale, cache_ptr, FP8, FP8_BITS), mask=mask)
     tl.store(dst + c_skv, _kv_store(vx, v_scale, cache_ptr, FP8, FP8_BITS), mask=mask)
+
+
+@triton.jit
+def _scales(k_scale_ptr, v_scale_ptr, FP8: tl.constexpr):
+    """A float8 cache's (k_scale, v_scale), read from the device: a CUDA graph keeps
+    the pointers, so scales fixed after capture (--calculate-kv-scales, or a receiver
+    adopting a sender's) reach every replay. 1.0 for other caches (nothing read)."""
+    if FP8:
+        return tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+    return 1.0, 1.0
 
 
 @triton.jit
@@ -150,7 +161,7 @@ _PER_STEP = ["num_seqs", "bt_st"]
 
 @triton.jit(do_not_specialize=_PER_STEP)
 def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-                    num_seqs: tl.int32, scale_log2, window, k_scale, v_scale,
+                    num_seqs: tl.int32, scale_log2, window, k_scale_ptr, v_scale_ptr,
                     q_st, q_sh, q_sd, o_st, o_sh, o_sd,
                     c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -190,6 +201,7 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_scale, v_scale = _scales(k_scale_ptr, v_scale_ptr, FP8)
     for start in range((lo // TILE_N) * TILE_N, hi, TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window,
                                      cache_ptr, bt_ptr, bt_st, kvh,
@@ -205,7 +217,7 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
 # one compiled variant serves every batch shape (start-up tuning times several).
 @triton.jit(do_not_specialize=["bt_st", "num_splits"])
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
-                         qsl_ptr, num_heads, scale_log2, window, k_scale, v_scale,
+                         qsl_ptr, num_heads, scale_log2, window, k_scale_ptr, v_scale_ptr,
                          q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
                          num_splits: tl.int32,
                          GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -226,6 +238,7 @@ def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_p
     head = kvh * GROUP + rows
     row_ok = rows < GROUP
     tok = tl.load(qsl_ptr + seq)
+    k_scale, v_scale = _scales(k_scale_ptr, v_scale_ptr, FP8)
     # Only a real query row is read (a padding or query-less sequence reads none).
     q_rows = tl.where(seq_len > 0, tl.minimum(tl.load(qsl_ptr + seq + 1) - tok, 1), 0)
     q = tl.load(q_ptr + tok.to(tl.int64) * q_st + head[:, None] * q_sh + d[None, :] * q_sd,
@@ -303,8 +316,25 @@ def _fp8_args(kv_layer: torch.Tensor) -> tuple[torch.Tensor, dict[str, bool]]:
     return (kv_layer.view(torch.uint8) if bits else kv_layer), {"FP8": fp8, "FP8_BITS": bits}
 
 
+def _scale_args(k_scale: Scale, v_scale: Scale,
+                kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales as the kernels take them: float32 device scalars. The engine passes
+    its own (engine.kv_scales); plain floats (tests) become tensors here, which a CUDA
+    graph's capture could not do. A cache that is not float8 reads no scale: the cache
+    itself stands in for the pointers."""
+    if kv_layer.dtype != FP8_DTYPE:
+        return kv_layer, kv_layer
+
+    def one(s: Scale) -> torch.Tensor:
+        if isinstance(s, torch.Tensor):
+            return s
+        return torch.tensor(float(s), dtype=torch.float32, device=kv_layer.device)
+
+    return one(k_scale), one(v_scale)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+             slot_mapping: torch.Tensor, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> None:
     """Scatters the new tokens' K/V ([T, KVH, D]) into their slots of `kv_layer` (the
     strided view cache[:, layer]) in one launch; slot -1 (padding) is skipped. A float8
     cache stores K / k_scale and V / v_scale."""
@@ -314,7 +344,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
         return
     cache, fp8 = _fp8_args(kv_layer)
     _write_kv_kernel[(num_tokens,)](
-        k, v, cache, slot_mapping, kv_heads, float(k_scale), float(v_scale),
+        k, v, cache, slot_mapping, kv_heads, *_scale_args(k_scale, v_scale, kv_layer),
         *k.stride(), *v.stride(), *_cache_strides(kv_layer), BLOCK_SIZE=kv_layer.shape[2],
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), **fp8)
 
@@ -355,8 +385,8 @@ def _new_output(q: torch.Tensor, query_start_loc_cpu: list[int]) -> torch.Tensor
 def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       query_start_loc_cpu: list[int], max_query_len: int, scale: float,
-                      sliding_window: int | None = None, k_scale: float = 1.0,
-                      v_scale: float = 1.0) -> torch.Tensor:
+                      sliding_window: int | None = None, k_scale: Scale = 1.0,
+                      v_scale: Scale = 1.0) -> torch.Tensor:
     """Causal paged attention for any mix of decode rows and prefill chunks over a
     cached prefix, in one launch. q: [T, H, D]; returns a new [T, H, D] in q's dtype."""
     group = _group(q, kv_layer)
@@ -374,7 +404,7 @@ def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: tor
     cache, fp8 = _fp8_args(kv_layer)
     _unified_kernel[grid](
         out, q, cache, block_tables, seq_lens, query_start_loc, num_seqs,
-        scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
+        scale * LOG2E, sliding_window or 0, *_scale_args(k_scale, v_scale, kv_layer),
         *q.stride(), *out.stride(),
         *_cache_strides(kv_layer), block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=kv_layer.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m,
@@ -404,8 +434,8 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                      query_start_loc_cpu: list[int], scale: float,
                      sliding_window: int | None = None,
-                     num_splits: int | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0, tile: DecodeTile | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, k_scale: Scale = 1.0,
+                     v_scale: Scale = 1.0, tile: DecodeTile | None = None) -> torch.Tensor:
     """Split-K paged decode (every sequence has at most one query): a split kernel
     writes float32 partials and log-sum-exps, a reduce kernel merges them. `tile`
     configures the split kernel's launch (default: DecodeTile())."""
@@ -425,7 +455,7 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torc
     cache, fp8 = _fp8_args(kv_layer)
     _decode_split_kernel[(num_seqs, kv_heads, splits)](
         part, lse, q, cache, block_tables, seq_lens, query_start_loc, heads,
-        scale * LOG2E, sliding_window or 0, float(k_scale), float(v_scale),
+        scale * LOG2E, sliding_window or 0, *_scale_args(k_scale, v_scale, kv_layer),
         *q.stride(), *_cache_strides(kv_layer),
         block_tables.stride(0), splits, GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
         HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)),

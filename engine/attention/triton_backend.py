@@ -10,6 +10,7 @@ import torch
 from engine.attention import triton_attn
 from engine.attention.base import AttentionMetadata
 from engine.attention.tuning import DecodeTable
+from engine.kv_quant import Scale
 
 
 class TritonBackend:
@@ -30,7 +31,7 @@ class TritonBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata,
-                scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                scale: float, k_scale: Scale = 1.0, v_scale: Scale = 1.0) -> torch.Tensor:
         triton_attn.write_kv(k, v, kv_layer, meta.slot_mapping, k_scale, v_scale)
         if meta.is_decode_only:
             return triton_attn.decode_attention(

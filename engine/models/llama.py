@@ -25,6 +25,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig, RopeConfig
+from engine.kv_quant import Scale
 from engine.models.moe import SparseMoeBlock
 from engine.models.parallel_layers import (
     VocabParallelEmbedding,
@@ -34,6 +35,7 @@ from engine.models.parallel_layers import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import ModuleType
 
     from engine.distributed import TPGroup
@@ -122,9 +124,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
-        # A float8 KV cache's per-tensor scales (engine.kv_quant); unused otherwise.
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        # A float8 KV cache's per-tensor scales: device scalars the engine owns
+        # (engine.kv_scales); unused otherwise. `kv_calibrate`, set for the one forward
+        # pass that computes them (--calculate-kv-scales), sees K and V first.
+        self.k_scale: Scale = 1.0
+        self.v_scale: Scale = 1.0
+        self.kv_calibrate: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self.backend: AttentionBackend = TorchSDPABackend()
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_layer: torch.Tensor,
@@ -137,6 +142,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
+        if self.kv_calibrate is not None:
+            self.kv_calibrate(k, v)
         o = self.backend.forward(q, k, v, kv_layer, meta, self.scale, self.k_scale,
                                  self.v_scale)
         out = self.o_proj(o.reshape(t, self.q_size))

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 ALIGN = 4096
 MAGIC = b"SSKVBLK1"
 SUFFIX = ".kvb"
+# the float8 KV scales the directory's blocks were written under (disk_scales.py)
+SCALES_FILE = "kv_scales.json"
 _HEADER = struct.Struct(f"<8s16s{HASH_SIZE}sQQ")  # magic, layout fp, hash, nbytes, xxh3
 
 
@@ -106,7 +108,7 @@ class DiskTier:
         removed = 0
         found: list[tuple[float, BlockHash]] = []
         for entry in os.scandir(self.directory):
-            if entry.name in (".lock",) or not entry.is_file():
+            if entry.name in (".lock", SCALES_FILE) or not entry.is_file():
                 continue
             h = self._valid_file(entry)
             if h is None:

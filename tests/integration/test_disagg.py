@@ -153,6 +153,32 @@ def test_fp8_kv_through_remote_prefill_over_tcp(tmp_path) -> None:
     assert moved == sum(len(p) for p in prompts) * fp32_per_token // 4
 
 
+def test_calculated_kv_scales_travel_with_the_prefills_blocks(tmp_path) -> None:
+    """Both workers with --calculate-kv-scales: the prefill's scales come from its first
+    request; the decode, which has computed nothing when that request's blocks land,
+    adopts them from the PrefillResponse. Greedy output equals the offline engine whose
+    first forward pass is the same (the first prompt alone, the same chunk size)."""
+    model_dir = tiny_model_dir("llama")
+    prompts = [[(13 * i + 7 * j) % 480 + 5 for j in range(n)]
+               for i, n in enumerate((100, 48, 32, 80))]
+    max_tokens = [6, 9, 5, 8]
+    offline = LLM(model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=32,
+                  max_num_batched_tokens=64, cache_dtype="fp8", calculate_kv_scales=True)
+    ref = [o.token_ids for o in offline.generate(prompts[:1], SamplingParams(
+        max_tokens=max_tokens[0], temperature=0))]
+    ref += [o.token_ids for o in offline.generate(prompts[1:], [SamplingParams(
+        max_tokens=m, temperature=0) for m in max_tokens[1:]])]
+    cluster = start_cluster(tmp_path, "tcp", ("--kv-cache-dtype", "fp8",
+                                              "--calculate-kv-scales"))
+    try:
+        got, _ = generate_remotely(cluster, prompts[:1], max_tokens[:1])
+        more, _ = generate_remotely(cluster, prompts[1:], max_tokens[1:])
+    finally:
+        cluster.stop()
+    assert got + more == ref, logs(cluster)
+    assert "KV scales adopted" in child(cluster, "decode-0").log_tail(200)
+
+
 def _layout_json(model_dir: str) -> str:
     from engine.llm import make_engine_config
     from kvtransfer.layout import engine_layout

@@ -26,6 +26,9 @@ PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_r
     # a TP 1 and a TP 2 decode with an FP8 cache: each rank's heads straight between
     # its cache and the other worker's (no staging copy), as bytes
     ("tcp", "llama", (1, 2), "fp8"),
+    # --calculate-kv-scales: the holder's scales come from its first request; the puller,
+    # which has computed nothing, adopts them with the blocks (FetchKVResponse.kv_scales)
+    ("tcp", "llama", 1, "fp8-calculated"),
 ])
 def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch, tp,
                                                        kv_dtype) -> None:
@@ -37,13 +40,17 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
     placement = {} if tp == 1 else {
         f"decode-{i}": WorkerPlacement(("--tensor-parallel-size", str(t)))
         for i, t in enumerate(tp)}
+    calculated = kv_dtype == "fp8-calculated"
+    kv_dtype = kv_dtype.removesuffix("-calculated")
+    flags = ("--calculate-kv-scales",) if calculated else ()
     spec = ClusterSpec(model_dir=model, num_decode=2, num_colocated=0, transport=transport,
                        worker_args=("--num-blocks", str(NUM_BLOCKS),
-                                    "--kv-cache-dtype", kv_dtype), placement=placement,
+                                    "--kv-cache-dtype", kv_dtype, *flags), placement=placement,
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
                        ready_timeout_s=150, log_dir=str(tmp_path / "logs"))
     prompt = [(7 * j) % 480 + 3 for j in range(100)]  # 6 full blocks of 16 + 4 tokens
-    ref = LLM(model, num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype).generate(
+    ref = LLM(model, num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype,
+              calculate_kv_scales=calculated).generate(
         [prompt], SamplingParams(max_tokens=10, temperature=0))[0]
     with LocalCluster(spec) as cluster:
         name = model.rstrip("/").rsplit("/", 1)[-1]

@@ -21,11 +21,11 @@ def prompt(seed: int, n: int = 38) -> list[int]:
     return [(i * 11 + seed * 97) % 470 + 20 for i in range(n)]
 
 
-def start(model_dir: str, disk_dir: str, logs: str) -> LocalCluster:
+def start(model_dir: str, disk_dir: str, logs: str, extra: tuple[str, ...] = ()) -> LocalCluster:
     # 24 device blocks hold two of these requests: the rest is evicted to host, and
     # the 4-block host tier demotes to disk.
     args = ("--num-blocks", "24", "--block-size", str(BS), "--host-cache-blocks", "4",
-            "--disk-cache-dir", disk_dir, "--disk-cache-blocks", "256")
+            "--disk-cache-dir", disk_dir, "--disk-cache-blocks", "256", *extra)
     c = LocalCluster(ClusterSpec(model_dir=model_dir, num_prefill=0, num_decode=0,
                                  num_colocated=1, worker_args=args, log_dir=logs,
                                  ready_timeout_s=120))
@@ -84,3 +84,35 @@ def test_disk_tier_survives_a_worker_restart(tmp_path) -> None:
     hf = hf_model(model_dir)
     ref = hf_greedy(hf, prompts[0], MAX_TOKENS, hf.generation_config.eos_token_id)
     assert again[0] == first[0] == ref
+
+
+def test_calculated_kv_scales_survive_a_restart_with_the_disk_tier(tmp_path) -> None:
+    """--kv-cache-dtype fp8 --calculate-kv-scales: the first run calculates its scales and
+    records them beside its disk blocks; the restarted worker adopts them instead of
+    calculating others, so the blocks it loads from disk read as they were written."""
+    model_dir = tiny_model_dir("llama")
+    disk = str(tmp_path / "kv-disk")
+    extra = ("--kv-cache-dtype", "fp8", "--calculate-kv-scales")
+    prompts = [prompt(s) for s in range(5)]
+    c = start(model_dir, disk, str(tmp_path / "logs1"), extra)
+    try:
+        first = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts,
+                                          [MAX_TOKENS] * len(prompts)))
+        asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", [prompt(99)], [1]))
+        mport = worker_metrics_port(c)
+        wait_for(lambda: metric(mport, "splitserve:tier_bytes_total", tier="disk",
+                                direction="store") > 0, 20, "blocks demoted to disk")
+    finally:
+        c.stop()
+    assert "kv_scales.json" in os.listdir(disk)
+    c = start(model_dir, disk, str(tmp_path / "logs2"), extra)
+    try:
+        hit, _ = cached_tokens(c, prompts[0])
+        assert hit == (len(prompts[0]) - 1) // BS * BS  # every full block, from disk
+        again = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts[:1],
+                                          [MAX_TOKENS]))
+        log = next(ch for ch in c.children if ch.name.startswith("colocated")).log_tail(400)
+    finally:
+        c.stop()
+    assert "KV scales adopted" in log and "calculated from the first" not in log
+    assert again[0] == first[0]

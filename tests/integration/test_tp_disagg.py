@@ -65,3 +65,33 @@ def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
     assert moved > 0 and moved % block_bytes == 0
     for g, want in zip(got, transformers_greedy(model_dir, prompts, max_tokens), strict=True):
         assert g == want, logs(cluster)
+
+
+def test_tp2_decode_adopts_a_prefills_calculated_kv_scales(tmp_path) -> None:
+    """--kv-cache-dtype fp8 --calculate-kv-scales, prefill TP 1, decode TP 2: the decode
+    adopts the prefill's scales with the first blocks that land, on both its ranks (the
+    ("scales", ...) command), and never calculates its own; greedy output equals the
+    offline TP 1 engine whose first forward pass is the prefill's (the first prompt
+    alone, the same chunk size)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.integration.disagg_util import NUM_BLOCKS
+
+    model_dir = tiny_model_dir("llama")
+    prompts, max_tokens = _prompts()
+    offline = LLM(model_dir, num_blocks=NUM_BLOCKS, max_num_seqs=32, dtype="float32",
+                  max_num_batched_tokens=64, cache_dtype="fp8", calculate_kv_scales=True)
+    ref = [o.token_ids for i in range(len(prompts)) for o in offline.generate(
+        prompts[i:i + 1], SamplingParams(max_tokens=max_tokens[i], temperature=0))]
+    cluster = start_cluster(
+        tmp_path, "tcp", ("--dtype", "float32", "--kv-cache-dtype", "fp8",
+                          "--calculate-kv-scales"), model_dir=model_dir, ready_timeout_s=180,
+        placement={"decode-0": WorkerPlacement(("--tensor-parallel-size", "2"))})
+    try:
+        got = [generate_remotely(cluster, prompts[i:i + 1], max_tokens[i:i + 1])[0][0]
+               for i in range(len(prompts))]
+        log = child(cluster, "decode-0").log_tail(400)
+    finally:
+        cluster.stop()
+    assert got == ref, logs(cluster)
+    assert "KV scales adopted" in log and "calculated from the first" not in log

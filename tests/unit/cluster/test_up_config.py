@@ -66,3 +66,9 @@ def test_kv_cache_dtype_reaches_every_worker(tmp_path) -> None:
     assert spec.worker_args == ("--kv-cache-dtype", "fp8_e4m3")
     with pytest.raises(SystemExit):
         _args("--kv-cache-dtype", "fp8_e5m2")
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--kv-cache-dtype", "fp8",
+                               "--calculate-kv-scales"))
+    assert spec.worker_args == ("--kv-cache-dtype", "fp8", "--calculate-kv-scales")
+    cfg.write_text("kv_cache_dtype: fp8\ncalculate_kv_scales: true\n")
+    spec = up.build_spec(_args("--model", tiny_model_dir("llama"), "--config", str(cfg)))
+    assert spec.worker_args == ("--kv-cache-dtype", "fp8", "--calculate-kv-scales")
