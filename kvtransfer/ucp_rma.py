@@ -23,7 +23,7 @@ import ctypes
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from typing import Any
 
 from kvtransfer.errors import PeerUnavailable
 
@@ -178,11 +178,14 @@ class Batch:
         self._worker = worker
         self._flushes = flushes
 
-    def run(self, op: str, ep: int, rkey: int, parts: Sequence[tuple[int, int, int]],
-            fid: int, memh: int = 0, cuda: bool = False) -> None:
-        """`op` ("put" or "get") each (local address, nbytes, remote address), flush the
-        endpoint, and resolve flush `fid` once every operation has completed remotely
-        (at once if they already have). Raises PeerUnavailable if UCX refuses one."""
+    def run(self, op: str, ep: int, rkey: int, parts: Any, fid: int, memh: int = 0,
+            cuda: bool = False) -> None:
+        """`op` ("put" or "get") each (local address, nbytes, remote address) of `parts`
+        (tuples, or rows of an int64 array), flush the endpoint, and resolve flush `fid`
+        once every operation has completed remotely (at once if they already have).
+        Raises PeerUnavailable if UCX refuses one."""
+        if hasattr(parts, "tolist"):
+            parts = parts.tolist()  # Python ints for ctypes, converted on this thread
         lib = self._ucp.lib
         call = lib.ucp_put_nbx if op == "put" else lib.ucp_get_nbx
         param = ctypes.byref(_RequestParam(

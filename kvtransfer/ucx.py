@@ -43,10 +43,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtransfer.errors import ProtocolError, TransferTimeout
@@ -73,18 +75,31 @@ def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
     return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
 
 
-def plan_lanes(items: list[tuple[int, int, int]], lanes: int) -> list[list[tuple[int, int, int]]]:
-    """Deal (local address, nbytes, remote address) items to `lanes` lists of gets:
-    large items split across every lane, the rest to the lane with the fewest bytes."""
+def plan_lanes(items: Any, lanes: int) -> list[np.ndarray]:
+    """Deal (local address, nbytes, remote address) items (rows of an int64 array, or
+    tuples) to `lanes` arrays of the same rows: items of `_SPLIT_MIN` bytes or more
+    split across every lane, the rest in consecutive stretches that even out the
+    lanes' bytes (neighbouring runs stay on one lane, in order)."""
+    rows = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+    if lanes == 1:
+        return [rows]
+    big = rows[:, 1] >= _SPLIT_MIN
     plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
-    load = [0] * lanes
-    for local, nbytes, remote in items:
-        parts = _parts(nbytes, lanes)
-        for i, (off, n) in enumerate(parts):
-            lane = i if len(parts) > 1 else load.index(min(load))
-            plan[lane].append((local + off, n, remote + off))
-            load[lane] += n
-    return plan
+    load = np.zeros(lanes, dtype=np.int64)
+    for local, nbytes, remote in rows[big].tolist():
+        for i, (off, n) in enumerate(_parts(nbytes, lanes)):
+            plan[i].append((local + off, n, remote + off))
+            load[i] += n
+    small = rows[~big]
+    # Each lane takes small items until it reaches the even share of all bytes:
+    # | lane 0's room | lane 1's room | ... |, an item going where its first byte falls.
+    share = (int(load.sum()) + int(small[:, 1].sum())) / lanes
+    bounds = np.cumsum(np.maximum(share - load, 0))
+    starts = np.cumsum(small[:, 1]) - small[:, 1]
+    lane_of = np.minimum(np.searchsorted(bounds, starts, side="right"), lanes - 1)
+    cuts = np.searchsorted(lane_of, np.arange(1, lanes))
+    return [np.concatenate([np.array(p, dtype=np.int64).reshape(-1, 3), part])
+            for p, part in zip(plan, np.split(small, cuts), strict=True)]
 
 
 class _Lane:
@@ -280,9 +295,17 @@ class UcxSender(InPlaceSender):
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
         async def put_all() -> None:
-            for (src_rank, dst_rank), items in groups.items():
-                await self._run(remote, "put", plan_lanes(items, len(self._lanes)),
-                                src_rank=src_rank, dst_rank=dst_rank)
+            # Every (source rank, destination rank) group at once: one group's flush
+            # round trip overlaps the others' puts. Every group ends before an error is
+            # raised (no lane thread outlives the call on a peer that then goes).
+            lanes = len(self._lanes)
+            done = await asyncio.gather(*(
+                self._run(remote, "put", plan_lanes(items, lanes), src_rank=src_rank,
+                          dst_rank=dst_rank)
+                for (src_rank, dst_rank), items in groups.items()), return_exceptions=True)
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result
 
         try:
             await asyncio.wait_for(put_all(), left)
@@ -294,26 +317,28 @@ class UcxSender(InPlaceSender):
         return None  # flushed: the bytes are in place
 
     def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
-               ) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-        """The puts of `pairs` by (source rank, destination rank): (local address,
-        nbytes, remote address), one per byte run (a head slice: one per token)."""
+               ) -> dict[tuple[int, int], np.ndarray]:
+        """The puts of `pairs` by (source rank, destination rank): rows of (local
+        address, nbytes, remote address), one per byte run (a head slice: one per
+        token, neighbours contiguous on both sides merged)."""
         assert self.kv is not None
         kv = self.kv
         layout = rank_layout(kv.layout, len(remote.bases))
         there = torch.empty(layout.tensor_shape(remote.nbytes // layout.block_bytes),
                             dtype=kv.tensor.dtype, device="meta")  # strides only
-        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        parts: dict[tuple[int, int], list[np.ndarray]] = {}
         for src, dst in pairs:
             dst.check(layout, there.shape[0], len(remote.bases))
             # byte runs count from the storage's start, as the receiver's bases do
             local = kv.tensors[src.rank].untyped_storage().data_ptr()
-            far = remote.bases[dst.rank]
             runs = byte_runs(kv.tensor_of(src), region_view(there, dst, layout))
-            groups.setdefault((src.rank, dst.rank), []).extend(
-                (local + s, n, far + d) for s, d, n in runs)
-        return groups
+            # columns (source, destination, nbytes) -> (local, nbytes, remote)
+            runs = runs[:, [0, 2, 1]] + np.array([local, 0, remote.bases[dst.rank]],
+                                                 dtype=np.int64)
+            parts.setdefault((src.rank, dst.rank), []).append(runs)
+        return {key: np.concatenate(runs) for key, runs in parts.items()}
 
-    async def _run(self, remote: _Remote, op: str, plan: list[list[tuple[int, int, int]]],
+    async def _run(self, remote: _Remote, op: str, plan: Sequence[Any],
                    scratch: bool = False, src_rank: int = 0, dst_rank: int = 0) -> None:
         """Each lane issues its list (from its own thread), then flushes; returns once
         every lane's flush completed. PeerUnavailable on a UCX error."""
@@ -324,7 +349,7 @@ class UcxSender(InPlaceSender):
         remote.busy += 1
         try:
             for lane, parts in enumerate(plan):
-                if not parts:
+                if len(parts) == 0:
                     continue
                 fid, done = self._flushes.new()
                 waits.append(done)
