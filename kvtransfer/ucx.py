@@ -12,6 +12,13 @@ before the receiver could look at it), then the chunk's regions as one batch of
 `ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then one control send
 with the WRITE notices. No UCX tag message carries KV; tags are not used at all.
 
+Between TP sizes a region arrives as per-rank head slices, one strided run per
+(block, layer, K/V, token) on at least one side. Put one by one, ~10^5 runs of 2 KiB
+cost more than their bytes, so the slices a destination rank takes of a region are
+packed on the host into a registered bounce buffer as that rank's blocks and put as
+one range each (`kvtransfer/bounce.py`); on a device cache they go run by run
+(`memory.byte_runs`).
+
 ucxx has no Python RMA API (see `kvtransfer/ucp_rma.py`), so puts and flushes go to
 libucp through ctypes on ucxx's handles; ucxx still owns contexts, workers, progress
 threads and endpoints.
@@ -51,9 +58,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtransfer import bounce
 from kvtransfer.errors import ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
-from kvtransfer.layout import Region, rank_layout
+from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
@@ -61,6 +69,7 @@ from kvtransfer.ucp_rma import Batch, Flushes, Ucp
 
 log = logging.getLogger(__name__)
 _SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
+_BOUNCE_BYTES = 16 << 20  # head slices packed per put batch (two such buffers)
 _ALIGN = 4096
 _MAX_LANES = 8
 _EPOLL_MS = 50
@@ -239,6 +248,7 @@ class UcxSender(InPlaceSender):
         self._flushes: Flushes | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._scratch: Any = None
+        self._packer = bounce.Packer(_BOUNCE_BYTES)  # head slices packed for puts
 
     def _open_lanes(self) -> None:
         """Lanes, registrations and threads, once, at the first connection."""
@@ -290,16 +300,25 @@ class UcxSender(InPlaceSender):
         # UCX reads the source itself: the forward that wrote it must be done (its event;
         # without one, all work queued on the compute stream so far).
         await (device_ready(kv.tensor.device, ready) if kv.is_cuda else wait_ready(ready))
+        there = rank_layout(kv.layout, len(remote.bases))
+        for _, dst in pairs:
+            dst.check(there, remote.nbytes // there.block_bytes, len(remote.bases))
+        # Head slices go packed, a tile per put (on the host; a device cache has no
+        # numpy view, so its slices go run by run).
+        packed, pairs = ([], pairs) if kv.is_cuda else \
+            bounce.tiles(pairs, kv.rank_layout, there, self._packer.nbytes)
         groups = self._items(remote, pairs)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
+
         async def put_all() -> None:
-            # Every (source rank, destination rank) group at once: one group's flush
-            # round trip overlaps the others' puts. Every group ends before an error is
-            # raised (no lane thread outlives the call on a peer that then goes).
+            # Every (source rank, destination rank) group and the packed tiles at once:
+            # one group's flush round trip overlaps the others' puts. Every group ends
+            # before an error is raised (no lane thread outlives the call on a peer
+            # that then goes).
             lanes = len(self._lanes)
-            done = await asyncio.gather(*(
+            done = await asyncio.gather(self._put_tiles(remote, packed, there), *(
                 self._run(remote, "put", plan_lanes(items, lanes), src_rank=src_rank,
                           dst_rank=dst_rank)
                 for (src_rank, dst_rank), items in groups.items()), return_exceptions=True)
@@ -316,6 +335,26 @@ class UcxSender(InPlaceSender):
             raise error from None
         return None  # flushed: the bytes are in place
 
+    async def _put_tiles(self, remote: _Remote, tiles: list[bounce.Tile],
+                         there: KVLayout) -> None:
+        """Each packed tile of `tiles` one put into its region (`bounce.Packer`)."""
+        if not tiles:
+            return
+        assert self.kv is not None and self._ucp is not None
+        lanes = len(self._lanes)
+
+        async def put(memhs: list[int], rows: dict[int, list[tuple[int, int, int]]]) -> None:
+            done = await asyncio.gather(*(
+                self._run(remote, "put", plan_lanes(items, lanes), dst_rank=rank,
+                          memhs=memhs) for rank, items in rows.items()),
+                return_exceptions=True)
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result
+
+        await self._packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
+                               [lane.context.handle for lane in self._lanes])
+
     def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
                ) -> dict[tuple[int, int], np.ndarray]:
         """The puts of `pairs` by (source rank, destination rank): rows of (local
@@ -328,7 +367,6 @@ class UcxSender(InPlaceSender):
                             dtype=kv.tensor.dtype, device="meta")  # strides only
         parts: dict[tuple[int, int], list[np.ndarray]] = {}
         for src, dst in pairs:
-            dst.check(layout, there.shape[0], len(remote.bases))
             # byte runs count from the storage's start, as the receiver's bases do
             local = kv.tensors[src.rank].untyped_storage().data_ptr()
             runs = byte_runs(kv.tensor_of(src), region_view(there, dst, layout))
@@ -339,9 +377,12 @@ class UcxSender(InPlaceSender):
         return {key: np.concatenate(runs) for key, runs in parts.items()}
 
     async def _run(self, remote: _Remote, op: str, plan: Sequence[Any],
-                   scratch: bool = False, src_rank: int = 0, dst_rank: int = 0) -> None:
+                   scratch: bool = False, src_rank: int = 0, dst_rank: int = 0,
+                   memhs: list[int] | None = None) -> None:
         """Each lane issues its list (from its own thread), then flushes; returns once
-        every lane's flush completed. PeerUnavailable on a UCX error."""
+        every lane's flush completed. The local addresses lie in `src_rank`'s cache, or
+        in the memory `memhs` (one per lane) registered. PeerUnavailable on a UCX
+        error."""
         assert self._flushes is not None and self._pool is not None and self._ucp is not None
         loop = asyncio.get_running_loop()
         cuda = self.kv is not None and self.kv.is_cuda
@@ -356,7 +397,8 @@ class UcxSender(InPlaceSender):
                 issued = loop.run_in_executor(
                     self._pool, self._batches[lane].run, op, remote.eps[lane].handle,
                     remote.rkeys[lane][dst_rank], parts, fid,
-                    0 if scratch else self._memhs[lane][src_rank], cuda)
+                    0 if scratch else memhs[lane] if memhs is not None
+                    else self._memhs[lane][src_rank], cuda)
                 issued.add_done_callback(functools.partial(self._issued, fid))
             for status in await asyncio.gather(*waits):
                 if status != 0:
@@ -390,6 +432,7 @@ class UcxSender(InPlaceSender):
             for lane, memhs in zip(self._lanes, self._memhs, strict=True):
                 for memh in memhs:
                     self._ucp.mem_unmap(lane.context.handle, memh)
+            self._packer.close(self._ucp)
         self._memhs.clear()
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()
