@@ -47,7 +47,7 @@ def table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def report(runs: list[dict[str, Any]], out: str = "report.json") -> dict[str, Any]:
     from bench.report import machine
 
     transports = {run["transport"] for run in runs}
@@ -67,7 +67,11 @@ def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "name": f"transfer-tp-{transport}",
         "title": f"KV hand-off between tensor-parallel sizes over {transport}",
         "created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "machine": machine(), "command": "\n".join(_command(run) for run in runs),
+        "machine": machine(), "command": "\n".join(
+            [_command(run) for run in runs] + [
+                f"python -m bench.transfer_tp_report --out {out} " + " ".join(
+                    f"tp{r['summary']['prefill_tp']}{r['summary']['decode_tp']}.json"
+                    for r in runs)]),
         "config": {"transport": transport, "model": os.path.basename(runs[0]["model"]),
                    "device": runs[0]["device"], "layout": runs[0]["layout"]},
         "summary": summary, "tables": [table(runs)],
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             runs.append(json.load(f))
     with open(args.out, "w") as f:
-        json.dump(report(runs), f, indent=1)
+        json.dump(report(runs, args.out), f, indent=1)
         f.write("\n")
     return 0
 

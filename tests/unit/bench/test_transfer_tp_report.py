@@ -37,6 +37,8 @@ def test_pairs_become_one_report_with_same_run_ratios(tmp_path) -> None:
     assert (s["tp1_2_ref_gbps"], s["tp1_2_vs_ref"]) == (3.0, 0.5)
     assert "--prefill-tensor-parallel-size 1 --decode-tensor-parallel-size 2 --model-shape " \
            "qwen3-0.6b --handoff-tokens 2048 --repeats 5" in report["command"]
+    assert report["command"].endswith(
+        f"python -m bench.transfer_tp_report --out {out} tp21.json tp12.json")
     lines = report["tables"][0]
     assert "| 2 -> 1 | rank | 2048 | 448 | 100.0 | 1.000 | 4.000 | 0.25 |" in lines
     assert len(lines) == 2 + 4  # header, rule, staging and rank of each pair
