@@ -159,14 +159,17 @@ class Packer:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._buffers: list[Bounce] = []
-        self._retired: list[Bounce] = []  # lane threads may still read them: close()
+        # (owner, buffers) that puts to `owner` may still read: freed by `release`
+        self._retired: list[tuple[object, list[Bounce]]] = []
         self._lock = asyncio.Lock()
 
     async def put(self, kv: RegisteredKV, tiles: list[Tile], there: KVLayout,
-                  bases: list[int], put: PutRows, ucp: Ucp, contexts: list[int]) -> None:
+                  bases: list[int], put: PutRows, ucp: Ucp, contexts: list[int],
+                  owner: object = None) -> None:
         """Pack `tiles` of `kv` and put each whole into its region of the receiver's
-        rank caches at `bases` (of `there`'s layout). A failure or cancellation retires
-        the buffers: puts from them may still be in flight."""
+        rank caches at `bases` (of `there`'s layout), the receiver `owner`. A failure or
+        cancellation retires the buffers until `release(owner)`: puts from them to
+        `owner` may still be in flight."""
         async with self._lock:
             buffers = self._ready(max(t.nbytes for t in tiles), ucp, contexts)
             puts: list[asyncio.Future[None] | None] = [None] * len(buffers)
@@ -188,9 +191,13 @@ class Packer:
                         await pending
             except BaseException:
                 for pending in puts:
-                    if pending is not None and not pending.done():
+                    if pending is None:
+                        continue
+                    if not pending.done():
                         pending.cancel()
-                self._retired += self._buffers
+                    elif not pending.cancelled():
+                        pending.exception()  # the first error is the one raised
+                self._retired.append((owner, self._buffers))
                 self._buffers = []
                 raise
 
@@ -204,8 +211,17 @@ class Packer:
             self._buffers = [Bounce(ucp, contexts, size) for _ in range(2)]
         return self._buffers
 
+    def release(self, owner: object, ucp: Ucp) -> None:
+        """Unmap the buffers retired on `owner`'s account: call once nothing puts to it
+        (its endpoints closed, no lane thread issuing)."""
+        for who, buffers in self._retired:
+            if who is owner:
+                for buf in buffers:
+                    buf.close(ucp)
+        self._retired = [(who, b) for who, b in self._retired if who is not owner]
+
     def close(self, ucp: Ucp) -> None:
         """Unmap every buffer: call once no lane thread runs (the put pool shut down)."""
-        for buf in self._buffers + self._retired:
+        for buf in self._buffers + [b for _, buffers in self._retired for b in buffers]:
             buf.close(ucp)
         self._buffers, self._retired = [], []

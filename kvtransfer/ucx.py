@@ -234,6 +234,7 @@ class _Remote:
     eps: list[Any] = field(default_factory=list)
     rkeys: list[list[int]] = field(default_factory=list)  # [lane][rank]
     busy: int = 0  # batches a lane thread may still be issuing on these endpoints
+    issuing: set[Any] = field(default_factory=set)  # lane threads' batches not returned
 
 
 class UcxSender(InPlaceSender):
@@ -353,7 +354,7 @@ class UcxSender(InPlaceSender):
                     raise result
 
         await self._packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
-                               [lane.context.handle for lane in self._lanes])
+                               [lane.context.handle for lane in self._lanes], owner=remote)
 
     def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
                ) -> dict[tuple[int, int], np.ndarray]:
@@ -400,6 +401,8 @@ class UcxSender(InPlaceSender):
                     0 if scratch else memhs[lane] if memhs is not None
                     else self._memhs[lane][src_rank], cuda)
                 issued.add_done_callback(functools.partial(self._issued, fid))
+                remote.issuing.add(issued)  # outlives this call if it is cancelled
+                issued.add_done_callback(remote.issuing.discard)
             for status in await asyncio.gather(*waits):
                 if status != 0:
                     raise self._ucp.error(status, f"{op}/flush")
@@ -415,7 +418,8 @@ class UcxSender(InPlaceSender):
         if remote is None:
             return
         deadline = time.monotonic() + self.config.io_timeout_s
-        while remote.busy and time.monotonic() < deadline:  # a lane thread may be issuing
+        # a lane thread may be issuing (also for a batch whose caller was cancelled)
+        while (remote.busy or remote.issuing) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert self._ucp is not None
         for rkeys in remote.rkeys:
@@ -423,6 +427,8 @@ class UcxSender(InPlaceSender):
                 self._ucp.rkey_destroy(rkey)
         for ep in remote.eps:
             _close_endpoint(ep)
+        if not remote.issuing:  # nothing reads a bounce buffer retired on its account
+            self._packer.release(remote, self._ucp)
 
     def _close_memory(self) -> None:
         if self._pool is not None:

@@ -75,3 +75,74 @@ def test_batches_hold_at_most_their_bytes_and_a_tile_at_least() -> None:
     assert [t.nbytes for t in got] == [block] * 8 + [2 * block // 3] * 2
     assert [len(b) for b in batches(got, 2 * block)] == [2, 2, 2, 2, 2]
     assert [len(b) for b in batches(got, 3 * block)] == [3, 3, 3, 1]
+
+
+class _FakeUcp:
+    """Registration bookkeeping only: the test's puts copy with memmove."""
+
+    def __init__(self) -> None:
+        self.mapped: set[int] = set()
+        self.count = 0
+
+    def mem_map(self, context: int, address: int, length: int, cuda: bool) -> int:
+        self.count += 1
+        self.mapped.add(self.count)
+        return self.count
+
+    def mem_unmap(self, context: int, memh: int) -> None:
+        self.mapped.remove(memh)
+
+
+def test_packer_pipeline_lands_every_tile_and_retires_buffers_on_failure() -> None:
+    """Tiles packed two buffers in turn and put by a slow loopback 'put' (memmove after
+    a pause): every destination byte right, so no buffer was refilled while its puts
+    ran. A failed put retires the buffers until `release` of its receiver."""
+    import asyncio
+    import ctypes
+    from typing import Any, cast
+
+    from kvtransfer.bounce import Packer
+
+    full = torch.randn(LAYOUT.tensor_shape(NUM_BLOCKS)).to(torch.bfloat16)
+    kv, there = _kv(full, 2), rank_layout(LAYOUT, 1)
+    dst = torch.zeros_like(full)
+    got, _ = tiles(rank_pairs(PAIRS, 8, 2, 1), kv.rank_layout, there, 1)
+    ucp = _FakeUcp()
+    calls = {"n": 0, "fail_at": None}
+
+    async def put(memhs: list[int], rows: dict[int, list[tuple[int, int, int]]]) -> None:
+        assert set(memhs) <= ucp.mapped  # put from registered memory only
+        calls["n"] += 1
+        me = calls["n"]
+        await asyncio.sleep(0.002)
+        if me == calls["fail_at"]:
+            raise RuntimeError("peer gone")
+        for local, n, remote in rows[0]:
+            ctypes.memmove(remote, local, n)
+
+    async def main() -> None:
+        packer = Packer(there.block_bytes)  # a block a batch: the buffers take turns
+        base = [dst.data_ptr()]
+        await packer.put(kv, got, there, base, put, cast(Any, ucp), [1], owner="a")
+        want = torch.zeros_like(full)
+        for s, t in PAIRS:
+            a, b = s.layers(LAYOUT)
+            want[t.block_id:t.block_id + t.num_blocks, a:b] = \
+                full[s.block_id:s.block_id + s.num_blocks, a:b]
+        assert torch.equal(dst, want) and calls["n"] == len(got)
+        assert len(ucp.mapped) == 2  # two buffers, one lane each
+        calls.update(n=0, fail_at=2)
+        with pytest.raises(RuntimeError, match="peer gone"):
+            await packer.put(kv, got, there, base, put, cast(Any, ucp), [1], owner="b")
+        assert len(ucp.mapped) == 2  # retired, still registered (a put may read them)
+        calls.update(n=0, fail_at=None)
+        await packer.put(kv, got, there, base, put, cast(Any, ucp), [1], owner="a")
+        assert len(ucp.mapped) == 4 and torch.equal(dst, want)  # fresh buffers
+        packer.release("a", cast(Any, ucp))
+        assert len(ucp.mapped) == 4  # nothing retired on a's account
+        packer.release("b", cast(Any, ucp))
+        assert len(ucp.mapped) == 2
+        packer.close(cast(Any, ucp))
+        assert not ucp.mapped
+
+    asyncio.run(main())
