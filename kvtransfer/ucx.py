@@ -26,9 +26,9 @@ threads and endpoints.
 Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `_Lane` with its own
 progress thread, endpoint and remote key, and issues each lane's puts from its own
 thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
-(process_vm_writev), so two lanes copy on two cores. A region of `_SPLIT_MIN` bytes
-or more is cut into page-aligned parts across lanes; smaller ones are dealt to the
-lane with the fewest bytes.
+(process_vm_writev), so two lanes copy on two cores. A region of 1 MiB or more is cut
+into page-aligned parts across lanes; smaller ones go in consecutive stretches that
+even out the lanes' bytes (`ucp_rma.plan_lanes`).
 
 Faults: peer failures are detected on the control channel (deadlines, heartbeats),
 with UCX endpoint error handling off by default: with it on, UCX drops `cma` and
@@ -65,50 +65,13 @@ from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
-from kvtransfer.ucp_rma import Batch, Flushes, Ucp
+from kvtransfer.ucp_rma import Batch, Flushes, Ucp, plan_lanes
 
 log = logging.getLogger(__name__)
-_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
 _BOUNCE_BYTES = 16 << 20  # head slices packed per put batch (two such buffers)
-_ALIGN = 4096
 _MAX_LANES = 8
 _EPOLL_MS = 50
 _WIREUP_BYTES = 64
-
-
-def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each lane's part of a region: page-aligned, near-equal."""
-    if lanes == 1 or nbytes < _SPLIT_MIN:
-        return [(0, nbytes)]
-    step = -(-nbytes // lanes // _ALIGN) * _ALIGN
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-
-def plan_lanes(items: Any, lanes: int) -> list[np.ndarray]:
-    """Deal (local address, nbytes, remote address) items (rows of an int64 array, or
-    tuples) to `lanes` arrays of the same rows: items of `_SPLIT_MIN` bytes or more
-    split across every lane, the rest in consecutive stretches that even out the
-    lanes' bytes (neighbouring runs stay on one lane, in order)."""
-    rows = np.asarray(items, dtype=np.int64).reshape(-1, 3)
-    if lanes == 1:
-        return [rows]
-    big = rows[:, 1] >= _SPLIT_MIN
-    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
-    load = np.zeros(lanes, dtype=np.int64)
-    for local, nbytes, remote in rows[big].tolist():
-        for i, (off, n) in enumerate(_parts(nbytes, lanes)):
-            plan[i].append((local + off, n, remote + off))
-            load[i] += n
-    small = rows[~big]
-    # Each lane takes small items until it reaches the even share of all bytes:
-    # | lane 0's room | lane 1's room | ... |, an item going where its first byte falls.
-    share = (int(load.sum()) + int(small[:, 1].sum())) / lanes
-    bounds = np.cumsum(np.maximum(share - load, 0))
-    starts = np.cumsum(small[:, 1]) - small[:, 1]
-    lane_of = np.minimum(np.searchsorted(bounds, starts, side="right"), lanes - 1)
-    cuts = np.searchsorted(lane_of, np.arange(1, lanes))
-    return [np.concatenate([np.array(p, dtype=np.int64).reshape(-1, 3), part])
-            for p, part in zip(plan, np.split(small, cuts), strict=True)]
 
 
 class _Lane:
@@ -445,4 +408,4 @@ class UcxSender(InPlaceSender):
         _close_lanes(self._lanes)
 
 
-__all__ = ["UcxReceiver", "UcxSender", "plan_lanes"]
+__all__ = ["UcxReceiver", "UcxSender"]
