@@ -1,4 +1,5 @@
-"""UCP's one-sided RMA (memory registration, remote keys, get, flush) for ucxx workers.
+"""UCP's one-sided RMA (memory registration, remote keys, get, flush) for ucxx workers,
+and how one batch of puts is dealt over a sender's lanes (`plan_lanes`).
 
 ucxx 0.52's Python API has no RMA: `ucxx._lib.libucxx` binds tag, stream and active
 messages, and its C++ library has `MemoryHandle`, `RemoteKey` and `Endpoint::memGet` /
@@ -23,7 +24,9 @@ import ctypes
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from kvtransfer.errors import PeerUnavailable
 
@@ -31,6 +34,8 @@ _PARAM_ADDRESS, _PARAM_LENGTH, _PARAM_MEMTYPE = 1, 2, 16
 _OP_CALLBACK, _OP_USER_DATA, _OP_MEMTYPE, _OP_MEMH = 2, 4, 64, 256
 _MEMTYPE_HOST, _MEMTYPE_CUDA = 0, 1
 _ERR_LAST = -100  # UCS_ERR_LAST: pointers in [-100, -1] encode an error status
+_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
+_ALIGN = 4096
 
 
 class _MemMapParams(ctypes.Structure):
@@ -169,6 +174,41 @@ def _status_of(ptr: int | None) -> int | None:
     return signed if _ERR_LAST <= signed < 0 else None
 
 
+def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each lane's part of a region: page-aligned, near-equal."""
+    if lanes == 1 or nbytes < _SPLIT_MIN:
+        return [(0, nbytes)]
+    step = -(-nbytes // lanes // _ALIGN) * _ALIGN
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+
+def plan_lanes(items: Any, lanes: int) -> list[np.ndarray]:
+    """Deal (local address, nbytes, remote address) items (rows of an int64 array, or
+    tuples) to `lanes` arrays of the same rows: items of `_SPLIT_MIN` bytes or more
+    split across every lane, the rest in consecutive stretches that even out the
+    lanes' bytes (neighbouring runs stay on one lane, in order)."""
+    rows = np.asarray(items, dtype=np.int64).reshape(-1, 3)
+    if lanes == 1:
+        return [rows]
+    big = rows[:, 1] >= _SPLIT_MIN
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
+    load = np.zeros(lanes, dtype=np.int64)
+    for local, nbytes, remote in rows[big].tolist():
+        for i, (off, n) in enumerate(_parts(nbytes, lanes)):
+            plan[i].append((local + off, n, remote + off))
+            load[i] += n
+    small = rows[~big]
+    # Each lane takes small items until it reaches the even share of all bytes:
+    # | lane 0's room | lane 1's room | ... |, an item going where its first byte falls.
+    share = (int(load.sum()) + int(small[:, 1].sum())) / lanes
+    bounds = np.cumsum(np.maximum(share - load, 0))
+    starts = np.cumsum(small[:, 1]) - small[:, 1]
+    lane_of = np.minimum(np.searchsorted(bounds, starts, side="right"), lanes - 1)
+    cuts = np.searchsorted(lane_of, np.arange(1, lanes))
+    return [np.concatenate([np.array(p, dtype=np.int64).reshape(-1, 3), part])
+            for p, part in zip(plan, np.split(small, cuts), strict=True)]
+
+
 class Batch:
     """Issues one batch of puts or gets on one endpoint, then one flush. Call `run`
     from any thread (ctypes drops the GIL, so lanes run side by side)."""
@@ -178,11 +218,14 @@ class Batch:
         self._worker = worker
         self._flushes = flushes
 
-    def run(self, op: str, ep: int, rkey: int, parts: Sequence[tuple[int, int, int]],
-            fid: int, memh: int = 0, cuda: bool = False) -> None:
-        """`op` ("put" or "get") each (local address, nbytes, remote address), flush the
-        endpoint, and resolve flush `fid` once every operation has completed remotely
-        (at once if they already have). Raises PeerUnavailable if UCX refuses one."""
+    def run(self, op: str, ep: int, rkey: int, parts: Any, fid: int, memh: int = 0,
+            cuda: bool = False) -> None:
+        """`op` ("put" or "get") each (local address, nbytes, remote address) of `parts`
+        (tuples, or rows of an int64 array), flush the endpoint, and resolve flush `fid`
+        once every operation has completed remotely (at once if they already have).
+        Raises PeerUnavailable if UCX refuses one."""
+        if hasattr(parts, "tolist"):
+            parts = parts.tolist()  # Python ints for ctypes, converted on this thread
         lib = self._ucp.lib
         call = lib.ucp_put_nbx if op == "put" else lib.ucp_get_nbx
         param = ctypes.byref(_RequestParam(

@@ -12,6 +12,13 @@ before the receiver could look at it), then the chunk's regions as one batch of
 `ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then one control send
 with the WRITE notices. No UCX tag message carries KV; tags are not used at all.
 
+Between TP sizes a region arrives as per-rank head slices, one strided run per
+(block, layer, K/V, token) on at least one side. Put one by one, ~10^5 runs of 2 KiB
+cost more than their bytes, so the slices a destination rank takes of a region are
+packed on the host into a registered bounce buffer as that rank's blocks and put as
+one range each (`kvtransfer/bounce.py`); on a device cache they go run by run
+(`memory.byte_runs`).
+
 ucxx has no Python RMA API (see `kvtransfer/ucp_rma.py`), so puts and flushes go to
 libucp through ctypes on ucxx's handles; ucxx still owns contexts, workers, progress
 threads and endpoints.
@@ -19,9 +26,9 @@ threads and endpoints.
 Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `_Lane` with its own
 progress thread, endpoint and remote key, and issues each lane's puts from its own
 thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
-(process_vm_writev), so two lanes copy on two cores. A region of `_SPLIT_MIN` bytes
-or more is cut into page-aligned parts across lanes; smaller ones are dealt to the
-lane with the fewest bytes.
+(process_vm_writev), so two lanes copy on two cores. A region of 1 MiB or more is cut
+into page-aligned parts across lanes; smaller ones go in consecutive stretches that
+even out the lanes' bytes (`ucp_rma.plan_lanes`).
 
 Faults: peer failures are detected on the control channel (deadlines, heartbeats),
 with UCX endpoint error handling off by default: with it on, UCX drops `cma` and
@@ -43,48 +50,28 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from kvtransfer import bounce
 from kvtransfer.errors import ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
-from kvtransfer.layout import Region, rank_layout
+from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
-from kvtransfer.ucp_rma import Batch, Flushes, Ucp
+from kvtransfer.ucp_rma import Batch, Flushes, Ucp, plan_lanes
 
 log = logging.getLogger(__name__)
-_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
-_ALIGN = 4096
+_BOUNCE_BYTES = 16 << 20  # head slices packed per put batch (two such buffers)
 _MAX_LANES = 8
 _EPOLL_MS = 50
 _WIREUP_BYTES = 64
-
-
-def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each lane's part of a region: page-aligned, near-equal."""
-    if lanes == 1 or nbytes < _SPLIT_MIN:
-        return [(0, nbytes)]
-    step = -(-nbytes // lanes // _ALIGN) * _ALIGN
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-
-def plan_lanes(items: list[tuple[int, int, int]], lanes: int) -> list[list[tuple[int, int, int]]]:
-    """Deal (local address, nbytes, remote address) items to `lanes` lists of gets:
-    large items split across every lane, the rest to the lane with the fewest bytes."""
-    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
-    load = [0] * lanes
-    for local, nbytes, remote in items:
-        parts = _parts(nbytes, lanes)
-        for i, (off, n) in enumerate(parts):
-            lane = i if len(parts) > 1 else load.index(min(load))
-            plan[lane].append((local + off, n, remote + off))
-            load[lane] += n
-    return plan
 
 
 class _Lane:
@@ -210,6 +197,7 @@ class _Remote:
     eps: list[Any] = field(default_factory=list)
     rkeys: list[list[int]] = field(default_factory=list)  # [lane][rank]
     busy: int = 0  # batches a lane thread may still be issuing on these endpoints
+    issuing: set[Any] = field(default_factory=set)  # lane threads' batches not returned
 
 
 class UcxSender(InPlaceSender):
@@ -224,6 +212,7 @@ class UcxSender(InPlaceSender):
         self._flushes: Flushes | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._scratch: Any = None
+        self._packer = bounce.Packer(_BOUNCE_BYTES)  # head slices packed for puts
 
     def _open_lanes(self) -> None:
         """Lanes, registrations and threads, once, at the first connection."""
@@ -275,14 +264,31 @@ class UcxSender(InPlaceSender):
         # UCX reads the source itself: the forward that wrote it must be done (its event;
         # without one, all work queued on the compute stream so far).
         await (device_ready(kv.tensor.device, ready) if kv.is_cuda else wait_ready(ready))
+        there = rank_layout(kv.layout, len(remote.bases))
+        for _, dst in pairs:
+            dst.check(there, remote.nbytes // there.block_bytes, len(remote.bases))
+        # Head slices go packed, a tile per put (on the host; a device cache has no
+        # numpy view, so its slices go run by run).
+        packed, pairs = ([], pairs) if kv.is_cuda else \
+            bounce.tiles(pairs, kv.rank_layout, there, self._packer.nbytes)
         groups = self._items(remote, pairs)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
+
         async def put_all() -> None:
-            for (src_rank, dst_rank), items in groups.items():
-                await self._run(remote, "put", plan_lanes(items, len(self._lanes)),
-                                src_rank=src_rank, dst_rank=dst_rank)
+            # Every (source rank, destination rank) group and the packed tiles at once:
+            # one group's flush round trip overlaps the others' puts. Every group ends
+            # before an error is raised (no lane thread outlives the call on a peer
+            # that then goes).
+            lanes = len(self._lanes)
+            done = await asyncio.gather(self._put_tiles(remote, packed, there), *(
+                self._run(remote, "put", plan_lanes(items, lanes), src_rank=src_rank,
+                          dst_rank=dst_rank)
+                for (src_rank, dst_rank), items in groups.items()), return_exceptions=True)
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result
 
         try:
             await asyncio.wait_for(put_all(), left)
@@ -293,30 +299,54 @@ class UcxSender(InPlaceSender):
             raise error from None
         return None  # flushed: the bytes are in place
 
+    async def _put_tiles(self, remote: _Remote, tiles: list[bounce.Tile],
+                         there: KVLayout) -> None:
+        """Each packed tile of `tiles` one put into its region (`bounce.Packer`)."""
+        if not tiles:
+            return
+        assert self.kv is not None and self._ucp is not None
+        lanes = len(self._lanes)
+
+        async def put(memhs: list[int], rows: dict[int, list[tuple[int, int, int]]]) -> None:
+            done = await asyncio.gather(*(
+                self._run(remote, "put", plan_lanes(items, lanes), dst_rank=rank,
+                          memhs=memhs) for rank, items in rows.items()),
+                return_exceptions=True)
+            for result in done:
+                if isinstance(result, BaseException):
+                    raise result
+
+        await self._packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
+                               [lane.context.handle for lane in self._lanes], owner=remote)
+
     def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
-               ) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
-        """The puts of `pairs` by (source rank, destination rank): (local address,
-        nbytes, remote address), one per byte run (a head slice: one per token)."""
+               ) -> dict[tuple[int, int], np.ndarray]:
+        """The puts of `pairs` by (source rank, destination rank): rows of (local
+        address, nbytes, remote address), one per byte run (a head slice: one per
+        token, neighbours contiguous on both sides merged)."""
         assert self.kv is not None
         kv = self.kv
         layout = rank_layout(kv.layout, len(remote.bases))
         there = torch.empty(layout.tensor_shape(remote.nbytes // layout.block_bytes),
                             dtype=kv.tensor.dtype, device="meta")  # strides only
-        groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        parts: dict[tuple[int, int], list[np.ndarray]] = {}
         for src, dst in pairs:
-            dst.check(layout, there.shape[0], len(remote.bases))
             # byte runs count from the storage's start, as the receiver's bases do
             local = kv.tensors[src.rank].untyped_storage().data_ptr()
-            far = remote.bases[dst.rank]
             runs = byte_runs(kv.tensor_of(src), region_view(there, dst, layout))
-            groups.setdefault((src.rank, dst.rank), []).extend(
-                (local + s, n, far + d) for s, d, n in runs)
-        return groups
+            # columns (source, destination, nbytes) -> (local, nbytes, remote)
+            runs = runs[:, [0, 2, 1]] + np.array([local, 0, remote.bases[dst.rank]],
+                                                 dtype=np.int64)
+            parts.setdefault((src.rank, dst.rank), []).append(runs)
+        return {key: np.concatenate(runs) for key, runs in parts.items()}
 
-    async def _run(self, remote: _Remote, op: str, plan: list[list[tuple[int, int, int]]],
-                   scratch: bool = False, src_rank: int = 0, dst_rank: int = 0) -> None:
+    async def _run(self, remote: _Remote, op: str, plan: Sequence[Any],
+                   scratch: bool = False, src_rank: int = 0, dst_rank: int = 0,
+                   memhs: list[int] | None = None) -> None:
         """Each lane issues its list (from its own thread), then flushes; returns once
-        every lane's flush completed. PeerUnavailable on a UCX error."""
+        every lane's flush completed. The local addresses lie in `src_rank`'s cache, or
+        in the memory `memhs` (one per lane) registered. PeerUnavailable on a UCX
+        error."""
         assert self._flushes is not None and self._pool is not None and self._ucp is not None
         loop = asyncio.get_running_loop()
         cuda = self.kv is not None and self.kv.is_cuda
@@ -324,15 +354,18 @@ class UcxSender(InPlaceSender):
         remote.busy += 1
         try:
             for lane, parts in enumerate(plan):
-                if not parts:
+                if len(parts) == 0:
                     continue
                 fid, done = self._flushes.new()
                 waits.append(done)
                 issued = loop.run_in_executor(
                     self._pool, self._batches[lane].run, op, remote.eps[lane].handle,
                     remote.rkeys[lane][dst_rank], parts, fid,
-                    0 if scratch else self._memhs[lane][src_rank], cuda)
+                    0 if scratch else memhs[lane] if memhs is not None
+                    else self._memhs[lane][src_rank], cuda)
                 issued.add_done_callback(functools.partial(self._issued, fid))
+                remote.issuing.add(issued)  # outlives this call if it is cancelled
+                issued.add_done_callback(remote.issuing.discard)
             for status in await asyncio.gather(*waits):
                 if status != 0:
                     raise self._ucp.error(status, f"{op}/flush")
@@ -348,7 +381,8 @@ class UcxSender(InPlaceSender):
         if remote is None:
             return
         deadline = time.monotonic() + self.config.io_timeout_s
-        while remote.busy and time.monotonic() < deadline:  # a lane thread may be issuing
+        # a lane thread may be issuing (also for a batch whose caller was cancelled)
+        while (remote.busy or remote.issuing) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert self._ucp is not None
         for rkeys in remote.rkeys:
@@ -356,6 +390,8 @@ class UcxSender(InPlaceSender):
                 self._ucp.rkey_destroy(rkey)
         for ep in remote.eps:
             _close_endpoint(ep)
+        if not remote.issuing:  # nothing reads a bounce buffer retired on its account
+            self._packer.release(remote, self._ucp)
 
     def _close_memory(self) -> None:
         if self._pool is not None:
@@ -365,10 +401,11 @@ class UcxSender(InPlaceSender):
             for lane, memhs in zip(self._lanes, self._memhs, strict=True):
                 for memh in memhs:
                     self._ucp.mem_unmap(lane.context.handle, memh)
+            self._packer.close(self._ucp)
         self._memhs.clear()
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()
         _close_lanes(self._lanes)
 
 
-__all__ = ["UcxReceiver", "UcxSender", "plan_lanes"]
+__all__ = ["UcxReceiver", "UcxSender"]

@@ -89,9 +89,19 @@ def test_tcp_moves_a_head_slice_a_block_at_a_time(monkeypatch, p: int, d: int,
 
 
 @UCX
-@pytest.mark.parametrize(("p", "d", "heads"), [(1, 2, 2), (2, 1, 2), (2, 2, 1)])
+@pytest.mark.parametrize(("p", "d", "heads"), [(1, 2, 2), (2, 1, 2), (2, 2, 1), (2, 4, 4),
+                                               (4, 2, 4)])
 def test_each_rank_receives_its_heads_over_ucx(p: int, d: int, heads: int) -> None:
     asyncio.run(_move("ucx", p, d, heads))
+
+
+@UCX
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
+def test_ucx_packs_head_slices_a_block_at_a_time(monkeypatch, p: int, d: int) -> None:
+    """ucx packs a destination rank's slices into bounce buffers of one block here: the
+    two-block region goes as two tiles, the buffers refilled once their puts flushed."""
+    monkeypatch.setattr("kvtransfer.ucx._BOUNCE_BYTES", 1)
+    asyncio.run(_move("ucx", p, d, 2))
 
 
 def test_a_failed_slice_of_any_rank_fails_the_whole_transfer() -> None:

@@ -4,7 +4,7 @@ prefill worker at TP p, the decode worker at TP d, every prompt prefilled remote
 rank(s) holding them, straight between the ranks' caches (no block goes through rank
 0's staging copy on either side: its counter stays 0). Greedy output through the
 gateway equals transformers' for p != d, p == d, a model with fewer KV heads than
-ranks (each replicated), over tcp and shm, and one pair over ucx."""
+ranks (each replicated), over tcp and shm, and both directions over ucx."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="no uc
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "transport", "kv_heads"), [
     (1, 2, "tcp", 2), (2, 1, "tcp", 2), (2, 2, "tcp", 1), (2, 2, "shm", 2),
-    (1, 2, "shm", 1), (2, 1, "shm", 2), pytest.param(1, 2, "ucx", 2, marks=UCX)])
+    (1, 2, "shm", 1), (2, 1, "shm", 2), pytest.param(1, 2, "ucx", 2, marks=UCX),
+    pytest.param(2, 1, "ucx", 2, marks=UCX)])
 def test_tp_prefill_to_tp_decode_equals_transformers(tmp_path, prefill_tp: int,
                                                      decode_tp: int, transport: str,
                                                      kv_heads: int) -> None:
