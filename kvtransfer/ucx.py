@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from kvtransfer import bounce
-from kvtransfer.errors import ProtocolError, TransferTimeout
+from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
@@ -196,8 +196,12 @@ class _Remote:
     nbytes: int
     eps: list[Any] = field(default_factory=list)
     rkeys: list[list[int]] = field(default_factory=list)  # [lane][rank]
-    busy: int = 0  # batches a lane thread may still be issuing on these endpoints
+    busy: int = 0  # copies and batches that may still issue on these endpoints
     issuing: set[Any] = field(default_factory=set)  # lane threads' batches not returned
+    # Its own bounce buffers (a stalled receiver holds up no other's packed puts); made
+    # at its first packed write.
+    packer: bounce.Packer | None = None
+    closed: bool = False  # disconnected: nothing may issue on its endpoints or keys
 
 
 class UcxSender(InPlaceSender):
@@ -212,7 +216,8 @@ class UcxSender(InPlaceSender):
         self._flushes: Flushes | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._scratch: Any = None
-        self._packer = bounce.Packer(_BOUNCE_BYTES)  # head slices packed for puts
+        self._packers: set[bounce.Packer] = set()  # the receivers' bounce buffers, not freed
+        self._freeing: set[asyncio.Future[None]] = set()  # _free_packer tasks in flight
 
     def _open_lanes(self) -> None:
         """Lanes, registrations and threads, once, at the first connection."""
@@ -270,7 +275,7 @@ class UcxSender(InPlaceSender):
         # Head slices go packed, a tile per put (on the host; a device cache has no
         # numpy view, so its slices go run by run).
         packed, pairs = ([], pairs) if kv.is_cuda else \
-            bounce.tiles(pairs, kv.rank_layout, there, self._packer.nbytes)
+            bounce.tiles(pairs, kv.rank_layout, there, _BOUNCE_BYTES)
         groups = self._items(remote, pairs)
         left = deadline - time.monotonic()
         if left <= 0:
@@ -290,6 +295,9 @@ class UcxSender(InPlaceSender):
                 if isinstance(result, BaseException):
                     raise result
 
+        # Busy for the whole copy, not per batch: a disconnect waits for it (between
+        # batches, while a tile is packed, nothing else shows it is not done).
+        remote.busy += 1
         try:
             await asyncio.wait_for(put_all(), left)
         except asyncio.TimeoutError:
@@ -297,6 +305,8 @@ class UcxSender(InPlaceSender):
             error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
             self._fail_peer(peer, error)
             raise error from None
+        finally:
+            remote.busy -= 1
         return None  # flushed: the bytes are in place
 
     async def _put_tiles(self, remote: _Remote, tiles: list[bounce.Tile],
@@ -316,7 +326,10 @@ class UcxSender(InPlaceSender):
                 if isinstance(result, BaseException):
                     raise result
 
-        await self._packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
+        if remote.packer is None:
+            remote.packer = bounce.Packer(_BOUNCE_BYTES)
+            self._packers.add(remote.packer)
+        await remote.packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
                                [lane.context.handle for lane in self._lanes], owner=remote)
 
     def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
@@ -350,6 +363,8 @@ class UcxSender(InPlaceSender):
         assert self._flushes is not None and self._pool is not None and self._ucp is not None
         loop = asyncio.get_running_loop()
         cuda = self.kv is not None and self.kv.is_cuda
+        if remote.closed:  # its keys and endpoints are gone (or going)
+            raise PeerUnavailable(f"ucx {op}: the receiver was disconnected")
         waits = []
         remote.busy += 1
         try:
@@ -380,6 +395,7 @@ class UcxSender(InPlaceSender):
         remote, peer.state = peer.state, None
         if remote is None:
             return
+        remote.closed = True  # no batch issues from now on
         deadline = time.monotonic() + self.config.io_timeout_s
         # a lane thread may be issuing (also for a batch whose caller was cancelled)
         while (remote.busy or remote.issuing) and time.monotonic() < deadline:
@@ -390,8 +406,24 @@ class UcxSender(InPlaceSender):
                 self._ucp.rkey_destroy(rkey)
         for ep in remote.eps:
             _close_endpoint(ep)
-        if not remote.issuing:  # nothing reads a bounce buffer retired on its account
-            self._packer.release(remote, self._ucp)
+        if remote.packer is not None:  # its buffers go once no lane thread may read them
+            if remote.issuing:  # a thread past the deadline: freed when it returns
+                task = asyncio.ensure_future(self._free_packer(remote))
+                self._freeing.add(task)
+                task.add_done_callback(self._freeing.discard)
+            else:
+                await self._free_packer(remote)
+
+    async def _free_packer(self, remote: _Remote) -> None:
+        """Unmaps `remote`'s bounce buffers once no lane thread issues to it (a thread
+        past the disconnect's deadline returns when its batch does)."""
+        packer = remote.packer
+        assert packer is not None and self._ucp is not None
+        if remote.issuing:
+            await asyncio.wait(set(remote.issuing))
+        if packer in self._packers:  # not freed by close() meanwhile
+            self._packers.discard(packer)
+            packer.close(self._ucp)
 
     def _close_memory(self) -> None:
         if self._pool is not None:
@@ -401,7 +433,9 @@ class UcxSender(InPlaceSender):
             for lane, memhs in zip(self._lanes, self._memhs, strict=True):
                 for memh in memhs:
                     self._ucp.mem_unmap(lane.context.handle, memh)
-            self._packer.close(self._ucp)
+            for packer in self._packers:  # the pool is shut down: no thread reads them
+                packer.close(self._ucp)
+            self._packers.clear()
         self._memhs.clear()
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -181,7 +182,7 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         raise SystemExit(f"--tensor-parallel-size {tp} runs without --lmcache-config")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
     from engine.cli import engine_config_from_args
     from worker.config import WorkerConfig
     from worker.server import serve, with_model_id
@@ -216,6 +217,7 @@ def exit_now(code: int) -> NoReturn:
     supervisor or a rolling restart waits for nothing the worker still holds)."""
     atexit._run_exitfuncs()
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):  # a supervisor's pipe may be gone
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)

@@ -17,6 +17,7 @@ At start-up, before any request (`bind_disk_scales`, on the engine thread):
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from engine.kv_scales import ScaleList
     from engine.model_runner import ModelRunner
     from kvtransfer.tiers.manager import TieredCache
+
+log = logging.getLogger(__name__)
 
 
 def bind_disk_scales(tiers: TieredCache, runner: ModelRunner) -> None:
@@ -42,6 +45,11 @@ def bind_disk_scales(tiers: TieredCache, runner: ModelRunner) -> None:
     saved = _read(path, layout)
     if saved is None and len(disk):
         saved = scales.initial
+        if scales.pending:
+            log.warning("the disk tier %r holds KV blocks without a scales record (%s): "
+                        "they were written under the checkpoint's float8 scales, which "
+                        "this worker adopts instead of calculating its own; empty the "
+                        "directory to calculate them", disk.directory, SCALES_FILE)
     if saved is not None and scales.pending:
         adopt_scales(runner, saved)
     elif saved is not None and saved != scales.values():

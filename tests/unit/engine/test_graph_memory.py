@@ -42,8 +42,8 @@ def test_estimate_takes_logits_for_the_sampled_rows_only() -> None:
     need = graph_pool_bytes(runner, 64, measure)
     b, s = runner.graphs.max_batch, runner.mixed_graphs.pad(t)[2]
     assert (t, s) == (48, 4)
-    # the decode bucket: b rows of fresh logits; the mixed bucket: s rows, into the
-    # graphs' static buffer (the old estimate took all t rows of fresh logits)
+    # the decode bucket: b rows of fresh logits; the mixed bucket: s rows (not all t),
+    # into the graphs' static buffer
     assert fresh == [b * vocab * 4, 0]
     assert logits == [(s, True)]
     assert need == b * vocab * 4
