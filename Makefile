@@ -36,10 +36,10 @@ sysdeps:
 run: deps sysdeps
 	$(BIN)/splitserve up --demo-request
 
-# files spread over JOBS processes; then, alone, the tests marked serial (timing models)
+# files over JOBS processes, long integration ones first; then the serial ones alone
 JOBS ?= 2
 test: deps sysdeps
-	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
 
 lint: deps
