@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -64,12 +65,26 @@ async def _move(transport: str, p: int, d: int, heads: int, checksum: bool = Tru
             assert torch.equal(got, expected)
         assert receiver.kv is not None and receiver.kv.tp == d
         receiver.table.check_integrity()
+        remote = peer.state
         await sender.disconnect(peer)
+        if transport == "ucx":
+            await _closed(sender, remote)
     finally:
         await sender.close()
         await receiver.close()
         del segments
         unlink_segments(names)
+
+
+async def _closed(sender: Any, remote: Any) -> None:
+    """A ucx receiver the sender disconnected: its bounce buffers are freed and no batch
+    issues on its released keys and endpoints any more."""
+    from kvtransfer.errors import PeerUnavailable
+
+    assert remote.closed
+    assert remote.packer is None or remote.packer not in sender._packers
+    with pytest.raises(PeerUnavailable):
+        await sender._run(remote, "put", [[(0, 1, 0)]])
 
 
 @pytest.mark.parametrize(("p", "d", "heads"), CASES)
