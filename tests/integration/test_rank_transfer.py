@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 from typing import Any
 
 import pytest
@@ -39,7 +40,8 @@ async def _move(transport: str, p: int, d: int, heads: int, checksum: bool = Tru
     full = torch.randn(layout.tensor_shape(NUM_BLOCKS), generator=torch.Generator()
                        .manual_seed(p * 10 + d))
     shape = _shards(full, d)[0].shape
-    names = [f"splitserve-kv-test{p}{d}{heads}-{transport}r{r}" for r in range(d)]
+    names = [f"splitserve-kv-test{os.getpid()}-{p}{d}{heads}-{transport}r{r}"
+             for r in range(d)]
     segments = [RankSegment(n, tuple(shape), torch.float32, True) for n in names]
     receiver = make_receiver(fast_config(transport))
     sender = make_sender(fast_config(transport))
