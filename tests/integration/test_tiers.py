@@ -45,20 +45,26 @@ def cached_tokens(c: LocalCluster, ids: list[int]) -> tuple[int, list[int]]:
     return int(body["usage"]["prompt_tokens_details"]["cached_tokens"]), body
 
 
+def _fill_disk(c: LocalCluster, prompts: list[list[int]]) -> list[list[int]]:
+    """Generates `prompts` on `c`, then pushes their blocks out of host DRAM to disk: a
+    later prompt (9 more blocks than the 4-block host holds) demotes every earlier block,
+    whatever order the first ones finished in. Returns the first generations."""
+    first = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts,
+                                      [MAX_TOKENS] * len(prompts)))
+    asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", [prompt(99)], [1]))
+    mport = worker_metrics_port(c)
+    wait_for(lambda: metric(mport, "splitserve:tier_bytes_total", tier="disk",
+                            direction="store") > 0, 20, "blocks demoted to disk")
+    return first
+
+
 def test_disk_tier_survives_a_worker_restart(tmp_path) -> None:
     model_dir = tiny_model_dir("llama")
     disk = str(tmp_path / "kv-disk")
     prompts = [prompt(s) for s in range(5)]
     c = start(model_dir, disk, str(tmp_path / "logs1"))
     try:
-        first = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts,
-                                          [MAX_TOKENS] * len(prompts)))
-        # A later prompt (9 more blocks than the 4-block host holds) pushes every
-        # earlier block out of host DRAM, whatever order the first five finished in.
-        asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", [prompt(99)], [1]))
-        mport = worker_metrics_port(c)
-        wait_for(lambda: metric(mport, "splitserve:tier_bytes_total", tier="disk",
-                                direction="store") > 0, 20, "blocks demoted to disk")
+        first = _fill_disk(c, prompts)
         # The index learns where the offloaded blocks went: every full block of the
         # first prompt ends up on disk (the 4-block host tier demoted it).
         model = os.path.basename(os.path.normpath(model_dir))
@@ -96,12 +102,7 @@ def test_calculated_kv_scales_survive_a_restart_with_the_disk_tier(tmp_path) -> 
     prompts = [prompt(s) for s in range(5)]
     c = start(model_dir, disk, str(tmp_path / "logs1"), extra)
     try:
-        first = asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", prompts,
-                                          [MAX_TOKENS] * len(prompts)))
-        asyncio.run(grpc_generate(f"127.0.0.1:{c.grpc_port}", [prompt(99)], [1]))
-        mport = worker_metrics_port(c)
-        wait_for(lambda: metric(mport, "splitserve:tier_bytes_total", tier="disk",
-                                direction="store") > 0, 20, "blocks demoted to disk")
+        first = _fill_disk(c, prompts)
     finally:
         c.stop()
     assert "kv_scales.json" in os.listdir(disk)
