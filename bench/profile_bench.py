@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
+from bench.report import machine
 from bench.transfer_handoff import LAYOUTS
 
 
@@ -96,6 +98,12 @@ def resolve_defaults(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     resolve_defaults(args)
+    if not args.device.startswith("cuda"):
+        import torch
+
+        # one thread, as `bench host`: a shared machine's other work does not stall an
+        # op's worker threads (the aten ops are then the same thread's, in order)
+        torch.set_num_threads(1)
     os.makedirs(args.trace_dir, exist_ok=True)
     result: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()
                                          if not k.startswith("_")}}
@@ -114,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
             layout, args.handoff_tokens, args.handoff_chunks, args.handoffs, args.trace_dir)
         print_handoffs(result["handoff"], layout)
     result["summary"] = summary(result)
+    result["created"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    result["machine"] = machine()
+    if args.device.startswith("cuda"):
+        import torch
+
+        result["machine"]["gpu"] = result["device"] = torch.cuda.get_device_name(args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -176,3 +190,39 @@ def print_handoffs(rows: dict[str, Any], layout: Any) -> None:
         rx = ", ".join(f"{k} {v['calls']:.0f}x {v['us']:.0f} us"
                        for k, v in h["receiver"].items() if isinstance(v, dict) and v["calls"])
         print(f"  {t} receiver per hand-off: {rx or '-'}")
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    """A run's figures as Markdown tables (docs/benchmarks.md): medians per step of each
+    window, means per hand-off of each transport."""
+    lines: list[str] = []
+    if engine := result.get("engine"):
+        lines += [f"Workload c, {engine['workload']} (+{engine['extra_output_tokens']} output "
+                  f"tokens each), {engine['model']}, {engine['dtype']}; decode batch "
+                  f"{engine['decode_batch']}. Medians per step, µs:", "",
+                  "| window | steps | wall | host | device | kernels | launch calls | "
+                  "gap sum | gap max | schedule | inputs | forward | sample | update | "
+                  "outputs |", "|---|" + "---|" * 14]
+        for name, w in engine["windows"].items():
+            s = w["summary"]
+            cells = [s[k] for k in ("wall_us", "host_us", "device_us", "kernels",
+                                    "launch_calls", "gap_sum_us", "gap_max_us")]
+            cells += list(s["phases_us"].values())
+            lines.append(f"| {name} | {s['steps']} | " + " | ".join(f"{v:,.0f}" for v in cells)
+                         + " |")
+        lines.append("")
+    if handoff := result.get("handoff"):
+        first = next(iter(handoff.values()))
+        lines += [f"Hand-off of {first['tokens']} tokens ({first['blocks']} scattered blocks) "
+                  f"in {first['chunks_asked']} writes; means over "
+                  f"{first['sender']['handoffs']} hand-offs:", "",
+                  "| transport | wall µs | copy µs | fixed µs | GB/s | chunks | round trips "
+                  "per chunk | notices per chunk | finish wait µs |", "|---|" + "---|" * 8]
+        for t, h in handoff.items():
+            s = h["sender"]
+            lines.append(f"| {t} | {s['wall_us']:,.0f} | {s['copy_us']:,.0f} | "
+                         f"{s['fixed_us']:,.0f} | {s['gbps']:.2f} | {s['chunks']:.0f} | "
+                         f"{s['round_trips_per_chunk']:.2f} | {s['notices_per_chunk']:.2f} | "
+                         f"{s['finish_wait_us']:,.0f} |")
+        lines.append("")
+    return lines
