@@ -32,9 +32,9 @@ from bench.transfer_handoff import LAYOUTS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.cli import model_shape_arg
+    from engine.cli import add_kv_cache_dtype_argument, model_shape_arg
 
-    p.add_argument("--parts", default="engine,handoff", help="engine, handoff or both")
+    p.add_argument("--parts", default="engine,handoff", help="comma-separated: engine, handoff (default both)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--trace-dir", default="bench-results/profile",
@@ -60,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--max-graph-tokens", type=int, default=512)
     e.add_argument("--async-scheduling", action="store_true")
+    add_kv_cache_dtype_argument(p)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     h = p.add_argument_group("KV hand-off")
     h.add_argument("--transports", default=None,

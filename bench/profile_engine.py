@@ -6,7 +6,8 @@ The engine is built, warmed up and fed as `bench engine --device cuda` does it (
 functions); each request gets a few output tokens more than c draws, so that every one of
 them is still running when the decode window ends. Phases are profiler ranges opened by
 the bench around the engine's own calls on this one instance (bench/host_bench.py's
-`instrument`; nothing in the engine changes):
+`instrument`; nothing in the engine changes: a range costs ~5 µs even with the profiler
+off on a 2-vCPU machine, against a small model's host time per step):
 
     engine.step > engine.schedule, engine.inputs, engine.forward, engine.sample,
                   engine.update, engine.outputs
@@ -87,7 +88,14 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
     step) and the decode window (`args.decode_steps`, once every prefill is done)."""
     import torch
 
-    from bench.engine_shape_bench import Workload, _Recorder, make_llm, make_workloads, warm_up
+    from bench.engine_shape_bench import (
+        Workload,
+        _free,
+        _Recorder,
+        make_llm,
+        make_workloads,
+        warm_up,
+    )
     from engine.config import ModelConfig
     from engine.sampling_params import SamplingParams
 
@@ -119,7 +127,8 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         windows["decode"] = profile_window(engine, recorder, args.decode_steps, device,
                                            os.path.join(trace_dir, "engine-decode.json"))
         batch = len(engine.scheduler.running)
-        del llm, engine
+        del llm, engine, recorder
+        _free(device)  # the KV pool's memory back to the device for the hand-off's caches
     return {"workload": c.describe(), "extra_output_tokens": extra, "decode_batch": batch, "device": str(device),
             "dtype": dtype, "model": args.model_shape or
             f"random llama, hidden {args.hidden_size}, {args.num_layers} layers",

@@ -10,7 +10,8 @@ nothing outside this bench):
     receiver: handoff > rx.reserve, rx.written (in-place transports), rx.write (tcp)
 
 A RESERVE waits for its GRANT and a FINISH for the verdict: those are the round trips on
-the wire; a WRITTEN notice is sent without waiting.
+the wire; a WRITTEN notice is sent without waiting. (ucx's puts end in flushes, a round
+trip each inside its copy, below the frames counted here.)
 """
 
 from __future__ import annotations
