@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# What to run first on a GPU machine: the GPU tests, the
-# engine on a Llama-3-8B shape (our steps recorded for `sim calibrate --engine-json`,
-# then transformers beside us), and the KV hand-off between two processes on the GPU.
+# What to run first on a GPU machine: a profile of the engine's steps and of a hand-off,
+# the GPU tests, the engine on a Llama-3-8B shape (our steps recorded for `sim calibrate
+# --engine-json`, then transformers beside us), and the KV hand-off between two processes
+# on the GPU.
 # Every step has its own time limit and its whole log under $OUT, so one that hangs or
 # fails leaves the others' figures. Run from the repository root on the device machine,
 # with .whl/ filled here first by bench/gpu_wheels.sh (carry [".whl"]):
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
+#   STEPS=profile SHAPE=qwen3-0.6b bash bench/gpu_checks.sh   # the profile on another shape
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-engine untuned tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile engine untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -20,6 +22,7 @@ T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
 T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-150} T_MIXED=${T_MIXED:-360}
+T_PROFILE=${T_PROFILE:-300}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -42,6 +45,14 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
   tail -n 25 "$OUT/$name.log"
 }
 
+# 0. where the time goes, first: torch.profiler over workload c on the $SHAPE shape (4
+# mixed steps, then 20 decode steps once every prefill is done: host vs device time,
+# kernels and launch calls, the device's idle gaps per step) and over one scattered
+# 8k-token hand-off in 4 writes over cuda_ipc and ucx (round trips per chunk, copy vs
+# fixed time); the summary in profile.json, the Chrome traces gzipped in $OUT/profile
+step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device cuda \
+  --model-shape $SHAPE --trace-dir $OUT/profile --json $OUT/profile.json && \
+  gzip -f $OUT/profile/*.json"
 # 1. our engine alone on every workload: the step records sim calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"

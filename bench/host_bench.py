@@ -85,11 +85,11 @@ class PhaseTimer:
         setattr(obj, name, timed)
 
 
-def instrument(engine: Any) -> PhaseTimer:
-    """Times `engine`'s phases (instance attributes shadow the methods). `sample` also
-    covers reading the sampled tokens; under async scheduling `update` is the resolve
-    of the step in flight (appending its tokens)."""
-    timer = PhaseTimer()
+def instrument(engine: Any, timer: PhaseTimer | None = None) -> PhaseTimer:
+    """Times `engine`'s phases with `timer` (default a new PhaseTimer; instance attributes
+    shadow the methods). `sample` also covers reading the sampled tokens; under async
+    scheduling `update` is the resolve of the step in flight (appending its tokens)."""
+    timer = PhaseTimer() if timer is None else timer
     runner = engine.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.inputs, "build", "inputs")

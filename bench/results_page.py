@@ -87,7 +87,7 @@ says ms.
 
 def render(results_dir: str) -> str:
     lines = [INTRO, "## Headline", "", *headline(results_dir), ""]
-    lines += _gpu_sections(results_dir)
+    lines += _gpu_sections(results_dir) + _profile(results_dir)
     reports = sorted(glob.glob(os.path.join(results_dir, "*.json")), key=_sort_key)
     cpu = [p for p in reports if not os.path.basename(p).startswith("sim-")]
     sim = [p for p in reports if os.path.basename(p).startswith("sim-")]
@@ -167,6 +167,57 @@ def _gpu_sections(r: str) -> list[str]:
              ""]
     lines += _gpu_engine(r) + _gpu_transfer(r) + _gpu_transports(r) + _gpu_simval(r)
     lines += _gpu_links(r)
+    return lines
+
+
+PROFILE_TEXT = """\
+`bench profile` runs torch.profiler over workload c on the engine (a window of mixed steps \
+while prefills run, then decode steps once every prefill is done) and over one KV \
+hand-off between two processes (sender and receiver profiled); it prints the tables \
+below, writes the summary with `--json` and a Chrome trace per part under `--trace-dir` \
+(chrome://tracing, ui.perfetto.dev). `bash bench/gpu_checks.sh` runs it first on a GPU \
+(its `profile` step).
+
+- Per step, medians over the window, µs: `wall` is the step on the host's clock; `device` \
+the time kernels ran (their union); `host` the wall less the time the host waited on the \
+device (synchronising calls); `kernels` the kernels, copies and memsets the step \
+launched, wherever they ran; `launch calls` the host's launch API calls (one \
+`cudaGraphLaunch` replays a whole graph); `gap sum` / `gap max` the device's idle time \
+between one kernel's end and the next one's start, in all and the largest; then the \
+host time in each engine phase (`bench host` times the same phases without the \
+profiler).
+- On the CPU there is no device: a kernel is a top-level aten op (one launch's worth of \
+work), device time the time inside those ops, host time the rest.
+- Per hand-off, means: `copy` is the time the bytes moved (the in-place transports' \
+copy, tcp's sends; on CUDA at least the device time of what the hand-off launched), \
+`fixed` the wall less the copy; a round trip is a frame the sender waits a reply to \
+(RESERVE per chunk for the in-place transports `shm`, `cuda_ipc`, `ucx`; FINISH per \
+hand-off for every transport), a notice one it does not (WRITTEN per chunk); \
+`finish wait` the time from FINISH to the receiver's verdict.
+- Every figure is taken under the profiler, which adds its own cost to each op it \
+records: host times most."""
+
+
+def _profile(r: str) -> list[str]:
+    from bench.profile_bench import markdown
+
+    lines = ["## Where the time goes (`bench profile`)", "", "```bash",
+             "splitserve bench profile --device cuda --model-shape llama3-8b "
+             "--json profile.json --trace-dir traces", "```", "", PROFILE_TEXT, ""]
+    runs = _gpu_runs(r, "profile")
+    if not runs:
+        lines += ["No GPU profile has been measured.", ""]
+    for dev, path, data in runs:
+        lines += [f"### {gpu_name(data, dev)}, {date_of(data, path)} "
+                  f"(`gpu/{os.path.basename(path)}`)", "", *markdown(data)]
+    cpu_path = os.path.join(r, "cpu", "profile.json")
+    if cpu := load(cpu_path):
+        lines += [f"### A shared CPU machine: {cpu_machine(cpu)}, {date_of(cpu, cpu_path)} "
+                  "(`cpu/profile.json`)", "", "```bash",
+                  "splitserve bench profile --device cpu --json profile.json", "```", "",
+                  "A tiny model on shared CPUs: its counts (kernels per step, round trips "
+                  "and notices per chunk) are the engine's and the transports' own, its µs "
+                  "this machine's.", "", *markdown(cpu)]
     return lines
 
 

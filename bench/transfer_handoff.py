@@ -172,18 +172,9 @@ def _config(transport: str) -> Any:
 
 async def bench(transport: str, device: str, layout: Any, pool: int, tokens: list[int],
                 repeats: int) -> list[Row]:
-    import torch
+    from kvtransfer import Region
 
-    from kvtransfer import Region, make_receiver
-
-    config = _config(transport)
-    receiver = make_receiver(config)
-    if transport == "shm":
-        receiver.allocate(layout, pool)  # type: ignore[attr-defined]
-    else:
-        receiver.register(torch.zeros(layout.tensor_shape(pool), dtype=torch.bfloat16,
-                                      device=device), layout)
-    await receiver.start()
+    receiver = await open_receiver(transport, device, layout, pool)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=sender_main, daemon=True,
@@ -224,6 +215,23 @@ async def bench(transport: str, device: str, layout: Any, pool: int, tokens: lis
         await receiver.close()
 
 
+async def open_receiver(transport: str, device: str, layout: Any, pool: int) -> Any:
+    """A started receiver of `transport` over a zeroed `pool`-block cache (shm: in a
+    shared-memory segment its `close()` unlinks)."""
+    import torch
+
+    from kvtransfer import make_receiver
+
+    receiver = make_receiver(_config(transport))
+    if transport == "shm":
+        receiver.allocate(layout, pool)  # type: ignore[attr-defined]
+    else:
+        receiver.register(torch.zeros(layout.tensor_shape(pool), dtype=torch.bfloat16,
+                                      device=device), layout)
+    await receiver.start()
+    return receiver
+
+
 async def _recv(loop: asyncio.AbstractEventLoop, conn: Connection) -> Any:
     def wait() -> Any:
         if not conn.poll(300):
@@ -240,30 +248,52 @@ def sender_main(conn: Connection, transport: str, device: str, layout_kw: dict[s
 
 async def _sender(conn: Connection, transport: str, device: str, layout_kw: dict[str, Any],
                   pool: int, address: str) -> None:
+    sender, peer = await open_sender(transport, device, layout_kw, pool, address)
+    loop = asyncio.get_running_loop()
+    conn.send(("ready",))
+    try:
+        while (msg := await loop.run_in_executor(None, conn.recv))[0] != "stop":
+            _, xfer, src, dst = msg
+            conn.send(("done", await handoff(sender, peer, xfer, src, dst)))
+    except Exception as e:  # report, then exit: the parent raises it
+        conn.send(("error", repr(e)))
+    finally:
+        await sender.close()
+
+
+async def open_sender(transport: str, device: str, layout_kw: dict[str, Any], pool: int,
+                      address: str) -> tuple[Any, Any]:
+    """A sender over a `pool`-block cache (every byte 7), connected to the receiver at
+    `address`: (sender, peer); the caller closes the sender."""
     import torch
 
     from kvtransfer import KVLayout, make_sender
-    from kvtransfer.layout import whole_blocks
 
     layout = KVLayout(**layout_kw)
     sender = make_sender(_config(transport))
     kv = torch.empty(layout.tensor_shape(pool), dtype=torch.bfloat16, device=device)
     kv.view(-1).view(torch.uint8).fill_(7)
     sender.register(kv, layout)
-    loop = asyncio.get_running_loop()
-    peer = await sender.connect(address)
-    conn.send(("ready",))
     try:
-        while (msg := await loop.run_in_executor(None, conn.recv))[0] != "stop":
-            _, xfer, src, dst = msg
-            t0 = time.perf_counter()
-            await sender.write(peer, whole_blocks(src), whole_blocks(dst), xfer, 1)
-            await sender.finish(peer, xfer, timeout_s=60.0)
-            conn.send(("done", time.perf_counter() - t0))
-    except Exception as e:  # report, then exit: the parent raises it
-        conn.send(("error", repr(e)))
-    finally:
+        return sender, await sender.connect(address)
+    except BaseException:
         await sender.close()
+        raise
+
+
+async def handoff(sender: Any, peer: Any, xfer: str, src: list[int], dst: list[int],
+                  chunks: int = 1) -> float:
+    """Writes blocks `src` into the receiver's `dst` in `chunks` writes (a chunked
+    prefill's), then waits for the verdict; returns the seconds it took."""
+    from kvtransfer.layout import whole_blocks
+
+    per = -(-len(src) // max(1, chunks))
+    t0 = time.perf_counter()
+    for i in range(0, len(src), per):
+        await sender.write(peer, whole_blocks(src[i:i + per]), whole_blocks(dst[i:i + per]),
+                           xfer, 1)
+    await sender.finish(peer, xfer, timeout_s=60.0)
+    return time.perf_counter() - t0
 
 
 def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int]) -> dict[str, Any]:

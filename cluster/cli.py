@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "engine": ("bench.engine_bench", "engine throughput vs transformers generate"),
     "host": ("bench.host_bench", "the engine's host time per decode step by phase (batch 256)"),
+    "profile": ("bench.profile_bench", "torch.profiler over workload c's steps and one KV "
+                "hand-off: host vs device time, launches, gaps, round trips"),
     "transfer": ("bench.transfer_bench", "KV transfer GB/s per transport vs memcpy / raw TCP"),
     "layout": ("bench.layout_bench", "a TP rank's KV head slice: token- vs head-major blocks"),
     "run": ("bench.run_cli", "measure a running OpenAI-compatible or splitserve gRPC server"),
