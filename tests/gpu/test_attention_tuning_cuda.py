@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from engine.attention import triton_attn
-from engine.attention.triton_attn import DecodeTile
-from engine.attention.tuning import STAGES, TILE_NS, WARPS, WAVES, tune_decode
+from engine.attention import triton_decode
+from engine.attention.triton_decode import DecodeTile
+from engine.attention.tuning import STAGES, TILE_NS, WARPS, WAVES, tune_attention
 from engine.kv_quant import FP8_DTYPE
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -30,7 +30,7 @@ def _decode(kv_layer: torch.Tensor, tile: DecodeTile, lens: list[int]) -> torch.
     tables = torch.randint(0, BLOCKS, (len(lens), width), generator=gen, dtype=torch.int32)
     q = torch.randn((len(lens), HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
     qsl = list(range(len(lens) + 1))
-    return triton_attn.decode_attention(
+    return triton_decode.decode_attention(
         q.cuda(), kv_layer, tables.cuda(), torch.tensor(lens, dtype=torch.int32).cuda(),
         torch.tensor(qsl, dtype=torch.int32).cuda(), qsl, HEAD_DIM ** -0.5, tile=tile)
 
@@ -42,8 +42,9 @@ def test_the_tuner_on_cuda(kv_dtype: torch.dtype, caplog: pytest.LogCaptureFixtu
     kv_layer = cache[:, 0]
     t0 = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="engine.attention.tuning"):
-        table = tune_decode(kv_layer, HEADS, torch.bfloat16, None, max_num_seqs=64,
-                            max_model_len=8192, budget_s=15.0)
+        table = tune_attention(kv_layer, HEADS, torch.bfloat16, None, max_num_seqs=64,
+                               max_model_len=8192, max_num_batched_tokens=8192,
+                               budget_s=15.0).decode
     elapsed = time.perf_counter() - t0
     print(f"tuned in {elapsed:.1f} s: {table.describe()}")
     assert elapsed < 15.0 + 5.0
