@@ -320,22 +320,23 @@ class AttentionTables:
 def tune_attention(kv_layer: torch.Tensor, num_heads: int, dtype: torch.dtype,
                    sliding_window: int | None, max_num_seqs: int, max_model_len: int,
                    max_num_batched_tokens: int, budget_s: float = BUDGET_S,
-                   reps: int = REPS, clock: Callable[[], float] = time.perf_counter
-                   ) -> AttentionTables:
+                   reps: int = REPS, clock: Callable[[], float] = time.perf_counter,
+                   time_fns: tuple[TimeFn, TimeFn] | None = None) -> AttentionTables:
     """Both kernels' tables for this rank's shape on its GPU (kv_layer: the cache's
     layer-0 view, whose shape, dtype and strides every layer shares), within
-    `budget_s` seconds together: decode up to DECODE_SHARE of it, prefill the rest."""
+    `budget_s` seconds together: decode up to DECODE_SHARE of it, prefill the rest
+    (what decode left included). `time_fns`: (decode, prefill) timing functions in
+    place of the real timers on `kv_layer` (tests)."""
     start = clock()
     head_dim = kv_layer.shape[4]
     batches, contexts = grid_points(max_num_seqs, max_model_len)
+    decode_fn, prefill_fn = time_fns or (
+        decode_timer(kv_layer, num_heads, dtype, sliding_window, reps),
+        prefill_timer(kv_layer, num_heads, dtype, sliding_window, reps))
     with torch.inference_mode():
-        decode = tune_decode_table(
-            batches, contexts, default_tile(head_dim),
-            decode_timer(kv_layer, num_heads, dtype, sliding_window, reps),
-            budget_s * DECODE_SHARE, clock)
-        prefill = tune_prefill_table(
-            chunk_points(max_num_batched_tokens, max_model_len),
-            default_prefill_tile(head_dim),
-            prefill_timer(kv_layer, num_heads, dtype, sliding_window, reps),
-            max(0.0, start + budget_s - clock()), clock)
+        decode = tune_decode_table(batches, contexts, default_tile(head_dim), decode_fn,
+                                   budget_s * DECODE_SHARE, clock)
+        prefill = tune_prefill_table(chunk_points(max_num_batched_tokens, max_model_len),
+                                     default_prefill_tile(head_dim), prefill_fn,
+                                     max(0.0, start + budget_s - clock()), clock)
     return AttentionTables(decode, prefill)
