@@ -135,8 +135,9 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
         blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE)
     base = cache_ptr + blk.to(tl.int64) * c_sb + (kpos % BLOCK_SIZE) * c_so + kvh * c_sh
     if MASK:
-        k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0)
-        v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None], other=0)
+        k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0.0)
+        v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None],
+                    other=0.0)
     else:
         k = tl.load(base[None, :] + d[:, None] * c_sd)
         v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd)

@@ -203,3 +203,57 @@ def test_decode_and_prefill_share_one_budget() -> None:
     assert tables.prefill.entries[(8192,)] == default_prefill_tile(16)
     assert set(tables.decode.entries.values()) == {DecodeTile(64)}
     assert len(tables.decode.entries) < 8  # decode's share ran out first
+
+
+# Compiled for Hopper (sm_90) in a fresh process without the interpreter: Triton
+# compiles without a GPU (its own ptxas), so lowering, the pipeliner and shared memory
+# are checked here too, which the interpreter never does. The extremes of the prefill
+# space (the most rows and keys with the deepest pipeline; the untuned tile with a
+# window over a float8 cache), and the kernels that share its tile step and float8
+# conversions: split-K decode and the KV write over a float8 cache.
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.attention import triton_attn, triton_decode
+
+def build(fn, const, warps, stages):
+    cache = "*fp8e4nv" if const["FP8"] else "*bf16"
+    sig = {a: "constexpr" if a in const else cache if a == "cache_ptr"
+           else "*fp32" if a.endswith("scale_ptr") or a in ("part_ptr", "lse_ptr")
+           else "*i32" if a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr")
+           else "*bf16" if a.endswith("_ptr") else "fp32" if a == "scale_log2" else "i32"
+           for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    assert 0 <= k.metadata.shared <= 227 * 1024, k.metadata.shared
+    return k
+
+common = dict(BLOCK_SIZE=16, HEAD_DIM=128, DOT_PRECISION="tf32", DOT_F32=False,
+              FP8_BITS=False)
+for m, n, w, s, window, fp8 in ((128, 128, 8, 4, False, False), (64, 64, 4, 3, True, True)):
+    k = build(triton_attn._unified_kernel,
+              dict(common, GROUP=4, BLOCK_M=m, BLOCK_Q=m // 4, TILE_N=n, USE_WINDOW=window,
+                   FP8=fp8, NUM_STAGES=s), w, s)
+    # the pipelined loop's K/V loads go through asynchronous copies
+    assert "async_copy_global_to_local" in k.asm["ttgir"]
+build(triton_decode._decode_split_kernel,
+      dict(common, GROUP=4, BLOCK_M=16, TILE_N=64, USE_WINDOW=False, FP8=True), 4, 3)
+build(triton_attn._write_kv_kernel,
+      dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_H=8, FP8=True, FP8_BITS=False), 4, 3)
+print("compiled")
+"""
+
+
+def test_prefill_candidates_compile_for_hopper() -> None:
+    import subprocess
+    import sys
+
+    nvidia = pytest.importorskip("triton.backends.nvidia")
+    if not os.path.exists(os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")):
+        pytest.skip("triton's nvidia backend ships no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
