@@ -257,3 +257,16 @@ def test_prefill_candidates_compile_for_hopper() -> None:
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_mixed_graph_takes_its_token_buckets_entry() -> None:
+    from engine.mixed_graphs import MixedGraphs
+
+    table = tune_prefill_table(chunk_points(512, 4096), default_prefill_tile(128), cost)
+    graphs = MixedGraphs(lambda *a: torch.zeros(0), 512, 8, 4096 // 16, 100,
+                         torch.device("cpu"), None, 4096, capture=False)
+    for t in graphs.buckets:  # warm-up, capture and replay all read this metadata
+        want = table.entries[(512,)] if t >= 64 else PrefillTile()
+        assert table.choose(graphs._meta(t).max_query_len) == want
+    assert PrefillTile() in {table.choose(graphs._meta(t).max_query_len)
+                             for t in graphs.buckets}
