@@ -68,7 +68,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
     g.add_argument("--attention-tuning", choices=["auto", "off"], default="auto",
-                   help="start-up tuning of split-K decode's tiles (CUDA, triton)")
+                   help="start-up tuning of split-K decode's and prefill's tiles "
+                        "(CUDA, triton)")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--max-graph-tokens", type=int, default=512,
                    help="CUDA graphs for mixed and prefill steps up to this many tokens "

@@ -350,6 +350,10 @@ def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: li
             "graph_replays": {"decode": getattr(engine.runner.graphs, "replays", 0),
                               "mixed": getattr(engine.runner.mixed_graphs, "replays", 0)},
             "attention_tuning": cfg.tunes_attention,
+            # the launch configurations chosen at start-up ("" where untuned)
+            "attention_tables": {k: t.describe() for k in ("decode", "prefill")
+                                 if (t := getattr(engine.runner.attention, f"{k}_table",
+                                                  None)) is not None},
             "prefix_caching": cfg.cache.enable_prefix_caching}
     del llm, engine
     _free(device)

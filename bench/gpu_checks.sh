@@ -21,7 +21,7 @@ SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
-T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-150} T_MIXED=${T_MIXED:-360}
+T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-180} T_MIXED=${T_MIXED:-360}
 T_PROFILE=${T_PROFILE:-300}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -53,14 +53,17 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
 step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device cuda \
   --model-shape $SHAPE --trace-dir $OUT/profile --json $OUT/profile.json && \
   gzip -f $OUT/profile/*.json"
-# 1. our engine alone on every workload: the step records sim calibrate fits from
+# 1. our engine alone on every workload (attention tuned at start-up: d's one 8k-token
+# prefill runs the prefill tiles chosen for 8192-token queries): the step records sim
+# calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
-# 1b. split-K decode untuned (--attention-tuning off) on the decode-heavy workloads, to
-# set against step 1's (tuned at start-up; its log has the chosen table): c and e's
-# decode steps in engine.json vs untuned.json
+# 1b. the attention kernels untuned (--attention-tuning off), to set against step 1's
+# (tuned at start-up; its log and engine.json's attention_tables have the chosen tables):
+# c and e's decode steps, and d's 8k prefill (its compute_frac, the prefill tiles'
+# 8192-token entry in step 1), in engine.json vs untuned.json
 step untuned "$T_UNTUNED" python3 -m cluster.cli bench engine --device cuda \
-  --model-shape "$SHAPE" --workloads c,e --skip-hf --attention-tuning off \
+  --model-shape "$SHAPE" --workloads c,d,e --skip-hf --attention-tuning off \
   --json "$OUT/untuned.json"
 # 2. correctness on the GPU: every architecture, graphs on and off, the transports
 step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider

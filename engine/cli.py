@@ -135,8 +135,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: triton on CUDA, torch (SDPA, the reference) elsewhere")
     p.add_argument("--attention-tuning", choices=["auto", "off"], default="auto",
                    help="auto: on CUDA with the triton backend, time a few split-K decode "
-                        "tile configurations per batch shape at start-up (seconds, "
-                        "logged) and use the fastest; off: the untuned tiles")
+                        "tile configurations per batch shape and prefill tiles per query "
+                        "length at start-up (seconds, logged) and use the fastest; off: "
+                        "the untuned tiles")
     add_parallel_arguments(p)
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run every step eagerly (no CUDA graphs)")

@@ -280,8 +280,8 @@ class EngineConfig:
     # kernels (RMSNorm, rotary, SiLU*mul) follow the same choice.
     attention_backend: str | None = None
     # auto: on CUDA with the triton backend, time a few split-K decode configurations
-    # per batch shape at start-up and use the fastest (engine.attention.tuning); off:
-    # the untuned configuration.
+    # per batch shape and unified-kernel (prefill) tiles per query length at start-up
+    # and use the fastest (engine.attention.tuning); off: the untuned configurations.
     attention_tuning: str = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA graphs at all (every step eager)
     # Decode-only steps take the CUDA graphs' padded, fixed-address inputs even where
@@ -340,7 +340,7 @@ class EngineConfig:
 
     @property
     def tunes_attention(self) -> bool:
-        """Whether the model runner tunes split-K decode at start-up."""
+        """Whether the model runner tunes the attention kernels at start-up."""
         return (self.attention_tuning == "auto" and self.backend == "triton"
                 and self.device.startswith("cuda"))
 

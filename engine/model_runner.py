@@ -136,18 +136,21 @@ class ModelRunner(KVStaging):
         capture_graph_sets(self)
 
     def _tune_attention(self) -> None:
-        """Split-K decode's launch configuration per batch shape, timed on this rank's
-        own cache (engine.attention.tuning; reads it only). Runs before any graph is
-        captured, so each graph keeps its bucket's choice."""
+        """Split-K decode's launch configuration per batch shape and the unified
+        kernel's per query length, timed on this rank's own cache (engine.attention.
+        tuning; reads it only). Runs before any graph is captured, so each graph keeps
+        its bucket's choice."""
         from engine.attention.triton_backend import TritonBackend
-        from engine.attention.tuning import tune_decode
+        from engine.attention.tuning import tune_attention
 
         if not isinstance(self.attention, TritonBackend):
             return
-        self.attention.decode_table = tune_decode(
+        tables = tune_attention(
             self.kv_cache[:, 0], self.rank_cfg.num_heads, self.dtype,
             self.model_cfg.sliding_window, self.config.scheduler.max_num_seqs,
-            self.max_model_len)
+            self.max_model_len, self.config.scheduler.max_num_batched_tokens)
+        self.attention.decode_table = tables.decode
+        self.attention.prefill_table = tables.prefill
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:

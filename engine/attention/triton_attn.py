@@ -1,7 +1,8 @@
 # @triton.jit kernels take untyped parameters (Triton reads annotations itself).
 # mypy: allow-untyped-defs
-"""Triton kernels for the paged KV cache: the KV write, unified (mixed-batch) attention,
-and split-K decode (flash-decoding). Launchers are thin and sync-free.
+"""Triton kernels for the paged KV cache: the KV write and unified (mixed-batch and
+prefill) attention, with the tile step that split-K decode (engine.attention.
+triton_decode) shares. Launchers are thin and sync-free.
 
 A layer's cache is the strided view `kv_layer = cache[:, layer]`, shape
 `[num_blocks, 2, block_size, kv_heads, head_dim]`; every kernel addresses it through its
@@ -29,7 +30,6 @@ is capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,21 +40,25 @@ from engine.attention.triton_fp8 import _kv_load, _kv_store
 from engine.kv_quant import FP8_DTYPE, Scale
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 16
-CPU_SPLITS = 4  # the interpreter: enough splits to exercise the reduction, few programs
+# Rows per program of the untuned unified kernel: 16 (tl.dot's minimum) for decode rows
+# and short chunks; on a GPU, steps with a query of LONG_QUERY tokens or more get 64
+# rows, so that each K/V tile read serves more queries.
+SHORT_ROWS, LONG_ROWS, LONG_QUERY = 16, 64, 64
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeTile:
-    """A launch configuration of split-K decode (engine.attention.tuning picks one per
-    batch shape on CUDA). Every configuration computes the same attention: keys per
-    tile, warps and pipeline stages per program, and the split rule's target waves of
-    programs over the SMs (`num_decode_splits`). None: the untuned tile (`_tile_n`)."""
+class PrefillTile:
+    """A launch configuration of the unified kernel (engine.attention.tuning picks one
+    per query length on CUDA). Every configuration computes the same attention: query
+    rows per program (BLOCK_M, the GQA-packed rows of BLOCK_M // group tokens), keys per
+    tile, warps, and the software pipeline's depth over the fully visible key tiles
+    (K/V tiles and their block-table entries loaded that many iterations ahead). None:
+    the untuned rows (`_block_m`) and keys (`_tile_n`) per tile."""
 
+    block_m: int | None = None
     tile_n: int | None = None
     num_warps: int = 4
     num_stages: int = 3
-    waves: int = 2
 
 
 @triton.jit
@@ -114,17 +118,29 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
                  kvh, c_sb, c_skv, c_so, c_sh, c_sd, scale_log2, k_scale, v_scale,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
                  USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+                 DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr,
+                 MASK: tl.constexpr):
     """One online-softmax step over keys start .. start + TILE_N - 1 (those < hi).
     `pos` is each row's absolute query position: a row sees key j iff j <= pos (and,
-    with a window, j > pos - window). Softmax runs in base 2 (scale folded in)."""
+    with a window, j > pos - window). Softmax runs in base 2 (scale folded in).
+    MASK=False: the caller vouches that every row sees every key of the tile (all
+    < hi, inside the causal bound and the window), so nothing is masked; the result is
+    the masked step's, bit for bit, with the masks' work left out."""
     kpos = start + tl.arange(0, TILE_N)
-    kv_ok = kpos < hi
     d = tl.arange(0, HEAD_DIM)
-    blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+    if MASK:
+        kv_ok = kpos < hi
+        blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+    else:
+        blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE)
     base = cache_ptr + blk.to(tl.int64) * c_sb + (kpos % BLOCK_SIZE) * c_so + kvh * c_sh
-    k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0)
-    v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None], other=0)
+    if MASK:
+        k = tl.load(base[None, :] + d[:, None] * c_sd, mask=kv_ok[None, :], other=0.0)
+        v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd, mask=kv_ok[:, None],
+                    other=0.0)
+    else:
+        k = tl.load(base[None, :] + d[:, None] * c_sd)
+        v = tl.load(base[:, None] + c_skv + d[None, :] * c_sd)
     k = _kv_load(k, k_scale, q.dtype, FP8, FP8_BITS)
     v = _kv_load(v, v_scale, q.dtype, FP8, FP8_BITS)
     if DOT_F32:
@@ -133,14 +149,18 @@ def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_pt
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-    visible = kv_ok[None, :] & (kpos[None, :] <= pos[:, None])
-    if USE_WINDOW:
-        visible = visible & (kpos[None, :] > pos[:, None] - window)
-    s = tl.where(visible, s, float("-inf"))
+    if MASK:
+        visible = kv_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; shift by 0 there so that
-    # exp2(-inf - -inf) never makes a NaN (its p and alpha are then 0).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASK:
+        # A row with nothing visible yet keeps m = -inf; shift by 0 there so that
+        # exp2(-inf - -inf) never makes a NaN (its p and alpha are then 0).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new  # every row saw a finite score in this tile
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -167,10 +187,14 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
                     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
                     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
+                    DOT_F32: tl.constexpr, FP8: tl.constexpr, FP8_BITS: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     """Grid (num_tokens // BLOCK_Q + num_seqs, kv_heads): one program per query block
-    of BLOCK_Q tokens of one sequence and one KV head; surplus programs exit."""
-    q_block = tl.program_id(0)
+    of BLOCK_Q tokens of one sequence and one KV head; surplus programs exit. Programs
+    take query blocks last first: under the causal mask a sequence's later blocks see
+    the most keys, and a GPU starts programs roughly in order, so the longest run first
+    and the short ones fill the tail (as FlashAttention schedules causal blocks)."""
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
     seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
@@ -191,108 +215,53 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     ctx = seq_len - q_len
     pos = ctx + q_idx
     # Keys this block can see: up to its last valid query (<= seq_len, so a padding
-    # sequence, seq_len 0, reads nothing and writes zeros) ...
+    # sequence, seq_len 0, reads nothing and writes zeros); tiles past it are never
+    # visited. With a window, from its first query's window on: whole tiles before it
+    # are skipped, not just masked.
+    first = ctx + local * BLOCK_Q  # the block's first query position
     hi = ctx + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
     lo = 0
     if USE_WINDOW:
-        # ... and, with a window, from its first query's window on: whole tiles before
-        # it are skipped, not just masked.
-        lo = tl.maximum(ctx + local * BLOCK_Q - window + 1, 0)
+        lo = tl.maximum(first - window + 1, 0)
+    # The key tiles, TILE_N-aligned from t0, in three runs (the same tiles in the same
+    # order as one masked loop would take, so the sums are the same):
+    #   | window edge: masked | every row sees every key: no mask | diagonal: masked |
+    #   t0                    a                                   b                  hi
+    # b: the end of the tiles wholly at or before the first query; a: the start of those
+    # wholly inside the last query's window (t0 without a window).
+    t0 = (lo // TILE_N) * TILE_N
+    b = tl.maximum(((first + 1) // TILE_N) * TILE_N, t0)
+    a = t0
+    if USE_WINDOW:
+        edge = tl.maximum(hi - window, 0)  # the last query's first visible key
+        a = tl.minimum(tl.maximum(tl.cdiv(edge, TILE_N) * TILE_N, t0), b)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_scale, v_scale = _scales(k_scale_ptr, v_scale_ptr, FP8)
-    for start in range((lo // TILE_N) * TILE_N, hi, TILE_N):
+    for start in range(t0, a, TILE_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window,
                                      cache_ptr, bt_ptr, bt_st, kvh,
                                      c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
                                      k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, TILE_N,
-                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + tok[:, None] * o_st + head[:, None] * o_sh + d[None, :] * o_sd,
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-# See _PER_STEP (its grid carries the count). The split count is a plain argument too:
-# one compiled variant serves every batch shape (start-up tuning times several).
-@triton.jit(do_not_specialize=["bt_st", "num_splits"])
-def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
-                         qsl_ptr, num_heads, scale_log2, window, k_scale_ptr, v_scale_ptr,
-                         q_st, q_sh, q_sd, c_sb, c_skv, c_so, c_sh, c_sd, bt_st,
-                         num_splits: tl.int32,
-                         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         TILE_N: tl.constexpr,
-                         USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         DOT_F32: tl.constexpr, FP8: tl.constexpr,
-                         FP8_BITS: tl.constexpr):
-    """Grid (num_seqs, kv_heads, num_splits): the one query of a decode sequence, the
-    GROUP heads of one KV head, over one split's share of the key tiles. Writes that
-    split's normalized output and base-2 log-sum-exp (-inf for an empty split)."""
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    head = kvh * GROUP + rows
-    row_ok = rows < GROUP
-    tok = tl.load(qsl_ptr + seq)
-    k_scale, v_scale = _scales(k_scale_ptr, v_scale_ptr, FP8)
-    # Only a real query row is read (a padding or query-less sequence reads none).
-    q_rows = tl.where(seq_len > 0, tl.minimum(tl.load(qsl_ptr + seq + 1) - tok, 1), 0)
-    q = tl.load(q_ptr + tok.to(tl.int64) * q_st + head[:, None] * q_sh + d[None, :] * q_sd,
-                mask=(rows < q_rows * GROUP)[:, None], other=0.0)
-    pos = tl.zeros([BLOCK_M], tl.int32) + seq_len - 1
-    # Splits share the tiles in range; seq_len comes from the device, so the split of
-    # work adapts per step while the grid stays fixed.
-    # | skipped (outside window) | split 0 | split 1 | ... | (empty splits) |
-    lo = 0
-    if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
-    first = lo // TILE_N
-    per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N) - first, num_splits)
-    begin = (first + split * per_split) * TILE_N
-    end = tl.minimum(begin + per_split * TILE_N, seq_len)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in range(begin, end, TILE_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, end, window,
+                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS, True)
+    # The bulk of a long prefill: the next tiles' K/V and block-table loads are issued
+    # NUM_STAGES - 1 iterations ahead of the dots (FlashAttention-2's pipelining).
+    for start in tl.range(a, b, TILE_N, num_stages=NUM_STAGES):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window,
                                      cache_ptr, bt_ptr, bt_st, kvh,
                                      c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
                                      k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, TILE_N,
-                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS)
-    nonempty = l_i > 0.0
-    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    at = (seq * num_heads + head) * num_splits + split  # scratch [B, H, num_splits(, D)]
-    tl.store(lse_ptr + at, lse, mask=row_ok)
-    tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(out_ptr, part_ptr, lse_ptr, qsl_ptr, num_heads,
-                          o_st, o_sh, o_sd,
-                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """Grid (num_seqs, heads): merges the splits' partial outputs by their lse."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    tok = tl.load(qsl_ptr + seq)
-    if tl.load(qsl_ptr + seq + 1) == tok:
-        return  # a sequence without a query row
-    splits = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM)
-    at = (seq * num_heads + head) * NUM_SPLITS + splits
-    lse = tl.load(lse_ptr + at)
-    m = tl.max(lse, 0)
-    # Every split empty (a padding sequence): weights all 0, output 0.
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part = tl.load(part_ptr + at[:, None] * HEAD_DIM + d[None, :])
-    total = tl.sum(w, 0)
-    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + tok.to(tl.int64) * o_st + head * o_sh + d * o_sd,
-             out.to(out_ptr.dtype.element_ty))
+                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS, False)
+    for start in range(b, hi, TILE_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window,
+                                     cache_ptr, bt_ptr, bt_st, kvh,
+                                     c_sb, c_skv, c_so, c_sh, c_sd, scale_log2,
+                                     k_scale, v_scale, BLOCK_SIZE, HEAD_DIM, TILE_N,
+                                     USE_WINDOW, DOT_PRECISION, DOT_F32, FP8, FP8_BITS, True)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + tok[:, None] * o_st + head[:, None] * o_sh + d[None, :] * o_sd,
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -382,23 +351,28 @@ def _new_output(q: torch.Tensor, query_start_loc_cpu: list[int]) -> torch.Tensor
     return alloc(q.shape, dtype=q.dtype, device=q.device)
 
 
+def _block_m(q: torch.Tensor, max_query_len: int) -> int:
+    # Untuned: chosen without a GPU to measure on (see SHORT_ROWS).
+    return LONG_ROWS if q.is_cuda and max_query_len >= LONG_QUERY else SHORT_ROWS
+
+
 def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                       query_start_loc_cpu: list[int], max_query_len: int, scale: float,
                       sliding_window: int | None = None, k_scale: Scale = 1.0,
-                      v_scale: Scale = 1.0) -> torch.Tensor:
+                      v_scale: Scale = 1.0, tile: PrefillTile | None = None) -> torch.Tensor:
     """Causal paged attention for any mix of decode rows and prefill chunks over a
-    cached prefix, in one launch. q: [T, H, D]; returns a new [T, H, D] in q's dtype."""
+    cached prefix, in one launch. q: [T, H, D]; returns a new [T, H, D] in q's dtype.
+    `tile` configures the launch (default: PrefillTile(), the untuned one); its rows
+    are raised to the GQA group's power of two where fewer."""
     group = _group(q, kv_layer)
     num_tokens, heads, head_dim = q.shape
     num_seqs = query_start_loc.shape[0] - 1
     out = _new_output(q, query_start_loc_cpu)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    # Rows per program: at least 16 (tl.dot's minimum); on a GPU, long prefill chunks
-    # get 64 rows so that each K/V tile read serves more queries.
-    rows = 64 if q.is_cuda and max_query_len >= 64 else 16
-    block_m = max(rows, triton.next_power_of_2(group))
+    tile = tile or PrefillTile()
+    block_m = max(tile.block_m or _block_m(q, max_query_len), triton.next_power_of_2(group))
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, kv_layer.shape[3])
     cache, fp8 = _fp8_args(kv_layer)
@@ -408,60 +382,7 @@ def unified_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: tor
         *q.stride(), *out.stride(),
         *_cache_strides(kv_layer), block_tables.stride(0),
         GROUP=group, BLOCK_SIZE=kv_layer.shape[2], HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_Q=block_q, TILE_N=_tile_n(q), USE_WINDOW=sliding_window is not None,
-        **_dot_args(q), **fp8)
-    return out
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def num_decode_splits(num_seqs: int, kv_heads: int, device: torch.device,
-                      waves: int = 2) -> int:
-    """Splits per (sequence, KV head) for split-K decode: enough programs for ~`waves`
-    waves over the GPU's SMs, a power of two, at most MAX_SPLITS. It depends on the batch
-    shape only (never on sequence lengths), so a captured graph stays valid."""
-    if device.type != "cuda":
-        return CPU_SPLITS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    want = triton.cdiv(waves * _sm_count(index), max(1, num_seqs * kv_heads))
-    return min(MAX_SPLITS, triton.next_power_of_2(want))
-
-
-def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                     query_start_loc_cpu: list[int], scale: float,
-                     sliding_window: int | None = None,
-                     num_splits: int | None = None, k_scale: Scale = 1.0,
-                     v_scale: Scale = 1.0, tile: DecodeTile | None = None) -> torch.Tensor:
-    """Split-K paged decode (every sequence has at most one query): a split kernel
-    writes float32 partials and log-sum-exps, a reduce kernel merges them. `tile`
-    configures the split kernel's launch (default: DecodeTile())."""
-    group = _group(q, kv_layer)
-    num_tokens, heads, head_dim = q.shape
-    num_seqs, kv_heads = query_start_loc.shape[0] - 1, kv_layer.shape[3]
-    out = _new_output(q, query_start_loc_cpu)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    tile = tile or DecodeTile()
-    splits = num_splits or num_decode_splits(num_seqs, kv_heads, q.device, tile.waves)
-    if splits & (splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {splits}")
-    part = torch.empty((num_seqs, heads, splits, head_dim), dtype=torch.float32,
-                       device=q.device)
-    lse = torch.empty((num_seqs, heads, splits), dtype=torch.float32, device=q.device)
-    cache, fp8 = _fp8_args(kv_layer)
-    _decode_split_kernel[(num_seqs, kv_heads, splits)](
-        part, lse, q, cache, block_tables, seq_lens, query_start_loc, heads,
-        scale * LOG2E, sliding_window or 0, *_scale_args(k_scale, v_scale, kv_layer),
-        *q.stride(), *_cache_strides(kv_layer),
-        block_tables.stride(0), splits, GROUP=group, BLOCK_SIZE=kv_layer.shape[2],
-        HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        TILE_N=tile.tile_n or _tile_n(q), USE_WINDOW=sliding_window is not None, num_warps=tile.num_warps,
-        num_stages=tile.num_stages, **_dot_args(q), **fp8)
-    _decode_reduce_kernel[(num_seqs, heads)](
-        out, part, lse, query_start_loc, heads, *out.stride(),
-        HEAD_DIM=head_dim, NUM_SPLITS=splits)
+        BLOCK_Q=block_q, TILE_N=tile.tile_n or _tile_n(q),
+        USE_WINDOW=sliding_window is not None, NUM_STAGES=tile.num_stages,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **_dot_args(q), **fp8)
     return out

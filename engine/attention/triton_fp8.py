@@ -52,8 +52,12 @@ def _kv_store(x, scale, cache_ptr, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
 @triton.jit
 def _kv_load(x, scale, dtype, FP8: tl.constexpr, FP8_BITS: tl.constexpr):
     """A loaded K or V tile in the compute dtype (float8: stored value * scale)."""
+    # One return: Triton's compiler sees the early return of a constexpr branch and the
+    # final one together, and refuses their different types (float8 in, bf16 out).
+    y = x
     if FP8:
         if FP8_BITS:
-            return (_e4m3_value(x) * scale).to(dtype)
-        return (x.to(tl.float32) * scale).to(dtype)
-    return x
+            y = (_e4m3_value(x) * scale).to(dtype)
+        else:
+            y = (x.to(tl.float32) * scale).to(dtype)
+    return y

@@ -2,7 +2,7 @@
 the search space computes the torch reference's attention (Triton's interpreter off
 CUDA, tiny shapes), and the selection logic under an injected timing function picks
 the fastest, buckets steps onto its grid, keeps its budget and falls back to the
-untuned configuration."""
+untuned configuration. The prefill tiles' tuning: test_prefill_tuning.py."""
 
 from __future__ import annotations
 
@@ -16,19 +16,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from engine.attention.triton_attn import DecodeTile  # noqa: E402
 from engine.attention.triton_backend import TritonBackend  # noqa: E402
+from engine.attention.triton_decode import DecodeTile  # noqa: E402
 from engine.attention.tuning import (  # noqa: E402
+    DECODE_ROUNDS,
     STAGES,
     TILE_NS,
     WARPS,
     WAVES,
-    DecodeTable,
+    Point,
+    TileTable,
     default_tile,
     grid_points,
     search,
-    tune_decode,
-    tune_table,
+    tune_attention,
+    tune_decode_table,
 )
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_quant import quantize  # noqa: E402
@@ -40,7 +42,8 @@ EVERYWHERE = 1 << 30  # a grid point covering every step: the table always answe
 
 def tuned(tile: DecodeTile, splits: int) -> TritonBackend:
     """The backend as the runner leaves it after tuning, holding `tile` for all steps."""
-    table = DecodeTable((EVERYWHERE,), (EVERYWHERE,), {(EVERYWHERE, EVERYWHERE): tile})
+    table = TileTable(DecodeTile(), ((EVERYWHERE,), (EVERYWHERE,)),
+                      {(EVERYWHERE, EVERYWHERE): tile})
     return TritonBackend(num_splits=splits, decode_table=table)
 
 
@@ -83,9 +86,12 @@ def test_the_real_tuner_off_cuda_times_every_point() -> None:
     # The interpreter's timings mean nothing for a GPU; the path is the one CUDA runs:
     # inputs built on the engine's cache, each candidate launched and timed.
     case = make_case([30, 50], [1, 1], group=2, seed=19)
-    table = tune_decode(case.cache[:, 0], 4, torch.float32, None, max_num_seqs=2,
-                        max_model_len=40, budget_s=120.0, reps=1)
-    assert (table.batches, table.contexts) == ((1, 2), (40,))
+    tables = tune_attention(case.cache[:, 0], 4, torch.float32, None, max_num_seqs=2,
+                            max_model_len=40, max_num_batched_tokens=64, budget_s=120.0,
+                            reps=1)
+    table = tables.decode
+    assert table.axes == ((1, 2), (40,))
+    assert not tables.prefill.entries  # no query of 64 tokens fits: nothing to tune
     space = {DecodeTile(n, w, s, v) for n in TILE_NS for w in WARPS for s in STAGES
              for v in WAVES}
     assert set(table.entries) == {(1, 40), (2, 40)}
@@ -97,9 +103,10 @@ def test_the_real_tuner_off_cuda_times_every_point() -> None:
 
 # -- selection, with an injected timing function ---------------------------------------
 
-def separable(tile: DecodeTile, batch: int, context: int) -> float:
+def separable(tile: DecodeTile, point: Point) -> float:
     """A cost whose minimum depends on the point: small batches like big tiles and many
     waves, large ones small tiles and few; warps 8 and stages 2 are best everywhere."""
+    batch, context = point
     big = batch <= 8
     cost = {32: 3.0, 64: 2.0, 128: 1.0}[tile.tile_n or 64] if big else \
         {32: 1.0, 64: 2.0, 128: 3.0}[tile.tile_n or 64]
@@ -113,38 +120,40 @@ def separable(tile: DecodeTile, batch: int, context: int) -> float:
 def full_argmin(batch: int, context: int) -> DecodeTile:
     space = [DecodeTile(n, w, s, v) for n in TILE_NS for w in WARPS for s in STAGES
              for v in WAVES]
-    return min(space, key=lambda t: separable(t, batch, context))
+    return min(space, key=lambda t: separable(t, (batch, context)))
 
 
 def test_search_finds_the_fastest_of_the_whole_space() -> None:
     calls = []
 
-    def time_fn(tile: DecodeTile, batch: int, context: int) -> float:
+    def time_fn(tile: DecodeTile, point: Point) -> float:
         calls.append(tile)
-        return separable(tile, batch, context)
+        return separable(tile, point)
 
     for batch in (1, 128):
         calls.clear()
-        tile, t, t_base = search(batch, 1024, default_tile(128), time_fn, float("inf"))
+        tile, t, t_base = search((batch, 1024), default_tile(128), DECODE_ROUNDS, time_fn,
+                                 float("inf"))
         assert tile == full_argmin(batch, 1024)
-        assert t == separable(tile, batch, 1024) < t_base
+        assert t == separable(tile, (batch, 1024)) < t_base
         assert len(calls) == len(set(calls)) <= 1 + 9 + 3 + 3  # each candidate timed once
     assert full_argmin(1, 1024) == DecodeTile(128, 8, 2, 4)
     assert full_argmin(128, 1024) == DecodeTile(32, 8, 2, 1)
 
 
 def test_a_candidate_that_fails_is_ruled_out() -> None:
-    def time_fn(tile: DecodeTile, batch: int, context: int) -> float:
+    def time_fn(tile: DecodeTile, point: Point) -> float:
         if tile.tile_n == 128:
             raise RuntimeError("out of resources: shared memory")
-        return separable(tile, batch, context)
+        return separable(tile, point)
 
-    tile, _, _ = search(1, 1024, default_tile(128), time_fn, float("inf"))
+    tile, _, _ = search((1, 1024), default_tile(128), DECODE_ROUNDS, time_fn, float("inf"))
     assert tile == DecodeTile(64, 8, 2, 4)
 
 
 def test_equal_times_keep_the_untuned_tile() -> None:
-    tile, _, _ = search(8, 1024, default_tile(64), lambda t, b, c: 1e-5, float("inf"))
+    tile, _, _ = search((8, 1024), default_tile(64), DECODE_ROUNDS, lambda t, p: 1e-5,
+                        float("inf"))
     assert tile == DecodeTile(64, 4, 3, 2) == default_tile(64)
     assert default_tile(256).tile_n == 32
 
@@ -153,7 +162,7 @@ def test_table_buckets_steps_onto_its_grid() -> None:
     batches, contexts = grid_points(max_num_seqs=64, max_model_len=4096)
     assert (batches, contexts) == ((1, 8, 32, 64), (1024, 4096))
     assert grid_points(256, 32768) == ((1, 8, 32, 128), (1024, 8192))
-    table = tune_table(batches, contexts, default_tile(128), separable)
+    table = tune_decode_table(batches, contexts, default_tile(128), separable)
     assert set(table.entries) == {(b, c) for b in batches for c in contexts}
     for (b, c), tile in table.entries.items():
         assert tile == full_argmin(b, c)
@@ -168,7 +177,7 @@ def test_a_decode_graph_takes_its_batch_sizes_longest_context_entry() -> None:
     from engine.cuda_graphs import DecodeGraphs
 
     batches, contexts = grid_points(max_num_seqs=16, max_model_len=2048)
-    table = tune_table(batches, contexts, default_tile(128), separable)
+    table = tune_decode_table(batches, contexts, default_tile(128), separable)
     graphs = DecodeGraphs(lambda *a: torch.zeros(0), 16, 2048 // 16, torch.device("cpu"),
                           None, capture=False, max_seq_len=2048)
     for b, want in ((1, 1), (5, 8), (16, 16)):
@@ -183,16 +192,16 @@ def test_budget_stops_tuning_and_untuned_points_take_the_default() -> None:
     def clock() -> float:
         return now[0]
 
-    def time_fn(tile: DecodeTile, batch: int, context: int) -> float:
+    def time_fn(tile: DecodeTile, point: Point) -> float:
         now[0] += 0.1  # each timing costs 0.1 s of the budget
-        return separable(tile, batch, context)
+        return separable(tile, point)
 
-    table = tune_table((1, 8, 32), (1024,), default_tile(128), time_fn, budget_s=2.0,
-                       clock=clock)
+    table = tune_decode_table((1, 8, 32), (1024,), default_tile(128), time_fn, budget_s=2.0,
+                              clock=clock)
     assert now[0] <= 2.0 + 0.1 + 1e-9
     assert (1, 1024) in table.entries and (32, 1024) not in table.entries
     assert table.choose(20, 512) == DecodeTile()
-    assert DecodeTable().choose(4, 4096) == DecodeTile()
+    assert TileTable(DecodeTile()).choose(4, 4096) == DecodeTile()
     assert TritonBackend().decode_table.choose(4, 4096) == DecodeTile()
 
 
