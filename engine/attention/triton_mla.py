@@ -37,7 +37,9 @@ of a mixed step) pays per query instead of per context entry and favours the abs
 form; a run as long as its context (a fresh prompt), or longer than about
 (nope + v) * rank / (2 * rank - nope - v) ~ 170 queries over a long prefix, does fewer
 FLOPs decompressed, where SDPA's tensor-core tiles take K and V. The larger steps,
-which run eagerly, keep decompressing.
+which run eagerly, keep decompressing. A bucket takes whatever the step holds, a fresh
+prompt's chunk included: there the absorbed form trades FLOPs for a graph replay (one
+launch instead of a per-sequence loop of them), a trade not yet measured on a GPU.
 
 Grids come from host ints only, so the decode and mixed kernels are capturable in CUDA
 graphs. W_UK / W_UV stay batched matmuls around the kernels. Tiles are untuned
@@ -338,7 +340,10 @@ def mla_absorbed(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Ten
     if t == 0 or num_seqs == 0:
         return out
     # Rows per program: 16 (tl.dot's minimum), heads first (they share every entry
-    # read); with fewer heads than that, several tokens fill the rows. Untuned.
+    # read); with fewer heads than that, several tokens fill the rows. Untuned: with 16
+    # heads or more a program holds one token, so a chunk of Q tokens reads its
+    # sequence's latents Q times per head tile (more tokens per program would read them
+    # less often, at the cost of registers for the [rows, rank] accumulator).
     block_h = min(16, triton.next_power_of_2(heads))
     block_q = 16 // block_h
     f32 = q_latent.dtype == torch.float32

@@ -151,9 +151,13 @@ def test_padded_mixed_with_triton_kernels_reads_the_buckets_constant_metadata() 
         assert tokens == hf_greedy(hf, prompt, 4, eos), prompt
 
 
-def test_tp2_padded_mixed_equals_transformers() -> None:
-    """Every rank runs rank 0's bucket from its own mixed graphs' buffer (gloo)."""
-    _check("llama", 6, tensor_parallel_size=2, num_blocks=64)
+@pytest.mark.parametrize("arch,backend", [("llama", "torch"), ("deepseek_v2", "triton")])
+def test_tp2_padded_mixed_equals_transformers(arch: str, backend: str) -> None:
+    """Every rank runs rank 0's bucket from its own mixed graphs' buffer (gloo); with
+    MLA each rank's absorbed kernel takes its share of the heads."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    _check(arch, 6, backend, tensor_parallel_size=2, num_blocks=64)
 
 
 def _config(*flags: str) -> EngineConfig:
