@@ -5,12 +5,14 @@ tiny; the cases are about indexing and masking: prefill chunks over a cached pre
 beside decode rows and fresh prompts, latent blocks scattered through a pool, padding
 sequences that own padding tokens (a mixed graph's bucket), query runs longer than one
 tile, more heads than one tile, fewer heads than the tile's rows, float32 and
-bfloat16."""
+bfloat16. And the Triton MLA backend on a bucket's constant metadata, against the
+decompressing torch reference."""
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,3 +112,32 @@ def test_one_token_bucket_and_sequences_without_rows() -> None:
                                          block_size=4, pad_seqs=1, seed=3)
     assert meta.query_start_loc_cpu == [0, 1, 1]
     check(q_lat, q_pe, cache, meta, atol=1e-5)
+
+
+def test_backend_runs_a_graph_bucket_absorbed_equal_to_decompressed_attention() -> None:
+    """The Triton MLA backend on a bucket's metadata (`graph_bucket`, host-side fields
+    constant) attends in the latent space from the device tensors alone; the torch
+    reference decompresses K/V (kv_b_proj) on the step's own lengths and runs SDPA: the
+    same attention through W_UK / W_UV."""
+    from engine.attention.mla import TorchMLABackend
+    from engine.attention.triton_mla import TritonMLABackend
+
+    heads, rank, rope, nope, v_dim = 4, 32, 16, 16, 24
+    _, q_pe, cache, meta = make_step([(9, 5), (30, 1), (0, 7)], heads=heads, rank=rank,
+                                     rope=rope, block_size=4, pad_tokens=3, pad_seqs=1,
+                                     seed=4)
+    gen = torch.Generator().manual_seed(5)
+    t = meta.num_tokens
+    q_nope = torch.randn(t, heads, nope, generator=gen).to(DEVICE)
+    w_kv = (torch.randn(heads * (nope + v_dim), rank, generator=gen) * rank ** -0.5).to(DEVICE)
+    latent, k_pe = torch.zeros(t, rank, device=DEVICE), torch.zeros(t, rope, device=DEVICE)
+    args = (q_nope, q_pe, latent, k_pe, cache[:, 0])
+    scale = (nope + rope) ** -0.5
+    ref = TorchMLABackend().forward(*args, meta, scale, w_kv)
+    # what a bucket's metadata holds on the host: constants, not this step's lengths
+    b = meta.num_seqs
+    bucket = replace(meta, max_query_len=t, query_start_loc_cpu=[0] + [t] * b,
+                     seq_lens_cpu=[0] * b, graph_bucket=True)
+    out = TritonMLABackend().forward(*args, bucket, scale, w_kv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not out[13:].any()  # the padding sequence's rows
