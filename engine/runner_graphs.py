@@ -6,8 +6,8 @@ count (engine/mixed_graphs.py). Each is captured on CUDA with a graph-safe atten
 backend (`EngineConfig.graph_safe_backend`), or made without capture where the config
 asks for the padded path (`padded_decode`, `padded_mixed`: CPU, tests). MLA models
 capture both: their mixed graphs attend in the latent space (the absorbed kernel of
-engine.attention.triton_mla), and only their steps past the largest bucket decompress
-K/V per sequence, eagerly.
+engine.attention.triton_mla); their eager steps (past the largest bucket, or wanting
+prompt logprobs) decompress K/V per sequence.
 
 The graphs call back into the runner that owns them through a weak reference: a cycle
 would keep a dropped engine's KV cache, weights and graph pool on the GPU until the
