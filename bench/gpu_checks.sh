@@ -20,7 +20,7 @@ mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
 T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
-T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-420}
+T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-540}
 T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-180} T_MIXED=${T_MIXED:-360}
 T_PROFILE=${T_PROFILE:-300}
 
@@ -108,12 +108,16 @@ step moe "$T_MOE" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
   'tests/gpu/test_engine_cuda.py' -k 'moe or mixtral or fused or 30b' && \
   python3 -m cluster.cli bench engine --device cuda --model-shape qwen3-30b-a3b \
   --workloads a,b --skip-hf --json $OUT/engine_moe.json"
-# 7. MLA: the paged latent decode kernel compiled (float32 within 1e-5 of the torch
-# reference), DeepSeek-V2/V3 token-identical to transformers with graphs on and off, the
-# DeepSeek-V2-Lite shape against its roofline, and latent hand-offs (bytes per token and
-# time beside the Llama-3-8B layout of step 3)
+# 7. MLA: the paged latent decode kernel and the absorbed kernel of the mixed graphs
+# compiled (float32 within 1e-5 of the torch reference; bfloat16 at DeepSeek-V3's latent
+# shape, captured and replayed), DeepSeek-V2/V3 token-identical to transformers with
+# graphs (decode and mixed) on and off, the DeepSeek-V2-Lite shape against its roofline,
+# and latent hand-offs (bytes per token and time beside the Llama-3-8B layout of step 3).
+# The mixed graphs' effect on DeepSeek: STEPS=mixed SHAPE=deepseek-v2-lite.
 step mla "$T_MLA" bash -c "python3 -m pytest -q -rfEs -p no:cacheprovider \
-  tests/unit/engine/test_triton_mla.py 'tests/gpu/test_engine_cuda.py' -k 'mla or deepseek' && \
+  tests/unit/engine/test_triton_mla.py tests/unit/engine/test_triton_mla_absorbed.py \
+  tests/gpu/test_mla_absorbed_cuda.py tests/gpu/test_mixed_graphs_cuda.py \
+  'tests/gpu/test_engine_cuda.py' -k 'mla or deepseek' && \
   python3 -m cluster.cli bench engine --device cuda --model-shape deepseek-v2-lite \
   --workloads a,b,d --skip-hf --json $OUT/engine_mla.json && \
   python3 -m cluster.cli bench transfer --device cuda --layout deepseek-v2-lite \

@@ -371,6 +371,6 @@ class EngineConfig:
 
     @property
     def use_mixed_graphs(self) -> bool:
-        """Capture graphs for mixed and prefill steps too (the model runner also needs a
-        model whose mixed-step attention is graph-safe: not MLA's decompressing prefill)."""
+        """Capture graphs for mixed and prefill steps too (MLA models' buckets attend
+        in the latent space, engine.attention.triton_mla)."""
         return self.use_cuda_graphs and self.max_graph_tokens > 0

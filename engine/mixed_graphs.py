@@ -24,10 +24,14 @@ than a step can schedule, so the padding tokens always have an owner and
 Attention reads the step from device tensors only. The Triton unified kernel's grid,
 (T // BLOCK_Q + B, kv_heads), and its tiles (BLOCK_M from max_query_len, bound at T)
 follow from the bucket alone; the metadata's host-side fields are the bucket's
-constants (max_seq_len the model's length, query_start_loc ending at T). A backend that
-needs each step's real host-side lists (the torch reference; MLA's prefill, which
-decompresses per sequence) is not graph-safe: the runner captures no mixed graphs for
-it (`EngineConfig.graph_safe_backend`).
+constants (max_seq_len the model's length, query_start_loc ending at T) and say so
+(`graph_bucket`). MLA models (DeepSeek) attend in the latent space there: the Triton
+MLA backend runs every token of a bucket, decode rows and prefill chunks alike, through
+one absorbed kernel on the grid (T // BLOCK_Q + B, head tiles)
+(engine.attention.triton_mla); their larger steps, run eagerly, decompress K/V per
+sequence on host-side lengths. A backend that needs each step's real host-side lists
+(the torch reference) is not graph-safe: the runner captures no mixed graphs for it
+(`EngineConfig.graph_safe_backend`).
 
 Logits: the graph gathers the S sampled rows' hidden states and writes their logits
 into one static buffer [S of the largest bucket, vocab] that every bucket shares; the
@@ -138,7 +142,7 @@ class MixedGraphs:
             num_seqs=b, num_tokens=t, slot_mapping=slots, query_start_loc=qsl,
             seq_lens=seq_lens, block_tables=tables, max_query_len=t,
             max_seq_len=self.max_seq_len, query_start_loc_cpu=[0] + [t] * b,
-            seq_lens_cpu=[0] * b, sliding_window=self.sliding_window)
+            seq_lens_cpu=[0] * b, sliding_window=self.sliding_window, graph_bucket=True)
 
     def _fill_padding(self, t: int) -> None:
         """Every token a padding token of the first padding sequence: what capture

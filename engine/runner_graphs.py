@@ -4,9 +4,10 @@ the memory their pool takes, and a step through them.
 Two sets: decode graphs per batch size (engine/cuda_graphs.py) and mixed graphs per token
 count (engine/mixed_graphs.py). Each is captured on CUDA with a graph-safe attention
 backend (`EngineConfig.graph_safe_backend`), or made without capture where the config
-asks for the padded path (`padded_decode`, `padded_mixed`: CPU, tests). MLA models get
-no captured mixed graphs: their mixed steps decompress K/V per sequence on host-side
-lengths.
+asks for the padded path (`padded_decode`, `padded_mixed`: CPU, tests). MLA models
+capture both: their mixed graphs attend in the latent space (the absorbed kernel of
+engine.attention.triton_mla); their eager steps (past the largest bucket, or wanting
+prompt logprobs) decompress K/V per sequence.
 
 The graphs call back into the runner that owns them through a weak reference: a cycle
 would keep a dropped engine's KV cache, weights and graph pool on the GPU until the
@@ -45,11 +46,10 @@ def make_graph_sets(runner: ModelRunner) -> tuple[DecodeGraphs | None, MixedGrap
     decode = None
     if config.use_cuda_graphs or config.padded_decode:
         decode = make_decode_graphs(runner, capture=config.use_cuda_graphs)
-    mixed_safe = config.graph_safe_backend and runner.model_cfg.mla is None
-    capture_mixed = config.use_mixed_graphs and mixed_safe
     mixed = None
-    if capture_mixed or (config.padded_mixed and config.max_graph_tokens > 0):
-        mixed = make_mixed_graphs(runner, capture_mixed, fixed_meta=mixed_safe)
+    if config.use_mixed_graphs or (config.padded_mixed and config.max_graph_tokens > 0):
+        mixed = make_mixed_graphs(runner, config.use_mixed_graphs,
+                                  fixed_meta=config.graph_safe_backend)
     return decode, mixed
 
 
@@ -116,6 +116,7 @@ def graph_pool_bytes(runner: ModelRunner, max_tokens: int,
         t = min(mixed.max_tokens, max_tokens)
         s = mixed.pad(t)[2]
         ids, pos, _, meta = runner._dummy_batch(t, 1)
+        meta.graph_bucket = mixed.fixed_meta  # the path a capture records (MLA: absorbed)
         rows = torch.zeros(s, dtype=torch.int32, device=runner.device)
         need = max(need, measure(lambda: mixed.forward(ids, pos, meta, rows,
                                                        mixed.logits[:s])))

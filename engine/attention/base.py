@@ -39,7 +39,10 @@ class AttentionMetadata:
                                    a padding sequence (its output rows are zeros).
       block_tables     [B, W] int32 the blocks of each sequence in order, padded with 0.
     Host copies (`*_cpu`) of query_start_loc and seq_lens serve the reference backend
-    and the launch grid; `max_query_len` / `max_seq_len` bound them.
+    and the launch grid; `max_query_len` / `max_seq_len` bound them. With
+    `graph_bucket`, the host-side fields are a mixed-graph bucket's constants
+    (engine.mixed_graphs), not this step's: only kernels that read the device tensors
+    may run on it.
     """
 
     num_seqs: int
@@ -53,6 +56,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     sliding_window: int | None = None
+    graph_bucket: bool = False
 
     @property
     def is_decode_only(self) -> bool:

@@ -11,15 +11,22 @@ into W_UK [nope, rank] and W_UV [v, rank]:
 
     k_h = [W_UK_h c ; k_pe],   v_h = W_UV_h c
 
-Prefill (any step with more than one new token in a sequence) decompresses K and V
-and runs causal SDPA, as transformers does. A decode-only step uses the absorbed
-form, which never materialises K or V:
+Two ways to compute the same attention (vLLM's MLA names them by the step kind they
+serve: "prefill", compute-friendly; "decode", data-movement-friendly):
+
+- decompressed: K and V of the whole context through kv_b_proj, then causal SDPA per
+  head, as transformers does;
+- absorbed: W_UK folded into the query and W_UV applied after the weighted sum, so
+  every head reads the same latent entries and K / V are never materialised:
 
     score_h(j) = (W_UK_h^T q_nope_h) . c_j + q_pe_h . k_pe_j
     out_h      = W_UV_h (sum_j softmax_j * c_j)
 
-The torch backend here is the reference and the CPU default; the Triton backend
-(`engine.attention.triton_mla`) runs the absorbed decode as one paged kernel.
+The torch backend here is the reference and the CPU default: absorbed for decode-only
+steps, decompressed for any other. The Triton backend (`engine.attention.triton_mla`)
+runs the absorbed form as paged kernels for decode-only steps and for the steps of the
+mixed CUDA graphs (causal runs of queries per sequence), and decompresses the larger
+steps that run eagerly.
 """
 
 from __future__ import annotations
@@ -109,22 +116,37 @@ class TorchMLABackend:
     @staticmethod
     def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                meta: AttentionMetadata, scale: float, w_kv: torch.Tensor) -> torch.Tensor:
-        heads, rank = q_nope.shape[1], w_kv.shape[-1]
-        v_dim = w_kv.shape[0] // heads - q_nope.shape[2]
-        w_uk, w_uv = split_kv_weight(w_kv, heads, v_dim)
-        q_lat = absorb_query(q_nope, w_uk)
-        o_lat = q_lat.new_zeros(q_lat.shape)
-        entries = latent_entries(kv_layer)
-        starts = meta.query_start_loc_cpu
-        for i, ctx_len in enumerate(meta.seq_lens_cpu):
-            if ctx_len == 0:
-                continue  # a padding sequence
-            row = starts[i]
-            c, kpe = _context(entries, meta, i, ctx_len).split(
-                [rank, entries.shape[-1] - rank], dim=-1)
-            scores = (q_lat[row] @ c.T + q_pe[row] @ kpe.T).float() * scale  # [H, ctx]
-            o_lat[row] = (scores.softmax(dim=-1).to(c.dtype) @ c)
+        heads = q_nope.shape[1]
+        w_uk, w_uv = split_kv_weight(w_kv, heads, w_kv.shape[0] // heads - q_nope.shape[2])
+        o_lat = attend_latent(absorb_query(q_nope, w_uk), q_pe, kv_layer, meta, scale)
         return expand_output(o_lat, w_uv)
+
+
+def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The absorbed attention of every query row (the reference; host-side lengths):
+    sequence i's rows are a causal run ending at its last context position. q_lat [T, H,
+    rank] (q_nope through W_UK), q_pe [T, H, rope]. Returns the attention-weighted
+    latent [T, H, rank] (zeros for padding sequences)."""
+    rank = q_lat.shape[-1]
+    o_lat = q_lat.new_zeros(q_lat.shape)
+    entries = latent_entries(kv_layer)
+    starts = meta.query_start_loc_cpu
+    for i, ctx_len in enumerate(meta.seq_lens_cpu):
+        if ctx_len == 0:
+            continue  # a padding sequence
+        sl = slice(starts[i], starts[i + 1])
+        c, kpe = _context(entries, meta, i, ctx_len).split(
+            [rank, entries.shape[-1] - rank], dim=-1)
+        scores = (q_lat[sl] @ c.T + q_pe[sl] @ kpe.T).float() * scale  # [q, H, ctx]
+        q_len = sl.stop - sl.start
+        if q_len > 1:  # query k sits at position ctx_len - q_len + k
+            first = ctx_len - q_len
+            pos = torch.arange(first, ctx_len, device=c.device)
+            hidden = torch.arange(ctx_len, device=c.device)[None, :] > pos[:, None]
+            scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
+        o_lat[sl] = scores.softmax(dim=-1).to(c.dtype) @ c
+    return o_lat
 
 
 def prefill_decompressed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,

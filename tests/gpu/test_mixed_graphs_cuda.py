@@ -1,7 +1,8 @@
 """CUDA graphs for mixed and prefill steps on the GPU (skipped without one): captured per
 token bucket at start-up, replayed, and token-identical to --enforce-eager and to
 transformers (float32) through chunked prefill, prefix hits and preemption; steps over
---max-graph-tokens run eagerly; the torch attention backend captures nothing."""
+--max-graph-tokens run eagerly; the torch attention backend captures nothing. DeepSeek
+(MLA) captures its mixed steps too: the absorbed kernel attends in the latent space."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _generate(arch: str, **kw: Any) -> tuple[list[list[int]], LLM]:
     return [o.token_ids for o in outs], llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v2"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_mixed_graphs_equal_eager_and_transformers(arch: str, async_scheduling: bool) -> None:
     got, llm = _generate(arch, async_scheduling=async_scheduling)
@@ -67,9 +68,12 @@ def test_torch_backend_captures_nothing() -> None:
     assert got == eager
 
 
-def test_mla_captures_decode_graphs_only() -> None:
-    """DeepSeek's mixed steps decompress K/V per sequence on host-side lengths."""
-    got, llm = _generate("deepseek_v2")
-    assert llm.engine.runner.mixed_graphs is None and llm.engine.runner.graphs is not None
+def test_mla_steps_over_max_graph_tokens_decompress_eagerly() -> None:
+    """DeepSeek: buckets of up to 16 tokens attend in the latent space (graphs), the
+    larger steps decompress K/V eagerly; the tokens equal those of all-eager steps."""
+    got, llm = _generate("deepseek_v2", max_graph_tokens=16)
+    graphs = llm.engine.runner.mixed_graphs
+    assert graphs is not None and graphs.fixed_meta and graphs.buckets[-1] == 16
+    assert graphs.replays > 0
     eager, _ = _generate("deepseek_v2", enforce_eager=True)
     assert got == eager

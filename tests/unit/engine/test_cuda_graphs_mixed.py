@@ -2,7 +2,8 @@
 `padded_mixed`: each such step padded to its token bucket in the graphs' fixed-address
 buffer, everything but the capture. Greedy output token-identical to the eager engine and
 to transformers (float32) through chunked prefill, prefix hits and preemption, with the
-torch backend (llama, Qwen3-MoE), the Triton kernels (Triton's interpreter), async
+torch backend (llama, Qwen3-MoE), the Triton kernels (Triton's interpreter: llama, and
+DeepSeek-V2's MLA through the absorbed kernel), async
 scheduling and tensor parallelism; and graphs only where the attention backend is
 graph-safe."""
 
@@ -110,11 +111,20 @@ def _check(arch: str, n: int, backend: str = "torch", **kw: Any) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch,backend", [("llama", "torch"), ("qwen3_moe", "torch"),
+                                          ("deepseek_v2", "triton")])
 def test_padded_mixed_equals_eager_and_transformers_through_chunks_hits_and_preemption(
-        arch: str) -> None:
+        arch: str, backend: str) -> None:
+    """DeepSeek-V2 (MLA) on the Triton kernels (Triton's interpreter): its buckets run
+    the absorbed kernel on each bucket's constant metadata, its eager run decompresses
+    K/V for every step with a prefill."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     assert max(len(p) for p in make_prompts(10)) > 32  # chunks
-    stats = _check(arch, 10, padded_decode=arch == "llama").final_stats  # type: ignore
+    llm = _check(arch, 10, backend, padded_decode=arch == "llama")
+    graphs = llm.engine.runner.mixed_graphs
+    assert graphs is not None and graphs.fixed_meta == (backend == "triton")
+    stats = llm.final_stats  # type: ignore[attr-defined]
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
@@ -141,9 +151,13 @@ def test_padded_mixed_with_triton_kernels_reads_the_buckets_constant_metadata() 
         assert tokens == hf_greedy(hf, prompt, 4, eos), prompt
 
 
-def test_tp2_padded_mixed_equals_transformers() -> None:
-    """Every rank runs rank 0's bucket from its own mixed graphs' buffer (gloo)."""
-    _check("llama", 6, tensor_parallel_size=2, num_blocks=64)
+@pytest.mark.parametrize("arch,backend", [("llama", "torch"), ("deepseek_v2", "triton")])
+def test_tp2_padded_mixed_equals_transformers(arch: str, backend: str) -> None:
+    """Every rank runs rank 0's bucket from its own mixed graphs' buffer (gloo); with
+    MLA each rank's absorbed kernel takes its share of the heads."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    _check(arch, 6, backend, tensor_parallel_size=2, num_blocks=64)
 
 
 def _config(*flags: str) -> EngineConfig:
@@ -169,12 +183,12 @@ def test_graphs_only_with_a_graph_safe_backend_and_the_flags() -> None:
 
 
 def test_mixed_graphs_bucket_only_steps_they_can_replay() -> None:
-    """Steps over the largest bucket and steps wanting prompt logprobs run eagerly; MLA
-    models pad their mixed steps without the constant metadata (not graph-safe)."""
+    """Steps over the largest bucket and steps wanting prompt logprobs run eagerly; an
+    MLA model's buckets read their constant metadata (graph-safe on Triton)."""
     llm = LLM(tiny_model_dir("deepseek_v2"), padded_mixed=True, attention_backend="triton",
               **{**ENGINE, "max_num_batched_tokens": 64})
     graphs = llm.engine.runner.mixed_graphs
-    assert graphs is not None and not graphs.fixed_meta and graphs.max_tokens == 64
+    assert graphs is not None and graphs.fixed_meta and graphs.max_tokens == 64
     a = Request("a", list(range(10, 50)), SamplingParams())
     b = Request("b", list(range(10, 50)), SamplingParams(prompt_logprobs=1))
     assert graphs.bucket_for_step([ScheduledRequest(a, 30)]) == 32
