@@ -34,7 +34,8 @@ from bench.transfer_handoff import LAYOUTS
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from engine.cli import add_kv_cache_dtype_argument, model_shape_arg
 
-    p.add_argument("--parts", default="engine,handoff", help="comma-separated: engine, handoff (default both)")
+    p.add_argument("--parts", default="engine,handoff",
+                   help="comma-separated: engine, handoff (default both)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--trace-dir", default="bench-results/profile",
@@ -82,18 +83,20 @@ def resolve_defaults(args: argparse.Namespace) -> None:
     if cuda and args.model_shape is None:
         args.model_shape = "llama3-8b"
     args.scale = args.scale if args.scale is not None else (1.0 if cuda else 0.125)
-    args.decode_steps = args.decode_steps or (20 if cuda else 6)
+    if args.decode_steps is None:
+        args.decode_steps = 20 if cuda else 6
     args.max_num_batched_tokens = args.max_num_batched_tokens or (None if cuda else 512)
     args.transports = args.transports or ("cuda_ipc,ucx" if cuda else "tcp,shm")
     args.layout = args.layout or ("llama3-8b" if cuda else "small")
-    args.handoff_tokens = args.handoff_tokens or (8192 if cuda else 2048)
+    if args.handoff_tokens is None:
+        args.handoff_tokens = 8192 if cuda else 2048
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
     if not parts or parts - {"engine", "handoff"}:
         raise SystemExit("--parts takes engine, handoff or engine,handoff")
     if args.decode_steps < 1 or args.mixed_steps < 0 or args.handoffs < 1 \
-            or args.handoff_chunks < 1:
-        raise SystemExit("--decode-steps, --handoffs, --handoff-chunks >= 1; "
-                         "--mixed-steps >= 0")
+            or args.handoff_chunks < 1 or args.handoff_tokens < 1:
+        raise SystemExit("--decode-steps, --handoffs, --handoff-chunks, --handoff-tokens "
+                         ">= 1; --mixed-steps >= 0")
     args.parts = sorted(parts)
 
 

@@ -129,7 +129,8 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         batch = len(engine.scheduler.running)
         del llm, engine, recorder
         _free(device)  # the KV pool's memory back to the device for the hand-off's caches
-    return {"workload": c.describe(), "extra_output_tokens": extra, "decode_batch": batch, "device": str(device),
+    return {"workload": c.describe(), "extra_output_tokens": extra, "decode_batch": batch,
+            "device": str(device),
             "dtype": dtype, "model": args.model_shape or
             f"random llama, hidden {args.hidden_size}, {args.num_layers} layers",
             "windows": windows}

@@ -163,6 +163,8 @@ async def profile_transport(transport: str, device: str, layout: Any, tokens: in
     finally:
         if proc.is_alive():
             proc.kill()
+        conn.close()
+        child.close()
         await receiver.close()
     events = pt.load(traces["sender"])
     return {"transport": transport, "tokens": tokens, "blocks": nblocks,

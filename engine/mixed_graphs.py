@@ -28,7 +28,8 @@ constants (max_seq_len the model's length, query_start_loc ending at T) and say 
 (`graph_bucket`). MLA models (DeepSeek) attend in the latent space there: the Triton
 MLA backend runs every token of a bucket, decode rows and prefill chunks alike, through
 one absorbed kernel on the grid (T // BLOCK_Q + B, head tiles)
-(engine.attention.triton_mla); their larger steps, run eagerly, decompress K/V per
+(engine.attention.triton_mla). Their steps that cost fewer multiply-adds decompressed
+(`takes_runs`: fresh prompts) and their larger steps run eagerly and decompress K/V per
 sequence on host-side lengths. A backend that needs each step's real host-side lists
 (the torch reference) is not graph-safe: the runner captures no mixed graphs for it
 (`EngineConfig.graph_safe_backend`).
@@ -91,8 +92,12 @@ class MixedGraphs:
     def __init__(self, forward: MixedForward, max_tokens: int, max_num_seqs: int,
                  width: int, vocab_size: int, device: torch.device,
                  sliding_window: int | None, max_seq_len: int, capture: bool = True,
-                 fixed_meta: bool = True, tp: TPGroup | None = None) -> None:
+                 fixed_meta: bool = True, tp: TPGroup | None = None,
+                 takes_runs: Callable[[list[tuple[int, int]]], bool] | None = None) -> None:
         self.forward = forward
+        # MLA: whether a step's runs (new queries, keys per sequence) are cheaper in
+        # the graphs' absorbed form than decompressed eagerly (mla.absorbed_is_cheaper)
+        self.takes_runs = takes_runs
         self.buckets = token_buckets(max_tokens)
         if not self.buckets:
             raise ValueError("mixed graphs need max_graph_tokens > 0")
@@ -122,10 +127,15 @@ class MixedGraphs:
         return t, s + 1, s
 
     def bucket_for_step(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """The bucket for this step, or None: it runs eagerly (too many tokens, or a
-        request wants prompt logprobs, which need the logits of rows not sampled)."""
+        """The bucket for this step, or None: it runs eagerly (too many tokens, a
+        request wants prompt logprobs, which need the logits of rows not sampled, or an
+        MLA step's runs cost less decompressed)."""
         if len(scheduled) > self.max_num_seqs \
                 or any(s.request.wants_prompt_logprobs for s in scheduled):
+            return None
+        if self.takes_runs is not None and not self.takes_runs(
+                [(s.num_new_tokens, s.request.num_computed_tokens + s.num_new_tokens)
+                 for s in scheduled]):
             return None
         tokens = sum(s.num_new_tokens for s in scheduled)
         return next((t for t in self.buckets if t >= tokens), None)

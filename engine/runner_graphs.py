@@ -6,8 +6,9 @@ count (engine/mixed_graphs.py). Each is captured on CUDA with a graph-safe atten
 backend (`EngineConfig.graph_safe_backend`), or made without capture where the config
 asks for the padded path (`padded_decode`, `padded_mixed`: CPU, tests). MLA models
 capture both: their mixed graphs attend in the latent space (the absorbed kernel of
-engine.attention.triton_mla); their eager steps (past the largest bucket, or wanting
-prompt logprobs) decompress K/V per sequence.
+engine.attention.triton_mla) where that costs no more than decompressing
+(engine.attention.mla.absorbed_is_cheaper); their eager steps (those, past the largest
+bucket, or wanting prompt logprobs) decompress K/V per sequence.
 
 The graphs call back into the runner that owns them through a weak reference: a cycle
 would keep a dropped engine's KV cache, weights and graph pool on the GPU until the
@@ -24,6 +25,7 @@ import torch
 
 from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention.base import AttentionMetadata
+from engine.attention.mla import absorbed_is_cheaper
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.mixed_graphs import MixedGraphs
@@ -77,11 +79,13 @@ def make_mixed_graphs(runner: ModelRunner, capture: bool, fixed_meta: bool) -> M
 
     config, cfg = runner.config, runner.model_cfg
     sched = config.scheduler
+    mla = cfg.mla
     return MixedGraphs(
         forward, min(config.max_graph_tokens, sched.max_num_batched_tokens),
         sched.max_num_seqs, cdiv(runner.max_model_len, runner.block_size), cfg.vocab_size,
         runner.device, cfg.sliding_window, runner.max_model_len, capture=capture,
-        fixed_meta=fixed_meta, tp=runner.tp)
+        fixed_meta=fixed_meta, tp=runner.tp,
+        takes_runs=None if mla is None else lambda runs: absorbed_is_cheaper(runs, mla))
 
 
 def capture_graph_sets(runner: ModelRunner) -> None:

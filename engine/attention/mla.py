@@ -31,13 +31,17 @@ steps that run eagerly.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_sdpa import _causal_mask
+
+if TYPE_CHECKING:
+    from engine.hf_config import MLAConfig
 
 
 class MLABackend(Protocol):
@@ -147,6 +151,21 @@ def attend_latent(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tenso
             scores = scores.masked_fill(hidden[:, None, :], float("-inf"))
         o_lat[sl] = scores.softmax(dim=-1).to(c.dtype) @ c
     return o_lat
+
+
+def absorbed_is_cheaper(runs: Iterable[tuple[int, int]], mla: MLAConfig) -> bool:
+    """Whether attention over `runs` (each sequence's new queries and its keys, those
+    queries included) takes no more multiply-adds per head in the latent space than
+    decompressed: absorbed, W_UK and W_UV per query and (2 * rank + rope) per
+    query-key pair; decompressed, kv_b_proj per key and (nope + rope + v) per pair
+    (engine.attention.triton_mla works the figures for DeepSeek-V3)."""
+    rank, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+    nv = mla.qk_nope_head_dim + mla.v_head_dim
+    absorbed = decompressed = 0
+    for q, c in runs:
+        absorbed += q * nv * rank + q * c * (2 * rank + rope)
+        decompressed += c * nv * rank + q * c * (nv + rope)
+    return absorbed <= decompressed
 
 
 def prefill_decompressed(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,

@@ -49,11 +49,11 @@ SHORT_ROWS, LONG_ROWS, LONG_QUERY = 16, 64, 64
 @dataclass(frozen=True, slots=True)
 class PrefillTile:
     """A launch configuration of the unified kernel (engine.attention.tuning picks one
-    per query length on CUDA). Every configuration computes the same attention: query
-    rows per program (BLOCK_M, the GQA-packed rows of BLOCK_M // group tokens), keys per
-    tile, warps, and the software pipeline's depth over the fully visible key tiles
-    (K/V tiles and their block-table entries loaded that many iterations ahead). None:
-    the untuned rows (`_block_m`) and keys (`_tile_n`) per tile."""
+    per query length on CUDA). Every configuration computes the same attention, up to
+    rounding: query rows per program (BLOCK_M, the GQA-packed rows of BLOCK_M // group
+    tokens), keys per tile, warps, and the software pipeline's depth over the fully
+    visible key tiles (K/V tiles and their block-table entries loaded NUM_STAGES - 1
+    iterations ahead). None: the untuned rows (`_block_m`) and keys (`_tile_n`)."""
 
     block_m: int | None = None
     tile_n: int | None = None

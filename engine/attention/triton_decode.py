@@ -37,7 +37,8 @@ CPU_SPLITS = 4  # the interpreter: enough splits to exercise the reduction, few 
 @dataclass(frozen=True, slots=True)
 class DecodeTile:
     """A launch configuration of split-K decode (engine.attention.tuning picks one per
-    batch shape on CUDA). Every configuration computes the same attention: keys per
+    batch shape on CUDA). Every configuration computes the same attention, up to
+    rounding: keys per
     tile, warps and pipeline stages per program, and the split rule's target waves of
     programs over the SMs (`num_decode_splits`). None: the untuned tile (`_tile_n`)."""
 
@@ -47,9 +48,9 @@ class DecodeTile:
     waves: int = 2
 
 
-
-# See _PER_STEP (its grid carries the count). The split count is a plain argument too:
-# one compiled variant serves every batch shape (start-up tuning times several).
+# See triton_attn._PER_STEP (its grid carries the count). The split count is a plain
+# argument too: one compiled variant serves every batch shape (start-up tuning times
+# several).
 @triton.jit(do_not_specialize=["bt_st", "num_splits"])
 def _decode_split_kernel(part_ptr, lse_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                          qsl_ptr, num_heads, scale_log2, window, k_scale_ptr, v_scale_ptr,

@@ -36,10 +36,11 @@ against 320 per pair. A short run over a long cached prefix (the chunks and deco
 of a mixed step) pays per query instead of per context entry and favours the absorbed
 form; a run as long as its context (a fresh prompt), or longer than about
 (nope + v) * rank / (2 * rank - nope - v) ~ 170 queries over a long prefix, does fewer
-FLOPs decompressed, where SDPA's tensor-core tiles take K and V. The larger steps,
-which run eagerly, keep decompressing. A bucket takes whatever the step holds, a fresh
-prompt's chunk included: there the absorbed form trades FLOPs for a graph replay (one
-launch instead of a per-sequence loop of them), a trade not yet measured on a GPU.
+FLOPs decompressed, where SDPA's tensor-core tiles take K and V. So a step takes a
+bucket only where the absorbed form costs no more, summed over its sequences
+(`engine.attention.mla.absorbed_is_cheaper`): decode rows and chunks over a long prefix
+do, a step of fresh prompts does not and runs eagerly, decompressed, as do the steps
+over the largest bucket.
 
 Grids come from host ints only, so the decode and mixed kernels are capturable in CUDA
 graphs. W_UK / W_UV stay batched matmuls around the kernels. Tiles are untuned

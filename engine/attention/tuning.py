@@ -15,11 +15,13 @@ every launch, so they are decided before CUDA graphs are captured and each graph
 its bucket's choice.
 
 Every candidate computes the same attention (tiles, warps, stages and split count
-change the order of work, not what is summed), so tuning changes speed only. It is
-bounded: a coordinate search over each kernel's axes (`DECODE_ROUNDS`,
-`PREFILL_ROUNDS`), a couple of timed launches per candidate and one wall-clock budget
-that decode and prefill share (decode first, to DECODE_SHARE of it; prefill takes the
-rest), past which the remaining points keep the untuned configuration. Triton's
+change the order of the sums, so results agree up to rounding: in bf16 two starts that
+choose different tiles can differ in the last bits). It is bounded: a coordinate search
+over each kernel's axes (`DECODE_ROUNDS`, `PREFILL_ROUNDS`), a couple of timed launches
+per candidate and one wall-clock budget that decode and prefill share (decode first, to
+DECODE_SHARE of it; prefill takes the rest). A candidate starts only if the longest one
+so far, its compile included, would still end within the budget; the points not
+reached keep the untuned configuration. Triton's
 on-disk cache keeps what a search compiled, so a later start on the same machine goes
 further in the same budget.
 """
@@ -150,29 +152,47 @@ def default_prefill_tile(head_dim: int) -> PrefillTile:
     return PrefillTile(block_m=triton_attn.LONG_ROWS, tile_n=default_tile(head_dim).tile_n)
 
 
+class Budget:
+    """A search's wall-clock budget: `deadline` (a clock() value) and the longest one
+    timing took so far, its compile included; a timing starts only if one that long
+    would still end by the deadline."""
+
+    def __init__(self, deadline: float, clock: Callable[[], float]) -> None:
+        self.deadline = deadline
+        self.clock = clock
+        self.longest = 0.0
+
+    def fits(self) -> bool:
+        return self.clock() + self.longest <= self.deadline
+
+    def took(self, t0: float) -> None:
+        self.longest = max(self.longest, self.clock() - t0)
+
+
 def search(point: Point, base: T, rounds: Sequence[Round], time_fn: TimeFn,
-           deadline: float, clock: Callable[[], float] = time.perf_counter
-           ) -> tuple[T, float, float]:
+           budget: Budget) -> tuple[T, float, float]:
     """The fastest tile for one point: (tile, its seconds, the base tile's seconds).
     Each round's candidates are built around the best so far (decode: tile size x
     warps, then stages, then the split rule's waves; prefill: rows x keys per tile,
-    then warps, then pipeline stages); ties keep the earlier candidate. Past
-    `deadline` (a clock() value) the best found so far stands."""
+    then warps, then pipeline stages); ties keep the earlier candidate. Once the
+    budget has no room for another timing, the best found so far stands."""
     times: dict[T, float] = {}
 
     def timed(tile: T) -> float:
         if tile not in times:
+            t0 = budget.clock()
             try:
                 times[tile] = time_fn(tile, point)
             except Exception as e:  # noqa: BLE001 - a candidate this GPU cannot run
                 logger.debug("attention tuning: %s ruled out at %s: %s", tile, point, e)
                 times[tile] = math.inf
+            budget.took(t0)
         return times[tile]
 
     best, best_t = base, timed(base)
     for make in rounds:
         for tile in make(best):
-            if clock() > deadline:
+            if tile not in times and not budget.fits():
                 return best, best_t, times[base]
             t = timed(tile)
             if t < best_t:
@@ -188,13 +208,13 @@ def tune_table(kind: str, axes: Sequence[Sequence[int]], points: Sequence[Point]
     all, from `base`; points not reached keep no entry (`untuned`). Logs the table at
     INFO, `kind` naming the kernel."""
     start = clock()
-    deadline = start + budget_s
+    budget = Budget(start + budget_s, clock)
     entries: dict[Point, T] = {}
     notes = []
     for point in points:
-        if clock() > deadline:
+        if not budget.fits():
             break
-        tile, t, t_base = search(point, base, rounds, time_fn, deadline, clock)
+        tile, t, t_base = search(point, base, rounds, time_fn, budget)
         if math.isfinite(t):
             entries[point] = tile
             notes.append(f"{'x'.join(map(str, point))}: {t * 1e6:.1f} us "

@@ -7,7 +7,9 @@ untuned configuration. The prefill tiles' tuning: test_prefill_tuning.py."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import time
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from engine.attention.tuning import (  # noqa: E402
     TILE_NS,
     WARPS,
     WAVES,
+    Budget,
     Point,
     TileTable,
     default_tile,
@@ -133,7 +136,7 @@ def test_search_finds_the_fastest_of_the_whole_space() -> None:
     for batch in (1, 128):
         calls.clear()
         tile, t, t_base = search((batch, 1024), default_tile(128), DECODE_ROUNDS, time_fn,
-                                 float("inf"))
+                                 Budget(math.inf, time.perf_counter))
         assert tile == full_argmin(batch, 1024)
         assert t == separable(tile, (batch, 1024)) < t_base
         assert len(calls) == len(set(calls)) <= 1 + 9 + 3 + 3  # each candidate timed once
@@ -147,13 +150,13 @@ def test_a_candidate_that_fails_is_ruled_out() -> None:
             raise RuntimeError("out of resources: shared memory")
         return separable(tile, point)
 
-    tile, _, _ = search((1, 1024), default_tile(128), DECODE_ROUNDS, time_fn, float("inf"))
+    tile, _, _ = search((1, 1024), default_tile(128), DECODE_ROUNDS, time_fn, Budget(math.inf, time.perf_counter))
     assert tile == DecodeTile(64, 8, 2, 4)
 
 
 def test_equal_times_keep_the_untuned_tile() -> None:
     tile, _, _ = search((8, 1024), default_tile(64), DECODE_ROUNDS, lambda t, p: 1e-5,
-                        float("inf"))
+                        Budget(math.inf, time.perf_counter))
     assert tile == DecodeTile(64, 4, 3, 2) == default_tile(64)
     assert default_tile(256).tile_n == 32
 
@@ -203,6 +206,23 @@ def test_budget_stops_tuning_and_untuned_points_take_the_default() -> None:
     assert table.choose(20, 512) == DecodeTile()
     assert TileTable(DecodeTile()).choose(4, 4096) == DecodeTile()
     assert TritonBackend().decode_table.choose(4, 4096) == DecodeTile()
+
+
+def test_a_candidate_starts_only_if_the_longest_so_far_would_end_in_the_budget() -> None:
+    """A cold compile takes seconds: after a 9 s base in a 10 s budget no candidate
+    starts (it would end past the budget), so tuning ends at 9 s, not 18."""
+    now = [0.0]
+    compiled: set[DecodeTile] = set()
+
+    def time_fn(tile: DecodeTile, point: Point) -> float:
+        now[0] += 0.1 if tile in compiled else 9.0
+        compiled.add(tile)
+        return separable(tile, point)
+
+    table = tune_decode_table((1,), (1024,), default_tile(128), time_fn, budget_s=10.0,
+                              clock=lambda: now[0])
+    assert now[0] == 9.0 and compiled == {default_tile(128)}
+    assert table.entries[(1, 1024)] == default_tile(128)
 
 
 def test_tuning_is_on_for_cuda_with_triton_only(tmp_path) -> None:

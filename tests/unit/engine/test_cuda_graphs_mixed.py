@@ -184,14 +184,23 @@ def test_graphs_only_with_a_graph_safe_backend_and_the_flags() -> None:
 
 def test_mixed_graphs_bucket_only_steps_they_can_replay() -> None:
     """Steps over the largest bucket and steps wanting prompt logprobs run eagerly; an
-    MLA model's buckets read their constant metadata (graph-safe on Triton)."""
+    MLA model's buckets read their constant metadata (graph-safe on Triton) and take
+    the steps cheaper in the latent space than decompressed: a chunk over a long cached
+    prefix, not a fresh prompt."""
     llm = LLM(tiny_model_dir("deepseek_v2"), padded_mixed=True, attention_backend="triton",
               **{**ENGINE, "max_num_batched_tokens": 64})
     graphs = llm.engine.runner.mixed_graphs
     assert graphs is not None and graphs.fixed_meta and graphs.max_tokens == 64
     a = Request("a", list(range(10, 50)), SamplingParams())
     b = Request("b", list(range(10, 50)), SamplingParams(prompt_logprobs=1))
-    assert graphs.bucket_for_step([ScheduledRequest(a, 30)]) == 32
+    a.num_computed_tokens = 20
+    b.num_computed_tokens = 20
+    assert graphs.bucket_for_step([ScheduledRequest(a, 2)]) == 2
     assert graphs.bucket_for_step([ScheduledRequest(a, 40), ScheduledRequest(a, 30)]) is None
-    assert graphs.bucket_for_step([ScheduledRequest(b, 30)]) is None
+    assert graphs.bucket_for_step([ScheduledRequest(b, 2)]) is None
+    fresh = Request("c", list(range(10, 50)), SamplingParams())
+    assert graphs.bucket_for_step([ScheduledRequest(fresh, 30)]) is None
+    # a fresh chunk beside enough decode rows of long contexts: cheaper absorbed in all
+    rows = [ScheduledRequest(a, 1) for _ in range(3)]
+    assert graphs.bucket_for_step([ScheduledRequest(fresh, 4), *rows]) == 8
     llm.engine.close()

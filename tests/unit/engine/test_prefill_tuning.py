@@ -8,7 +8,9 @@ reaches the launch."""
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from engine.attention.tuning import (  # noqa: E402
     PREFILL_STAGES,
     PREFILL_TILE_NS,
     PREFILL_WARPS,
+    Budget,
     Point,
     TileTable,
     chunk_points,
@@ -149,7 +152,7 @@ def test_search_finds_the_fastest_prefill_tile_of_the_whole_space() -> None:
     for chunk in (512, 8192):
         calls.clear()
         tile, t, t_base = search((chunk,), default_prefill_tile(128), PREFILL_ROUNDS,
-                                 time_fn, float("inf"))
+                                 time_fn, Budget(math.inf, time.perf_counter))
         assert tile == argmin(chunk)
         assert t == cost(tile, (chunk,)) < t_base
         assert len(calls) == len(set(calls)) <= 1 + 6 + 2 + 4  # each candidate once
