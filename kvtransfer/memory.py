@@ -111,6 +111,12 @@ class RegisteredKV:
         off, n = self.locate(region)
         return self._hosts[region.rank][off:off + n]
 
+    def rank_view(self, rank: int) -> memoryview:
+        """A writable memoryview of one rank's whole host cache (no copy)."""
+        if self._hosts is None:
+            raise ValueError("host view of a CUDA KV cache; stage it or use ucx")
+        return self._hosts[rank]
+
     def tensor_of(self, region: Region) -> torch.Tensor:
         """`region` of its rank's cache as a (strided) tensor view."""
         return region_view(self.tensors[region.rank], region, self.rank_layout)
