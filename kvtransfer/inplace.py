@@ -11,6 +11,9 @@ per `write()` call (one chunk of a prefill, however many regions it has):
               issued after that instant, so the bound holds across hosts too
     sender -> WRITTEN {req, checksums}              ONE completion notice per chunk:
                                                     receiver verifies, marks landed
+    sender <- RESULT {xfer, gen, ok}                once the transfer resolved: to every
+                                                    writer unasked (`finish` sends no
+                                                    FINISH after a grant)
 
 A transfer failed while grants are out resolves once they land or expire (`ttl` +
 a margin on the receiver's clock), so a failed transfer's blocks are never written
@@ -149,6 +152,8 @@ class InPlaceSender(SenderBase):
         grant = await reply_future
         if not grant["ok"]:
             raise error_from_kind(grant["kind"], grant["message"])
+        # granted: we are a writer of the transfer, whose verdict comes to us unasked
+        self._outgoing(peer, xfer_id, generation).answered = True
         deadline = asked + float(grant["ttl"])
         copied = await self._copy(peer, pairs, deadline, ready)
         sums = None if not checksum else await self._checksums(pairs, ready)

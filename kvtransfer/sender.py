@@ -42,6 +42,9 @@ class _Outgoing:
     verdict: asyncio.Future[None]
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
+    # The receiver sends its verdict unasked (it admitted a write of ours: we are a
+    # writer of the transfer), so `finish` need not send FINISH.
+    answered: bool = False
 
 
 class Peer:
@@ -156,10 +159,9 @@ class SenderBase:
         use_checksum = self.config.checksum if checksum is None else checksum
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(
-                self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready),
-                timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # no task of its own (wait_for's costs turns)
+                await self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready)
+        except TimeoutError:
             error = TransferTimeout(f"{xfer_id}: write not delivered within {timeout}s")
             self._fail_peer(peer, error)  # a frame may be half-sent: the stream is unusable
             self.metrics.failure(error.kind)
@@ -177,13 +179,14 @@ class SenderBase:
         out = self._outgoing(peer, xfer_id, gen)
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
-            if not out.verdict.done():
+            if not out.verdict.done() and not out.answered:
                 peer.check()
                 await self._send_frame(peer, wire.pack_json(
                     Frame.FINISH, {"xfer": xfer_id, "gen": gen}))
-            await asyncio.wait_for(asyncio.shield(out.verdict), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(out.verdict)
             self.metrics.completed(time.perf_counter() - out.started, out.nbytes)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.failure("timeout")
             raise TransferTimeout(f"{xfer_id}: no verdict within {timeout}s") from None
         except KVTransferError as e:
