@@ -324,20 +324,31 @@ class HostMover:
 
     async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
                    deadline: float, ready: Ready | None) -> Ready | None:
-        src_rows = rr.rows_of((s for s, _ in pairs), kv.layout)
-        dst_rows = rr.rows_of((d for _, d in pairs), kv.layout)
-        for rows, total in ((src_rows, kv.num_blocks), (dst_rows, dst[2])):
-            rr.check_rows(rows, kv.layout, total)
-            if not rr.whole_heads(rows, kv.layout).all():
-                raise ValueError("cuda_ipc moves whole-head regions (one rank each side)")
-        # (source offset, destination offset, nbytes) per region, computed at once
-        regions = np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
-                            rr.nbytes(src_rows, kv.layout)], axis=1)
+        if len(pairs) <= rr.FEW:
+            total = dst[2]
+            regions = np.array([(kv.locate(s)[0], *d.resolve(kv.layout, total))
+                                for s, d in pairs], dtype=np.int64).reshape(-1, 3)
+        else:
+            regions = self._regions(kv, pairs, dst[2])
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
         self._last = self._pool.submit(self._copy, kv.address, dst, regions)
         return _Copied(self._last)
+
+    @staticmethod
+    def _regions(kv: RegisteredKV, pairs: list[tuple[Region, Region]],
+                 total: int) -> np.ndarray:
+        """(source offset, destination offset, nbytes) of every pair, computed at once;
+        ValueError for a region outside either cache or a head slice."""
+        src_rows = rr.rows_of((s for s, _ in pairs), kv.layout)
+        dst_rows = rr.rows_of((d for _, d in pairs), kv.layout)
+        for rows, blocks in ((src_rows, kv.num_blocks), (dst_rows, total)):
+            rr.check_rows(rows, kv.layout, blocks)
+            if not rr.whole_heads(rows, kv.layout).all():
+                raise ValueError("cuda_ipc moves whole-head regions (one rank each side)")
+        return np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
+                         rr.nbytes(src_rows, kv.layout)], axis=1)
 
     def _copy(self, src: int, dst: tuple[int, int, int], regions: np.ndarray) -> None:
         pid, base, _ = dst

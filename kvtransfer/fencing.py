@@ -190,11 +190,8 @@ class TransferTable:
     def landed_rows(self, xfer_id: str, rows: np.ndarray, bad: int | None = None) -> None:
         """The write `admit_rows` admitted finished; `bad`: the index of a row whose
         checksum did not match (-> IntegrityError naming it)."""
-        cells = rows[:, rr.NUM_BLOCKS] * (rows[:, rr.LAYER_END] - rows[:, rr.LAYER_START]) \
-            * (rows[:, rr.HEAD_END] - rows[:, rr.HEAD_START])
         where = None if bad is None else str(rr.to_regions(rows[bad:bad + 1], self.layout)[0])
-        self._landed(xfer_id, where, int(cells.sum()),
-                     int(rr.nbytes(rows, self.layout).sum()))
+        self._landed(xfer_id, where, *rr.cells_and_bytes(rows, self.layout))
 
     def _landed(self, xfer_id: str, corrupt: str | None, cells: int, nbytes: int) -> None:
         xfer = self._live[xfer_id]

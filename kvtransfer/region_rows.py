@@ -39,6 +39,15 @@ def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
 def rows_from_wire(items: Sequence[Sequence[int | None]], layout: KVLayout) -> np.ndarray:
     """Rows from `Region` field lists, all seven fields each (a RESERVE's regions;
     None: open end). ValueError for anything else."""
+    if len(items) <= FEW:
+        layers, heads = layout.num_layers, layout.num_kv_heads
+        try:
+            return np.array([(b, ls, layers if le is None else le, n, rank, hs,
+                              heads if he is None else he)
+                             for b, ls, le, n, rank, hs, he in items],
+                            dtype=np.int64).reshape(-1, 7)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"regions must be seven integers each: {e}") from None
     cells = np.array(items, dtype=object).reshape(-1, 7)
     for col, end in ((LAYER_END, layout.num_layers), (HEAD_END, layout.num_kv_heads)):
         column = cells[:, col]
@@ -83,6 +92,17 @@ def whole_heads(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
     return (rows[:, HEAD_START] == 0) & (rows[:, HEAD_END] == layout.num_kv_heads)
 
 
+def cells_and_bytes(rows: np.ndarray, layout: KVLayout) -> tuple[int, int]:
+    """(cells, bytes) the rows cover in all: what `fencing` counts as landed."""
+    if len(rows) <= FEW:
+        cells = [n * (le - ls) * (he - hs) for _, ls, le, n, _, hs, he in rows.tolist()]
+        return sum(cells), sum(cells) * layout.layer_bytes // layout.num_kv_heads
+    counts = rows[:, NUM_BLOCKS] * (rows[:, LAYER_END] - rows[:, LAYER_START]) \
+        * (rows[:, HEAD_END] - rows[:, HEAD_START])
+    total = int(counts.sum())
+    return total, total * layout.layer_bytes // layout.num_kv_heads
+
+
 def nbytes(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
     """`Region.nbytes` per row."""
     return (rows[:, NUM_BLOCKS] * (rows[:, LAYER_END] - rows[:, LAYER_START])
@@ -113,8 +133,9 @@ def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
     """Rows grouped by the cells they cover in each block: [(a row's slice columns,
     every block id of the group's rows, in row order)]. A scattered hand-off of whole
     blocks is one group."""
-    if not len(rows):
-        return []
+    if len(rows) <= FEW:  # a group per row: fewer calls than grouping them
+        return [((ls, le, rank, hs, he), list(range(b, b + n)))
+                for b, ls, le, n, rank, hs, he in rows.tolist()]
     keys = rows[:, SLICE]
     if (keys == keys[0]).all():
         groups = [(keys[0], rows)]
