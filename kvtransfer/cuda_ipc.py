@@ -58,7 +58,7 @@ from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, RegisteredKV, producer_event, wait_ready
+from kvtransfer.memory import FutureReady, Ready, RegisteredKV, producer_event, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -334,7 +334,7 @@ class HostMover:
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
         self._last = self._pool.submit(self._copy, kv.address, dst, regions)
-        return _Copied(self._last)
+        return FutureReady(self._last)
 
     @staticmethod
     def _regions(kv: RegisteredKV, pairs: list[tuple[Region, Region]],
@@ -370,19 +370,6 @@ class HostMover:
         if self._last is not None:  # no copy into the peer after it was let go
             wait([self._last])
         held.clear()
-
-
-class _Copied:
-    """A host copy's completion as `Ready`."""
-
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
-
-    def query(self) -> bool:
-        return self._future.done()
-
-    def synchronize(self) -> None:
-        self._future.result()
 
 
 def mover_for(kv: RegisteredKV) -> Mover:

@@ -36,7 +36,7 @@ from kvtransfer import region_rows as rr
 from kvtransfer import wire
 from kvtransfer.errors import KVTransferError, ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, producer_event
+from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
@@ -187,7 +187,7 @@ class InPlaceSender(SenderBase):
                 if wait.query():
                     wait = pending.queue[0].copied
                 if not wait.query():
-                    await asyncio.to_thread(wait.synchronize)
+                    await wait_ready(wait)
                 while pending.queue and pending.queue[0].copied.query():
                     n = pending.queue.popleft()
                     n.copied.synchronize()  # done: raises what the copy raised
