@@ -144,8 +144,9 @@ FRAMES = ("RESERVE", "WRITTEN", "FINISH")  # the control frames a hand-off sends
 def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[str, Any]:
     """Per hand-off (means over the `handoff` ranges): chunks (`kv.write` ranges), control
     frames sent (`wire.<KIND>`), round trips (RESERVE awaits a GRANT, `kv.finish` the
-    verdict: asked for with FINISH over tcp, sent unasked to an in-place writer), copy µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device
-    time of what the hand-off launched) and the fixed rest of the wall time."""
+    verdict: asked for with FINISH over tcp, sent unasked to an in-place writer), copy
+    µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device time of what the
+    hand-off launched) and the fixed rest of the wall time."""
     outer = ranges(events, "handoff")
     if not outer:
         return {}
