@@ -9,8 +9,9 @@ nothing outside this bench):
               wire.WRITTEN;  kv.finish > wire.FINISH
     receiver: handoff > rx.reserve, rx.written (in-place transports), rx.write (tcp)
 
-A RESERVE waits for its GRANT and a FINISH for the verdict: those are the round trips on
-the wire; a WRITTEN notice is sent without waiting. (ucx's puts end in flushes, a round
+A RESERVE waits for its GRANT and `kv.finish` for the verdict (asked for with a FINISH
+over tcp; an in-place writer is sent it unasked): those are the round trips on the wire;
+a WRITTEN notice is sent without waiting. (ucx's puts end in flushes, a round
 trip each inside its copy, below the frames counted here.)
 """
 

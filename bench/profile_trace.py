@@ -143,9 +143,10 @@ FRAMES = ("RESERVE", "WRITTEN", "FINISH")  # the control frames a hand-off sends
 
 def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[str, Any]:
     """Per hand-off (means over the `handoff` ranges): chunks (`kv.write` ranges), control
-    frames sent (`wire.<KIND>`), round trips (RESERVE awaits a GRANT, FINISH the
-    verdict), copy µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device
-    time of what the hand-off launched) and the fixed rest of the wall time."""
+    frames sent (`wire.<KIND>`), round trips (RESERVE awaits a GRANT, `kv.finish` the
+    verdict: asked for with FINISH over tcp, sent unasked to an in-place writer), copy
+    µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device time of what the
+    hand-off launched) and the fixed rest of the wall time."""
     outer = ranges(events, "handoff")
     if not outer:
         return {}
@@ -159,7 +160,7 @@ def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[
         device, _, _ = busy_and_gaps(work.launched_in(h)) if work.cuda else (0.0, 0.0, 0.0)
         copy = max(host_copy, device)
         rows.append({"wall_us": float(h["dur"]), "chunks": chunks,
-                     "round_trips": count["RESERVE"] + count["FINISH"],
+                     "round_trips": count["RESERVE"] + len(ranges(inside, "kv.finish")),
                      "round_trips_per_chunk": count["RESERVE"] / max(chunks, 1),
                      "notices_per_chunk": count["WRITTEN"] / max(chunks, 1),
                      "frames": count, "copy_us": copy, "device_us": device,

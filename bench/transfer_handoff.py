@@ -13,7 +13,11 @@ one torch copy per region) from one part of a cache into another in one process.
 
 Summary (`--json`): `copy_gbps`, `<transport>_gbps` (bandwidth of the largest
 scattered hand-off), `<transport>_fixed_us` (latency of the smallest hand-off beyond
-its bytes at that bandwidth), per transport `<transport>_vs_copy`. Targets on an H100 /
+its bytes at that bandwidth), `<transport>_region_us` (what one more region costs: the
+largest hand-off scattered, one region per block, against the same bytes contiguous, one
+region, per extra region), per transport `<transport>_vs_copy`. The JSON also carries
+the machine, the date and the tables `docs/benchmarks.md` shows (copied to
+`docs/results/transfer-handoff.json`, it is that page's host section). Targets on an H100 /
 H200: cuda_ipc >= 0.6x the copy and <= 150 µs fixed (issue 55), ucx >= 0.3x the copy. On CUDA
 `copy.block_copy_gbps` is cuda_ipc's own kernel (every layer of the scattered blocks in
 one launch) in one process: the ceiling of a cuda_ipc hand-off.
@@ -81,15 +85,47 @@ def run(args: argparse.Namespace) -> int:
     copy = measure_copy(args.device, layout, pool, blocks, args.repeats)
     rows = [r for t in transports for r in asyncio.run(
         bench(t.strip(), args.device, layout, pool, tokens, args.repeats))]
-    summary = summarize(rows, copy, tokens)
+    summary = summarize(rows, copy, tokens, layout.block_size)
     report(rows, copy, summary, layout)
     if args.json:
+        from bench.report import machine
+
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "copy": copy,
                        "rows": [asdict(r) for r in rows], "layout": asdict(layout),
                        "device": describe(args.device), "targets": TARGETS,
-                       "fixed_targets_us": FIXED_TARGETS_US}, f, indent=2)
+                       "fixed_targets_us": FIXED_TARGETS_US, "machine": machine(),
+                       "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                       **page_fields(args, rows, layout)}, f, indent=2)
     return 0
+
+
+def page_fields(args: argparse.Namespace, rows: list[Row], layout: Any) -> dict[str, Any]:
+    """What `docs/benchmarks.md` shows of a run (`bench.results_page`): its name, title,
+    command and table of p50 latencies."""
+    cmd = (f"splitserve bench transfer --device {args.device}"
+           + (" --handoffs" if args.handoffs else "")
+           + f" --handoff-tokens {args.handoff_tokens}"
+           + (f" --handoff-transports {args.handoff_transports}"
+              if args.handoff_transports else "")
+           + (f" --layout {args.layout}" if args.layout else "")
+           + f" --repeats {args.repeats} --json transfer.json")
+    sizes = sorted({r.tokens for r in rows})
+    table = ["| transport | blocks | " + " | ".join(f"{n} tok" for n in sizes) + " |",
+             "|---|---|" + "---|" * len(sizes)]
+    for transport in dict.fromkeys(r.transport for r in rows):
+        for mode in MODES:
+            ms = {r.tokens: r.p50_ms for r in rows if (r.transport, r.mode) == (transport, mode)}
+            table.append(f"| {transport} | {mode} | " + " | ".join(
+                f"{ms[n]:.3f} ms" if n in ms else "-" for n in sizes) + " |")
+    return {"name": "transfer-handoff", "command": cmd,
+            "title": "KV hand-off between two processes on the host",
+            "tables": [table],
+            "notes": [f"{layout.name}, {layout.block_bytes // 1024} KiB blocks; one hand-off "
+                      f"at a time, p50 of {args.repeats}; a scattered hand-off is one region "
+                      "per block. fixed_us: the smallest hand-off's latency beyond its bytes; "
+                      "region_us: the largest hand-off scattered against contiguous, per "
+                      "extra region."]}
 
 
 def describe(device: str) -> str:
@@ -296,7 +332,8 @@ async def handoff(sender: Any, peer: Any, xfer: str, src: list[int], dst: list[i
     return time.perf_counter() - t0
 
 
-def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int]) -> dict[str, Any]:
+def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int],
+              block_size: int = 16) -> dict[str, Any]:
     summary: dict[str, Any] = {"copy_gbps": copy["gbps"]}
     for transport in sorted({r.transport for r in rows}):
         mine = {(r.mode, r.tokens): r for r in rows if r.transport == transport}
@@ -306,6 +343,11 @@ def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int]) -> dic
         summary[f"{transport}_vs_copy"] = big.gbps / copy["gbps"]
         summary[f"{transport}_fixed_us"] = max(
             0.0, small.p50_ms * 1e3 - small.bytes / (big.gbps * 1e9) * 1e6)
+        whole = mine[("contiguous", max(tokens))]
+        regions = -(-max(tokens) // block_size)  # scattered: one per block
+        if regions > 1:
+            summary[f"{transport}_region_us"] = \
+                (big.p50_ms - whole.p50_ms) * 1e3 / (regions - 1)
         if transport in TARGETS:
             summary[f"{transport}_target_met"] = big.gbps / copy["gbps"] >= TARGETS[transport]
         if transport in FIXED_TARGETS_US:

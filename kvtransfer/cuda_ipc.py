@@ -51,11 +51,14 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
+import numpy as np
+
+from kvtransfer import region_rows as rr
 from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, RegisteredKV, producer_event, wait_ready
+from kvtransfer.memory import FutureReady, Ready, RegisteredKV, producer_event, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -321,23 +324,43 @@ class HostMover:
 
     async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
                    deadline: float, ready: Ready | None) -> Ready | None:
-        total = dst[2]
-        regions = [(kv.locate(s)[0], *d.resolve(kv.layout, total)) for s, d in pairs]
+        if len(pairs) <= rr.FEW:
+            total = dst[2]
+            regions = np.array([(kv.locate(s)[0], *d.resolve(kv.layout, total))
+                                for s, d in pairs], dtype=np.int64).reshape(-1, 3)
+        else:
+            regions = self._regions(kv, pairs, dst[2])
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
         self._last = self._pool.submit(self._copy, kv.address, dst, regions)
-        return _Copied(self._last)
+        return FutureReady(self._last)
 
-    def _copy(self, src: int, dst: tuple[int, int, int],
-              regions: list[tuple[int, int, int]]) -> None:
+    @staticmethod
+    def _regions(kv: RegisteredKV, pairs: list[tuple[Region, Region]],
+                 total: int) -> np.ndarray:
+        """(source offset, destination offset, nbytes) of every pair, computed at once;
+        ValueError for a region outside either cache or a head slice."""
+        src_rows = rr.rows_of((s for s, _ in pairs), kv.layout)
+        dst_rows = rr.rows_of((d for _, d in pairs), kv.layout)
+        for rows, blocks in ((src_rows, kv.num_blocks), (dst_rows, total)):
+            rr.check_rows(rows, kv.layout, blocks)
+            if not rr.whole_heads(rows, kv.layout).all():
+                raise ValueError("cuda_ipc moves whole-head regions (one rank each side)")
+        return np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
+                         rr.nbytes(src_rows, kv.layout)], axis=1)
+
+    def _copy(self, src: int, dst: tuple[int, int, int], regions: np.ndarray) -> None:
         pid, base, _ = dst
+        # iovec arrays built by numpy: (base, len) as two uint64 words per region
+        local = np.stack([regions[:, 0] + src, regions[:, 2]], axis=1).astype(np.uint64)
+        remote = np.stack([regions[:, 1] + base, regions[:, 2]], axis=1).astype(np.uint64)
+        iovecs = ctypes.POINTER(_IoVec)
         for i in range(0, len(regions), _IOV_MAX):
-            batch = regions[i:i + _IOV_MAX]
-            local = (_IoVec * len(batch))(*[_IoVec(src + s, n) for s, _, n in batch])
-            remote = (_IoVec * len(batch))(*[_IoVec(base + d, n) for _, d, n in batch])
-            want = sum(n for *_, n in batch)
-            done = self._writev(pid, local, len(batch), remote, len(batch), 0)
+            n = min(_IOV_MAX, len(regions) - i)
+            want = int(regions[i:i + n, 2].sum())
+            done = self._writev(pid, local[i:].ctypes.data_as(iovecs), n,
+                                remote[i:].ctypes.data_as(iovecs), n, 0)
             if done != want:  # a short write only happens on a fault (pages gone)
                 err = ctypes.get_errno()
                 raise PeerUnavailable(f"process_vm_writev to {pid}: {done}/{want} bytes "
@@ -347,19 +370,6 @@ class HostMover:
         if self._last is not None:  # no copy into the peer after it was let go
             wait([self._last])
         held.clear()
-
-
-class _Copied:
-    """A host copy's completion as `Ready`."""
-
-    def __init__(self, future: Future[None]) -> None:
-        self._future = future
-
-    def query(self) -> bool:
-        return self._future.done()
-
-    def synchronize(self) -> None:
-        self._future.result()
 
 
 def mover_for(kv: RegisteredKV) -> Mover:

@@ -15,11 +15,15 @@ Torch-free and socket-free: transports drive it, unit tests drive it directly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvtransfer import region_rows as rr
 from kvtransfer.errors import (
     IntegrityError,
     KVTransferError,
@@ -74,9 +78,10 @@ class TransferTable:
         self._on_resolved = on_resolved
         self._on_abort = on_abort
 
-    def expect(self, xfer_id: str, regions: Sequence[Region], generation: int,
+    def expect(self, xfer_id: str, regions: Sequence[Region] | np.ndarray, generation: int,
                lease_s: float) -> asyncio.Future[None]:
-        """Announce a transfer into `regions`; the future completes when all landed.
+        """Announce a transfer into `regions` (or their `region_rows`); the future
+        completes when all landed.
 
         The caller keeps owning the blocks; on failure the future raises the typed
         error and the blocks may be reused at once (late writes are fenced off).
@@ -85,14 +90,25 @@ class TransferTable:
             raise ValueError(f"transfer {xfer_id!r} is already expected")
         if generation <= self._fenced.get(xfer_id, -1):
             raise ValueError(f"generation {generation} of {xfer_id!r} was already fenced")
+        rows = regions if isinstance(regions, np.ndarray) else rr.rows_of(regions, self.layout)
+        rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
         expected: dict[int, int] = {}
-        for region in regions:
-            region.check(self.layout, self.num_blocks, self.tp)
-            mask = _mask(region, self.layout)
-            for block in range(region.block_id, region.block_id + region.num_blocks):
-                if block in self._owner or expected.get(block, 0) & mask:
-                    raise ValueError(f"block {block} is already expected by a transfer")
-                expected[block] = expected.get(block, 0) | mask
+        # per group of rows covering the same cells of each block: dict operations in C
+        for key, blocks in rr.by_slice(rows):
+            mask = _slice_mask(self.layout, key)
+            taken = next((b for b in blocks if b in self._owner), None) \
+                if not self._owner.keys().isdisjoint(blocks) else None
+            if taken is None and len(set(blocks)) < len(blocks):
+                taken = next(b for i, b in enumerate(blocks) if b in blocks[:i])
+            if taken is None and expected and not expected.keys().isdisjoint(blocks):
+                taken = next((b for b in blocks if expected.get(b, 0) & mask), None)
+            if taken is not None:
+                raise ValueError(f"block {taken} is already expected by a transfer")
+            if not expected:
+                expected = dict.fromkeys(blocks, mask)
+            else:
+                for b in blocks:
+                    expected[b] = expected.get(b, 0) | mask
         if not expected:
             raise ValueError("a transfer needs at least one region")
         loop = asyncio.get_running_loop()
@@ -109,33 +125,83 @@ class TransferTable:
         On True the cells are claimed and one write is in flight until `landed()`.
         A region outside the expected cells fails the transfer (ProtocolError).
         """
-        xfer = self._live.get(xfer_id)
-        if xfer is None or xfer.generation != generation or xfer.error is not None:
-            self.metrics.stale_dropped.inc()
-            log.info("dropped stale write for %s gen %d", xfer_id, generation)
+        xfer = self._admissible(xfer_id, generation)
+        if xfer is None:
             return False
         try:
             region.check(self.layout, self.num_blocks, self.tp)
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
             return False
-        if not _claim(xfer, region, self.layout):
+        start, end = region.layers(self.layout)
+        first, last = region.heads(self.layout)
+        mask = _slice_mask(self.layout, (start, end, region.rank, first, last))
+        blocks = range(region.block_id, region.block_id + region.num_blocks)
+        if not _claim(xfer, blocks, mask):
             self.fail(xfer_id, ProtocolError(f"{region} not expected by {xfer_id!r}"))
             return False
         xfer.writers.add(writer)
         xfer.inflight += 1
         return True
 
+    def admit_rows(self, xfer_id: str, generation: int, rows: np.ndarray, writer: int) -> bool:
+        """`admit` of every region of one write at once (`region_rows`), all or none:
+        True claims them all as ONE write in flight until `landed_rows()` (or
+        `released()`); False admits none (stale: counted; unexpected: the transfer fails)."""
+        xfer = self._admissible(xfer_id, generation)
+        if xfer is None:
+            return False
+        try:
+            rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
+        except ValueError as e:
+            self.fail(xfer_id, ProtocolError(str(e)))
+            return False
+        if not len(rows):
+            self.fail(xfer_id, ProtocolError(f"a write without regions for {xfer_id!r}"))
+            return False
+        for key, blocks in rr.by_slice(rows):
+            if len(set(blocks)) < len(blocks) or \
+                    not _claim(xfer, blocks, _slice_mask(self.layout, key)):
+                self.fail(xfer_id, ProtocolError(
+                    f"regions of blocks {blocks[:8]}... not expected by {xfer_id!r}"
+                    if len(blocks) > 8 else
+                    f"regions of blocks {blocks} not expected by {xfer_id!r}"))
+                return False
+        xfer.writers.add(writer)
+        xfer.inflight += 1
+        return True
+
+    def _admissible(self, xfer_id: str, generation: int) -> _Transfer | None:
+        xfer = self._live.get(xfer_id)
+        if xfer is None or xfer.generation != generation or xfer.error is not None:
+            self.metrics.stale_dropped.inc()
+            log.info("dropped stale write for %s gen %d", xfer_id, generation)
+            return None
+        return xfer
+
     def landed(self, xfer_id: str, region: Region, ok: bool = True) -> None:
         """An admitted write finished (ok=False: checksum mismatch -> IntegrityError)."""
+        start, end = region.layers(self.layout)
+        first, last = region.heads(self.layout)
+        self._landed(xfer_id, None if ok else str(region),
+                     region.num_blocks * (end - start) * (last - first),
+                     region.nbytes(self.layout))
+
+    def landed_rows(self, xfer_id: str, rows: np.ndarray, bad: int | None = None) -> None:
+        """The write `admit_rows` admitted finished; `bad`: the index of a row whose
+        checksum did not match (-> IntegrityError naming it)."""
+        where = None if bad is None else str(rr.to_regions(rows[bad:bad + 1], self.layout)[0])
+        self._landed(xfer_id, where, *rr.cells_and_bytes(rows, self.layout))
+
+    def _landed(self, xfer_id: str, corrupt: str | None, cells: int, nbytes: int) -> None:
         xfer = self._live[xfer_id]
         xfer.inflight -= 1
-        if xfer.error is None and not ok:
-            self.fail(xfer_id, IntegrityError(f"checksum mismatch in {region} of {xfer_id!r}"))
+        if xfer.error is None and corrupt is not None:
+            self.fail(xfer_id, IntegrityError(f"checksum mismatch in {corrupt} of {xfer_id!r}"))
             return  # fail() resolves once nothing is in flight
         if xfer.error is None:
-            xfer.remaining -= region.num_blocks * _mask(region, self.layout).bit_count()
-            xfer.nbytes += region.nbytes(self.layout)
+            xfer.remaining -= cells
+            xfer.nbytes += nbytes
             if xfer.remaining == 0:
                 self._resolve(xfer_id, None)
                 return
@@ -229,27 +295,22 @@ class TransferTable:
             self._on_resolved(xfer_id, xfer.generation, error, xfer.writers)
 
 
-def _mask(region: Region, layout: KVLayout) -> int:
-    """The region's cells of one block: bit (rank * heads + head) * layers + layer."""
-    start, end = region.layers(layout)
-    first, last = region.heads(layout)
-    layers = ((1 << (end - start)) - 1) << start
-    mask = 0
-    for head in range(region.rank * layout.num_kv_heads + first,
-                      region.rank * layout.num_kv_heads + last):
-        mask |= layers << (head * layout.num_layers)
-    return mask
+@functools.lru_cache(maxsize=256)
+def _slice_mask(layout: KVLayout, key: tuple[int, ...]) -> int:
+    """The cells of one block that a (layer_start, layer_end, rank, head_start,
+    head_end) slice covers (`region_rows.cell_mask`), cached: hand-offs repeat a few."""
+    return rr.cell_mask(rr.slice_row(key), layout)
 
 
-def _claim(xfer: _Transfer, region: Region, layout: KVLayout) -> bool:
-    """Claim `region`'s cells if all are expected and unclaimed; False otherwise.
+def _claim(xfer: _Transfer, blocks: Sequence[int], mask: int) -> bool:
+    """Claim `mask`'s cells of each of `blocks` (distinct) if all are expected and
+    unclaimed; False otherwise.
 
-    Same rule as per-cell checks, but a 64 MiB region is 4096 blocks and this runs
-    before an shm GRANT: the common case (one mask, blocks not yet claimed) uses
-    dict operations that run in C (0.7 -> ~0.1 ms per 4096 blocks).
+    Same rule as per-cell checks, but a 64 MiB region is 4096 blocks and a scattered
+    write as many regions, and this runs before an shm GRANT: the common case (one
+    mask, blocks not yet claimed) uses dict operations that run in C (0.7 -> ~0.1 ms
+    per 4096 blocks).
     """
-    mask = _mask(region, layout)
-    blocks = range(region.block_id, region.block_id + region.num_blocks)
     try:
         masks = set(map(xfer.expected.__getitem__, blocks))
     except KeyError:

@@ -11,6 +11,9 @@ per `write()` call (one chunk of a prefill, however many regions it has):
               issued after that instant, so the bound holds across hosts too
     sender -> WRITTEN {req, checksums}              ONE completion notice per chunk:
                                                     receiver verifies, marks landed
+    sender <- RESULT {xfer, gen, ok}                once the transfer resolved: to every
+                                                    writer unasked (`finish` sends no
+                                                    FINISH after a grant)
 
 A transfer failed while grants are out resolves once they land or expire (`ttl` +
 a margin on the receiver's clock), so a failed transfer's blocks are never written
@@ -27,10 +30,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from kvtransfer import region_rows as rr
 from kvtransfer import wire
 from kvtransfer.errors import KVTransferError, ProtocolError, TransferTimeout, error_from_kind
 from kvtransfer.layout import Region
-from kvtransfer.memory import Ready, producer_event
+from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
@@ -42,7 +48,7 @@ _GRANT_MARGIN_S = 0.5  # receiver waits this long past a grant's ttl before reus
 class _Grant:
     xfer_id: str
     generation: int
-    regions: list[Region]
+    rows: np.ndarray  # the chunk's regions (`region_rows`), admitted as one write
     timer: asyncio.TimerHandle | None = None
 
 
@@ -55,26 +61,23 @@ class InPlaceReceiver(ReceiverBase):
 
     async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
         xfer_id, gen, req = str(msg["xfer"]), int(msg["gen"]), int(msg["req"])
-        regions = [Region(*r) for r in msg["regions"]]
+        try:
+            rows = rr.rows_from_wire(msg["regions"], self.table.layout)
+        except ValueError as e:
+            raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
         book = self._grants.setdefault(conn.id, {})
         if req in book:
             raise ProtocolError(f"{self.name} reservation {req} is already granted")
-        admitted: list[Region] = []
-        for region in regions:
-            if not self.table.admit(xfer_id, gen, region, conn.id):
-                break
-            admitted.append(region)
-        if len(admitted) < len(regions):
+        # every region of the chunk at once (one write in flight until WRITTEN)
+        if not self.table.admit_rows(xfer_id, gen, rows, conn.id):
             error = self.table.error_of(xfer_id) or self._results.get((xfer_id, gen))
             kind = error.kind if error is not None else "cancelled"
-            for _ in admitted:
-                self.table.released(xfer_id, ProtocolError("reservation refused"))
             await self._send(conn, wire.pack_json(Frame.GRANT, {
                 "req": req, "ok": False, "kind": kind,
                 "message": f"{xfer_id} gen {gen} is fenced or not expected"}))
             return
         ttl = self.config.io_timeout_s
-        book[req] = _Grant(xfer_id, gen, regions, asyncio.get_running_loop().call_later(
+        book[req] = _Grant(xfer_id, gen, rows, asyncio.get_running_loop().call_later(
             ttl + _GRANT_MARGIN_S, self._expire, conn.id, req))
         await self._send(conn, wire.pack_json(Frame.GRANT, {"req": req, "ok": True,
                                                             "ttl": ttl}))
@@ -89,21 +92,22 @@ class InPlaceReceiver(ReceiverBase):
         if grant.timer is not None:
             grant.timer.cancel()
         checksums: list[int] = msg.get("checksums") or []
-        if checksums and len(checksums) != len(grant.regions):
+        if checksums and len(checksums) != len(grant.rows):
             raise ProtocolError("WRITTEN carries a checksum per region or none")
-        verify = bool(checksums) and self.table.is_live(grant.xfer_id, grant.generation)
-        assert self.kv is not None
-        for i, region in enumerate(grant.regions):
-            ok = not verify or self.kv.checksum(region) == checksums[i]
-            self.table.landed(grant.xfer_id, region, ok)
+        bad = None
+        if checksums and self.table.is_live(grant.xfer_id, grant.generation):
+            assert self.kv is not None
+            regions = rr.to_regions(grant.rows, self.table.layout)
+            bad = next((i for i, r in enumerate(regions)
+                        if self.kv.checksum(r) != checksums[i]), None)
+        self.table.landed_rows(grant.xfer_id, grant.rows, bad)
 
     def _expire(self, conn_id: int, req: int) -> None:
         grant = self._grants.get(conn_id, {}).pop(req, None)
         if grant is None:
             return
-        for _ in grant.regions:
-            self.table.released(grant.xfer_id, TransferTimeout(
-                f"{grant.xfer_id}: {self.name} write grant expired"))
+        self.table.released(grant.xfer_id, TransferTimeout(
+            f"{grant.xfer_id}: {self.name} write grant expired"))
 
     def _on_conn_closed(self, conn: Conn) -> None:
         # Outstanding grants stay until they expire: a sender that lost its
@@ -148,6 +152,8 @@ class InPlaceSender(SenderBase):
         grant = await reply_future
         if not grant["ok"]:
             raise error_from_kind(grant["kind"], grant["message"])
+        # granted: we are a writer of the transfer, whose verdict comes to us unasked
+        self._outgoing(peer, xfer_id, generation).answered = True
         deadline = asked + float(grant["ttl"])
         copied = await self._copy(peer, pairs, deadline, ready)
         sums = None if not checksum else await self._checksums(pairs, ready)
@@ -181,7 +187,7 @@ class InPlaceSender(SenderBase):
                 if wait.query():
                     wait = pending.queue[0].copied
                 if not wait.query():
-                    await asyncio.to_thread(wait.synchronize)
+                    await wait_ready(wait)
                 while pending.queue and pending.queue[0].copied.query():
                     n = pending.queue.popleft()
                     n.copied.synchronize()  # done: raises what the copy raised

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -110,6 +111,12 @@ class RegisteredKV:
             raise ValueError("host view of a CUDA KV cache; stage it or use ucx")
         off, n = self.locate(region)
         return self._hosts[region.rank][off:off + n]
+
+    def rank_view(self, rank: int) -> memoryview:
+        """A writable memoryview of one rank's whole host cache (no copy)."""
+        if self._hosts is None:
+            raise ValueError("host view of a CUDA KV cache; stage it or use ucx")
+        return self._hosts[rank]
 
     def tensor_of(self, region: Region) -> torch.Tensor:
         """`region` of its rank's cache as a (strided) tensor view."""
@@ -236,9 +243,30 @@ class Ready(Protocol):
     def synchronize(self) -> None: ...
 
 
+class FutureReady:
+    """A copy running on a thread of the host (`concurrent.futures.Future`) as `Ready`;
+    `wait_ready` awaits it without a thread of its own."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self.future = future
+
+    def query(self) -> bool:
+        return self.future.done()
+
+    def synchronize(self) -> None:
+        self.future.result()
+
+
 async def wait_ready(ready: Ready | None) -> None:
-    """Return once `ready` has completed, without blocking the event loop."""
-    if ready is not None and not ready.query():
+    """Return once `ready` has completed, without blocking the event loop; raises what
+    its work raised. A host copy's future wakes the loop itself; anything else (a CUDA
+    event) is waited for on a worker thread."""
+    if ready is None or ready.query():
+        return
+    if isinstance(ready, FutureReady):
+        # shielded: a waiter cancelled (a disconnect) leaves a queued copy to run
+        await asyncio.shield(asyncio.wrap_future(ready.future))
+    else:
         await asyncio.to_thread(ready.synchronize)
 
 

@@ -277,9 +277,8 @@ class ReceiverBase:
         await self._send(conn, _result_frame(xfer_id, gen, error))
 
     async def _send(self, conn: Conn, data: bytes) -> None:
-        async with conn.send_lock:
-            await asyncio.wait_for(wire.send_all(asyncio.get_running_loop(), conn.sock, data),
-                                   self.config.io_timeout_s)
+        async with conn.send_lock, asyncio.timeout(self.config.io_timeout_s):
+            await wire.send_all(asyncio.get_running_loop(), conn.sock, data)
 
     def _on_resolved(self, xfer_id: str, gen: int, error: KVTransferError | None,
                      writers: set[int]) -> None:

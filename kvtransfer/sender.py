@@ -42,6 +42,9 @@ class _Outgoing:
     verdict: asyncio.Future[None]
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
+    # The receiver sends its verdict unasked (it admitted a write of ours: we are a
+    # writer of the transfer), so `finish` need not send FINISH.
+    answered: bool = False
 
 
 class Peer:
@@ -152,24 +155,17 @@ class SenderBase:
         if out.verdict.done():
             out.verdict.result()  # raises the receiver's error (cancelled, timeout...)
         assert self.kv is not None
-        pairs = coalesce(src_regions, dst_regions, self.kv.layout)
-        dst_tp = int(peer.welcome.get("tp", 1))
-        if self.kv.tp > 1 or dst_tp > 1:  # each rank's heads to the rank(s) taking them
-            pairs = rank_pairs(pairs, self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)
-        for src, _ in pairs:
-            self.kv.check(src)
+        pairs, nbytes = self._pairs(src_regions, dst_regions, int(peer.welcome.get("tp", 1)))
         use_checksum = self.config.checksum if checksum is None else checksum
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(
-                self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready),
-                timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):  # no task of its own (wait_for's costs turns)
+                await self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready)
+        except TimeoutError:
             error = TransferTimeout(f"{xfer_id}: write not delivered within {timeout}s")
             self._fail_peer(peer, error)  # a frame may be half-sent: the stream is unusable
             self.metrics.failure(error.kind)
             raise error from None
-        nbytes = sum(self.kv.region_bytes(s) for s, _ in pairs)
         out.nbytes += nbytes
         self.metrics.bytes.inc(nbytes)
 
@@ -183,13 +179,14 @@ class SenderBase:
         out = self._outgoing(peer, xfer_id, gen)
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
-            if not out.verdict.done():
+            if not out.verdict.done() and not out.answered:
                 peer.check()
                 await self._send_frame(peer, wire.pack_json(
                     Frame.FINISH, {"xfer": xfer_id, "gen": gen}))
-            await asyncio.wait_for(asyncio.shield(out.verdict), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(out.verdict)
             self.metrics.completed(time.perf_counter() - out.started, out.nbytes)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.failure("timeout")
             raise TransferTimeout(f"{xfer_id}: no verdict within {timeout}s") from None
         except KVTransferError as e:
@@ -225,6 +222,29 @@ class SenderBase:
             await self.disconnect(peer)
         self._close_memory()
         self.kv = None  # nothing that still refers to this sender keeps the cache alive
+
+    def _pairs(self, src_regions: Sequence[Region], dst_regions: Sequence[Region],
+               dst_tp: int) -> tuple[list[tuple[Region, Region]], int]:
+        """The (src, dst) region pairs a write moves, coalesced and checked against the
+        local cache, and their bytes. ValueError for a region outside it."""
+        assert self.kv is not None
+        layout = self.kv.layout
+        if self.kv.tp == 1 and dst_tp == 1 and len(src_regions) == len(dst_regions) \
+                and all(map(_single_block, src_regions)) and all(map(_single_block, dst_regions)):
+            pairs = _coalesce_blocks(src_regions, dst_regions)
+            first = min(s.block_id for s, _ in pairs)
+            last = max(s.block_id + s.num_blocks for s, _ in pairs)
+            if first < 0 or last > self.kv.num_blocks:
+                bad = next(s for s, _ in pairs
+                           if s.block_id < 0 or s.block_id + s.num_blocks > self.kv.num_blocks)
+                self.kv.check(bad)  # raises, naming it
+            return pairs, len(src_regions) * layout.block_bytes
+        pairs = coalesce(src_regions, dst_regions, layout)
+        if self.kv.tp > 1 or dst_tp > 1:  # each rank's heads to the rank(s) taking them
+            pairs = rank_pairs(pairs, layout.num_kv_heads, self.kv.tp, dst_tp)
+        for src, _ in pairs:
+            self.kv.check(src)
+        return pairs, sum(self.kv.region_bytes(s) for s, _ in pairs)
 
     # ----- transport hooks ----------------------------------------------------------
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
@@ -338,3 +358,28 @@ class SenderBase:
         # error; disconnect() closes it once they are gone.
         with contextlib.suppress(OSError):
             peer.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _single_block(r: Region) -> bool:
+    """A whole block of rank 0, every head (what a hand-off of whole blocks is made of)."""
+    return (r.num_blocks == 1 and r.layer_start == 0 and r.layer_end is None
+            and r.rank == 0 and r.head_start == 0 and r.head_end is None)
+
+
+def _coalesce_blocks(src: Sequence[Region], dst: Sequence[Region],
+                     ) -> list[tuple[Region, Region]]:
+    """`layout.coalesce` of single whole blocks, on their ids: blocks consecutive on both
+    sides become one region (the others stay the caller's objects)."""
+    out: list[tuple[Region, Region]] = []
+    run = 0  # blocks in the run that ends at out[-1]
+    next_s = next_d = -1
+    for s, d in zip(src, dst, strict=True):
+        if s.block_id == next_s and d.block_id == next_d:
+            run += 1
+            ps, pd = out[-1]
+            out[-1] = (Region(ps.block_id, num_blocks=run), Region(pd.block_id, num_blocks=run))
+        else:
+            run = 1
+            out.append((s, d))
+        next_s, next_d = s.block_id + 1, d.block_id + 1
+    return out

@@ -16,11 +16,19 @@ import numpy as np
 import torch
 
 from engine.rank_segments import reserve
+from kvtransfer import region_rows as rr
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
-from kvtransfer.memory import RankCaches, Ready, byte_array, torch_dtype, wait_ready
+from kvtransfer.memory import (
+    RankCaches,
+    Ready,
+    byte_array,
+    host_bytes,
+    torch_dtype,
+    wait_ready,
+)
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
@@ -159,12 +167,21 @@ class ShmSender(InPlaceSender):
         _, caches, layout = peer.state
         total = caches[0].shape[0]
         # A CUDA cache's regions come over to the host a batch of blocks at a time
+        if time.monotonic() >= deadline:
+            raise TransferTimeout("shm grant expired before the copy")
+        src_rows = rr.rows_of((s for s, _ in pairs), self.kv.rank_layout)
+        dst_rows = rr.rows_of((d for _, d in pairs), layout)
+        rr.check_rows(dst_rows, layout, total, len(caches))
+        flat = rr.whole_heads(src_rows, self.kv.rank_layout) & rr.whole_heads(dst_rows, layout)
+        if not self.kv.is_cuda and flat.all():
+            # byte ranges on both sides: one memcpy each, offsets computed at once
+            self._copy_ranges(caches, src_rows, dst_rows, layout)
+            return None
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
         for src, dst in pairs:
             if time.monotonic() >= deadline:
                 raise TransferTimeout("shm grant expired before the copy")
-            dst.check(layout, total, len(caches))
             out = byte_array(caches[dst.rank], dst, layout)
             # one strided copy from the source rank's cache into the destination rank's
             if staged is None:
@@ -172,6 +189,20 @@ class ShmSender(InPlaceSender):
             else:
                 np.copyto(out, next(staged).cpu().numpy().reshape(out.shape))
         return None
+
+    def _copy_ranges(self, caches: list[torch.Tensor], src_rows: np.ndarray,
+                     dst_rows: np.ndarray, layout: KVLayout) -> None:
+        """Whole-head rows of the local host cache into the mapped `caches`."""
+        assert self.kv is not None
+        there = [host_bytes(c) for c in caches]
+        here = [self.kv.rank_view(r) for r in range(self.kv.tp)]
+        sizes = rr.nbytes(src_rows, self.kv.rank_layout).tolist()
+        for s_rank, s, d_rank, d, n in zip(src_rows[:, rr.RANK].tolist(),
+                                           rr.offsets(src_rows, self.kv.rank_layout).tolist(),
+                                           dst_rows[:, rr.RANK].tolist(),
+                                           rr.offsets(dst_rows, layout).tolist(), sizes,
+                                           strict=True):
+            there[d_rank][d:d + n] = here[s_rank][s:s + n]
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None:

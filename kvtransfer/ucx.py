@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from kvtransfer import bounce
+from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
@@ -340,6 +341,22 @@ class UcxSender(InPlaceSender):
         assert self.kv is not None
         kv = self.kv
         layout = rank_layout(kv.layout, len(remote.bases))
+        if not pairs:
+            return {}
+        src_rows = rr.rows_of((s for s, _ in pairs), kv.rank_layout)
+        dst_rows = rr.rows_of((d for _, d in pairs), layout)
+        flat = rr.whole_heads(src_rows, kv.rank_layout) & rr.whole_heads(dst_rows, layout)
+        if flat.all():  # byte ranges on both sides: every row computed at once
+            starts = np.array([int(t.data_ptr()) for t in kv.tensors], dtype=np.int64)
+            remote_bases = np.array(remote.bases, dtype=np.int64)
+            rows = np.stack([starts[src_rows[:, rr.RANK]]
+                             + rr.offsets(src_rows, kv.rank_layout),
+                             rr.nbytes(src_rows, kv.rank_layout),
+                             remote_bases[dst_rows[:, rr.RANK]] + rr.offsets(dst_rows, layout)],
+                            axis=1)
+            keys = src_rows[:, rr.RANK] * len(remote.bases) + dst_rows[:, rr.RANK]
+            return {(int(k) // len(remote.bases), int(k) % len(remote.bases)):
+                    rows[keys == k] for k in np.unique(keys)}
         there = torch.empty(layout.tensor_shape(remote.nbytes // layout.block_bytes),
                             dtype=kv.tensor.dtype, device="meta")  # strides only
         parts: dict[tuple[int, int], list[np.ndarray]] = {}

@@ -1,0 +1,162 @@
+"""Regions as rows of one int64 array: the per-region bookkeeping of a hand-off done
+by numpy over all of them at once.
+
+A scattered hand-off is one region per block (an 8k-token prompt: 512 regions per
+write); checking, sizing and locating them one `Region` object at a time costs several
+microseconds each on both sides. A row is the region with its open ends resolved
+against the layout:
+
+    | block_id | layer_start | layer_end | num_blocks | rank | head_start | head_end |
+
+Every function here gives what the same `Region` method gives for each row (the
+tests hold them to that); torch-free, like `kvtransfer.layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvtransfer.layout import KVLayout, Region
+
+BLOCK, LAYER_START, LAYER_END, NUM_BLOCKS, RANK, HEAD_START, HEAD_END = range(7)
+# the columns that say which cells of each of its blocks a row covers
+SLICE = [LAYER_START, LAYER_END, RANK, HEAD_START, HEAD_END]
+# Up to this many rows, one Region at a time costs less than numpy's per-call overhead
+FEW = 8
+
+
+def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
+    """[n, 7] int64: `regions` with `layer_end` / `head_end` None resolved."""
+    layers, heads = layout.num_layers, layout.num_kv_heads
+    flat = [(r.block_id, r.layer_start, layers if r.layer_end is None else r.layer_end,
+             r.num_blocks, r.rank, r.head_start, heads if r.head_end is None else r.head_end)
+            for r in regions]
+    return np.array(flat, dtype=np.int64).reshape(-1, 7)
+
+
+def rows_from_wire(items: Sequence[Sequence[int | None]], layout: KVLayout) -> np.ndarray:
+    """Rows from `Region` field lists, all seven fields each (a RESERVE's regions;
+    None: open end). ValueError for anything else."""
+    if len(items) <= FEW:
+        layers, heads = layout.num_layers, layout.num_kv_heads
+        try:
+            return np.array([(b, ls, layers if le is None else le, n, rank, hs,
+                              heads if he is None else he)
+                             for b, ls, le, n, rank, hs, he in items],
+                            dtype=np.int64).reshape(-1, 7)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"regions must be seven integers each: {e}") from None
+    cells = np.array(items, dtype=object).reshape(-1, 7)
+    for col, end in ((LAYER_END, layout.num_layers), (HEAD_END, layout.num_kv_heads)):
+        column = cells[:, col]
+        cells[:, col] = np.where([c is None for c in column], end, column)
+    try:
+        return cells.astype(np.int64)
+    except TypeError as e:
+        raise ValueError(f"regions must be integers: {e}") from None
+
+
+def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:
+    """The `Region`s of `rows`, open ends None again where they cover everything."""
+    layers, heads = layout.num_layers, layout.num_kv_heads
+    return [Region(b, ls, None if le == layers else le, n, rank, hs,
+                   None if he == heads else he)
+            for b, ls, le, n, rank, hs, he in rows.tolist()]
+
+
+def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 1) -> None:
+    """`Region.check` of every row: ValueError (that of the first bad row) unless all
+    lie in `tp` rank caches of `total_blocks` blocks of `layout`."""
+    if len(rows) <= FEW:
+        for region in to_regions(rows, layout):
+            region.check(layout, total_blocks, tp)
+        return
+    r = rows.T
+    ok = ((r[RANK] >= 0) & (r[RANK] < tp) & (r[HEAD_START] >= 0)
+          & (r[HEAD_START] < r[HEAD_END]) & (r[HEAD_END] <= layout.num_kv_heads)
+          & (r[LAYER_START] >= 0) & (r[LAYER_START] < r[LAYER_END])
+          & (r[LAYER_END] <= layout.num_layers) & (r[NUM_BLOCKS] >= 1) & (r[BLOCK] >= 0)
+          & (r[BLOCK] + r[NUM_BLOCKS] <= total_blocks)
+          & ((r[NUM_BLOCKS] == 1) | ((r[LAYER_START] == 0)
+                                     & (r[LAYER_END] == layout.num_layers))))
+    if not ok.all():
+        bad = rows[int(np.argmin(ok))]
+        to_regions(bad[None], layout)[0].check(layout, total_blocks, tp)
+        raise ValueError(f"{bad.tolist()} lies outside the cache")  # not reached
+
+
+def whole_heads(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """`Region.whole_heads` per row: where the row is one byte range of its rank."""
+    return (rows[:, HEAD_START] == 0) & (rows[:, HEAD_END] == layout.num_kv_heads)
+
+
+def cells_and_bytes(rows: np.ndarray, layout: KVLayout) -> tuple[int, int]:
+    """(cells, bytes) the rows cover in all: what `fencing` counts as landed."""
+    if len(rows) <= FEW:
+        cells = [n * (le - ls) * (he - hs) for _, ls, le, n, _, hs, he in rows.tolist()]
+        return sum(cells), sum(cells) * layout.layer_bytes // layout.num_kv_heads
+    counts = rows[:, NUM_BLOCKS] * (rows[:, LAYER_END] - rows[:, LAYER_START]) \
+        * (rows[:, HEAD_END] - rows[:, HEAD_START])
+    total = int(counts.sum())
+    return total, total * layout.layer_bytes // layout.num_kv_heads
+
+
+def nbytes(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """`Region.nbytes` per row."""
+    return (rows[:, NUM_BLOCKS] * (rows[:, LAYER_END] - rows[:, LAYER_START])
+            * layout.layer_bytes * (rows[:, HEAD_END] - rows[:, HEAD_START])
+            // layout.num_kv_heads)
+
+
+def offsets(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """Byte offset of each row in its rank's cache (`Region.resolve`'s first value;
+    meaningful for whole-head rows)."""
+    layer_bytes = layout.layer_bytes
+    return rows[:, BLOCK] * (layout.num_layers * layer_bytes) \
+        + rows[:, LAYER_START] * layer_bytes
+
+
+def cell_mask(row: Sequence[int], layout: KVLayout) -> int:
+    """The cells of one block that `row` covers, as `fencing` counts them: bit
+    (rank * heads + head) * layers + layer."""
+    _, start, end, _, rank, first, last = row
+    layers = ((1 << (end - start)) - 1) << start
+    mask = 0
+    for head in range(rank * layout.num_kv_heads + first, rank * layout.num_kv_heads + last):
+        mask |= layers << (head * layout.num_layers)
+    return mask
+
+
+def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
+    """Rows grouped by the cells they cover in each block: [(a row's slice columns,
+    every block id of the group's rows, in row order)]. A scattered hand-off of whole
+    blocks is one group."""
+    if len(rows) <= FEW:  # a group per row: fewer calls than grouping them
+        return [((ls, le, rank, hs, he), list(range(b, b + n)))
+                for b, ls, le, n, rank, hs, he in rows.tolist()]
+    keys = rows[:, SLICE]
+    if (keys == keys[0]).all():
+        groups = [(keys[0], rows)]
+    else:
+        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        groups = [(uniq[g], rows[inverse == g]) for g in range(len(uniq))]
+    return [(tuple(key.tolist()), block_ids(part).tolist()) for key, part in groups]
+
+
+def block_ids(rows: np.ndarray) -> np.ndarray:
+    """Every block id the rows cover, row by row."""
+    counts = rows[:, NUM_BLOCKS]
+    if (counts == 1).all():
+        return rows[:, BLOCK].copy()
+    starts = np.repeat(rows[:, BLOCK] - np.cumsum(counts) + counts, counts)
+    return starts + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def slice_row(key: tuple[int, ...]) -> tuple[int, ...]:
+    """A row (block 0, one block) of a `by_slice` key, for `cell_mask`."""
+    start, end, rank, first, last = key
+    return (0, start, end, 1, rank, first, last)
+

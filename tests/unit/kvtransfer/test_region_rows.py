@@ -1,0 +1,179 @@
+"""Regions as numpy rows (`kvtransfer.region_rows`) and the table's batched admission,
+held to the per-region and per-cell definitions they replace on the hot path."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+
+from kvtransfer import KVLayout, Region, coalesce
+from kvtransfer import region_rows as rr
+from kvtransfer.errors import ProtocolError
+from kvtransfer.fencing import TransferTable
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.sender import _coalesce_blocks
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
+BLOCKS = 64
+
+
+def random_region(rng: random.Random, tp: int = 2) -> Region:
+    """Mostly valid regions, some outside the cache in each way a field can be."""
+    n = rng.choice([1, 1, 1, 2, 3])
+    start = 0 if n > 1 and rng.random() < 0.9 else rng.randrange(-1, 4)
+    end = rng.choice([None, None, rng.randrange(0, 6)])
+    first = rng.choice([0, 0, rng.randrange(-1, 3)])
+    return Region(rng.randrange(-1, BLOCKS + 1), start, end, n, rng.choice([0, 0, 1, tp]),
+                  first, rng.choice([None, None, rng.randrange(0, 4)]))
+
+
+def cells(region: Region, layout: KVLayout) -> set[tuple[int, int]]:
+    """(block, cell bit) of every cell `region` covers, one by one."""
+    start, end = region.layers(layout)
+    first, last = region.heads(layout)
+    return {(b, (region.rank * layout.num_kv_heads + h) * layout.num_layers + layer)
+            for b in range(region.block_id, region.block_id + region.num_blocks)
+            for h in range(first, last) for layer in range(start, end)}
+
+
+def check_error(region: Region, tp: int) -> str | None:
+    try:
+        region.check(LAYOUT, BLOCKS, tp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("n", [1, rr.FEW, rr.FEW + 1, 200])
+def test_rows_agree_with_each_region(n: int) -> None:
+    rng = random.Random(n)
+    checked = 0
+    for trial in range(40):
+        regions = [random_region(rng) for _ in range(n)]
+        while trial % 2 and len(regions) > len(valid := [
+                r for r in regions if check_error(r, 2) is None]):  # every other: all valid
+            regions = valid + [random_region(rng) for _ in range(n - len(valid))]
+        rows = rr.rows_of(regions, LAYOUT)
+        same = [Region(r.block_id, r.layer_start,
+                       None if r.layers(LAYOUT)[1] == 4 else r.layer_end, r.num_blocks, r.rank,
+                       r.head_start, None if r.heads(LAYOUT)[1] == 2 else r.head_end)
+                for r in regions]  # open ends where they cover everything
+        assert rr.to_regions(rows, LAYOUT) == same
+        wire = [[r.block_id, r.layer_start, r.layer_end, r.num_blocks, r.rank, r.head_start,
+                 r.head_end] for r in regions]
+        assert (rr.rows_from_wire(wire, LAYOUT) == rows).all()
+        errors = [e for e in (check_error(r, 2) for r in same) if e is not None]
+        if errors:  # the first bad region's own error
+            with pytest.raises(ValueError) as raised:
+                rr.check_rows(rows, LAYOUT, BLOCKS, 2)
+            assert str(raised.value) == errors[0]
+            continue
+        rr.check_rows(rows, LAYOUT, BLOCKS, 2)
+        assert rr.nbytes(rows, LAYOUT).tolist() == [r.nbytes(LAYOUT) for r in regions]
+        whole = rr.whole_heads(rows, LAYOUT)
+        assert whole.tolist() == [r.whole_heads(LAYOUT) for r in regions]
+        assert [o for o, w in zip(rr.offsets(rows, LAYOUT).tolist(), whole, strict=True) if w] \
+            == [r.resolve(LAYOUT, BLOCKS)[0] for r in regions if r.whole_heads(LAYOUT)]
+        assert rr.block_ids(rows).tolist() == [
+            b for r in regions for b in range(r.block_id, r.block_id + r.num_blocks)]
+        # by_slice: the same (block, cell) pairs as region by region, cell by cell
+        grouped = {(b, bit) for key, blocks in rr.by_slice(rows) for b in blocks
+                   for bit in range(64) if rr.cell_mask(rr.slice_row(key), LAYOUT) >> bit & 1}
+        assert grouped == set().union(*(cells(r, LAYOUT) for r in regions))
+        checked += 1
+    assert checked >= 20  # the all-valid half at least
+
+
+def test_rows_from_wire_refuses_what_is_not_seven_integers() -> None:
+    with pytest.raises(ValueError):
+        rr.rows_from_wire([[1, 0, None, 1]], LAYOUT)
+    with pytest.raises(ValueError):
+        rr.rows_from_wire([[1, 0, "x", 1, 0, 0, None]], LAYOUT)
+
+
+def test_block_coalescing_matches_coalesce() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        n = rng.randrange(1, 40)
+        src = sorted(rng.sample(range(100), n))
+        dst = [d for d in (rng.randrange(100) for _ in range(n))]
+        for i in range(1, n):  # runs on both sides now and then
+            if rng.random() < 0.4:
+                src[i], dst[i] = src[i - 1] + 1, dst[i - 1] + 1
+        s, d = [Region(b) for b in src], [Region(b) for b in dst]
+        assert _coalesce_blocks(s, d) == coalesce(s, d, LAYOUT)
+
+
+def run(coro_fn) -> None:  # type: ignore[no-untyped-def]
+    asyncio.run(coro_fn())
+
+
+def test_a_scattered_write_admitted_at_once_completes_as_region_by_region() -> None:
+    """`admit_rows` + `landed_rows` of a chunk resolve the transfer exactly where
+    `admit` + `landed` of each of its regions would, with its bytes."""
+    async def main() -> None:
+        blocks = random.Random(5).sample(range(BLOCKS), 40)
+        regions = [Region(b) for b in blocks[:30]] + [Region(b, 1, 3) for b in blocks[30:]]
+        one, batched = (TransferTable(LAYOUT, BLOCKS, TransferMetrics("receiver", n))
+                        for n in ("one", "batched"))
+        by_one = one.expect("x", regions, 1, 5)
+        by_rows = batched.expect("x", rr.rows_of(regions, LAYOUT), 1, 5)
+        first, second = rr.rows_of(regions[:25], LAYOUT), rr.rows_of(regions[25:], LAYOUT)
+        for part in (regions[:25], regions[25:]):
+            for r in part:
+                assert one.admit("x", 1, r, writer=1)
+                one.landed("x", r)
+        assert batched.admit_rows("x", 1, first, writer=1)
+        batched.check_integrity()
+        assert not by_rows.done()
+        batched.landed_rows("x", first)
+        assert batched.admit_rows("x", 1, second, writer=1)
+        batched.landed_rows("x", second)
+        await by_one
+        await by_rows
+        for table in (one, batched):
+            assert table.metrics.value("splitserve:kv_transfer_request_bytes_sum") == \
+                30 * LAYOUT.block_bytes + 10 * 2 * LAYOUT.layer_bytes
+
+    run(main)
+
+
+@pytest.mark.parametrize("bad", ["claimed twice", "repeated in the write", "not expected",
+                                 "outside the cache"])
+def test_a_write_with_one_wrong_region_fails_the_transfer(bad: str) -> None:
+    async def main() -> None:
+        table = TransferTable(LAYOUT, BLOCKS, TransferMetrics("receiver", "t"))
+        done = table.expect("x", [Region(b) for b in range(0, 40, 2)], 1, 5)
+        if bad == "claimed twice":
+            assert table.admit_rows("x", 1, rr.rows_of([Region(2)], LAYOUT), writer=1)
+        write = [Region(b) for b in range(0, 20, 2)]
+        write.append({"claimed twice": Region(2), "repeated in the write": Region(4),
+                      "not expected": Region(3), "outside the cache": Region(BLOCKS)}[bad])
+        rows = rr.rows_of(write, LAYOUT)
+        assert not table.admit_rows("x", 1, rows, writer=1)
+        if bad == "claimed twice":
+            table.landed_rows("x", rr.rows_of([Region(2)], LAYOUT))
+        with pytest.raises(ProtocolError):
+            await done
+        table.check_integrity()
+        # stale from now on: dropped and counted, nothing claimed
+        assert not table.admit_rows("x", 1, rows, writer=1)
+        assert table.metrics.value("splitserve:kv_transfer_stale_writes_dropped_total") == 1
+
+    run(main)
+
+
+def test_expect_of_rows_refuses_overlaps_like_regions() -> None:
+    async def main() -> None:
+        table = TransferTable(LAYOUT, BLOCKS, TransferMetrics("receiver", "t"))
+        table.expect("x", [Region(3, 0, 2), Region(3, 2, 4), Region(5)], 1, 5)
+        for overlap in ([Region(5)], [Region(7), Region(7, 1, 2)], [Region(8), Region(8)]):
+            with pytest.raises(ValueError, match="already expected"):
+                table.expect("y", rr.rows_of(overlap, LAYOUT), 1, 5)
+        table.check_integrity()
+        assert np.array_equal(rr.rows_of([], LAYOUT), np.empty((0, 7), dtype=np.int64))
+
+    run(main)
