@@ -277,7 +277,7 @@ class ReceiverBase:
         await self._send(conn, _result_frame(xfer_id, gen, error))
 
     async def _send(self, conn: Conn, data: bytes) -> None:
-        async with conn.send_lock, asyncio.timeout(self.config.io_timeout_s):
+        async with conn.send_lock, wire.deadline(self.config.io_timeout_s):
             await wire.send_all(asyncio.get_running_loop(), conn.sock, data)
 
     def _on_resolved(self, xfer_id: str, gen: int, error: KVTransferError | None,

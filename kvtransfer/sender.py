@@ -159,7 +159,7 @@ class SenderBase:
         use_checksum = self.config.checksum if checksum is None else checksum
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(timeout):  # no task of its own (wait_for's costs turns)
+            async with wire.deadline(timeout):
                 await self._send_regions(peer, pairs, xfer_id, generation, use_checksum, ready)
         except TimeoutError:
             error = TransferTimeout(f"{xfer_id}: write not delivered within {timeout}s")
@@ -183,7 +183,7 @@ class SenderBase:
                 peer.check()
                 await self._send_frame(peer, wire.pack_json(
                     Frame.FINISH, {"xfer": xfer_id, "gen": gen}))
-            async with asyncio.timeout(timeout):
+            async with wire.deadline(timeout):
                 await asyncio.shield(out.verdict)
             self.metrics.completed(time.perf_counter() - out.started, out.nbytes)
         except TimeoutError:

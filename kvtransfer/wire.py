@@ -26,12 +26,19 @@ import json
 import os
 import socket
 import struct
+import sys
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from kvtransfer.errors import PeerUnavailable, ProtocolError, VersionMismatch
 from kvtransfer.layout import Region
+
+# A deadline scope on the hand-off's path: no task of its own, as wait_for's would be.
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as deadline
+else:  # Python 3.10 (a dependency of redis's there too)
+    from async_timeout import timeout as deadline  # noqa: F401
 
 # Bump on any change a peer of the previous version would misread. History:
 #   1: WRITE frames carry the bytes (tcp, shm); ucx as tagged messages.
