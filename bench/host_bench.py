@@ -9,12 +9,11 @@ engine instance it builds; nothing in the engine changes):
     # | schedule | inputs | forward | sample | update | outputs | other |
 
 `schedule`: Scheduler.schedule; `inputs`: StepInputBuilder.build; `forward`: the model
-call (the tiny model's CPU forward, the reference, not host overhead); `sample`:
-ModelRunner.sample and reading the tokens; `update`: Scheduler.update_from_output;
-`outputs`: stop checks, detokenization and RequestOutputs (DELTA, as a worker streams
-them); `other`: the rest of
-`LLMEngine.step`. Host time is the step minus `forward`; on a GPU it is what the device
-waits for unless async scheduling hides it behind the forward.
+call and its LM head (the tiny model's CPU forward, the reference, not host overhead);
+`sample`: ModelRunner.sample and reading the tokens; `update`:
+Scheduler.update_from_output; `outputs`: stop checks, detokenization and RequestOutputs
+(DELTA, as a worker streams them); `other`: the rest of `LLMEngine.step`. Host time is
+the step minus `forward`; on a GPU it is what the device waits for unless async scheduling hides it behind the forward.
 """
 
 from __future__ import annotations
@@ -95,6 +94,7 @@ def instrument(engine: Any) -> PhaseTimer:
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.inputs, "build", "inputs")
     timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner.model, "compute_logits", "forward")  # the LM head: device work too
     timer.wrap(engine.scheduler, "update_from_output", "update")
     timer.wrap(engine, "_step_outputs", "outputs")
     if engine.async_steps is not None:

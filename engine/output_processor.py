@@ -17,6 +17,7 @@ from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY  # (per request)
 
 
 @dataclass(slots=True)
@@ -92,7 +93,7 @@ class OutputProcessor:
     def emit(self, req: Request, final: bool) -> list[RequestOutput]:
         """`req`'s output to deliver (none, or several, for a sample group's member)."""
         if not final and not req.hold_kv \
-                and req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                and req.sampling_params.output_kind is _FINAL_ONLY:
             return []  # the final output's delta is then everything
         group = self.groups.get(req.request_id)
         if group is None:
@@ -121,7 +122,7 @@ class OutputProcessor:
         new_text = track.detok.take_delta(final)
         p = req.sampling_params
         logprobs = None
-        if p.output_kind is RequestOutputKind.DELTA:
+        if p.output_kind is _DELTA:
             token_ids, text = new_ids, new_text
             if p.logprobs is not None:  # the newest ones (resumed tokens have none)
                 logprobs = req.logprobs[max(0, len(req.logprobs) - len(new_ids)):]
