@@ -130,15 +130,21 @@ class OutputProcessor:
             token_ids, text = list(req.output_token_ids), track.detok.text
             if p.logprobs is not None:
                 logprobs = list(req.logprobs)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             token_ids=token_ids, text=text, new_token_ids=new_ids, new_text=new_text,
             num_output_tokens=req.num_output_tokens,
-            finished=final, finish_reason=req.status.value if final else None,
-            stop_reason=req.stop_reason if final else None,
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
             logprobs=logprobs, index=req.index, cumulative_logprob=req.cumulative_logprob,
-            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs is not None else None,
-            num_computed_tokens=req.num_computed_tokens,
-            block_ids=self.block_ids(req.request_id) if req.hold_kv else None)
+            num_computed_tokens=req.num_computed_tokens)
+        # The rest only where set: a keyword costs as much as a field (every step, each
+        # request).
+        if final:
+            out.finished, out.finish_reason = True, req.status.value
+            out.stop_reason = req.stop_reason
+        if p.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
+        if req.hold_kv:
+            out.block_ids = self.block_ids(req.request_id)
+        return out
