@@ -161,6 +161,15 @@ def has_penalty(p: SamplingParams) -> bool:
         or p.repetition_penalty != 1.0
 
 
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that changes the logits (grammar, penalties, logit_bias,
+    min_tokens): the row is the argmax of its raw logits."""
+    p = r.sampling_params
+    return p.temperature == 0.0 and r.grammar is None and not p.logit_bias \
+        and not p.min_tokens and p.presence_penalty == 0.0 \
+        and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -182,14 +191,17 @@ class Sampler:
         (async scheduling); the penalties count them as the synchronous loop would."""
         if not requests:
             return DeviceTokens(torch.empty(0, dtype=torch.int64, device=logits.device), [])
-        if any(r.grammar is not None for r in requests):  # structured outputs, first of all
-            apply_grammar_masks(logits, requests)
         params = [r.sampling_params for r in requests]
         ks = [p.logprobs for p in params]
+        if all(_plain_greedy(r) for r in requests):
+            ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
+            return DeviceTokens(ids, ks, _pack(logits, ids, ks))
+        if any(r.grammar is not None for r in requests):  # structured outputs, first of all
+            apply_grammar_masks(logits, requests)
         penalties = any(has_penalty(p) for p in params)
         edits = self._logit_edits(requests)
         if not penalties and edits is None and all(p.greedy for p in params):
-            ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
+            ids = logits.argmax(dim=-1)
             return DeviceTokens(ids, ks, _pack(logits, ids, ks))
         rows = self._rows(requests, logits.shape[1])
         processed = logits
