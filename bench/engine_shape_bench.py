@@ -152,7 +152,7 @@ def _sync(device: torch.device) -> None:
 
 def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[float, list[StepRecord]]:
     """Runs the workload to completion on `llm`'s engine; returns (seconds, steps)."""
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
     rec = _Recorder()
@@ -161,15 +161,17 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[floa
         _sync(device)
         t0 = time.perf_counter()
         for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):
+            # one output per request, at its end: LLM.generate's (and the peers') offline run
             engine.add_request(f"bench-{w.name}-{i}", p, SamplingParams(
-                max_tokens=o, temperature=w.temperature, ignore_eos=True))
+                max_tokens=o, temperature=w.temperature, ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY))
         produced = 0
         while engine.has_work():
             s0 = time.perf_counter()
             outs = engine.step()
             _sync(device)
             rec.record(time.perf_counter() - s0)
-            produced += sum(len(o.token_ids) for o in outs if o.finished)
+            produced += sum(o.num_output_tokens for o in outs if o.finished)
         seconds = time.perf_counter() - t0
     finally:
         del engine.scheduler.schedule  # back to the class's method

@@ -9,11 +9,11 @@ engine instance it builds; nothing in the engine changes):
     # | schedule | inputs | forward | sample | update | outputs | other |
 
 `schedule`: Scheduler.schedule; `inputs`: StepInputBuilder.build; `forward`: the model
-call (the tiny model's CPU forward, the reference, not host overhead); `sample`:
-ModelRunner.sample and reading the tokens; `update`: Scheduler.update_from_output;
-`outputs`: stop checks, detokenization and RequestOutputs; `other`: the rest of
-`LLMEngine.step`. Host time is the step minus `forward`; on a GPU it is what the device
-waits for unless async scheduling hides it behind the forward.
+call and its LM head (the tiny model's CPU forward, the reference, not host overhead);
+`sample`: ModelRunner.sample and reading the tokens; `update`:
+Scheduler.update_from_output; `outputs`: stop checks, detokenization and RequestOutputs
+(DELTA, as a worker streams them); `other`: the rest of `LLMEngine.step`. Host time is
+the step minus `forward`; on a GPU it is what the device waits for unless async scheduling hides it behind the forward.
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def instrument(engine: Any, timer: PhaseTimer | None = None) -> PhaseTimer:
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner.inputs, "build", "inputs")
     timer.wrap(runner.model, "forward", "forward")
+    timer.wrap(runner.model, "compute_logits", "forward")  # the LM head: device work too
     timer.wrap(engine.scheduler, "update_from_output", "update")
     timer.wrap(engine, "_step_outputs", "outputs")
     if engine.async_steps is not None:
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer's first use
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     torch.set_num_threads(1)
 
@@ -163,8 +164,10 @@ def run(args: argparse.Namespace) -> int:
         engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
         timer = instrument(engine)
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=o, temperature=0,
-                                                          ignore_eos=True))
+            # streamed, as a worker serves them: each output carries its step's delta
+            engine.add_request(f"r{i}", p, SamplingParams(
+                max_tokens=o, temperature=0, ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA))
         while engine.scheduler.waiting or any(
                 r.num_output_tokens < WARMUP_TOKENS for r in engine.scheduler.running):
             engine.step()  # prefills, then a few decode steps

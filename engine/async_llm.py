@@ -126,6 +126,11 @@ _Item = RequestOutput | RemoteAlloc | Exception
 _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[_Item]"]
 
 
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, kv_cache: torch.Tensor | None = None,
                  offload: KVOffload | None = None, handoff: KVHandoff | None = None) -> None:
@@ -274,6 +279,22 @@ class AsyncLLM:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
+    def _deliver_step(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs: one wake-up per event loop for all of them (each
+        `call_soon_threadsafe` writes to the loop's self-pipe, a system call)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+        with self._lock:
+            for out in outs:
+                stream = self._streams.pop(out.request_id, None) if out.finished \
+                    else self._streams.get(out.request_id)
+                if stream is not None:
+                    batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
     def _apply(self, cmd: _Cmd) -> None:
         eng = self.engine
         if isinstance(cmd, _Abort):
@@ -328,8 +349,7 @@ class AsyncLLM:
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out, last=out.finished)
+                self._deliver_step(self.engine.step())
                 step_sink = self._step_sink
                 if step_sink is not None and self.engine.last_step_tokens:
                     step_sink(self.engine.last_step_tokens)

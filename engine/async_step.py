@@ -45,6 +45,7 @@ with no overlap. On CUDA the device runs step k while the host builds step k+1.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,8 +76,12 @@ class StepTokens:
         self.sampling = list(sampling)
         self.rows = list(rows)
         self.device = device
-        self.pending = PendingIds(device.ids, {r.request_id: i for i, r in enumerate(self.rows)})
         device.to_host()
+
+    @functools.cached_property
+    def pending(self) -> PendingIds:
+        """The ids as the next step reads them (async scheduling only)."""
+        return PendingIds(self.device.ids, {r.request_id: i for i, r in enumerate(self.rows)})
 
     def result(self) -> dict[str, Sampled]:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""

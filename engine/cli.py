@@ -246,7 +246,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def run(args: argparse.Namespace) -> int:
     from engine.llm_engine import LLMEngine, RequestError
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer
@@ -254,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         else tok.encode(args.prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k or None, seed=args.seed,
-                            stop=args.stop, ignore_eos=args.ignore_eos)
+                            stop=args.stop, ignore_eos=args.ignore_eos,
+                            output_kind=RequestOutputKind.DELTA)
     try:
         engine.add_request("cli-0", ids, params)
     except RequestError as e:
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
             print(out.new_text, end="", flush=True)
             final = out if out.finished else final
     dt = time.perf_counter() - t0
-    n = len(final.token_ids) if final else 0
+    n = final.num_output_tokens if final else 0
     print(f"\n[{len(ids)} prompt tokens, {n} generated in {dt:.2f}s "
           f"({n / max(dt, 1e-9):.1f} tok/s), finish_reason={final and final.finish_reason}]",
           file=sys.stderr)

@@ -52,17 +52,23 @@ class IncrementalDetokenizer:
         """`detoks[i].add([token_ids[i]])` for every i, with one tokenizer call per
         skip_special_tokens value instead of two calls per detokenizer (a decode step:
         each request's one new token). They share one tokenizer."""
-        live = [(d, t) for d, t in zip(detoks, token_ids, strict=True) if not d.stopped]
+        live = []
+        for d, t in zip(detoks, token_ids, strict=True):
+            if not d.stopped:
+                d._ids.append(t)
+                live.append(d)
         if not live:
             return
-        for d, t in live:
-            d._ids.append(t)
-        tok = live[0][0]._tok
-        for skip in {d._skip for d, _ in live}:
-            group = [d for d, _ in live if d._skip == skip]
-            texts = tok.decode_batch([ids for d in group for ids in d._pending()], skip)
-            for i, d in enumerate(group):
-                d._apply(texts[2 * i], texts[2 * i + 1])
+        tok = live[0]._tok
+        skips = {d._skip for d in live}
+        for skip in skips:
+            group = live if len(skips) == 1 else [d for d in live if d._skip == skip]
+            # (see _pending) the joining context, mostly one id: a memory hit
+            prefixes = tok.decode_batch([d._ids[d._prefix_offset:d._read_offset]
+                                         for d in group], skip)
+            fulls = tok.decode_batch([d._ids[d._prefix_offset:] for d in group], skip)
+            for d, prefix, full in zip(group, prefixes, fulls, strict=True):
+                d._apply(prefix, full)
 
     def skip(self, token_ids: Sequence[int]) -> None:
         """Adds tokens whose text an earlier stream of this request already showed

@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, RequestError
 from engine.offload import KVOffload
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -61,7 +61,9 @@ class LLM:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) \
                 else [int(t) for t in prompt]
             try:
-                self.engine.add_request(rid, ids, replace(p))
+                # only the finished outputs are kept: no output per step at all
+                self.engine.add_request(rid, ids,
+                                        replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
             except RequestError as e:
                 results[rid] = [RequestOutput(rid, ids, finished=True, finish_reason="error",
                                               error=str(e))]

@@ -297,7 +297,7 @@ class ModelRunner(KVStaging):
     def sample(self, step: StepLogits, prev: StepTokens | None = None) -> StepTokens:
         """Samples a forwarded step (rank 0 only); `prev` as in `launch`."""
         reqs, logits = step.sample_reqs, step.logits
-        forks = [_first_forks(r) for r in reqs]
+        forks = [_first_forks(r) for r in reqs] if any(r.forks for r in reqs) else []
         if any(forks):
             # Parallel samples draw their first tokens from the one prefill's logits row.
             rows = [i for i, k in enumerate(forks) for _ in range(1 + k)]
@@ -320,7 +320,7 @@ class ModelRunner(KVStaging):
                          query_start_loc: list[int]) -> None:
         """Appends to `prompt_logprobs` of each request that asked, for the prompt tokens
         this step's chunk predicts: position p's logits score prompt token p + 1."""
-        if all(s.request.sampling_params.prompt_logprobs is None for s in scheduled):
+        if not [s for s in scheduled if s.request.sampling_params.prompt_logprobs is not None]:
             return  # most steps: nobody asked
         rows: list[int] = []
         owners: list[Request] = []

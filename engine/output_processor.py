@@ -13,9 +13,11 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from engine.parallel import SampleGroup
 from engine.request import Request, RequestStatus
+from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY  # (per request)
 
 
 @dataclass(slots=True)
@@ -90,6 +92,9 @@ class OutputProcessor:
 
     def emit(self, req: Request, final: bool) -> list[RequestOutput]:
         """`req`'s output to deliver (none, or several, for a sample group's member)."""
+        if not final and not req.hold_kv \
+                and req.sampling_params.output_kind is _FINAL_ONLY:
+            return []  # the final output's delta is then everything
         group = self.groups.get(req.request_id)
         if group is None:
             return [self.finish(req) if final else self._output(req, final=False)]
@@ -109,20 +114,37 @@ class OutputProcessor:
         return out
 
     def _output(self, req: Request, final: bool) -> RequestOutput:
+        """What `req` has produced since its last output (and all of it, as its
+        `output_kind` asks): copies of the whole output only for CUMULATIVE."""
         track = self._tracks[req.request_id]
         new_ids = req.output_token_ids[track.sent_tokens:]
         track.sent_tokens = req.num_output_tokens
+        new_text = track.detok.take_delta(final)
         p = req.sampling_params
-        return RequestOutput(
+        logprobs = None
+        if p.output_kind is _DELTA:
+            token_ids, text = new_ids, new_text
+            if p.logprobs is not None:  # the newest ones (resumed tokens have none)
+                logprobs = req.logprobs[max(0, len(req.logprobs) - len(new_ids)):]
+        else:
+            token_ids, text = list(req.output_token_ids), track.detok.text
+            if p.logprobs is not None:
+                logprobs = list(req.logprobs)
+        out = RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=track.detok.text,
-            new_token_ids=new_ids, new_text=track.detok.take_delta(final),
-            finished=final, finish_reason=req.status.value if final else None,
-            stop_reason=req.stop_reason if final else None,
+            token_ids=token_ids, text=text, new_token_ids=new_ids, new_text=new_text,
+            num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
-            logprobs=list(req.logprobs) if p.logprobs is not None else None,
-            index=req.index, cumulative_logprob=req.cumulative_logprob,
-            prompt_logprobs=req.prompt_logprobs if p.prompt_logprobs is not None else None,
-            num_computed_tokens=req.num_computed_tokens,
-            block_ids=self.block_ids(req.request_id) if req.hold_kv else None)
+            logprobs=logprobs, index=req.index, cumulative_logprob=req.cumulative_logprob,
+            num_computed_tokens=req.num_computed_tokens)
+        # The rest only where set: a keyword costs as much as a field (every step, each
+        # request).
+        if final:
+            out.finished, out.finish_reason = True, req.status.value
+            out.stop_reason = req.stop_reason
+        if p.prompt_logprobs is not None:
+            out.prompt_logprobs = req.prompt_logprobs
+        if req.hold_kv:
+            out.block_ids = self.block_ids(req.request_id)
+        return out

@@ -11,9 +11,11 @@ class RequestOutput:
     """One update for a request.
 
     `new_token_ids` / `new_text` are the delta since the previous update (for
-    streaming); `token_ids` / `text` are everything so far. `finish_reason` is set on
-    the last update: "stop" (EOS, stop token or stop string), "length", "abort" or
-    "error" (then `error` says why).
+    streaming) and `num_output_tokens` the count so far; `token_ids`, `text` and
+    `logprobs` hold everything so far or only the delta, as the request's
+    `SamplingParams.output_kind` says (engine/sampling_params.py). `finish_reason` is
+    set on the last update: "stop" (EOS, stop token or stop string), "length", "abort"
+    or "error" (then `error` says why).
     """
 
     request_id: str
@@ -22,6 +24,7 @@ class RequestOutput:
     text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    num_output_tokens: int = 0
     finished: bool = False
     finish_reason: str | None = None
     # With finish_reason "stop": the matched stop string or stop token id (vLLM's
@@ -31,7 +34,8 @@ class RequestOutput:
     error: str | None = None
     first_token_time: float | None = None  # monotonic seconds
     scheduled_time: float | None = None  # monotonic seconds: first scheduled (queue time)
-    logprobs: list[dict[int, float]] | None = None  # per output token, when asked for
+    # per output token of `token_ids`, when asked for
+    logprobs: list[dict[int, float]] | None = None
     # Parallel sampling (engine/parallel.py): the sample this output belongs to. Then
     # `finish_reason` marks the end of this sample and `finished` the last output of
     # the whole request.

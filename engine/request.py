@@ -64,6 +64,8 @@ class Request:
     hold_kv: bool = False
     # Sampling seed of an unseeded request, drawn once by the sampler from the engine's seed.
     sample_seed: int | None = None
+    # Sampler-owned: (params, vocab, the sampling columns fixed for them), engine/sampler.py.
+    sample_row: tuple[SamplingParams, int, tuple[float, ...]] | None = None
     # Structured outputs: this request's matcher (engine/structured.py); None: unconstrained.
     grammar: GrammarState | None = None
     # Who sent it: the tenant and its labels select scheduling strategies.

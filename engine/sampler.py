@@ -20,6 +20,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -161,6 +162,15 @@ def has_penalty(p: SamplingParams) -> bool:
         or p.repetition_penalty != 1.0
 
 
+def _plain_greedy(r: Request) -> bool:
+    """Greedy with nothing that changes the logits (grammar, penalties, logit_bias,
+    min_tokens): the row is the argmax of its raw logits."""
+    p = r.sampling_params
+    return p.temperature == 0.0 and r.grammar is None and not p.logit_bias \
+        and not p.min_tokens and p.presence_penalty == 0.0 \
+        and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -182,14 +192,17 @@ class Sampler:
         (async scheduling); the penalties count them as the synchronous loop would."""
         if not requests:
             return DeviceTokens(torch.empty(0, dtype=torch.int64, device=logits.device), [])
-        if any(r.grammar is not None for r in requests):  # structured outputs, first of all
-            apply_grammar_masks(logits, requests)
         params = [r.sampling_params for r in requests]
         ks = [p.logprobs for p in params]
+        if all(_plain_greedy(r) for r in requests):
+            ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
+            return DeviceTokens(ids, ks, _pack(logits, ids, ks))
+        if any(r.grammar is not None for r in requests):  # structured outputs, first of all
+            apply_grammar_masks(logits, requests)
         penalties = any(has_penalty(p) for p in params)
         edits = self._logit_edits(requests)
         if not penalties and edits is None and all(p.greedy for p in params):
-            ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
+            ids = logits.argmax(dim=-1)
             return DeviceTokens(ids, ks, _pack(logits, ids, ks))
         rows = self._rows(requests, logits.shape[1])
         processed = logits
@@ -205,23 +218,32 @@ class Sampler:
         return DeviceTokens(ids, ks, _pack(logits, ids, ks))
 
     def _rows(self, requests: Sequence[Request], vocab: int) -> _Rows:
-        table = []
-        for r in requests:
-            p = r.sampling_params
-            seed = 0 if p.greedy else self._seed(r)
-            # Only the repetition penalty looks at the prompt; else the history is output.
-            plen = r.num_prompt_tokens if p.repetition_penalty != 1.0 else 0
-            table.append([p.temperature, min(p.top_k or vocab, vocab), p.top_p,
-                          seed & _M32, seed >> 32, r.num_tokens_with_placeholders,
-                          p.presence_penalty,
-                          p.frequency_penalty, p.repetition_penalty, plen, p.min_p])
-        # float64 holds every column exactly (ints < 2**53), so one copy carries them all.
-        t = self._to_device(torch.tensor(table, dtype=torch.float64))
+        # Each row: its request's fixed columns (made once, kept on the request) and the
+        # position of the token to sample.
+        table = [(*self._fixed_row(r, vocab), r.num_tokens_with_placeholders)
+                 for r in requests]
+        # float64 holds every column exactly (ints < 2**53), so one copy carries them all
+        # (numpy reads the tuples faster than torch.tensor).
+        t = self._to_device(torch.from_numpy(np.array(table, dtype=np.float64)))
         ints, floats = t.to(torch.int64), t.to(torch.float32)
         return _Rows(temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 2],
-                     seed=ints[:, 3] | (ints[:, 4] << 32), position=ints[:, 5],
-                     presence=floats[:, 6], frequency=floats[:, 7],
-                     repetition=floats[:, 8], prompt_len=ints[:, 9], min_p=floats[:, 10])
+                     seed=ints[:, 3] | (ints[:, 4] << 32), presence=floats[:, 5],
+                     frequency=floats[:, 6], repetition=floats[:, 7], prompt_len=ints[:, 8],
+                     min_p=floats[:, 9], position=ints[:, 10])
+
+    def _fixed_row(self, r: Request, vocab: int) -> tuple[float, ...]:
+        """`r`'s sampling columns that do not change from step to step (its
+        `sample_row`, made on its first sampled step with these params)."""
+        p = r.sampling_params
+        if r.sample_row is not None and r.sample_row[0] is p and r.sample_row[1] == vocab:
+            return r.sample_row[2]
+        seed = 0 if p.greedy else self._seed(r)
+        # Only the repetition penalty looks at the prompt; else the history is output.
+        plen = r.num_prompt_tokens if p.repetition_penalty != 1.0 else 0
+        row = (p.temperature, min(p.top_k or vocab, vocab), p.top_p, seed & _M32, seed >> 32,
+               p.presence_penalty, p.frequency_penalty, p.repetition_penalty, plen, p.min_p)
+        r.sample_row = (p, vocab, row)
+        return row
 
     def _logit_edits(self, requests: Sequence[Request],
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

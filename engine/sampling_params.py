@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -40,6 +41,23 @@ class StructuredOutput:
         return self.kind, self.spec, self.choices, self.any_whitespace
 
 
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs carry (vLLM's RequestOutputKind). Every output has the
+    delta since the one before (`new_token_ids`, `new_text`) and the count so far
+    (`num_output_tokens`); the kind says what `token_ids`, `text` and `logprobs` hold:
+
+    CUMULATIVE: everything so far, on every output.
+    DELTA: the delta only (`token_ids` is `new_token_ids`, `text` is `new_text`), so an
+        output costs what it adds, not what the request holds (streaming servers).
+    FINAL_ONLY: one output, when the request ends, with everything (offline batches);
+        a prefill producer (`hold_kv`) still reports its KV progress every step.
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. `temperature == 0` is greedy.
@@ -74,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -144,3 +163,6 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids holds {t!r}, not a token id of this model")
         if self.structured is not None:
             self.structured.validate()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"{self.output_kind!r}")

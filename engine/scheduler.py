@@ -109,7 +109,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         now = self.clock()
         yielded = self._yield_slices(now)
-        self.running.sort(key=rank)  # stable: priority strategies first, else as before
+        if self.strategies.strategies:  # (without any, no request ranks first)
+            self.running.sort(key=rank)  # stable: priority strategies first, else as before
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

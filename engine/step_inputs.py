@@ -121,15 +121,35 @@ class StepInputBuilder:
             self._copied.synchronize()
             self._copied = None
         bs = self.block_size
-        reqs = [s.request for s in scheduled]
-        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, len(reqs))
-        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+        # One pass over the requests for every per-request value; numpy does the rest.
+        reqs: list[Request] = []
+        q_list: list[int] = []
+        start_list: list[int] = []
+        rows_ids: list[array[int]] = []  # block tables
+        samples: list[int] = []  # sequences whose chunk reaches their newest token
+        tok: list[int] = []
+        placeholders: list[tuple[int, Request]] = []
+        block_ids_view = kv.block_ids_view
+        for i, sr in enumerate(scheduled):
+            r, n = sr.request, sr.num_new_tokens
+            lo = r.num_computed_tokens
+            hi = lo + n
+            known = r.all_token_ids
+            reqs.append(r)
+            q_list.append(n)
+            start_list.append(lo)
+            rows_ids.append(block_ids_view(r.request_id))
+            if hi == len(known) + r.num_output_placeholders:
+                samples.append(i)
+            tok += known[lo:hi]
+            if hi > len(known):
+                placeholders.append((len(tok), r))  # the newest token: not sampled yet
+                tok.append(0)
+        q_lens = np.array(q_list, np.int64)
+        starts = np.array(start_list, np.int64)
         ends = starts + q_lens
-        n_real, t_real = len(reqs), int(q_lens.sum())
+        n_real, t_real = len(reqs), len(tok)
         w = width or max(1, cdiv(int(ends.max()), bs))
-        starts_l, ends_l = starts.tolist(), ends.tolist()
-        samples = [i for i, (r, e) in enumerate(zip(reqs, ends_l, strict=True))
-                   if e == r.num_tokens + r.num_output_placeholders]
         t, b, s = pad or (t_real, n_real, len(samples))
         if t < t_real or b < n_real or s < len(samples) or (t > t_real and b == n_real):
             raise ValueError(f"a step of {t_real} tokens, {n_real} sequences and "
@@ -143,15 +163,7 @@ class StepInputBuilder:
         qsl[b] = t
         seq_lens[:n_real] = ends
         seq_lens[n_real:] = 0
-        _fill_tables(tables, [kv.block_ids_view(r.request_id) for r in reqs],
-                     (ends + bs - 1) // bs)
-        tok: list[int] = []
-        placeholders: list[tuple[int, Request]] = []
-        for r, lo, hi, end in zip(reqs, starts_l, ends_l, qsl[1:].tolist(), strict=False):
-            tok += r.all_token_ids[lo:hi]
-            if len(tok) < end:
-                placeholders.append((len(tok), r))  # the newest token: not sampled yet
-                tok.append(0)
+        _fill_tables(tables, rows_ids, (ends + bs - 1) // bs)
         ids[:t_real] = tok
         # Each token's position: its index in the flat batch, shifted per sequence.
         seq_of = np.repeat(np.arange(n_real), q_lens)

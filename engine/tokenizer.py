@@ -84,19 +84,23 @@ class Tokenizer:
 
     def decode_batch(self, seqs: Sequence[Sequence[int]],
                      skip_special_tokens: bool = True) -> list[str]:
-        """`decode` of each of `seqs`, in one call (a few µs less per sequence); single
-        ids from memory after their first decode."""
+        """`decode` of each of `seqs` (a step's newest tokens with their joining context);
+        single ids from memory after their first decode. One `decode` call each: on one
+        thread the tokenizer's own `decode_batch` costs more than its calls one by one."""
         pieces = self._pieces[skip_special_tokens]
-        out: list[str | None] = [pieces.get(s[0]) if len(s) == 1 else None for s in seqs]
-        todo = [i for i, t in enumerate(out) if t is None]
-        if todo:
-            texts = self._tok.decode_batch([seqs[i] for i in todo],
-                                           skip_special_tokens=skip_special_tokens)
-            for i, t in zip(todo, texts, strict=True):
-                out[i] = t = str(t)
-                if len(seqs[i]) == 1:
-                    pieces[seqs[i][0]] = t
-        return out  # type: ignore[return-value]  # (every None was filled)
+        decode = self._tok.decode
+        out: list[str] = []
+        for s in seqs:
+            if len(s) == 1:
+                t = pieces.get(s[0])
+                if t is None:
+                    t = pieces[s[0]] = decode(s, skip_special_tokens=skip_special_tokens)
+            elif len(s) < _LONG_DECODE:
+                t = decode(s, skip_special_tokens=skip_special_tokens)
+            else:
+                t = self.decode(s, skip_special_tokens)
+            out.append(t)
+        return out
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -27,7 +28,7 @@ import grpc
 from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.llm_engine import RequestError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import logprobs_to_proto, request_id_from, sampling_from_proto
@@ -88,7 +89,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                                 "worker is draining" if self.draining else "model not loaded")
             return
         rid = request.request_id or request_id_from(context, uuid.uuid4().hex)
-        params = sampling_from_proto(request.sampling)
+        # a stream needs each step's new tokens only (no copy of the whole output per step)
+        params = replace(sampling_from_proto(request.sampling),
+                         output_kind=RequestOutputKind.DELTA)
         peer = request.prefill_peer if request.HasField("prefill_peer") else None
         n_prompt = len(request.prompt_token_ids)
         start = last = time.monotonic()
@@ -116,7 +119,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                             first = now
                             resp.first_token_timings.CopyFrom(_first_token_timings(
                                 start, scheduled, now, remote_timings))
-                    n_out = len(out.token_ids)
+                    n_out = out.num_output_tokens
                     if out.finished:
                         ended = True
                         self.metrics.observe_finished(out.finish_reason or "stop", n_prompt,
@@ -188,14 +191,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     @staticmethod
     def _response(rid: str, out: RequestOutput, n_prompt: int,
                   params: SamplingParams) -> pb.WorkerGenerateResponse:
-        """One delta of sample `out.index`: its new tokens with their logprobs; the
-        prompt's logprobs with a sample's first tokens; its end (finish_reason,
-        cumulative_logprob) on its last."""
+        """One delta of sample `out.index` (a DELTA output): its new tokens with their
+        logprobs; the prompt's logprobs with a sample's first tokens; its end
+        (finish_reason, cumulative_logprob) on its last."""
         new = out.new_token_ids
         resp = pb.WorkerGenerateResponse(
             request_id=rid, token_ids=new, text=out.new_text,
             finish_reason=out.finish_reason or "", index=out.index,
-            num_prompt_tokens=n_prompt, num_output_tokens=len(out.token_ids),
+            num_prompt_tokens=n_prompt, num_output_tokens=out.num_output_tokens,
             num_cached_tokens=out.num_cached_tokens, error=out.error or "",
             cumulative_logprob=out.cumulative_logprob)
         if isinstance(out.stop_reason, str):
@@ -203,10 +206,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         elif out.stop_reason is not None:
             resp.stop_token_id = out.stop_reason
         if out.logprobs is not None and params.logprobs is not None and new:
-            resp.logprobs.extend(logprobs_to_proto(out.logprobs[-len(new):], new,
-                                                   params.logprobs))
+            resp.logprobs.extend(logprobs_to_proto(out.logprobs, new, params.logprobs))
         if out.prompt_logprobs is not None and params.prompt_logprobs is not None \
-                and len(new) == len(out.token_ids) and new:
+                and len(new) == out.num_output_tokens and new:
             # prompt tokens 1..N-1: the chosen token is the prompt's own
             resp.prompt_logprobs.extend(logprobs_to_proto(
                 out.prompt_logprobs, [next(iter(lp)) for lp in out.prompt_logprobs],
