@@ -97,7 +97,7 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         warm_up,
     )
     from engine.config import ModelConfig
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import RequestOutputKind, SamplingParams
 
     device = torch.device(args.device)
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -116,7 +116,8 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         recorder.attach(engine)
         for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):
             engine.add_request(f"profile-{i}", p, SamplingParams(
-                max_tokens=o, temperature=w.temperature, ignore_eos=True))
+                max_tokens=o, temperature=w.temperature, ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA))  # as a worker streams
         engine.step()  # the first prefills: the mixed window starts after it
         windows: dict[str, Any] = {}
         if args.mixed_steps:
