@@ -333,7 +333,7 @@ class HostMover:
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
-        self._last = self._pool.submit(self._copy, kv.address, dst, regions)
+        self._last = self._pool.submit(self._copy, kv.address, dst, regions, deadline)
         return FutureReady(self._last)
 
     @staticmethod
@@ -350,13 +350,19 @@ class HostMover:
         return np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
                          rr.nbytes(src_rows, kv.layout)], axis=1)
 
-    def _copy(self, src: int, dst: tuple[int, int, int], regions: np.ndarray) -> None:
+    def _copy(self, src: int, dst: tuple[int, int, int], regions: np.ndarray,
+              deadline: float) -> None:
+        """Runs on the pool's thread, perhaps after copies queued before it: each batch
+        of iovecs starts only while the grant holds (past it the receiver may have
+        given the blocks to another request)."""
         pid, base, _ = dst
         # iovec arrays built by numpy: (base, len) as two uint64 words per region
         local = np.stack([regions[:, 0] + src, regions[:, 2]], axis=1).astype(np.uint64)
         remote = np.stack([regions[:, 1] + base, regions[:, 2]], axis=1).astype(np.uint64)
         iovecs = ctypes.POINTER(_IoVec)
         for i in range(0, len(regions), _IOV_MAX):
+            if time.monotonic() >= deadline:
+                raise TransferTimeout("cuda_ipc grant expired before the copy")
             n = min(_IOV_MAX, len(regions) - i)
             want = int(regions[i:i + n, 2].sum())
             done = self._writev(pid, local[i:].ctypes.data_as(iovecs), n,

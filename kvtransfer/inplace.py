@@ -91,15 +91,20 @@ class InPlaceReceiver(ReceiverBase):
             raise ProtocolError(f"{self.name} WRITTEN without a grant")
         if grant.timer is not None:
             grant.timer.cancel()
-        checksums: list[int] = msg.get("checksums") or []
-        if checksums and len(checksums) != len(grant.rows):
-            raise ProtocolError("WRITTEN carries a checksum per region or none")
-        bad = None
-        if checksums and self.table.is_live(grant.xfer_id, grant.generation):
-            assert self.kv is not None
-            regions = rr.to_regions(grant.rows, self.table.layout)
-            bad = next((i for i, r in enumerate(regions)
-                        if self.kv.checksum(r) != checksums[i]), None)
+        try:
+            checksums: list[int] = msg.get("checksums") or []
+            if checksums and len(checksums) != len(grant.rows):
+                raise ProtocolError("WRITTEN carries a checksum per region or none")
+            bad = None
+            if checksums and self.table.is_live(grant.xfer_id, grant.generation):
+                assert self.kv is not None
+                regions = rr.to_regions(grant.rows, self.table.layout)
+                bad = next((i for i, r in enumerate(regions)
+                            if self.kv.checksum(r) != checksums[i]), None)
+        except Exception as e:  # the write in flight ends with its transfer failed
+            self.table.released(grant.xfer_id, e if isinstance(e, ProtocolError)
+                                else ProtocolError(f"{grant.xfer_id}: WRITTEN: {e!r}"))
+            raise
         self.table.landed_rows(grant.xfer_id, grant.rows, bad)
 
     def _expire(self, conn_id: int, req: int) -> None:

@@ -38,24 +38,22 @@ def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
 
 def rows_from_wire(items: Sequence[Sequence[int | None]], layout: KVLayout) -> np.ndarray:
     """Rows from `Region` field lists, all seven fields each (a RESERVE's regions;
-    None: open end). ValueError for anything else."""
-    if len(items) <= FEW:
-        layers, heads = layout.num_layers, layout.num_kv_heads
-        try:
-            return np.array([(b, ls, layers if le is None else le, n, rank, hs,
-                              heads if he is None else he)
-                             for b, ls, le, n, rank, hs, he in items],
-                            dtype=np.int64).reshape(-1, 7)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"regions must be seven integers each: {e}") from None
-    cells = np.array(items, dtype=object).reshape(-1, 7)
+    None: open end). ValueError for anything else: fields that are not integers
+    (a float's fraction is not dropped) or do not fit int64."""
+    try:
+        cells = np.array(items, dtype=object).reshape(-1, 7)
+    except ValueError as e:
+        raise ValueError(f"regions must be seven fields each: {e}") from None
     for col, end in ((LAYER_END, layout.num_layers), (HEAD_END, layout.num_kv_heads)):
         column = cells[:, col]
         cells[:, col] = np.where([c is None for c in column], end, column)
     try:
-        return cells.astype(np.int64)
-    except TypeError as e:
+        rows = cells.astype(np.int64)
+    except (TypeError, ValueError, OverflowError) as e:
         raise ValueError(f"regions must be integers: {e}") from None
+    if not (rows == cells).all():
+        raise ValueError("regions must be integers")
+    return rows
 
 
 def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:
@@ -78,7 +76,7 @@ def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 
           & (r[HEAD_START] < r[HEAD_END]) & (r[HEAD_END] <= layout.num_kv_heads)
           & (r[LAYER_START] >= 0) & (r[LAYER_START] < r[LAYER_END])
           & (r[LAYER_END] <= layout.num_layers) & (r[NUM_BLOCKS] >= 1) & (r[BLOCK] >= 0)
-          & (r[BLOCK] + r[NUM_BLOCKS] <= total_blocks)
+          & (r[BLOCK] <= total_blocks - r[NUM_BLOCKS])  # (no int64 overflow)
           & ((r[NUM_BLOCKS] == 1) | ((r[LAYER_START] == 0)
                                      & (r[LAYER_END] == layout.num_layers))))
     if not ok.all():

@@ -155,6 +155,8 @@ class SenderBase:
         if out.verdict.done():
             out.verdict.result()  # raises the receiver's error (cancelled, timeout...)
         assert self.kv is not None
+        if not src_regions and not dst_regions:
+            return
         pairs, nbytes = self._pairs(src_regions, dst_regions, int(peer.welcome.get("tp", 1)))
         use_checksum = self.config.checksum if checksum is None else checksum
         timeout = self.config.io_timeout_s if timeout_s is None else timeout_s

@@ -33,6 +33,7 @@ from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
 SHM_DIR = "/dev/shm"  # where Linux's shm_open keeps POSIX segments
+_ROWS_PER_CHECK = 256  # byte ranges copied between two looks at a grant's deadline
 
 
 class SharedKV:
@@ -175,7 +176,7 @@ class ShmSender(InPlaceSender):
         flat = rr.whole_heads(src_rows, self.kv.rank_layout) & rr.whole_heads(dst_rows, layout)
         if not self.kv.is_cuda and flat.all():
             # byte ranges on both sides: one memcpy each, offsets computed at once
-            self._copy_ranges(caches, src_rows, dst_rows, layout)
+            self._copy_ranges(caches, src_rows, dst_rows, layout, deadline)
             return None
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
@@ -191,17 +192,19 @@ class ShmSender(InPlaceSender):
         return None
 
     def _copy_ranges(self, caches: list[torch.Tensor], src_rows: np.ndarray,
-                     dst_rows: np.ndarray, layout: KVLayout) -> None:
-        """Whole-head rows of the local host cache into the mapped `caches`."""
+                     dst_rows: np.ndarray, layout: KVLayout, deadline: float) -> None:
+        """Whole-head rows of the local host cache into the mapped `caches`; the grant
+        checked every _ROWS_PER_CHECK rows, as the per-pair path checks each pair."""
         assert self.kv is not None
         there = [host_bytes(c) for c in caches]
         here = [self.kv.rank_view(r) for r in range(self.kv.tp)]
         sizes = rr.nbytes(src_rows, self.kv.rank_layout).tolist()
-        for s_rank, s, d_rank, d, n in zip(src_rows[:, rr.RANK].tolist(),
-                                           rr.offsets(src_rows, self.kv.rank_layout).tolist(),
-                                           dst_rows[:, rr.RANK].tolist(),
-                                           rr.offsets(dst_rows, layout).tolist(), sizes,
-                                           strict=True):
+        for i, (s_rank, s, d_rank, d, n) in enumerate(zip(
+                src_rows[:, rr.RANK].tolist(), rr.offsets(src_rows, self.kv.rank_layout).tolist(),
+                dst_rows[:, rr.RANK].tolist(), rr.offsets(dst_rows, layout).tolist(), sizes,
+                strict=True)):
+            if i % _ROWS_PER_CHECK == 0 and time.monotonic() >= deadline:
+                raise TransferTimeout("shm grant expired before the copy")
             there[d_rank][d:d + n] = here[s_rank][s:s + n]
 
     async def _on_disconnected(self, peer: Peer) -> None:

@@ -34,11 +34,22 @@ from typing import Any
 from kvtransfer.errors import PeerUnavailable, ProtocolError, VersionMismatch
 from kvtransfer.layout import Region
 
-# A deadline scope on the hand-off's path: no task of its own, as wait_for's would be.
+# A deadline scope on the hand-off's path (no task of its own, as wait_for's would be);
+# it raises the builtin TimeoutError.
 if sys.version_info >= (3, 11):
     from asyncio import timeout as deadline
-else:  # Python 3.10 (a dependency of redis's there too)
-    from async_timeout import timeout as deadline  # noqa: F401
+else:  # Python 3.10: async_timeout (a dependency of redis's there too)
+    import contextlib
+
+    from async_timeout import timeout as _timeout
+
+    @contextlib.asynccontextmanager
+    async def deadline(delay: float | None):  # type: ignore[no-untyped-def]
+        try:
+            async with _timeout(delay):
+                yield
+        except asyncio.TimeoutError:  # not the builtin before 3.11
+            raise TimeoutError from None
 
 # Bump on any change a peer of the previous version would misread. History:
 #   1: WRITE frames carry the bytes (tcp, shm); ucx as tagged messages.

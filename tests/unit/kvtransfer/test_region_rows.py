@@ -92,6 +92,21 @@ def test_rows_from_wire_refuses_what_is_not_seven_integers() -> None:
         rr.rows_from_wire([[1, 0, None, 1]], LAYOUT)
     with pytest.raises(ValueError):
         rr.rows_from_wire([[1, 0, "x", 1, 0, 0, None]], LAYOUT)
+    for n in (1, 12):  # the few-rows and many-rows sizes alike
+        for bad in (1.7, "1", 2**63, -2**63 - 1, [1]):
+            with pytest.raises(ValueError):
+                rr.rows_from_wire([[bad, 0, None, 1, 0, 0, None]] * n, LAYOUT)
+        rows = rr.rows_from_wire([[3, 0, None, 1, 0, 0, None]] * n, LAYOUT)
+        assert rows.tolist() == [[3, 0, LAYOUT.num_layers, 1, 0, 0, LAYOUT.num_kv_heads]] * n
+
+
+def test_rows_near_int64_max_lie_outside_the_cache() -> None:
+    """block + num_blocks would wrap around in int64: the bound holds without adding."""
+    big = 2**63 - 1
+    for row in ([big, 0, 4, 1, 0, 0, 2], [1, 0, 4, 2**62, 0, 0, 2]):
+        rows = np.array([row] * (rr.FEW + 1), dtype=np.int64)
+        with pytest.raises(ValueError):
+            rr.check_rows(rows, LAYOUT, BLOCKS, 1)
 
 
 def test_block_coalescing_matches_coalesce() -> None:
@@ -177,3 +192,52 @@ def test_expect_of_rows_refuses_overlaps_like_regions() -> None:
         assert np.array_equal(rr.rows_of([], LAYOUT), np.empty((0, 7), dtype=np.int64))
 
     run(main)
+
+
+def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
+    """WRITTEN with a checksum count not matching the grant: the write in flight ends,
+    the transfer fails, and its blocks can be expected by the next transfer."""
+    import socket
+
+    import torch
+
+    from kvtransfer.config import TransferConfig
+    from kvtransfer.errors import KVTransferError, PeerUnavailable
+    from kvtransfer.inplace import InPlaceReceiver
+    from kvtransfer.receiver import Conn, ReceiverBase
+
+    class Receiver(InPlaceReceiver):
+        name = "shm"  # the in-place receiver's bookkeeping alone, no segment
+
+    async def main() -> None:
+        r = Receiver(TransferConfig(transport="shm", token="x", lease_s=1.0,
+                                    io_timeout_s=5.0))
+        ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
+                              LAYOUT)
+        done = r.expect("x1", [Region(b) for b in range(4)], 1)
+        a, b = socket.socketpair()
+        conn = Conn(7, a, "peer")
+        r._conns[7] = conn
+        sent: list[bytes] = []
+
+        async def send(c: Conn, data: bytes) -> None:
+            sent.append(data)
+
+        r._send = send  # type: ignore[method-assign]
+        try:
+            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5, "regions": [
+                [blk, 0, None, 1, 0, 0, None] for blk in range(4)]})
+            assert r.table._live["x1"].inflight == 1
+            with pytest.raises(ProtocolError):
+                await r._on_written(conn, {"req": 5, "checksums": [1, 2]})
+            r._drop_conn(conn, PeerUnavailable("gone"))
+            with pytest.raises(KVTransferError):
+                await asyncio.wait_for(done, 2.0)
+            assert "x1" not in r.table._live
+            r.expect("x2", [Region(0)], 1)  # block 0 is free to expect again
+        finally:
+            a.close()
+            b.close()
+            await r.close()
+
+    asyncio.run(main())
