@@ -23,9 +23,9 @@ ucxx has no Python RMA API (see `kvtransfer/ucp_rma.py`), so puts and flushes go
 libucp through ctypes on ucxx's handles; ucxx still owns contexts, workers, progress
 threads and endpoints.
 
-Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `_Lane` with its own
-progress thread, endpoint and remote key, and issues each lane's puts from its own
-thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
+Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `ucx_lanes.Lane` with
+its own progress thread, endpoint and remote key, and issues each lane's puts from its
+own thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
 (process_vm_writev), so two lanes copy on two cores. A region of 1 MiB or more is cut
 into page-aligned parts across lanes; smaller ones go in consecutive stretches that
 even out the lanes' bytes (`ucp_rma.plan_lanes`).
@@ -45,10 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import logging
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -67,84 +64,12 @@ from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 from kvtransfer.ucp_rma import Batch, Flushes, Ucp, plan_lanes
+from kvtransfer.ucx_lanes import Lane, close_endpoint, close_lanes
 
 log = logging.getLogger(__name__)
 _BOUNCE_BYTES = 16 << 20  # head slices packed per put batch (two such buffers)
 _MAX_LANES = 8
-_EPOLL_MS = 50
 _WIREUP_BYTES = 64
-
-
-class _Lane:
-    """One UCX context and worker with its own progress and notifier threads.
-
-    Not ucxx's ApplicationContext: that keeps one progress thread per event loop in
-    a module-global table, so a second context on the same loop (a decode worker's
-    receiver and sender, or a receiver's lanes) is never progressed. The progress
-    thread waits on the worker's event fd (UCX events and `ucp_worker_signal` wake
-    it); ucxx's 1 ms wake-ups would cost the copying lanes ~8% on two cores.
-    """
-
-    def __init__(self, options: tuple[tuple[str, str], ...],
-                 loop: asyncio.AbstractEventLoop) -> None:
-        from ucxx._lib import libucxx as ucx_api
-        from ucxx._lib_async.continuous_ucx_progress import _create_context
-        from ucxx._lib_async.notifier_thread import _notifierThread
-
-        self.context = ucx_api.UCXContext(dict(options))
-        self.worker = ucx_api.UCXWorker(self.context, enable_delayed_submission=True,
-                                        enable_python_future=True)
-        # The progress thread needs a CUDA context for device buffers (cuda_ipc).
-        self.worker.set_progress_thread_start_callback(_create_context)
-        self.worker.start_progress_thread(polling_mode=False, epoll_timeout=_EPOLL_MS)
-        self._stop: queue.Queue[str] = queue.Queue()
-        self._notifier = threading.Thread(target=_notifierThread,
-                                          args=(loop, self.worker, self._stop),
-                                          name="kvtransfer-ucx-notifier", daemon=True)
-        self._notifier.start()
-
-    @property
-    def address(self) -> str:
-        return bytes(self.worker.address.tobytes()).hex()
-
-    def connect(self, address: str, error_handling: bool) -> Any:
-        from ucxx._lib import libucxx as ucx_api
-
-        peer = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
-        return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, peer,
-                                                              error_handling)
-
-    def close(self) -> None:
-        """Cancel what is in flight, stop both threads; the worker goes with the
-        last reference (its sockets with it)."""
-        try:
-            self.worker.cancel_inflight_requests(10**9, 1)
-            self.worker.stop_progress_thread()
-        except Exception as e:  # noqa: BLE001 - best effort at teardown
-            log.debug("ucx lane close: %r", e)
-        self._stop.put("shutdown")
-        self.worker.stop_request_notifier_thread()
-        deadline = time.monotonic() + 5.0
-        # Short joins: the notifier may need the GIL to finish (ucxx does the same).
-        while self._notifier.is_alive() and time.monotonic() < deadline:
-            self._notifier.join(timeout=0.01)
-        if self._notifier.is_alive():
-            log.warning("ucx notifier thread did not stop within 5 s")
-
-
-def _close_lanes(lanes: list[_Lane]) -> None:
-    for lane in lanes:
-        lane.close()
-    lanes.clear()
-    gc.collect()  # UCX's workers (and their sockets) go with the last reference
-
-
-def _close_endpoint(ep: Any) -> None:
-    try:
-        ep.close_blocking(period=10**9, max_attempts=1)
-        ep.remove_close_callback()
-    except Exception as e:  # noqa: BLE001 - the peer may be gone
-        log.debug("ucx endpoint close: %r", e)
 
 
 class UcxReceiver(InPlaceReceiver):
@@ -154,7 +79,7 @@ class UcxReceiver(InPlaceReceiver):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._lanes: list[_Lane] = []
+        self._lanes: list[Lane] = []
         self._ucp: Ucp | None = None
         self._memhs: list[int] = []
         self._welcome_info: dict[str, Any] = {}
@@ -165,7 +90,7 @@ class UcxReceiver(InPlaceReceiver):
         self._ucp = Ucp()
         # One worker: its progress thread serves what the target side must (TCP-emulated
         # RMA between hosts without RDMA); cma, RDMA and cuda_ipc need nothing here.
-        lane = _Lane(self.config.ucx_options_for(kv.is_cuda), asyncio.get_running_loop())
+        lane = Lane(self.config.ucx_options_for(kv.is_cuda), asyncio.get_running_loop())
         self._lanes = [lane]
         # every rank's cache (tensor parallelism: rank 0 maps them all), one key each
         bases = [int(t.data_ptr()) for t in kv.tensors]
@@ -185,7 +110,7 @@ class UcxReceiver(InPlaceReceiver):
             for memh in self._memhs:
                 self._ucp.mem_unmap(self._lanes[0].context.handle, memh)
         self._memhs = []
-        _close_lanes(self._lanes)
+        close_lanes(self._lanes)
 
 
 @dataclass(slots=True)
@@ -210,7 +135,7 @@ class UcxSender(InPlaceSender):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._lanes: list[_Lane] = []
+        self._lanes: list[Lane] = []
         self._memhs: list[list[int]] = []  # [lane][rank]
         self._batches: list[Batch] = []
         self._ucp: Ucp | None = None
@@ -228,7 +153,7 @@ class UcxSender(InPlaceSender):
         self._flushes = Flushes(ucp, loop)
         options = self.config.ucx_options_for(kv.is_cuda)
         for _ in range(self.config.ucx_lanes):
-            lane = _Lane(options, loop)
+            lane = Lane(options, loop)
             self._lanes.append(lane)
             self._memhs.append([ucp.mem_map(lane.context.handle, int(t.data_ptr()), kv.nbytes,
                                             kv.is_cuda) for t in kv.tensors])
@@ -422,7 +347,7 @@ class UcxSender(InPlaceSender):
             for rkey in rkeys:
                 self._ucp.rkey_destroy(rkey)
         for ep in remote.eps:
-            _close_endpoint(ep)
+            close_endpoint(ep)
         if remote.packer is not None:  # its buffers go once no lane thread may read them
             if remote.issuing:  # a thread past the deadline: freed when it returns
                 task = asyncio.ensure_future(self._free_packer(remote))
@@ -456,7 +381,7 @@ class UcxSender(InPlaceSender):
         self._memhs.clear()
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()
-        _close_lanes(self._lanes)
+        close_lanes(self._lanes)
 
 
 __all__ = ["UcxReceiver", "UcxSender"]
