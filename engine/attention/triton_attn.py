@@ -114,6 +114,19 @@ def _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _query_block(qsl_ptr, seq_lens_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Global query block `q_block`'s sequence, the sequence's first query row and
+    query count, the block's index within it and the sequence's length (keys). The
+    block is surplus (its program exits) when local * BLOCK_Q >= q_len."""
+    seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    local = q_block - (q_start // BLOCK_Q + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    return seq, q_start, q_len, local, seq_len
+
+
+@triton.jit
 def _attend_tile(q, acc, m_i, l_i, start, pos, seq, hi, window, cache_ptr, bt_ptr, bt_st,
                  kvh, c_sb, c_skv, c_so, c_sh, c_sd, scale_log2, k_scale, v_scale,
                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
@@ -196,13 +209,10 @@ def _unified_kernel(out_ptr, q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     and the short ones fill the tail (as FlashAttention schedules causal blocks)."""
     q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    local = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local, seq_len = _query_block(qsl_ptr, seq_lens_ptr, q_block,
+                                                       num_seqs, BLOCK_Q)
     if local * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
     q_idx = local * BLOCK_Q + rows // GROUP  # the row's query within its sequence

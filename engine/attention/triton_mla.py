@@ -61,7 +61,7 @@ from engine.attention.mla import (
     prefill_decompressed,
     split_kv_weight,
 )
-from engine.attention.triton_attn import _find_seq
+from engine.attention.triton_attn import _query_block
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -181,13 +181,10 @@ def _mla_absorbed_kernel(out_ptr, ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_pt
     of BLOCK_Q tokens of one sequence and BLOCK_H heads; surplus programs exit."""
     q_block = tl.program_id(0)
     hb = tl.program_id(1)
-    seq = _find_seq(qsl_ptr, q_block, num_seqs, BLOCK_Q)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    local = q_block - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local, seq_len = _query_block(qsl_ptr, seq_lens_ptr, q_block,
+                                                       num_seqs, BLOCK_Q)
     if local * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     rows = tl.arange(0, BLOCK_Q * BLOCK_H)
     q_idx = local * BLOCK_Q + rows // BLOCK_H  # the row's query within its sequence
     head = hb * BLOCK_H + rows % BLOCK_H
