@@ -87,6 +87,26 @@ def _write_latent_kernel(lat_ptr, pe_ptr, cache_ptr, slot_ptr, lat_st, pe_st, c_
 
 
 @triton.jit
+def _latent_tile(cache_ptr, bt_ptr, seq, bt_st, start, hi, c_sb, c_so, RANK: tl.constexpr,
+                 ROPE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_P: tl.constexpr, TILE_N: tl.constexpr):
+    """Cache entries start .. start + TILE_N - 1 of sequence `seq`: their positions,
+    which of them are < hi, their latents [TILE_N, BLOCK_R] and rope keys [TILE_N,
+    BLOCK_P] in the cache's dtype (zeros past hi, RANK and ROPE)."""
+    kpos = start + tl.arange(0, TILE_N)
+    kv_ok = kpos < hi
+    blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
+    base = cache_ptr + blk.to(tl.int64) * c_sb + (kpos % BLOCK_SIZE) * c_so
+    r = tl.arange(0, BLOCK_R)
+    p = tl.arange(0, BLOCK_P)
+    c = tl.load(base[:, None] + r[None, :], mask=kv_ok[:, None] & (r < RANK)[None, :],
+                other=0.0)
+    kp = tl.load(base[:, None] + RANK + p[None, :], mask=kv_ok[:, None] & (p < ROPE)[None, :],
+                 other=0.0)
+    return kpos, kv_ok, c, kp
+
+
+@triton.jit
 def _mla_decode_kernel(part_ptr, lse_ptr, ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                        qsl_ptr, num_heads, scale_log2, ql_st, ql_sh, qp_st, qp_sh,
                        c_sb, c_so, bt_st, p_st, p_ss, p_sh, l_st, l_ss,
@@ -119,14 +139,8 @@ def _mla_decode_kernel(part_ptr, lse_ptr, ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pmask = pos < hi
-        blk = tl.load(bt_ptr + s * bt_st + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-        base = cache_ptr + blk * c_sb + (pos % BLOCK_SIZE) * c_so
-        c = tl.load(base[:, None] + r[None, :], mask=pmask[:, None] & (r < RANK)[None, :],
-                    other=0.0)
-        kp = tl.load(base[:, None] + RANK + p[None, :],
-                     mask=pmask[:, None] & (p < ROPE)[None, :], other=0.0)
+        _, pmask, c, kp = _latent_tile(cache_ptr, bt_ptr, s, bt_st, start, hi, c_sb, c_so,
+                                       RANK, ROPE, BLOCK_SIZE, BLOCK_R, BLOCK_P, BLOCK_N)
         if DOT_F32:
             c = c.to(tl.float32)
             kp = kp.to(tl.float32)
@@ -213,13 +227,9 @@ def _mla_absorbed_kernel(out_ptr, ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_pt
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_R], tl.float32)
     for start in range(0, hi, TILE_N):
-        kpos = start + tl.arange(0, TILE_N)
-        kv_ok = kpos < hi
-        blk = tl.load(bt_ptr + seq * bt_st + kpos // BLOCK_SIZE, mask=kv_ok, other=0)
-        base = cache_ptr + blk.to(tl.int64) * c_sb + (kpos % BLOCK_SIZE) * c_so
-        c = tl.load(base[:, None] + r[None, :], mask=kv_ok[:, None] & r_ok, other=0.0)
-        kp = tl.load(base[:, None] + RANK + p[None, :], mask=kv_ok[:, None] & p_ok,
-                     other=0.0)
+        kpos, kv_ok, c, kp = _latent_tile(cache_ptr, bt_ptr, seq, bt_st, start, hi, c_sb,
+                                          c_so, RANK, ROPE, BLOCK_SIZE, BLOCK_R, BLOCK_P,
+                                          TILE_N)
         if DOT_F32:
             kp = kp.to(tl.float32)
             sc = tl.dot(ql, tl.trans(c.to(tl.float32)), input_precision=DOT_PRECISION)
