@@ -154,18 +154,34 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The printed tables' columns: (header, key of a row's figures, format).
+ENGINE_COLUMNS = (("steps", "steps", ""), ("wall us", "wall_us", ".0f"),
+                  ("host us", "host_us", ".0f"), ("device us", "device_us", ".0f"),
+                  ("kernels", "kernels", ".0f"), ("launches", "launch_calls", ".0f"),
+                  ("gap sum us", "gap_sum_us", ".0f"), ("gap max us", "gap_max_us", ".0f"))
+HANDOFF_COLUMNS = (("wall us", "wall_us", ".0f"), ("copy us", "copy_us", ".0f"),
+                   ("fixed us", "fixed_us", ".0f"), ("GB/s", "gbps", ".2f"),
+                   ("chunks", "chunks", ".0f"), ("rt/chunk", "round_trips_per_chunk", ".2f"),
+                   ("notice/chunk", "notices_per_chunk", ".2f"),
+                   ("finish us", "finish_wait_us", ".0f"))
+
+
+def _print_table(first: str, columns: tuple[tuple[str, str, str], ...],
+                 rows: dict[str, dict[str, Any]], width: int) -> None:
+    """A header line (`first`, then the columns' headers), then a line per row: its
+    name, then its figures; every cell right-aligned in `width` characters."""
+    print("".join(f"{h:>{width}}" for h in (first, *(c[0] for c in columns))))
+    for name, figures in rows.items():
+        print(f"{name:>{width}}" + "".join(format(figures[key], f">{width}{fmt}")
+                                          for _, key, fmt in columns))
+
+
 def print_engine(r: dict[str, Any]) -> None:
     print(f"engine: workload c, {r['workload']} (+{r['extra_output_tokens']} output tokens "
           f"each), {r['model']}, {r['dtype']} on {r['device']}; decode batch "
           f"{r['decode_batch']}")
-    head = ("window", "steps", "wall us", "host us", "device us", "kernels", "launches",
-            "gap sum us", "gap max us")
-    print("".join(f"{h:>11}" for h in head))
-    for name, w in r["windows"].items():
-        s = w["summary"]
-        print(f"{name:>11}{s['steps']:>11}" + "".join(
-            f"{s[k]:>11.0f}" for k in ("wall_us", "host_us", "device_us", "kernels",
-                                      "launch_calls", "gap_sum_us", "gap_max_us")))
+    _print_table("window", ENGINE_COLUMNS, {n: w["summary"] for n, w in r["windows"].items()},
+                 11)
     for name, w in r["windows"].items():
         phases = "  ".join(f"{p.removeprefix('engine.')} {v:.0f}"
                            for p, v in w["summary"]["phases_us"].items())
@@ -181,15 +197,7 @@ def print_handoffs(rows: dict[str, Any], layout: Any) -> None:
     print(f"hand-off: {first['tokens']} tokens ({first['blocks']} scattered blocks of "
           f"{layout.block_bytes / 2**10:.0f} KiB) in {first['chunks_asked']} writes; "
           f"means over {first['sender']['handoffs']} hand-offs")
-    head = ("transport", "wall us", "copy us", "fixed us", "GB/s", "chunks", "rt/chunk",
-            "notice/chunk", "finish us")
-    print("".join(f"{h:>13}" for h in head))
-    for t, h in rows.items():
-        s = h["sender"]
-        print(f"{t:>13}" + "".join(f"{s[k]:>13.0f}" for k in ("wall_us", "copy_us",
-                                                              "fixed_us"))
-              + f"{s['gbps']:>13.2f}{s['chunks']:>13.0f}{s['round_trips_per_chunk']:>13.2f}"
-              f"{s['notices_per_chunk']:>13.2f}{s['finish_wait_us']:>13.0f}")
+    _print_table("transport", HANDOFF_COLUMNS, {t: h["sender"] for t, h in rows.items()}, 13)
     for t, h in rows.items():
         rx = ", ".join(f"{k} {v['calls']:.0f}x {v['us']:.0f} us"
                        for k, v in h["receiver"].items() if isinstance(v, dict) and v["calls"])
