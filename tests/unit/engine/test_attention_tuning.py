@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from engine.attention.triton_backend import TritonBackend  # noqa: E402

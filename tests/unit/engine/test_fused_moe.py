@@ -6,13 +6,9 @@ tests/conftest.py before triton is imported): shapes stay tiny.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from engine import fused_moe as fm  # noqa: E402

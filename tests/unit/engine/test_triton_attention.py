@@ -5,16 +5,12 @@ a strided per-layer view, cached prefixes, GQA packing, windows, padding."""
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before triton is imported: the interpreter is chosen at import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from engine.attention.base import AttentionMetadata  # noqa: E402

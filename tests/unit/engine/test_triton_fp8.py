@@ -5,13 +5,9 @@ interpreter, on tiny shapes, as tests/unit/engine/test_triton_attention.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from engine.attention import triton_attn  # noqa: E402

@@ -6,14 +6,11 @@ more heads than one tile, a rank and rope width that are not powers of two."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
 from engine.attention.base import AttentionMetadata  # noqa: E402

@@ -10,15 +10,12 @@ decompressing torch reference."""
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import replace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 pytest.importorskip("triton")
 
 from engine.attention.base import AttentionMetadata  # noqa: E402

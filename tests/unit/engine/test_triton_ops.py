@@ -1,19 +1,17 @@
 """engine.kernels against the torch reference arithmetic of engine/models/llama.py.
 
 Without CUDA the kernels run under Triton's CPU interpreter: TRITON_INTERPRET must be set
-before engine.kernels is imported, because triton.jit reads it when a kernel is defined.
+before engine.kernels is imported, because triton.jit reads it when a kernel is defined
+(tests/conftest.py sets it).
 """
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
@@ -35,7 +33,7 @@ LLAMA3_ROPE = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_fre
 
 @pytest.fixture(autouse=True)
 def _kernels_are_runnable() -> None:
-    # If another module imported engine.kernels before this one set TRITON_INTERPRET, the
+    # If engine.kernels was imported before tests/conftest.py set TRITON_INTERPRET, the
     # kernels were built for a GPU and fail on CPU tensors with an obscure pointer error.
     if DEVICE == "cpu" and type(kernels._rms_norm_kernel).__name__ != "InterpretedFunction":
         pytest.fail("engine.kernels was imported before TRITON_INTERPRET=1 was set; "
