@@ -211,15 +211,16 @@ def test_decode_and_prefill_share_one_budget() -> None:
 # are checked here too, which the interpreter never does. The extremes of the prefill
 # space (the most rows and keys with the deepest pipeline; the untuned tile with a
 # window over a float8 cache), and the kernels that share its tile step and float8
-# conversions: split-K decode and the KV write over a float8 cache.
+# conversions: split-K decode and the KV write over a float8 cache; and DeepSeek's two
+# latent (MLA) attention kernels at the DeepSeek-V3 shape (rank 512, rope 64).
 COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from engine.attention import triton_attn, triton_decode
+from engine.attention import triton_attn, triton_decode, triton_mla
 
 def build(fn, const, warps, stages):
-    cache = "*fp8e4nv" if const["FP8"] else "*bf16"
+    cache = "*fp8e4nv" if const.get("FP8") else "*bf16"
     sig = {a: "constexpr" if a in const else cache if a == "cache_ptr"
            else "*fp32" if a.endswith("scale_ptr") or a in ("part_ptr", "lse_ptr")
            else "*i32" if a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr")
@@ -242,6 +243,10 @@ build(triton_decode._decode_split_kernel,
       dict(common, GROUP=4, BLOCK_M=16, TILE_N=64, USE_WINDOW=False, FP8=True), 4, 3)
 build(triton_attn._write_kv_kernel,
       dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_H=8, FP8=True, FP8_BITS=False), 4, 3)
+mla = dict(RANK=512, ROPE=64, BLOCK_SIZE=16, BLOCK_R=512, BLOCK_P=64, BLOCK_H=16,
+           DOT_PRECISION="tf32", DOT_F32=False)
+build(triton_mla._mla_decode_kernel, dict(mla, BLOCK_N=16, NUM_SPLITS=4), 4, 3)
+build(triton_mla._mla_absorbed_kernel, dict(mla, BLOCK_Q=1, TILE_N=16), 4, 3)
 print("compiled")
 """
 
