@@ -58,10 +58,10 @@ class TcpReceiver(ReceiverBase):
             return
         try:
             sizes = rr.nbytes(rows, self.table.layout)
-            if payload_len != int(sizes.sum()):
+            if payload_len != (total := int(sizes.sum())):
                 raise ProtocolError(f"{xfer_id}: a WRITE payload of {payload_len} bytes for "
-                                    f"rows of {int(sizes.sum())}")
-            digests = await self._land_rows(conn, head, sizes)
+                                    f"rows of {total}")
+            digests = await self._land_rows(conn, head, sizes, total)
         except BaseException as e:
             error = e if isinstance(e, KVTransferError) else \
                 PeerUnavailable(f"connection to sender {conn.peer} lost mid-frame")
@@ -73,16 +73,15 @@ class TcpReceiver(ReceiverBase):
             bad = int(wrong[0]) if len(wrong) else None
         self.table.landed_rows(xfer_id, rows, bad)
 
-    async def _land_rows(self, conn: Conn, head: WriteHead,
-                         sizes: np.ndarray) -> np.ndarray | None:
-        """Receives the payload into the rows' cells, one range per run of adjacent rows;
-        returns each row's checksum (None when unasked, or when the transfer was fenced
-        meanwhile: the rest of the payload discarded)."""
+    async def _land_rows(self, conn: Conn, head: WriteHead, sizes: np.ndarray,
+                         left: int) -> np.ndarray | None:
+        """Receives the payload (`left` bytes) into the rows' cells, one range per run of
+        adjacent rows; returns each row's checksum (None when unasked, or when the
+        transfer was fenced meanwhile: the rest of the payload discarded)."""
         assert self.kv is not None
         sums = None if head.checksums is None else np.zeros(len(head.rows), np.uint64)
-        left = int(sizes.sum())
         for first, end, rank, off in runs(head.rows, sizes, self.table.layout):
-            n = int(sizes[first:end].sum())
+            n = int(sizes[first:end].sum()) if end - first > 1 else int(sizes[first])
             if off < 0:  # a head slice: strided in its rank's cache
                 region = rr.to_regions(head.rows[first:end], self.table.layout)[0]
                 ok, digest = await self._land_slice(conn, head, region, n, sums is not None)
@@ -182,11 +181,12 @@ class TcpSender(SenderBase):
         staged = staged_regions(kv.tensor, kv.layout, [s for s, _ in pairs]) \
             if kv.is_cuda else None
         for start, end in batches(sizes):
-            pieces, sums = self._payload(pairs[start:end], src_rows[start:end],
-                                         sizes[start:end], checksum, staged)
+            part = sizes[start:end]
+            pieces, sums = self._payload(pairs[start:end], src_rows[start:end], part,
+                                         checksum, staged)
             meta = WriteHead(xfer_id, generation, dst_rows[start:end], sums).pack()
-            await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta,
-                                                         int(sizes[start:end].sum())), pieces)
+            await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta, int(part.sum())),
+                                   pieces)
 
     def _payload(self, pairs: list[tuple[Region, Region]], rows: np.ndarray,
                  sizes: np.ndarray, checksum: bool, staged: Iterator[object] | None,

@@ -86,9 +86,8 @@ def runs(rows: np.ndarray, sizes: np.ndarray, layout: KVLayout) -> list[tuple[in
         cache:  | row 3 | row 4 | ... | row 0 | row 1 | row 2 |
         runs:   (0, 3, rank, off of row 0), (3, 5, rank, off of row 3)
     """
-    n = len(rows)
-    if not n:
-        return []
+    if len(rows) <= rr.FEW:  # fewer calls one row at a time than numpy's
+        return _few_runs(rows.tolist(), sizes.tolist(), layout)
     whole = rr.whole_heads(rows, layout)
     offs = rr.offsets(rows, layout)
     rank = rows[:, rr.RANK]
@@ -96,16 +95,35 @@ def runs(rows: np.ndarray, sizes: np.ndarray, layout: KVLayout) -> list[tuple[in
     joined = whole[1:] & whole[:-1] & (rank[1:] == rank[:-1]) \
         & (offs[1:] == offs[:-1] + sizes[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    ends = np.append(starts[1:], n)
+    ends = np.append(starts[1:], len(rows))
     return [(s, e, r, o if w else -1) for s, e, r, o, w in zip(
         starts.tolist(), ends.tolist(), rank[starts].tolist(), offs[starts].tolist(),
         whole[starts].tolist(), strict=True)]
+
+
+def _few_runs(rows: list[list[int]], sizes: list[int],
+              layout: KVLayout) -> list[tuple[int, int, int, int]]:
+    """`runs` of a few rows, one at a time."""
+    out: list[tuple[int, int, int, int]] = []
+    layer_bytes = layout.layer_bytes
+    follows = -1  # the offset a row must start at to continue the last run
+    for i, (block, start, _, _, rank, first, last) in enumerate(rows):
+        whole = first == 0 and last == layout.num_kv_heads
+        off = (block * layout.num_layers + start) * layer_bytes if whole else -1
+        if whole and off == follows and out[-1][2] == rank:
+            out[-1] = (out[-1][0], i + 1, rank, out[-1][3])
+        else:
+            out.append((i, i + 1, rank, off))
+        follows = off + sizes[i] if whole else -1
+    return out
 
 
 def batches(sizes: np.ndarray, max_bytes: int = FRAME_BYTES,
             max_rows: int = FRAME_ROWS) -> list[tuple[int, int]]:
     """[start, end) row ranges of the frames that carry rows of `sizes` bytes, in order:
     each at most `max_bytes` of payload (or one row) and `max_rows` rows."""
+    if len(sizes) <= max_rows and (len(sizes) <= 1 or int(sizes.sum()) <= max_bytes):
+        return [(0, len(sizes))] if len(sizes) else []
     out: list[tuple[int, int]] = []
     total = np.cumsum(sizes)
     start = 0

@@ -12,7 +12,7 @@ import pytest
 from kvtransfer import KVLayout, Region
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import ProtocolError
-from kvtransfer.tcp_frames import WRITE_HEAD, WriteHead, batches, runs
+from kvtransfer.tcp_frames import WRITE_HEAD, WriteHead, _few_runs, batches, runs
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 
@@ -83,6 +83,22 @@ def test_runs_of_random_scattered_blocks_cover_every_row_once() -> None:
         assert blocks[s:e] == list(range(blocks[s], blocks[s] + e - s))
     joined = sum(b == a + 1 for a, b in zip(blocks, blocks[1:], strict=False))
     assert len(got) == len(blocks) - joined
+
+
+def test_runs_a_few_rows_at_a_time_are_numpys() -> None:
+    """Up to FEW rows `runs` goes one row at a time: the same runs as numpy's (both
+    held to each other on longer tables)."""
+    rng = random.Random(5)
+    for _ in range(300):
+        block, regions = rng.randrange(50), []
+        for _ in range(rng.randrange(rr.FEW + 1, 30)):
+            block = block + 1 if rng.random() < 0.5 else rng.randrange(60)
+            whole = rng.random() < 0.8
+            regions.append(Region(block, 0, None, 1, rng.choice([0, 0, 0, 1]),
+                                  0 if whole else 1))
+        table = rows(*regions)
+        sizes = rr.nbytes(table, LAYOUT)
+        assert runs(table, sizes, LAYOUT) == _few_runs(table.tolist(), sizes.tolist(), LAYOUT)
 
 
 def test_batches_keep_to_their_bounds() -> None:
