@@ -6,7 +6,8 @@ The bench opens `record_function` ranges on its own sender and receiver instance
 nothing outside this bench):
 
     sender:   handoff > kv.write (one chunk) > kv.send_regions > wire.RESERVE, kv.copy,
-              wire.WRITTEN;  kv.finish > wire.FINISH
+              wire.WRITTEN (in-place transports), wire.WRITE (tcp: its regions and their
+              bytes, one frame per chunk);  kv.finish > wire.FINISH
     receiver: handoff > rx.reserve, rx.written (in-place transports), rx.write (tcp)
 
 A RESERVE waits for its GRANT and `kv.finish` for the verdict (asked for with a FINISH
@@ -65,7 +66,8 @@ def _frame_name(peer: Any, data: Any) -> str:
 
 def annotate_sender(sender: Any) -> None:
     for attr, name in (("write", "kv.write"), ("finish", "kv.finish"),
-                       ("_send_regions", "kv.send_regions"), ("_copy", "kv.copy")):
+                       ("_send_regions", "kv.send_regions"), ("_copy", "kv.copy"),
+                       ("_send_write", "wire.WRITE")):
         if hasattr(sender, attr):
             ranged(sender, attr, lambda *a, n=name: n)
     ranged(sender, "_send_frame", _frame_name)

@@ -138,7 +138,7 @@ def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- the KV hand-off (sender side) -------------------------------------------------------
 
-FRAMES = ("RESERVE", "WRITTEN", "FINISH")  # the control frames a hand-off sends
+FRAMES = ("RESERVE", "WRITTEN", "WRITE", "FINISH")  # the frames a hand-off sends
 
 
 def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Seeded fault injection for tests and chaos runs: on the kvtransfer wire (the tcp
-sender's WRITE frames) and on worker RPCs (worker/faults.py), off by default.
+sender's WRITE frames, one per chunk) and on worker RPCs (worker/faults.py), off by default.
 
 A worker started with `SPLITSERVE_FAULTS` (or `--faults`) set injects faults. The spec
 is comma-separated `name=value` items:
@@ -10,7 +10,7 @@ is comma-separated `name=value` items:
         drop               frame and payload never sent (the transfer cannot complete)
         delay              sent `delay` seconds late
         duplicate          sent twice
-        reorder            a multi-block frame sent as one frame per block, last first
+        reorder            a multi-block region sent as one row per block, last first
         corrupt            one payload byte flipped after the checksum was taken
         truncate           half the payload sent, then the connection closed
     rpc.<kind>=P           each worker call (Generate/Prefill/FetchKV) suffers <kind>:
@@ -132,8 +132,9 @@ class Faults:
 
     # -- the wire (the tcp sender calls these) ------------------------------------------
     def reorder(self, pairs: Sequence[tuple[Region, Region]]) -> list[tuple[Region, Region]]:
-        """The (src, dst) regions of one batch in sending order: a multi-block region
-        drawn for `reorder` goes as one frame per block, last block first."""
+        """The (src, dst) regions of one write in sending order: a multi-block region
+        drawn for `reorder` goes as one region per block, last block first (rows out of
+        order in the frame: the receiver lands each where it names)."""
         out = []
         for src, dst in pairs:
             if src.num_blocks > 1 and self.hit("reorder"):

@@ -82,9 +82,6 @@ class InPlaceReceiver(ReceiverBase):
         await self._send(conn, wire.pack_json(Frame.GRANT, {"req": req, "ok": True,
                                                             "ttl": ttl}))
 
-    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
-        raise ProtocolError(f"{self.name} bytes land in place; WRITE frames carry none")
-
     async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
         grant = self._grants.get(conn.id, {}).pop(int(msg["req"]), None)
         if grant is None:

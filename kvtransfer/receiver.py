@@ -151,8 +151,9 @@ class ReceiverBase:
         registered); returns extra WELCOME fields. A KVTransferError refuses it."""
         return {}
 
-    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
-        raise NotImplementedError
+    async def _on_write(self, conn: Conn, meta: bytes, payload_len: int) -> None:
+        """A WRITE frame (its meta read; `payload_len` bytes follow on the stream)."""
+        raise ProtocolError(f"{self.name} bytes land in place; WRITE frames carry none")
 
     async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
         raise ProtocolError(f"{self.name} does not take RESERVE frames")
@@ -249,7 +250,7 @@ class ReceiverBase:
             kind, meta, payload_len = await wire.read_frame(loop, conn.sock)
             conn.last_rx = loop.time()
             if kind is Frame.WRITE:
-                await self._on_write(conn, wire.WriteHeader.unpack(meta), payload_len)
+                await self._on_write(conn, meta, payload_len)
             elif kind is Frame.PING:
                 await self._send(conn, wire.pack_frame(Frame.PONG))
             elif kind is Frame.FINISH:

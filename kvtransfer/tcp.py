@@ -1,28 +1,38 @@
-"""`tcp`: KV bytes follow each WRITE header on the control stream itself.
+"""`tcp`: KV bytes follow each WRITE frame's header on the control stream itself.
 
-The reference and fallback transport. The receiver reads a region's payload with
-`sock_recv_into` straight into the destination blocks; if the transfer is fenced
-mid-region, the rest of the payload goes to a scratch buffer instead, so no byte
-of a stale write lands after the fence.
+The reference and fallback transport. A `write()` goes as one WRITE frame per chunk
+(`tcp_frames`: a bounded batch of regions as rows of one int64 array, then their
+bytes). The receiver admits the frame's whole row table before a byte lands, then
+reads the payload with `sock_recv_into` straight into the destination blocks, one
+call per run of adjacent blocks; if the transfer is fenced mid-frame, the rest of the
+payload goes to a scratch buffer instead, so no byte of a stale write lands after the
+fence. A table that fails its checks lands nothing: a stale one is dropped (counted)
+and one the transfer does not expect fails it, their payload discarded; one whose
+payload is not the rows' total ends the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable, Iterator
+from itertools import chain
 
+import numpy as np
 import xxhash
 from prometheus_client import CollectorRegistry
 
+from kvtransfer import region_rows as rr
 from kvtransfer import wire
 from kvtransfer.config import TransferConfig
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
 from kvtransfer.faults import Faults, on_wire
-from kvtransfer.layout import Region
+from kvtransfer.layout import Region, rank_layout
 from kvtransfer.memory import Ready, block_parts, host_bytes, wait_ready
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
+from kvtransfer.tcp_frames import WriteHead, batches, runs
 from kvtransfer.wire import Frame
 
 _SCRATCH_BYTES = 1 << 20
@@ -38,64 +48,91 @@ class TcpReceiver(ReceiverBase):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
 
-    async def _on_write(self, conn: Conn, header: wire.WriteHeader, payload_len: int) -> None:
-        assert self.kv is not None
-        admitted = self.table.admit(header.xfer_id, header.generation, header.region, conn.id)
-        if not admitted:
+    async def _on_write(self, conn: Conn, meta: bytes, payload_len: int) -> None:
+        head = WriteHead.unpack(meta)
+        xfer_id, rows = head.xfer_id, head.rows
+        # every row at once, all or none: live, its generation, in bounds, cells expected
+        # and unclaimed (a stale table is counted, an unexpected one fails the transfer)
+        if not self.table.admit_rows(xfer_id, head.generation, rows, conn.id):
             await self._discard(conn, payload_len)
             return
-        region = header.region
         try:
-            nbytes = self.kv.region_bytes(region)
-            if payload_len != nbytes:
-                raise ProtocolError(f"payload of {payload_len} bytes for a {nbytes}-byte region")
-            if self.kv.contiguous(region):
-                dst = self.kv.view(region)
-                await self._land(conn, header, dst)
-                digest = compute_checksum(dst) if header.flags & wire.FLAG_CHECKSUM else 0
-            else:
-                digest = await self._land_slice(conn, header, nbytes)
+            sizes = rr.nbytes(rows, self.table.layout)
+            if payload_len != (total := int(sizes.sum())):
+                raise ProtocolError(f"{xfer_id}: a WRITE payload of {payload_len} bytes for "
+                                    f"rows of {total}")
+            digests = await self._land_rows(conn, head, sizes, total)
         except BaseException as e:
             error = e if isinstance(e, KVTransferError) else \
-                PeerUnavailable(f"connection to sender {conn.peer} lost mid-region")
-            self.table.released(header.xfer_id, error)
+                PeerUnavailable(f"connection to sender {conn.peer} lost mid-frame")
+            self.table.released(xfer_id, error)
             raise
-        ok = True
-        if header.flags & wire.FLAG_CHECKSUM and self.table.is_live(header.xfer_id,
-                                                                   header.generation):
-            ok = digest == header.checksum
-        self.table.landed(header.xfer_id, region, ok)
+        bad = None
+        if digests is not None and self.table.is_live(xfer_id, head.generation):
+            wrong = np.flatnonzero(digests != head.checksums)
+            bad = int(wrong[0]) if len(wrong) else None
+        self.table.landed_rows(xfer_id, rows, bad)
 
-    async def _land_slice(self, conn: Conn, header: wire.WriteHeader, nbytes: int) -> int:
+    async def _land_rows(self, conn: Conn, head: WriteHead, sizes: np.ndarray,
+                         left: int) -> np.ndarray | None:
+        """Receives the payload (`left` bytes) into the rows' cells, one range per run of
+        adjacent rows; returns each row's checksum (None when unasked, or when the
+        transfer was fenced meanwhile: the rest of the payload discarded)."""
+        assert self.kv is not None
+        sums = None if head.checksums is None else np.zeros(len(head.rows), np.uint64)
+        for first, end, rank, off in runs(head.rows, sizes, self.table.layout):
+            n = int(sizes[first:end].sum()) if end - first > 1 else int(sizes[first])
+            if off < 0:  # a head slice: strided in its rank's cache
+                region = rr.to_regions(head.rows[first:end], self.table.layout)[0]
+                ok, digest = await self._land_slice(conn, head, region, n, sums is not None)
+                if sums is not None:
+                    sums[first] = digest
+            else:
+                dst = self.kv.rank_view(rank)[off:off + n]
+                ok = await self._land(conn, head, dst)
+                if ok and sums is not None:
+                    at = 0
+                    for i, k in enumerate(sizes[first:end].tolist(), first):
+                        sums[i] = compute_checksum(dst[at:at + k])
+                        at += k
+            left -= n
+            if not ok:
+                await self._discard(conn, left)
+                return None
+        return sums
+
+    async def _land_slice(self, conn: Conn, head: WriteHead, region: Region, nbytes: int,
+                          checksum: bool) -> tuple[bool, int]:
         """A head slice is strided in its rank's cache: its packed runs arrive a few
         blocks at a time, each part laid into place while the transfer is live (after a
-        fence the rest is discarded). Returns the payload's checksum (0 when unasked)."""
+        fence the rest of the slice is discarded). Returns (landed, the payload's
+        checksum: 0 when unasked)."""
         assert self.kv is not None
-        digest = xxhash.xxh3_64() if header.flags & wire.FLAG_CHECKSUM else None
+        digest = xxhash.xxh3_64() if checksum else None
         left = nbytes
-        parts = block_parts(header.region, nbytes, _SLICE_PART_BYTES)
+        parts = block_parts(region, nbytes, _SLICE_PART_BYTES)
         # This write's own buffer: other connections land their slices meanwhile.
         room = memoryview(bytearray(max(self.kv.region_bytes(p) for p in parts)))
         for part in parts:
             n = self.kv.region_bytes(part)
             buf = room[:n]
-            if not await self._land(conn, header, buf):
+            if not await self._land(conn, head, buf):
                 await self._discard(conn, left - n)
-                return 0
+                return False, 0
             left -= n
             if digest is not None:
                 digest.update(buf)
             self.kv.unpack(part, buf)
-        return digest.intdigest() if digest is not None else 0
+        return True, digest.intdigest() if digest is not None else 0
 
-    async def _land(self, conn: Conn, header: wire.WriteHeader, dst: memoryview) -> bool:
+    async def _land(self, conn: Conn, head: WriteHead, dst: memoryview) -> bool:
         """Receive `len(dst)` payload bytes into `dst`, re-checking the fence per chunk;
         False if the transfer was fenced meanwhile (the rest of them discarded)."""
         loop = asyncio.get_running_loop()
         nbytes = len(dst)
         got = 0
         while got < nbytes:
-            if not self.table.is_live(header.xfer_id, header.generation):
+            if not self.table.is_live(head.xfer_id, head.generation):
                 await self._discard(conn, nbytes - got)  # fenced: nothing more lands
                 return False
             try:
@@ -103,10 +140,10 @@ class TcpReceiver(ReceiverBase):
             except OSError as e:
                 raise PeerUnavailable(f"connection to sender {conn.peer} lost: {e}") from e
             if k == 0:
-                raise PeerUnavailable(f"sender {conn.peer} closed mid-region")
+                raise PeerUnavailable(f"sender {conn.peer} closed mid-frame")
             got += k
             conn.last_rx = loop.time()
-        return self.table.is_live(header.xfer_id, header.generation)
+        return self.table.is_live(head.xfer_id, head.generation)
 
     async def _discard(self, conn: Conn, nbytes: int) -> None:
         loop = asyncio.get_running_loop()
@@ -131,38 +168,73 @@ class TcpSender(SenderBase):
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         assert self.kv is not None
-        loop = asyncio.get_running_loop()
         await wait_ready(ready)
         if self._faults is not None:
             pairs = self._faults.reorder(pairs)
+        kv = self.kv
+        src_rows = rr.rows_of([s for s, _ in pairs], kv.rank_layout)
+        # the receiver's rows: its rank layout (its TP size's heads) resolves the open ends
+        dst_rows = rr.rows_of([d for _, d in pairs],
+                              rank_layout(kv.layout, int(peer.welcome.get("tp", 1))))
+        sizes = rr.nbytes(src_rows, kv.rank_layout)
         # A CUDA cache's regions come over to the host a batch of blocks at a time
-        staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
-            if self.kv.is_cuda else None
-        for src, dst in pairs:
-            # a head slice without a checksum is packed and sent a few blocks at a time
-            parts = None
-            if staged is None and not checksum and not self.kv.contiguous(src):
-                parts, data = self.kv.payload_parts(src, _SLICE_PART_BYTES), None
+        staged = staged_regions(kv.tensor, kv.layout, [s for s, _ in pairs]) \
+            if kv.is_cuda else None
+        for start, end in batches(sizes):
+            part = sizes[start:end]
+            pieces, sums = self._payload(pairs[start:end], src_rows[start:end], part,
+                                         checksum, staged)
+            meta = WriteHead(xfer_id, generation, dst_rows[start:end], sums).pack()
+            await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta, int(part.sum())),
+                                   pieces)
+
+    def _payload(self, pairs: list[tuple[Region, Region]], rows: np.ndarray,
+                 sizes: np.ndarray, checksum: bool, staged: Iterator[object] | None,
+                 ) -> tuple[list[Iterable[memoryview]], np.ndarray | None]:
+        """One frame's payload in row order, as pieces to send (a run of rows adjacent in
+        the cache is one view of it; a head slice without a checksum is packed a few
+        blocks at a time as it is sent), and each row's checksum (None when unasked)."""
+        assert self.kv is not None
+        sums = np.zeros(len(rows), np.uint64) if checksum else None
+        pieces: list[Iterable[memoryview]] = []
+        if staged is not None:
+            for i in range(len(rows)):
+                data = host_bytes(next(staged))  # type: ignore[arg-type]
+                pieces.append((data,))
+                if sums is not None:
+                    sums[i] = compute_checksum(data)
+            return pieces, sums
+        for first, end, rank, off in runs(rows, sizes, self.kv.rank_layout):
+            if off >= 0:
+                view = self.kv.rank_view(rank)[off:off + int(sizes[first:end].sum())]
+                pieces.append((view,))
+                if sums is not None:
+                    at = 0
+                    for i, k in enumerate(sizes[first:end].tolist(), first):
+                        sums[i] = compute_checksum(view[at:at + k])
+                        at += k
+            elif sums is not None:
+                data = self.kv.payload(pairs[first][0])
+                sums[first] = compute_checksum(data)
+                pieces.append((data,))
             else:
-                data = self.kv.payload(src) if staged is None else host_bytes(next(staged))
-            flags = wire.FLAG_CHECKSUM if checksum else 0
-            header = wire.WriteHeader(xfer_id, generation, dst, flags,
-                                      compute_checksum(data) if data is not None and checksum
-                                      else 0)
-            meta = header.pack()
-            size = len(data) if data is not None else self.kv.region_bytes(src)
-            # The lock is per region, so concurrent transfers interleave region by region.
-            async with peer.send_lock:
-                peer.check()
-                head = wire.pack_frame(Frame.WRITE, meta, size)
-                if self._faults is not None:
-                    data = data if data is not None else host_bytes(
-                        self.kv.tensor_of(src).contiguous())
-                    await self._faults.send_write(loop, peer.sock, head, data)
-                    continue
-                await wire.send_all(loop, peer.sock, head)
-                for piece in parts if parts is not None else (data,):
-                    await wire.send_all(loop, peer.sock, piece)
+                pieces.append(self.kv.payload_parts(pairs[first][0], _SLICE_PART_BYTES))
+        return pieces, sums
+
+    async def _send_write(self, peer: Peer, head: bytes,
+                          pieces: list[Iterable[memoryview]]) -> None:
+        """One WRITE frame: its header, then its payload's pieces."""
+        loop = asyncio.get_running_loop()
+        # The lock is per frame, so concurrent transfers interleave frame by frame.
+        async with peer.send_lock:
+            peer.check()
+            if self._faults is not None:
+                data = b"".join(chain.from_iterable(pieces))
+                await self._faults.send_write(loop, peer.sock, head, data)
+                return
+            await wire.send_all(loop, peer.sock, head)
+            for piece in chain.from_iterable(pieces):
+                await wire.send_all(loop, peer.sock, piece)
 
 
 __all__ = ["TcpReceiver", "TcpSender"]

@@ -27,12 +27,10 @@ import os
 import socket
 import struct
 import sys
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
 from kvtransfer.errors import PeerUnavailable, ProtocolError, VersionMismatch
-from kvtransfer.layout import Region
 
 # A deadline scope on the hand-off's path (no task of its own, as wait_for's would be);
 # it raises the builtin TimeoutError.
@@ -59,13 +57,12 @@ else:  # Python 3.10: async_timeout (a dependency of redis's there too)
 #   3: tensor parallelism: HELLO and WELCOME carry each side's TP size; a region names
 #      its rank and KV head range (WRITE header, RESERVE), so each rank's heads move
 #      between the two sides' rank caches directly (`layout.rank_pairs`).
-PROTOCOL_VERSION = 3
+#   4: a tcp WRITE frame carries a chunk's regions as rows of one int64 array
+#      (`tcp_frames`), not one region; PrefillResponse and FetchKVResponse carry a
+#      float8 cache's KV scales (a version 3 prefill may send none).
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!BIQ")
-WRITE_META = struct.Struct("!QBIIIIQIII")
-_ALL = 0xFFFFFFFF  # layer_end / head_end None
 MAX_META = 1 << 20
-
-FLAG_CHECKSUM = 1
 
 
 class Frame(IntEnum):
@@ -73,7 +70,7 @@ class Frame(IntEnum):
     HELLO = 2
     WELCOME = 3
     REFUSE = 4
-    WRITE = 5
+    WRITE = 5  # tcp: a chunk's regions (`tcp_frames`), their bytes as the payload
     FINISH = 6
     RESULT = 7
     CANCEL = 8
@@ -82,35 +79,6 @@ class Frame(IntEnum):
     RESERVE = 11
     GRANT = 12
     WRITTEN = 13  # in-place writers: every region of a grant is in place (one notice)
-
-
-@dataclass(frozen=True, slots=True)
-class WriteHeader:
-    """One region of one transfer; the payload (if any) follows on the wire."""
-
-    xfer_id: str
-    generation: int
-    region: Region
-    flags: int = 0
-    checksum: int = 0
-
-    def pack(self) -> bytes:
-        r = self.region
-        end = _ALL if r.layer_end is None else r.layer_end
-        heads = _ALL if r.head_end is None else r.head_end
-        return WRITE_META.pack(self.generation, self.flags, r.block_id, r.num_blocks,
-                               r.layer_start, end, self.checksum, r.rank, r.head_start,
-                               heads) + self.xfer_id.encode()
-
-    @classmethod
-    def unpack(cls, meta: bytes) -> WriteHeader:
-        if len(meta) < WRITE_META.size:
-            raise ProtocolError("short WRITE header")
-        gen, flags, block, nblocks, start, end, csum, rank, first, last = \
-            WRITE_META.unpack_from(meta)
-        region = Region(block, start, None if end == _ALL else end, nblocks, rank, first,
-                        None if last == _ALL else last)
-        return cls(meta[WRITE_META.size:].decode(), gen, region, flags, csum)
 
 
 def version_mismatch(theirs: Any, who: str) -> VersionMismatch | None:

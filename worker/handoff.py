@@ -53,7 +53,7 @@ from engine.llm_engine import RemoteAlloc, RequestError
 from engine.outputs import RequestOutput
 from kvtransfer.base import KVReceiver, KVSender
 from kvtransfer.config import TransferConfig
-from kvtransfer.errors import KVTransferError
+from kvtransfer.errors import KVTransferError, ProtocolError
 from kvtransfer.layout import KVLayout, whole_blocks
 from kvtransfer.pusher import KVPusher
 from kvtransfer.registry import make_receiver
@@ -159,6 +159,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
         # Blocks landed with the sender's float8 KV scales: adopted or requantized to
         # ours before `land` and before the engine reads them (engine/kv_scales.py)
         self.accept: Callable[[list[int], list[float]], Awaitable[None]] | None = None
+        self._float8 = False  # the registered cache is float8: landed blocks need scales
 
     # -- decode side: the receiver ------------------------------------------------------
     def allocate_kv(self, layout: KVLayout, num_blocks: int) -> object | None:
@@ -171,6 +172,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
         """Registers the engine's KV cache (unless it was allocated here) and starts
         accepting senders. Returns the transport address prefill peers write to."""
         assert self.receiver is not None
+        self._float8 = layout.dtype.startswith("float8")
         if not shared:
             self.receiver.register(kv_cache, layout)
         await self.receiver.start()
@@ -307,7 +309,10 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     async def _landed(self, block_ids: list[int], kv_scales: list[float]) -> None:
         """Blocks that landed whole, made readable by the engine: the sender's scales
-        applied, then (CUDA tensor parallelism) scattered to the ranks."""
+        applied, then (CUDA tensor parallelism) scattered to the ranks; float8 blocks
+        without scales (a sender from before they travelled) fail the hand-off."""
+        if self._float8 and not kv_scales:
+            raise ProtocolError("float8 KV blocks arrived without the sender's KV scales")
         if self.accept is not None and kv_scales:
             await self.accept(block_ids, kv_scales)
         if self.land is not None:

@@ -62,14 +62,16 @@ def test_handoffs_over_tcp_and_shm_count_what_was_sent(tmp_path):
         assert s["frames"]["FINISH"] == (1 if transport == "tcp" else 0)
         assert s["finish_wait_us"] > 0
     tcp, shm = rows["tcp"]["sender"], rows["shm"]["sender"]
-    # tcp streams its regions: no reply awaited inside a chunk, the verdict at the end
+    # tcp streams its regions: no reply awaited inside a chunk, the verdict at the end;
+    # a chunk's regions (one per block: scattered) go as one frame
     assert tcp["round_trips_per_chunk"] == 0 and tcp["notices_per_chunk"] == 0
     assert tcp["round_trips"] == 1
+    assert tcp["frames"]["WRITE"] == chunks and shm["frames"]["WRITE"] == 0
     # shm writes in place: a RESERVE/GRANT round trip and a WRITTEN notice per chunk
     assert shm["round_trips_per_chunk"] == 1 and shm["notices_per_chunk"] == 1
     assert shm["round_trips"] == chunks + 1
     rx_tcp, rx_shm = rows["tcp"]["receiver"], rows["shm"]["receiver"]
-    assert rx_tcp["rx.write"]["calls"] == blocks  # scattered: one region per block
+    assert rx_tcp["rx.write"]["calls"] == chunks  # a frame per chunk, a row per block
     assert rx_tcp["rx.reserve"]["calls"] == 0
     assert rx_shm["rx.reserve"]["calls"] == chunks and rx_shm["rx.written"]["calls"] == chunks
     assert rx_shm["rx.write"]["calls"] == 0
