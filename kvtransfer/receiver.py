@@ -152,7 +152,8 @@ class ReceiverBase:
         return {}
 
     async def _on_write(self, conn: Conn, meta: bytes, payload_len: int) -> None:
-        """A WRITE frame (its meta read; `payload_len` bytes follow on the stream)."""
+        """A WRITE frame (its meta read; `payload_len` bytes follow on the stream): tcp
+        lands it; the in-place transports refuse it, their bytes land in place."""
         raise ProtocolError(f"{self.name} bytes land in place; WRITE frames carry none")
 
     async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:

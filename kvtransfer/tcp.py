@@ -32,7 +32,7 @@ from kvtransfer.memory import Ready, block_parts, host_bytes, wait_ready
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.sender import Peer, SenderBase
-from kvtransfer.tcp_frames import WriteHead, batches, runs
+from kvtransfer.tcp_frames import WriteHead, batches, row_checksums, runs
 from kvtransfer.wire import Frame
 
 _SCRATCH_BYTES = 1 << 20
@@ -91,10 +91,7 @@ class TcpReceiver(ReceiverBase):
                 dst = self.kv.rank_view(rank)[off:off + n]
                 ok = await self._land(conn, head, dst)
                 if ok and sums is not None:
-                    at = 0
-                    for i, k in enumerate(sizes[first:end].tolist(), first):
-                        sums[i] = compute_checksum(dst[at:at + k])
-                        at += k
+                    row_checksums(dst, sizes, first, end, sums)
             left -= n
             if not ok:
                 await self._discard(conn, left)
@@ -209,10 +206,7 @@ class TcpSender(SenderBase):
                 view = self.kv.rank_view(rank)[off:off + int(sizes[first:end].sum())]
                 pieces.append((view,))
                 if sums is not None:
-                    at = 0
-                    for i, k in enumerate(sizes[first:end].tolist(), first):
-                        sums[i] = compute_checksum(view[at:at + k])
-                        at += k
+                    row_checksums(view, sizes, first, end, sums)
             elif sums is not None:
                 data = self.kv.payload(pairs[first][0])
                 sums[first] = compute_checksum(data)
@@ -223,18 +217,36 @@ class TcpSender(SenderBase):
 
     async def _send_write(self, peer: Peer, head: bytes,
                           pieces: list[Iterable[memoryview]]) -> None:
-        """One WRITE frame: its header, then its payload's pieces."""
+        """One WRITE frame: its header, then its payload's pieces. A frame once begun is
+        sent whole even if its write is cancelled (a client gone, a Prefill's deadline):
+        a half-sent frame would leave the connection's other transfers reading payload
+        as headers. The bytes land in the cancelled transfer's own cells, which its
+        CANCEL then fences; a stalled socket is ended by the write's deadline or the
+        peer's liveness check, which fail the peer."""
         loop = asyncio.get_running_loop()
-        # The lock is per frame, so concurrent transfers interleave frame by frame.
-        async with peer.send_lock:
-            peer.check()
-            if self._faults is not None:
-                data = b"".join(chain.from_iterable(pieces))
-                await self._faults.send_write(loop, peer.sock, head, data)
-                return
-            await wire.send_all(loop, peer.sock, head)
-            for piece in chain.from_iterable(pieces):
-                await wire.send_all(loop, peer.sock, piece)
+
+        async def send() -> None:
+            # The lock is per frame, so concurrent transfers interleave frame by frame.
+            async with peer.send_lock:
+                peer.check()
+                if self._faults is not None:
+                    data = b"".join(chain.from_iterable(pieces))
+                    await self._faults.send_write(loop, peer.sock, head, data)
+                    return
+                await wire.send_all(loop, peer.sock, head)
+                for piece in chain.from_iterable(pieces):
+                    await wire.send_all(loop, peer.sock, piece)
+
+        frame = asyncio.ensure_future(send())
+        frame.add_done_callback(_retrieved)
+        await asyncio.shield(frame)
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A shielded frame's error reaches its writer, or nobody once the writer was
+    cancelled (the peer is failed then by its deadline or liveness check)."""
+    if not task.cancelled():
+        task.exception()
 
 
 __all__ = ["TcpReceiver", "TcpSender"]

@@ -8,7 +8,7 @@ its regions as rows of one int64 array (`region_rows`), the payload after it.
 Rows are in the receiver's rank layout with their open ends resolved. The receiver
 admits the whole table at once (fencing, bounds, cells expected and unclaimed) and
 checks that the payload is the rows' total before a byte lands; then it receives the
-payload straight into the destination blocks, one `recv_into` per run of rows that are
+payload straight into the destination blocks, one receive loop per run of rows that are
 adjacent in its cache (`runs`). A scattered hand-off of whole blocks from a prefill's
 consecutive blocks is one byte range on the sender and one range per block on the
 receiver.
@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import ProtocolError
 from kvtransfer.layout import KVLayout
+from kvtransfer.memory import checksum
 
 WRITE_HEAD = struct.Struct("!QBI")  # generation, flags, rows
 FLAG_CHECKSUM = 1
@@ -134,3 +136,13 @@ def batches(sizes: np.ndarray, max_bytes: int = FRAME_BYTES,
         out.append((start, end))
         start = end
     return out
+
+
+def row_checksums(run: Any, sizes: np.ndarray, first: int, end: int,
+                  sums: np.ndarray) -> None:
+    """Each row's checksum over its bytes in `run`, the bytes of rows [first, end) laid
+    end to end, into `sums` (one per row)."""
+    at = 0
+    for i, k in enumerate(sizes[first:end].tolist(), first):
+        sums[i] = checksum(run[at:at + k])
+        at += k

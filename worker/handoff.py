@@ -310,7 +310,7 @@ class HandoffConnector(pb_grpc.PrefillServicer):
     async def _landed(self, block_ids: list[int], kv_scales: list[float]) -> None:
         """Blocks that landed whole, made readable by the engine: the sender's scales
         applied, then (CUDA tensor parallelism) scattered to the ranks; float8 blocks
-        without scales (a sender from before they travelled) fail the hand-off."""
+        without scales fail the hand-off."""
         if self._float8 and not kv_scales:
             raise ProtocolError("float8 KV blocks arrived without the sender's KV scales")
         if self.accept is not None and kv_scales:

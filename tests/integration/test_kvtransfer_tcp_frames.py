@@ -5,14 +5,14 @@ checks lands nothing: the transfer and the connection end as for a single bad re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from kvtransfer import KVLayout, PeerUnavailable, ProtocolError, Region, wire
+from kvtransfer import KVLayout, KVTransferError, PeerUnavailable, ProtocolError, Region, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.tcp_frames import FRAME_ROWS, WriteHead
 from tests.integration.kvtransfer_util import (
@@ -195,8 +195,44 @@ def test_a_payload_that_is_not_the_rows_total_ends_the_connection(delta: int,
     asyncio.run(main())
 
 
-def test_row_tables_are_rows_of_the_receivers_rank_layout() -> None:
-    """Open ends resolve against the receiver's heads: what `admit_rows` checks."""
-    table = WriteHead.unpack(WriteHead("x", 1, rr.rows_of([Region(3)], LAYOUT)).pack()).rows
-    assert table.tolist() == [[3, 0, LAYOUT.num_layers, 1, 0, 0, LAYOUT.num_kv_heads]]
-    assert np.array_equal(rr.rows_of(rr.to_regions(table, LAYOUT), LAYOUT), table)
+# 256 KiB blocks: a write of 64 scattered blocks is a 16 MiB frame, sent over many awaits
+BIG = KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, block_size=64, dtype="float32")
+
+
+@pytest.mark.timeout(60)
+def test_a_write_cancelled_mid_frame_leaves_the_connection_usable(no_leaks: None) -> None:  # noqa: F811
+    """A Prefill's deadline or a client gone cancels its write while a frame is on the
+    wire: the frame still goes whole, so the next transfer on the same connection lands
+    (a half-sent frame would make the receiver read its frames as payload)."""
+    async def main() -> None:
+        config = fast_config("tcp")
+        receiver = await start_receiver(config, BIG, 132)
+        sender = start_sender(config, BIG, 132, seed=5)
+        try:
+            peer = await sender.connect(receiver.address())
+            dst = [Region(2 * i) for i in range(64)]
+            gone = receiver.expect("gone", dst, 1)
+            write = asyncio.create_task(
+                sender.write(peer, [Region(i) for i in range(64)], dst, "gone", 1))
+            while not peer.send_lock.locked():
+                await asyncio.sleep(0)
+            write.cancel()  # the frame has begun: its header is out, its payload is not
+            with pytest.raises(asyncio.CancelledError):
+                await write
+            await sender.cancel(peer, "gone")
+            # the frame went whole: its blocks landed before the CANCEL, or it fenced them
+            with contextlib.suppress(KVTransferError):
+                await asyncio.wait_for(gone, 10)
+            nxt = receiver.expect("next", [Region(129), Region(131)], 1)
+            await sender.write(peer, [Region(7), Region(9)], [Region(129), Region(131)],
+                               "next", 1, checksum=True)
+            await sender.finish(peer, "next")
+            await asyncio.wait_for(nxt, 10)
+            assert torch.equal(receiver.kv.tensor[[129, 131]], sender.kv.tensor[[7, 9]])
+            assert peer.alive
+            receiver.table.check_integrity()
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())

@@ -2,9 +2,8 @@
 prefill's dtype must match at the kvtransfer handshake (tests/integration/
 test_kvtransfer_transports.py: test_fp8_and_bf16_peers_are_refused), a sender of another
 protocol version is refused there too (test_wire_version.py), and blocks that land
-without scales (a prefill from before the scales travelled) fail the hand-off, which
-the failure policy then handles (recompute), instead of being read under this worker's
-scales."""
+without scales fail the hand-off, which the failure policy then handles (recompute),
+instead of being read under this worker's scales."""
 
 from __future__ import annotations
 
