@@ -59,7 +59,11 @@ else:  # Python 3.10: async_timeout (a dependency of redis's there too)
 #   3: tensor parallelism: HELLO and WELCOME carry each side's TP size; a region names
 #      its rank and KV head range (WRITE header, RESERVE), so each rank's heads move
 #      between the two sides' rank caches directly (`layout.rank_pairs`).
-PROTOCOL_VERSION = 3
+#   4: in-place writers hold one revocable grant per transfer, asked for once (RESERVE
+#      of the transfer's whole destination, at `begin`): each WRITTEN names the regions
+#      it landed; the receiver REVOKEs a failed transfer's grant and the sender answers
+#      REVOKED once none of its writes is in flight.
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!BIQ")
 WRITE_META = struct.Struct("!QBIIIIQIII")
 _ALL = 0xFFFFFFFF  # layer_end / head_end None
@@ -81,7 +85,9 @@ class Frame(IntEnum):
     PONG = 10
     RESERVE = 11
     GRANT = 12
-    WRITTEN = 13  # in-place writers: every region of a grant is in place (one notice)
+    WRITTEN = 13  # in-place writers: these regions of a grant are in place (one notice)
+    REVOKE = 14  # receiver -> in-place writer: stop writing into this grant, then answer
+    REVOKED = 15  # in-place writer -> receiver: nothing of mine lands in that grant now
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,10 +372,12 @@ class HandoffConnector(pb_grpc.PrefillServicer):
                          n=asked.num_samples, best_of=None, logprobs=k)
         firsts: dict[int, RequestOutput] = {}  # sample index -> its (only) output
         queue: asyncio.Queue[_Batch | None] = asyncio.Queue()
-        writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue,
-                                                      self.pusher.stage if self.pusher else None))
-        pid = f"prefill-{rid}"
         sent = dest.num_computed_tokens // bs
+        # the grant's round trip (in-place transports) runs beside the first chunk's compute
+        writer = asyncio.create_task(self._write_loop(
+            sender, peer, rid, gen, queue, list(dest.block_ids[sent:]),
+            self.pusher.stage if self.pusher else None))
+        pid = f"prefill-{rid}"
         final: RequestOutput | None = None
         t_first_write: float | None = None
         t0 = time.monotonic()
@@ -438,11 +440,13 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     @staticmethod
     async def _write_loop(sender: KVSender, peer: Peer, rid: str, gen: int,
-                          queue: asyncio.Queue[_Batch | None],
+                          queue: asyncio.Queue[_Batch | None], dst: list[int],
                           stage: Callable[[list[int]], Awaitable[None]] | None = None,
                           ) -> None:
-        """Writes batches in order, one at a time, until None (each staged first, when
-        the pusher stages: tensor parallelism's gather)."""
+        """Begins the transfer into `dst` (its whole destination), then writes batches
+        in order, one at a time, until None (each staged first, when the pusher stages:
+        tensor parallelism's gather)."""
+        await sender.begin(peer, whole_blocks(dst), rid, gen)
         while (batch := await queue.get()) is not None:
             src, dst, ready = batch
             if stage is not None:
