@@ -58,6 +58,7 @@ import torch
 from kvtransfer import bounce
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
+from kvtransfer.host_probe import HostProbe, identity
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
@@ -99,6 +100,7 @@ class UcxReceiver(InPlaceReceiver):
                        for b in bases]
         self._welcome_info = {
             "ucx_worker": lane.address, "bases": bases, "nbytes": kv.nbytes,
+            "node": identity(),
             "rkeys": [self._ucp.rkey_pack(lane.context.handle, m).hex() for m in self._memhs]}
         await super().start()
 
@@ -129,6 +131,7 @@ class _Remote:
     # at its first packed write.
     packer: bounce.Packer | None = None
     closed: bool = False  # disconnected: nothing may issue on its endpoints or keys
+    probe: HostProbe | None = None  # a receiver on this node: is it still there?
 
 
 class UcxSender(InPlaceSender):
@@ -177,6 +180,7 @@ class UcxSender(InPlaceSender):
         assert self._ucp is not None
         remote = peer.state = _Remote([int(b) for b in welcome["bases"]],
                                       int(welcome["nbytes"]))
+        remote.probe = HostProbe.of(welcome.get("node"), remote.bases[0])
         packed = [bytes.fromhex(str(k)) for k in welcome["rkeys"]]
         for lane in self._lanes:
             ep = lane.connect(str(welcome["ucx_worker"]), self.config.ucx_error_handling)
@@ -224,6 +228,11 @@ class UcxSender(InPlaceSender):
 
         # Busy for the whole copy, not per batch: a disconnect waits for it (between
         # batches, while a tile is packed, nothing else shows it is not done).
+        if remote.probe is not None and not remote.probe.alive():
+            # a put into a process that is gone would abort us (`host_probe`)
+            gone = PeerUnavailable("the ucx receiver's process is gone")
+            self._fail_peer(peer, gone)
+            raise gone
         remote.busy += 1
         puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left))
         try:
