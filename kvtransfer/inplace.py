@@ -107,8 +107,10 @@ class InPlaceReceiver(ReceiverBase):
                      grant.xfer_id if grant else "?")
             return
         try:
-            rows = rr.rows_from_wire(msg["regions"], self.table.layout)
+            rows = rr.rows_from_wire(msg.get("regions") or [], self.table.layout)
             checksums: list[int] = msg.get("checksums") or []
+            if not len(rows):
+                raise ProtocolError("WRITTEN names no regions")
             if checksums and len(checksums) != len(rows):
                 raise ProtocolError("WRITTEN carries a checksum per region or none")
         except (ValueError, ProtocolError) as e:

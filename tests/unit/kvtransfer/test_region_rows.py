@@ -4,6 +4,7 @@ held to the per-region and per-cell definitions they replace on the hot path."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import numpy as np
@@ -195,8 +196,10 @@ def test_expect_of_rows_refuses_overlaps_like_regions() -> None:
 
 
 def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
-    """WRITTEN with a checksum count not matching the grant: the write in flight ends,
-    the transfer fails, and its blocks can be expected by the next transfer."""
+    """WRITTEN with a checksum count not matching its regions: the transfer fails, its
+    grant is revoked, and once the connection is gone unanswered, the grant's bound
+    (io_timeout_s + a margin past the last frame) frees its blocks for the next
+    transfer, not before."""
     import socket
 
     import torch
@@ -211,7 +214,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
     async def main() -> None:
         r = Receiver(TransferConfig(transport="shm", token="x", lease_s=1.0,
-                                    io_timeout_s=5.0))
+                                    io_timeout_s=0.5, heartbeat_s=0.1))
         ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
                               LAYOUT)
         done = r.expect("x1", [Region(b) for b in range(4)], 1)
@@ -229,8 +232,13 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
                 [blk, 0, None, 1, 0, 0, None] for blk in range(4)]})
             assert r.table._live["x1"].inflight == 1
             with pytest.raises(ProtocolError):
-                await r._on_written(conn, {"req": 5, "checksums": [1, 2]})
+                await r._on_written(conn, {"req": 5, "checksums": [1, 2], "regions": [
+                    [0, 0, None, 1, 0, 0, None]]})
+            await asyncio.sleep(0)  # the REVOKE goes out
+            assert sent[-1][0] == 14 and json.loads(sent[-1][13:])["req"] == 5  # REVOKE
             r._drop_conn(conn, PeerUnavailable("gone"))
+            await asyncio.sleep(0.5)
+            assert not done.done(), "blocks freed before the grant's bound"
             with pytest.raises(KVTransferError):
                 await asyncio.wait_for(done, 2.0)
             assert "x1" not in r.table._live
