@@ -73,7 +73,7 @@ class InPlaceReceiver(ReceiverBase):
     async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
         xfer_id, gen, req = str(msg["xfer"]), int(msg["gen"]), int(msg["req"])
         try:
-            rows = rr.rows_from_wire(msg["regions"], self.table.layout)
+            rows = rr.rows_from_wire(msg["regions"])
         except ValueError as e:
             raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
         if (conn.id, req) in self._grants or any(
@@ -107,10 +107,11 @@ class InPlaceReceiver(ReceiverBase):
                      grant.xfer_id if grant else "?")
             return
         try:
-            rows = rr.rows_from_wire(msg.get("regions") or [], self.table.layout)
+            rows = rr.rows_from_wire(msg.get("regions"))
             checksums: list[int] = msg.get("checksums") or []
             if not len(rows):
                 raise ProtocolError("WRITTEN names no regions")
+            rr.check_rows(rows, self.table.layout, self.table.num_blocks, self.table.tp)
             if checksums and len(checksums) != len(rows):
                 raise ProtocolError("WRITTEN carries a checksum per region or none")
         except (ValueError, ProtocolError) as e:

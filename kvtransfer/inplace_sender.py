@@ -89,7 +89,7 @@ class InPlaceSender(SenderBase):
         try:
             await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
                 "req": held.req, "xfer": xfer_id, "gen": generation,
-                "regions": rows.tolist()}))
+                "regions": rr.pack_rows(rows)}))
             grant = await reply
             if not grant["ok"]:
                 raise error_from_kind(grant["kind"], grant["message"])
@@ -132,8 +132,8 @@ class InPlaceSender(SenderBase):
         try:
             copied = await self._copy(peer, pairs, peer.vouched + held.ttl, ready)
             sums = None if not checksum else await self._checksums(pairs, ready)
-            notice = wire.pack_json(Frame.WRITTEN, {"req": held.req, "regions": rows.tolist(),
-                                                    "checksums": sums})
+            notice = wire.pack_json(Frame.WRITTEN, {
+                "req": held.req, "regions": rr.pack_rows(rows), "checksums": sums})
             if copied is not None:
                 if not copied.query():
                     self._defer(peer, _Notice(copied, held, notice))
