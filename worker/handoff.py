@@ -19,7 +19,9 @@ failed prefill the policy decides (`recompute` here, or `fail` the request).
 
 Prefill side (`Prefill`): the prompt runs as a producer (`hold_kv`, max_tokens 1), so
 each chunked-prefill step reports which blocks are complete; one writer task per call
-pushes them into the decode's blocks while the engine computes the next chunk. On CUDA
+begins the transfer at once (an in-place transport's write grant, beside the first
+chunk's compute) and pushes them into the decode's blocks while the engine computes the
+next chunk. On CUDA
 each step's output carries the event recorded after its forward (`kv_ready`) and the
 write waits on that event, not on the forwards queued after it, so chunk c's copy
 overlaps chunk c+1's forward. At the end the last (partial) block goes too, the
@@ -315,11 +317,13 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     async def _fence(self, rid: str, landed: asyncio.Future[None], reason: str) -> None:
         """Fences the transfer and waits until its blocks are safe to reuse (no write
-        still landing in them)."""
+        still landing in them: an in-place sender's grant answered, or past its bound of
+        the I/O timeout and a margin)."""
         assert self.receiver is not None
         self.receiver.cancel(rid, reason)
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.io_timeout_s)
+            await asyncio.wait_for(asyncio.shield(landed),
+                                   self.config.transfer.io_timeout_s + 1.0)
 
     # -- prefill side: splitserve.v1.Prefill ----------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest,
