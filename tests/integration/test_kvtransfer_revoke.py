@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import Region, TransferCancelled
+from kvtransfer import Region, TransferCancelled, TransferTimeout
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     LAYOUT_F32,
@@ -45,13 +45,15 @@ class Gate:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_cancel_with_a_write_in_flight_waits_for_it(transport: str,
-                                                    no_leaks: None) -> None:  # noqa: F811
+@pytest.mark.parametrize("fails_by", ["cancel", "lease"])
+def test_a_revoke_with_a_write_in_flight_waits_for_it(transport: str, fails_by: str,
+                                                      no_leaks: None) -> None:  # noqa: F811
     async def main() -> None:
         config = fast_config(transport)
         receiver = await start_receiver(config, LAYOUT_BF16, 8)
         sender = start_sender(config, LAYOUT_BF16, 4, seed=3)
-        landed = receiver.expect("x", [Region(5), Region(2), Region(6)], 1)
+        landed = receiver.expect("x", [Region(5), Region(2), Region(6)], 1,
+                                 lease_s=0.6 if fails_by == "lease" else None)
         gate = Gate()
         try:
             peer = await sender.connect(receiver.address())
@@ -61,20 +63,22 @@ def test_cancel_with_a_write_in_flight_waits_for_it(transport: str,
             write = asyncio.create_task(sender.write(peer, [Region(1)], [Region(2)], "x", 1,
                                                      ready=gate))
             await asyncio.sleep(0.2)
-            assert receiver.cancel("x", "client cancelled")
-            await asyncio.sleep(0.5)
+            if fails_by == "cancel":
+                assert receiver.cancel("x", "client cancelled")
+            await asyncio.sleep(0.7)  # (past the lease)
             assert not landed.done(), "the cells were let go with a write in flight"
             assert receiver.metrics.value(STALE) == 0
             gate.event.set()
             await asyncio.wait_for(write, 5)  # copied, its notice sent (and dropped)
             t0 = time.monotonic()
-            with pytest.raises(TransferCancelled):
+            error = TransferCancelled if fails_by == "cancel" else TransferTimeout
+            with pytest.raises(error):
                 await asyncio.wait_for(landed, 5)
             assert time.monotonic() - t0 < config.io_timeout_s, "given back, not timed out"
             assert receiver.metrics.value(STALE) == 1  # the late write: dropped, counted
-            with pytest.raises(TransferCancelled):
+            with pytest.raises(error):
                 await sender.write(peer, [Region(2)], [Region(6)], "x", 1)
-            with pytest.raises(TransferCancelled):
+            with pytest.raises(error):
                 await sender.finish(peer, "x", 1)
             assert not peer.grants and not receiver._grants
             receiver.table.check_integrity()
