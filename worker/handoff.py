@@ -21,10 +21,9 @@ Prefill side (`Prefill`): the prompt runs as a producer (`hold_kv`, max_tokens 1
 each chunked-prefill step reports which blocks are complete; one writer task per call
 begins the transfer at once (an in-place transport's write grant, beside the first
 chunk's compute) and pushes them into the decode's blocks while the engine computes the
-next chunk. On CUDA
-each step's output carries the event recorded after its forward (`kv_ready`) and the
-write waits on that event, not on the forwards queued after it, so chunk c's copy
-overlaps chunk c+1's forward. At the end the last (partial) block goes too, the
+next chunk. On CUDA each step's output carries the event recorded after its forward
+(`kv_ready`) and the write waits on that event, not on the forwards queued after it, so
+chunk c's copy overlaps chunk c+1's forward. At the end the last (partial) block goes too, the
 receiver's verdict is awaited, the held blocks are released and the first token is
 returned. A cancelled call cancels its writes, fences the transfer on the receiver and
 frees its blocks.
@@ -317,13 +316,12 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     async def _fence(self, rid: str, landed: asyncio.Future[None], reason: str) -> None:
         """Fences the transfer and waits until its blocks are safe to reuse (no write
-        still landing in them: an in-place sender's grant answered, or past its bound of
-        the I/O timeout and a margin)."""
+        still landing: an in-place grant answered, or past its bound of io_timeout_s +
+        0.5 s)."""
         assert self.receiver is not None
         self.receiver.cancel(rid, reason)
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(landed),
-                                   self.config.transfer.io_timeout_s + 1.0)
+            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.io_timeout_s + 1)
 
     # -- prefill side: splitserve.v1.Prefill ----------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest,
@@ -447,9 +445,8 @@ class HandoffConnector(pb_grpc.PrefillServicer):
                           queue: asyncio.Queue[_Batch | None], dst: list[int],
                           stage: Callable[[list[int]], Awaitable[None]] | None = None,
                           ) -> None:
-        """Begins the transfer into `dst` (its whole destination), then writes batches
-        in order, one at a time, until None (each staged first, when the pusher stages:
-        tensor parallelism's gather)."""
+        """Begins the transfer into `dst` (its whole destination), then writes batches in
+        order until None (each staged first when the pusher stages: TP's gather)."""
         await sender.begin(peer, whole_blocks(dst), rid, gen)
         while (batch := await queue.get()) is not None:
             src, dst, ready = batch
