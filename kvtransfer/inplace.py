@@ -77,7 +77,8 @@ class InPlaceReceiver(ReceiverBase):
         except ValueError as e:
             raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
         if (conn.id, req) in self._grants or any(
-                k[0] == conn.id for k in self._of_xfer.get(xfer_id, ())):
+                k[0] == conn.id and self._grants[k].generation == gen
+                for k in self._of_xfer.get(xfer_id, ())):
             raise ProtocolError(f"{self.name} {xfer_id} is already granted to this sender")
         # every cell of the transfer at once: one write in flight until the grant ends
         if not self.table.admit_rows(xfer_id, gen, rows, conn.id):
