@@ -129,6 +129,7 @@ class InPlaceSender(SenderBase):
                              "with its whole destination) or written before")
         held.inflight += 1
         deferred = False
+        copied: Ready | None = None
         try:
             copied = await self._copy(peer, pairs, peer.vouched + held.ttl, ready)
             sums = None if not checksum else await self._checksums(pairs, ready)
@@ -144,7 +145,11 @@ class InPlaceSender(SenderBase):
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
         finally:
-            if not deferred:
+            if deferred:
+                pass
+            elif copied is not None and not copied.query():  # failed with its copy running:
+                self._defer(peer, _Notice(copied, held, None))  # over once the copy is
+            else:
                 self._ended(peer, held)
 
     def _ended(self, peer: Peer, held: _Held) -> None:
@@ -223,7 +228,9 @@ class InPlaceSender(SenderBase):
                     n = pending.queue.popleft()
                     try:
                         n.copied.synchronize()  # done: raises what the copy raised
-                        if time.monotonic() >= peer.vouched + n.held.ttl:
+                        if n.frame is None:
+                            pass  # its write failed: nothing to tell, only to wait for
+                        elif time.monotonic() >= peer.vouched + n.held.ttl:
                             self._late(peer, n.held.xfer_id)
                         else:
                             await self._send_frame(peer, n.frame)
@@ -267,7 +274,7 @@ class InPlaceSender(SenderBase):
 class _Notice:
     copied: Ready
     held: _Held
-    frame: bytes
+    frame: bytes | None  # None: the write failed; its grant waits for the copy only
 
 
 @dataclass(slots=True)
