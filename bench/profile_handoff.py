@@ -5,15 +5,18 @@ The bench opens `record_function` ranges on its own sender and receiver instance
 (instance attributes shadow the methods; nothing in kvtransfer changes, so they cost
 nothing outside this bench):
 
-    sender:   handoff > kv.write (one chunk) > kv.send_regions > wire.RESERVE, kv.copy,
-              wire.WRITTEN (in-place transports), wire.WRITE (tcp: its regions and their
-              bytes, one frame per chunk);  kv.finish > wire.FINISH
+    sender:   kv.begin > wire.RESERVE (in-place transports: the transfer's grant);
+              handoff > kv.write (one chunk) > kv.send_regions > kv.copy, wire.WRITTEN
+              (in-place transports), wire.WRITE (tcp: its regions and their bytes, one
+              frame per chunk);  kv.finish > wire.FINISH
     receiver: handoff > rx.reserve, rx.written (in-place transports), rx.write (tcp)
 
-A RESERVE waits for its GRANT and `kv.finish` for the verdict (asked for with a FINISH
-over tcp; an in-place writer is sent it unasked): those are the round trips on the wire;
-a WRITTEN notice is sent without waiting. (ucx's puts end in flushes, a round
-trip each inside its copy, below the frames counted here.)
+The grant's RESERVE waits for its GRANT, before the hand-off's range (a worker asks as
+the prefill call arrives, beside the first chunk's compute; `grant_us`); `kv.finish`
+waits for the verdict (asked for with a FINISH over tcp; an in-place writer is sent it
+unasked). A RESERVE inside a chunk would be a round trip per chunk; a WRITTEN notice
+is sent without waiting. (ucx's puts end in flushes, a round trip each inside its
+copy, below the frames counted here.)
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _frame_name(peer: Any, data: Any) -> str:
 
 
 def annotate_sender(sender: Any) -> None:
-    for attr, name in (("write", "kv.write"), ("finish", "kv.finish"),
+    for attr, name in (("write", "kv.write"), ("finish", "kv.finish"), ("begin", "kv.begin"),
                        ("_send_regions", "kv.send_regions"), ("_copy", "kv.copy"),
                        ("_send_write", "wire.WRITE")):
         if hasattr(sender, attr):
@@ -84,6 +87,8 @@ async def _sender(conn: Connection, transport: str, device: str, layout_kw: dict
     trace path) around the profiled hand-offs."""
     from torch.profiler import profile, record_function
 
+    from kvtransfer.layout import whole_blocks
+
     sender, peer = await open_sender(transport, device, layout_kw, pool, address)
     annotate_sender(sender)
     loop = asyncio.get_running_loop()
@@ -101,8 +106,9 @@ async def _sender(conn: Connection, transport: str, device: str, layout_kw: dict
                 conn.send(("ok",))
                 continue
             _, xfer, src, dst = msg
+            await sender.begin(peer, whole_blocks(dst), xfer, 1)
             with record_function("handoff"):
-                seconds = await handoff(sender, peer, xfer, src, dst, chunks)
+                seconds = await handoff(sender, peer, xfer, src, dst, chunks, begin=False)
             conn.send(("done", seconds))
     except Exception as e:  # report, then exit: the parent raises it
         conn.send(("error", repr(e)))
@@ -172,8 +178,9 @@ async def profile_transport(transport: str, device: str, layout: Any, tokens: in
     events = pt.load(traces["sender"])
     return {"transport": transport, "tokens": tokens, "blocks": nblocks,
             "chunks_asked": chunks,
-            "sender": pt.handoff_figures(events, pt.DeviceWork(events),
-                                         nblocks * layout.block_bytes),
+            "sender": {**pt.handoff_figures(events, pt.DeviceWork(events),
+                                            nblocks * layout.block_bytes),
+                       "grant_us": pt.mean_us(events, "kv.begin")},
             "receiver": pt.receiver_figures(pt.load(traces["receiver"]), RX_RANGES.values()),
             "traces": traces}
 

@@ -141,10 +141,17 @@ def summarize_steps(steps: list[dict[str, Any]]) -> dict[str, Any]:
 FRAMES = ("RESERVE", "WRITTEN", "WRITE", "FINISH")  # the frames a hand-off sends
 
 
+def mean_us(events: list[Event], name: str) -> float:
+    """Mean duration of the `name` ranges (0 without any)."""
+    found = ranges(events, name)
+    return sum(float(e["dur"]) for e in found) / len(found) if found else 0.0
+
+
 def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[str, Any]:
     """Per hand-off (means over the `handoff` ranges): chunks (`kv.write` ranges), control
-    frames sent (`wire.<KIND>`), round trips (RESERVE awaits a GRANT, `kv.finish` the
-    verdict: asked for with FINISH over tcp, sent unasked to an in-place writer), copy
+    frames sent (`wire.<KIND>`), round trips (a RESERVE in a chunk awaits a GRANT,
+    `kv.finish` the verdict: asked for with FINISH over tcp, sent unasked to an
+    in-place writer; the grant begun before the range is not counted here), copy
     µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device time of what the
     hand-off launched) and the fixed rest of the wall time."""
     outer = ranges(events, "handoff")

@@ -318,11 +318,16 @@ async def open_sender(transport: str, device: str, layout_kw: dict[str, Any], po
 
 
 async def handoff(sender: Any, peer: Any, xfer: str, src: list[int], dst: list[int],
-                  chunks: int = 1) -> float:
+                  chunks: int = 1, begin: bool = True) -> float:
     """Writes blocks `src` into the receiver's `dst` in `chunks` writes (a chunked
-    prefill's), then waits for the verdict; returns the seconds it took."""
+    prefill's), then waits for the verdict; returns the seconds from the first write to
+    the verdict. The transfer is begun first (`begin=False`: the caller did): an
+    in-place transport's grant, whose round trip a worker runs beside the prefill's
+    first chunk, off the path timed here."""
     from kvtransfer.layout import whole_blocks
 
+    if begin:
+        await sender.begin(peer, whole_blocks(dst), xfer, 1)
     per = -(-len(src) // max(1, chunks))
     t0 = time.perf_counter()
     for i in range(0, len(src), per):

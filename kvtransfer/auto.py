@@ -1,7 +1,7 @@
 """`auto`: per sender, the fastest path the two caches allow, over one receiver.
 
-`cuda_ipc` and `ucx` speak the same in-place protocol (RESERVE/GRANT, a batched copy,
-WRITE notices) and differ only in how the bytes move, so one receiver can offer
+`cuda_ipc` and `ucx` speak the same in-place protocol (a revocable grant, a batched copy,
+WRITTEN notices) and differ only in how the bytes move, so one receiver can offer
 both: its WELCOME carries the exported cache (CUDA IPC handle and the GPU's UUID, or
 pid/address for a host cache) and the UCX remote key. Each sender picks at connect:
 when it can map the cache (`cuda_ipc.ipc_refusal`: the receiver's node, same boot id;

@@ -49,6 +49,13 @@ class KVSender(Protocol):
                       layout: KVLayout | None = None) -> Any:
         """Handshake; returns a peer handle. AuthError / LayoutMismatch / PeerUnavailable."""
 
+    async def begin(self, peer: Any, dst_regions: Sequence[Region], xfer_id: str,
+                    generation: int, timeout_s: float | None = None) -> None:
+        """Announce a transfer's whole destination before its writes, as early as it is
+        known: in-place transports ask for their revocable write grant here (one round
+        trip, overlapped with what the caller does meanwhile), so that no write waits.
+        Raises the receiver's typed error if it refuses."""
+
     async def write(self, peer: Any, src_regions: Sequence[Region],
                     dst_regions: Sequence[Region], xfer_id: str, generation: int,
                     checksum: bool | None = None, timeout_s: float | None = None,

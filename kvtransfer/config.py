@@ -49,7 +49,7 @@ class TransferConfig:
     # None: HOST_UCX_OPTIONS or CUDA_UCX_OPTIONS, by where the KV cache lives.
     ucx_options: tuple[tuple[str, str], ...] | None = None
     # Off keeps UCX's cross-memory-attach fast path; on survives a receiver dying
-    # between GRANT and the puts (UCX may abort the sender otherwise) at the speed of
+    # between its grant and the puts (UCX may abort the sender otherwise) at the speed of
     # RMA emulated over TCP.
     ucx_error_handling: bool = False
     # Sender UCX workers (lanes), each with its own progress thread, endpoint and

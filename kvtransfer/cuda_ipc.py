@@ -4,8 +4,8 @@ straight into the decode's KV cache on the GPU, one batched copy per chunk.
 After the authenticated handshake the receiver's WELCOME carries its cache, registered
 once and exported for that connection (`Mover.export`); the sender maps it once per
 connection (`Mover.open`). Each
-`write()` is the in-place writers' protocol (`kvtransfer/inplace.py`: RESERVE/GRANT
-for the fence, the copy, then the WRITE notices), so fencing, generations, leases,
+`write()` is the in-place writers' protocol (`kvtransfer/inplace.py`: the copy under
+the transfer's revocable grant, then its WRITTEN notice), so fencing, generations, leases,
 late-write dropping, checksums and metrics are exactly those of `shm` and `ucx`.
 
 The data mover is the only part that differs by device, and is small:
@@ -56,7 +56,8 @@ import numpy as np
 from kvtransfer import region_rows as rr
 from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
-from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
+from kvtransfer.inplace import InPlaceReceiver
+from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import Region
 from kvtransfer.memory import FutureReady, Ready, RegisteredKV, producer_event, wait_ready
 from kvtransfer.receiver import Conn

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 _FENCED_KEPT = 65536  # generations remembered per xfer id; older ids are simply unknown
 
 ResolvedHook = Callable[[str, int, KVTransferError | None, set[int]], None]
-# Writers still holding in-flight writes into a failed transfer must be stopped.
-AbortHook = Callable[[set[int]], None]
+# (xfer_id, writer ids): writers still holding writes in flight into a failed transfer
+# must be stopped (in-place writers: their grants revoked).
+AbortHook = Callable[[str, set[int]], None]
 
 
 @dataclass(slots=True)
@@ -95,7 +96,7 @@ class TransferTable:
         expected: dict[int, int] = {}
         # per group of rows covering the same cells of each block: dict operations in C
         for key, blocks in rr.by_slice(rows):
-            mask = _slice_mask(self.layout, key)
+            mask = slice_mask(self.layout, key)
             taken = next((b for b in blocks if b in self._owner), None) \
                 if not self._owner.keys().isdisjoint(blocks) else None
             if taken is None and len(set(blocks)) < len(blocks):
@@ -135,7 +136,7 @@ class TransferTable:
             return False
         start, end = region.layers(self.layout)
         first, last = region.heads(self.layout)
-        mask = _slice_mask(self.layout, (start, end, region.rank, first, last))
+        mask = slice_mask(self.layout, (start, end, region.rank, first, last))
         blocks = range(region.block_id, region.block_id + region.num_blocks)
         if not _claim(xfer, blocks, mask):
             self.fail(xfer_id, ProtocolError(f"{region} not expected by {xfer_id!r}"))
@@ -161,7 +162,7 @@ class TransferTable:
             return False
         for key, blocks in rr.by_slice(rows):
             if len(set(blocks)) < len(blocks) or \
-                    not _claim(xfer, blocks, _slice_mask(self.layout, key)):
+                    not _claim(xfer, blocks, slice_mask(self.layout, key)):
                 self.fail(xfer_id, ProtocolError(
                     f"regions of blocks {blocks[:8]}... not expected by {xfer_id!r}"
                     if len(blocks) > 8 else
@@ -187,15 +188,18 @@ class TransferTable:
                      region.num_blocks * (end - start) * (last - first),
                      region.nbytes(self.layout))
 
-    def landed_rows(self, xfer_id: str, rows: np.ndarray, bad: int | None = None) -> None:
-        """The write `admit_rows` admitted finished; `bad`: the index of a row whose
-        checksum did not match (-> IntegrityError naming it)."""
+    def landed_rows(self, xfer_id: str, rows: np.ndarray, bad: int | None = None,
+                    ends: bool = True) -> None:
+        """`rows` of the write `admit_rows` admitted landed; `bad`: the index of a row
+        whose checksum did not match (-> IntegrityError naming it). `ends`: the write
+        is over (an in-place grant lands in parts: only its last part ends it)."""
         where = None if bad is None else str(rr.to_regions(rows[bad:bad + 1], self.layout)[0])
-        self._landed(xfer_id, where, *rr.cells_and_bytes(rows, self.layout))
+        self._landed(xfer_id, where, *rr.cells_and_bytes(rows, self.layout), ends=ends)
 
-    def _landed(self, xfer_id: str, corrupt: str | None, cells: int, nbytes: int) -> None:
+    def _landed(self, xfer_id: str, corrupt: str | None, cells: int, nbytes: int,
+                ends: bool = True) -> None:
         xfer = self._live[xfer_id]
-        xfer.inflight -= 1
+        xfer.inflight -= ends
         if xfer.error is None and corrupt is not None:
             self.fail(xfer_id, IntegrityError(f"checksum mismatch in {corrupt} of {xfer_id!r}"))
             return  # fail() resolves once nothing is in flight
@@ -235,7 +239,7 @@ class TransferTable:
         if xfer.inflight == 0:
             self._resolve(xfer_id, error)
         elif self._on_abort is not None:
-            self._on_abort(set(xfer.writers))
+            self._on_abort(xfer_id, set(xfer.writers))
         return True
 
     def cancel(self, xfer_id: str, reason: str = "cancelled by receiver") -> bool:
@@ -296,7 +300,7 @@ class TransferTable:
 
 
 @functools.lru_cache(maxsize=256)
-def _slice_mask(layout: KVLayout, key: tuple[int, ...]) -> int:
+def slice_mask(layout: KVLayout, key: tuple[int, ...]) -> int:
     """The cells of one block that a (layer_start, layer_end, rank, head_start,
     head_end) slice covers (`region_rows.cell_mask`), cached: hand-offs repeat a few."""
     return rr.cell_mask(rr.slice_row(key), layout)
@@ -307,7 +311,7 @@ def _claim(xfer: _Transfer, blocks: Sequence[int], mask: int) -> bool:
     unclaimed; False otherwise.
 
     Same rule as per-cell checks, but a 64 MiB region is 4096 blocks and a scattered
-    write as many regions, and this runs before an shm GRANT: the common case (one
+    write as many regions, and this runs before a GRANT: the common case (one
     mask, blocks not yet claimed) uses dict operations that run in C (0.7 -> ~0.1 ms
     per 4096 blocks).
     """

@@ -162,8 +162,11 @@ class ReceiverBase:
     async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
         raise ProtocolError(f"{self.name} does not take WRITTEN frames")
 
-    def _on_abort(self, writers: set[int]) -> None:
-        """Writers hold in-flight writes into a failed transfer (default: liveness)."""
+    def _on_revoked(self, conn: Conn, msg: dict[str, Any]) -> None:
+        raise ProtocolError(f"{self.name} does not take REVOKED frames")
+
+    def _on_abort(self, xfer_id: str, writers: set[int]) -> None:
+        """Writers hold in-flight writes into failed `xfer_id` (default: liveness)."""
 
     def _on_conn_closed(self, conn: Conn) -> None:
         pass
@@ -265,6 +268,8 @@ class ReceiverBase:
                 await self._on_reserve(conn, json.loads(meta))
             elif kind is Frame.WRITTEN:
                 await self._on_written(conn, json.loads(meta))
+            elif kind is Frame.REVOKED:
+                self._on_revoked(conn, json.loads(meta))
             else:
                 raise ProtocolError(f"unexpected {kind.name} frame from a sender")
 

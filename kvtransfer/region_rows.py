@@ -14,7 +14,10 @@ tests hold them to that); torch-free, like `kvtransfer.layout`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,24 +39,26 @@ def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
     return np.array(flat, dtype=np.int64).reshape(-1, 7)
 
 
-def rows_from_wire(items: Sequence[Sequence[int | None]], layout: KVLayout) -> np.ndarray:
-    """Rows from `Region` field lists, all seven fields each (a RESERVE's regions;
-    None: open end). ValueError for anything else: fields that are not integers
-    (a float's fraction is not dropped) or do not fit int64."""
+def pack_rows(rows: np.ndarray) -> str:
+    """`rows` as a frame's JSON carries them (RESERVE, WRITTEN): their little-endian
+    int64 bytes in base64. A scattered chunk's 512 rows pack and parse in ~0.07 ms, as
+    lists of integers in ~0.4 ms."""
+    return base64.b64encode(np.ascontiguousarray(rows, dtype="<i8").tobytes()).decode()
+
+
+def rows_from_wire(text: Any) -> np.ndarray:
+    """The rows `pack_rows` packed. ValueError for anything else (not base64 of whole
+    rows). Every field is an int64 by construction; `check_rows` says whether the rows
+    lie in a cache."""
+    if not isinstance(text, str):
+        raise ValueError("regions must be packed rows (base64 text)")
     try:
-        cells = np.array(items, dtype=object).reshape(-1, 7)
-    except ValueError as e:
-        raise ValueError(f"regions must be seven fields each: {e}") from None
-    for col, end in ((LAYER_END, layout.num_layers), (HEAD_END, layout.num_kv_heads)):
-        column = cells[:, col]
-        cells[:, col] = np.where([c is None for c in column], end, column)
-    try:
-        rows = cells.astype(np.int64)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"regions must be integers: {e}") from None
-    if not (rows == cells).all():
-        raise ValueError("regions must be integers")
-    return rows
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"regions are not base64: {e}") from None
+    if len(raw) % (7 * 8):
+        raise ValueError("regions must be seven int64 fields each")
+    return np.frombuffer(raw, dtype="<i8").reshape(-1, 7).astype(np.int64)
 
 
 def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:

@@ -10,6 +10,7 @@ import json
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -63,6 +64,11 @@ class Peer:
         self.replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.tasks: list[asyncio.Task[None]] = []
         self.state: Any = None  # transport-specific (ucx endpoint, shm mapping)
+        self.grants: dict[tuple[str, int], Any] = {}  # in-place: (xfer, gen) -> its grant
+        # time.monotonic() when the newest request the receiver answered (HELLO, RESERVE,
+        # PING) was sent: an in-place grant holds for its ttl past that instant
+        self.vouched = time.monotonic()
+        self.pings: deque[float] = deque()  # send times of the PINGs not answered yet
 
     @property
     def alive(self) -> bool:
@@ -109,6 +115,7 @@ class SenderBase:
         layout = self.kv.layout if layout is None else layout
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hello = time.monotonic()
         try:
             wire.tune_socket(sock, self.config.socket_buffer_bytes)
             await asyncio.wait_for(loop.sock_connect(sock, (addr["host"], addr["port"])),
@@ -127,6 +134,7 @@ class SenderBase:
             sock.close()
             raise
         peer = Peer(sock, addr, welcome)
+        peer.vouched = hello
         self._peers.add(peer)
         peer.tasks = [loop.create_task(self._reader(peer)),
                       loop.create_task(self._heartbeat(peer))]
@@ -136,6 +144,27 @@ class SenderBase:
             await self.disconnect(peer)
             raise
         return peer
+
+    async def begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
+                    generation: int, timeout_s: float | None = None) -> None:
+        """Announce transfer `xfer_id`'s whole destination before its writes. In-place
+        transports ask for its write grant here: one round trip, which the caller
+        overlaps with what it does meanwhile (a prefill's compute), so that each
+        `write()` then copies and notifies without waiting. Optional: a first write
+        without it asks for a grant of its own regions. Raises the receiver's typed
+        error if it refuses (the transfer is fenced or unknown there)."""
+        peer.check()
+        out = self._outgoing(peer, xfer_id, generation)
+        if out.verdict.done():
+            out.verdict.result()
+        timeout = self.config.io_timeout_s if timeout_s is None else timeout_s
+        try:
+            async with wire.deadline(timeout):
+                await self._begin(peer, dst_regions, xfer_id, generation)
+        except TimeoutError:
+            error = TransferTimeout(f"{xfer_id}: no write grant within {timeout}s")
+            self.metrics.failure(error.kind)
+            raise error from None
 
     async def write(self, peer: Peer, src_regions: Sequence[Region],
                     dst_regions: Sequence[Region], xfer_id: str, generation: int,
@@ -249,6 +278,16 @@ class SenderBase:
         return pairs, sum(self.kv.region_bytes(s) for s, _ in pairs)
 
     # ----- transport hooks ----------------------------------------------------------
+    async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
+                     generation: int) -> None:
+        pass
+
+    def _on_revoke(self, peer: Peer, msg: dict[str, Any]) -> None:
+        raise ProtocolError(f"{self.name} takes no REVOKE frames")
+
+    def _on_verdict(self, peer: Peer, xfer_id: str, generation: int) -> None:
+        pass
+
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
@@ -311,13 +350,19 @@ class SenderBase:
                     reply = peer.replies.pop(int(msg["req"]), None)
                     if reply is not None and not reply.done():
                         reply.set_result(msg)
-                elif kind is not Frame.PONG:
+                elif kind is Frame.REVOKE:
+                    self._on_revoke(peer, json.loads(meta))
+                elif kind is Frame.PONG:
+                    if peer.pings:
+                        peer.vouched = max(peer.vouched, peer.pings.popleft())
+                else:
                     raise ProtocolError(f"unexpected {kind.name} frame from the receiver")
         except KVTransferError as e:
             self._fail_peer(peer, e if isinstance(e, PeerUnavailable) else
                             PeerUnavailable(f"receiver connection broken: {e}"))
 
     def _on_result(self, peer: Peer, msg: dict[str, Any]) -> None:
+        self._on_verdict(peer, msg["xfer"], msg["gen"])
         out = peer.outgoing.get(msg["xfer"])
         if out is None or out.generation != msg["gen"] or out.verdict.done():
             return
@@ -336,6 +381,7 @@ class SenderBase:
                     f"receiver silent for {self.config.liveness_timeout_s}s"))
                 return
             if not peer.send_lock.locked():  # a frame in progress is activity enough
+                peer.pings.append(time.monotonic())
                 try:
                     await asyncio.wait_for(self._send_frame(peer, wire.pack_frame(Frame.PING)),
                                            self.config.io_timeout_s)

@@ -1,6 +1,6 @@
 """`shm`: same host; the receiver's KV cache lives in a POSIX shared-memory segment
 that the sender maps and writes directly (one copy, no socket in the data path).
-Fencing is the in-place writers' RESERVE/GRANT round trip (`kvtransfer/inplace.py`).
+Fencing is the in-place writers' revocable grant (`kvtransfer/inplace.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from engine.rank_segments import reserve
 from kvtransfer import region_rows as rr
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import TransferTimeout
-from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
+from kvtransfer.inplace import InPlaceReceiver
+from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import (
     RankCaches,

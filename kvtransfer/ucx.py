@@ -6,11 +6,11 @@ base address in WELCOME (after the token proof: only an authenticated sender get
 key to the cache). The sender maps its own cache once per lane, and per lane opens
 one endpoint to the receiver's worker and unpacks the remote key on it.
 
-Per `write()` (one chunk of a prefill) the sender runs the in-place writers' protocol
-(`kvtransfer/inplace.py`): one RESERVE/GRANT round trip (the fence check: a put lands
-before the receiver could look at it), then the chunk's regions as one batch of
-`ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then one control send
-with the WRITE notices. No UCX tag message carries KV; tags are not used at all.
+The sender holds the in-place writers' grant for the transfer (`kvtransfer/inplace.py`:
+asked for once, revocable; the fence a put needs, since it lands before the receiver
+could look at it). Per `write()` (one chunk of a prefill) it puts the chunk's regions
+as one batch of `ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then sends
+one WRITTEN notice. No UCX tag message carries KV; tags are not used at all.
 
 Between TP sizes a region arrives as per-rank head slices, one strided run per
 (block, layer, K/V, token) on at least one side. Put one by one, ~10^5 runs of 2 KiB
@@ -33,9 +33,9 @@ even out the lanes' bytes (`ucp_rma.plan_lanes`).
 Faults: peer failures are detected on the control channel (deadlines, heartbeats),
 with UCX endpoint error handling off by default: with it on, UCX drops `cma` and
 emulates RMA over TCP (0.4-0.9 GB/s here). The price: a receiver that dies between
-GRANT and the puts can make UCX abort the sender (`ucx_error_handling=True` trades
+its grant and the puts can make UCX abort the sender (`ucx_error_handling=True` trades
 speed for surviving that). A sender that dies mid-copy cannot hurt the receiver: its
-grant expires and the blocks are reused.
+grant's bound passes and the blocks are reused.
 
 UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options_for(cuda)`, passed
 to the UCX context at creation; nothing here reads the environment.
@@ -58,7 +58,9 @@ import torch
 from kvtransfer import bounce
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
-from kvtransfer.inplace import InPlaceReceiver, InPlaceSender
+from kvtransfer.host_probe import HostProbe, identity
+from kvtransfer.inplace import InPlaceReceiver
+from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
 from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
 from kvtransfer.receiver import Conn
@@ -98,6 +100,7 @@ class UcxReceiver(InPlaceReceiver):
                        for b in bases]
         self._welcome_info = {
             "ucx_worker": lane.address, "bases": bases, "nbytes": kv.nbytes,
+            "node": identity(),
             "rkeys": [self._ucp.rkey_pack(lane.context.handle, m).hex() for m in self._memhs]}
         await super().start()
 
@@ -128,6 +131,7 @@ class _Remote:
     # at its first packed write.
     packer: bounce.Packer | None = None
     closed: bool = False  # disconnected: nothing may issue on its endpoints or keys
+    probe: HostProbe | None = None  # a receiver on this node: is it still there?
 
 
 class UcxSender(InPlaceSender):
@@ -176,6 +180,7 @@ class UcxSender(InPlaceSender):
         assert self._ucp is not None
         remote = peer.state = _Remote([int(b) for b in welcome["bases"]],
                                       int(welcome["nbytes"]))
+        remote.probe = HostProbe.of(welcome.get("node"), remote.bases[0])
         packed = [bytes.fromhex(str(k)) for k in welcome["rkeys"]]
         for lane in self._lanes:
             ep = lane.connect(str(welcome["ucx_worker"]), self.config.ucx_error_handling)
@@ -223,9 +228,23 @@ class UcxSender(InPlaceSender):
 
         # Busy for the whole copy, not per batch: a disconnect waits for it (between
         # batches, while a tile is packed, nothing else shows it is not done).
+        if remote.probe is not None and not remote.probe.alive():
+            # a put into a process that is gone would abort us (`host_probe`)
+            gone = PeerUnavailable("the ucx receiver's process is gone")
+            self._fail_peer(peer, gone)
+            raise gone
         remote.busy += 1
+        puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left))
         try:
-            await asyncio.wait_for(put_all(), left)
+            try:
+                await asyncio.shield(puts)
+            except asyncio.CancelledError:
+                # a cancelled write ends once its puts did: its revoked grant may then be
+                # given back (`InPlaceSender._copy`)
+                await asyncio.wait([puts])
+                if not puts.cancelled() and puts.exception() is not None:
+                    raise puts.exception() from None  # type: ignore[misc]
+                raise
         except asyncio.TimeoutError:
             # Puts may still be in flight: the connection goes (its endpoints with it).
             error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")

@@ -59,7 +59,10 @@ else:  # Python 3.10: async_timeout (a dependency of redis's there too)
 #      between the two sides' rank caches directly (`layout.rank_pairs`).
 #   4: a tcp WRITE frame carries a chunk's regions as rows of one int64 array
 #      (`tcp_frames`), not one region; PrefillResponse and FetchKVResponse carry a
-#      float8 cache's KV scales (a version 3 prefill may send none).
+#      float8 cache's KV scales; in-place writers hold one revocable grant per transfer,
+#      asked for once (RESERVE of the transfer's whole destination, at `begin`): each
+#      WRITTEN names the regions it landed; the receiver REVOKEs a failed transfer's
+#      grant and the sender answers REVOKED once none of its writes is in flight.
 PROTOCOL_VERSION = 4
 HEADER = struct.Struct("!BIQ")
 MAX_META = 1 << 20
@@ -78,7 +81,9 @@ class Frame(IntEnum):
     PONG = 10
     RESERVE = 11
     GRANT = 12
-    WRITTEN = 13  # in-place writers: every region of a grant is in place (one notice)
+    WRITTEN = 13  # in-place writers: these regions of a grant are in place (one notice)
+    REVOKE = 14  # receiver -> in-place writer: stop writing into this grant, then answer
+    REVOKED = 15  # in-place writer -> receiver: nothing of mine lands in that grant now
 
 
 def version_mismatch(theirs: Any, who: str) -> VersionMismatch | None:

@@ -19,10 +19,11 @@ failed prefill the policy decides (`recompute` here, or `fail` the request).
 
 Prefill side (`Prefill`): the prompt runs as a producer (`hold_kv`, max_tokens 1), so
 each chunked-prefill step reports which blocks are complete; one writer task per call
-pushes them into the decode's blocks while the engine computes the next chunk. On CUDA
-each step's output carries the event recorded after its forward (`kv_ready`) and the
-write waits on that event, not on the forwards queued after it, so chunk c's copy
-overlaps chunk c+1's forward. At the end the last (partial) block goes too, the
+begins the transfer at once (an in-place transport's write grant, beside the first
+chunk's compute) and pushes them into the decode's blocks while the engine computes the
+next chunk. On CUDA each step's output carries the event recorded after its forward
+(`kv_ready`) and the write waits on that event, not on the forwards queued after it, so
+chunk c's copy overlaps chunk c+1's forward. At the end the last (partial) block goes too, the
 receiver's verdict is awaited, the held blocks are released and the first token is
 returned. A cancelled call cancels its writes, fences the transfer on the receiver and
 frees its blocks.
@@ -320,11 +321,12 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     async def _fence(self, rid: str, landed: asyncio.Future[None], reason: str) -> None:
         """Fences the transfer and waits until its blocks are safe to reuse (no write
-        still landing in them)."""
+        still landing: an in-place grant answered, or past its bound of io_timeout_s +
+        0.5 s)."""
         assert self.receiver is not None
         self.receiver.cancel(rid, reason)
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.io_timeout_s)
+            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.io_timeout_s + 1)
 
     # -- prefill side: splitserve.v1.Prefill ----------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest,
@@ -377,10 +379,12 @@ class HandoffConnector(pb_grpc.PrefillServicer):
                          n=asked.num_samples, best_of=None, logprobs=k)
         firsts: dict[int, RequestOutput] = {}  # sample index -> its (only) output
         queue: asyncio.Queue[_Batch | None] = asyncio.Queue()
-        writer = asyncio.create_task(self._write_loop(sender, peer, rid, gen, queue,
-                                                      self.pusher.stage if self.pusher else None))
-        pid = f"prefill-{rid}"
         sent = dest.num_computed_tokens // bs
+        # the grant's round trip (in-place transports) runs beside the first chunk's compute
+        writer = asyncio.create_task(self._write_loop(
+            sender, peer, rid, gen, queue, list(dest.block_ids[sent:]),
+            self.pusher.stage if self.pusher else None))
+        pid = f"prefill-{rid}"
         final: RequestOutput | None = None
         t_first_write: float | None = None
         t0 = time.monotonic()
@@ -443,11 +447,12 @@ class HandoffConnector(pb_grpc.PrefillServicer):
 
     @staticmethod
     async def _write_loop(sender: KVSender, peer: Peer, rid: str, gen: int,
-                          queue: asyncio.Queue[_Batch | None],
+                          queue: asyncio.Queue[_Batch | None], dst: list[int],
                           stage: Callable[[list[int]], Awaitable[None]] | None = None,
                           ) -> None:
-        """Writes batches in order, one at a time, until None (each staged first, when
-        the pusher stages: tensor parallelism's gather)."""
+        """Begins the transfer into `dst` (its whole destination), then writes batches in
+        order until None (each staged first when the pusher stages: TP's gather)."""
+        await sender.begin(peer, whole_blocks(dst), rid, gen)
         while (batch := await queue.get()) is not None:
             src, dst, ready = batch
             if stage is not None:

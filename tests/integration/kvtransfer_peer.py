@@ -81,8 +81,11 @@ async def run_sender(spec: dict[str, Any]) -> None:
 
 async def send_one(sender: Any, peer: Any, t: dict[str, Any], spec: dict[str, Any]) -> None:
     try:
-        # Streaming: several write() calls per transfer, as a prefill would per layer.
+        # Streaming: several write() calls per transfer, as a prefill would per layer,
+        # after announcing the whole destination (the grant of an in-place transport).
         later = None
+        await sender.begin(peer, [r for dst in t["dst"] for r in regions(dst)], t["xfer"],
+                           t["gen"])
         for i, (src, dst) in enumerate(zip(t["src"], t["dst"], strict=True)):
             ready, later = chunk_events(t.get("overlap_s"))
             await sender.write(peer, regions(src), regions(dst), t["xfer"], t["gen"],

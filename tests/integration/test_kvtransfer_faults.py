@@ -99,6 +99,7 @@ def test_receiver_killed_or_hung(transport: str, fault: str, no_leaks: None) -> 
         sender = start_sender(config, LAYOUT_F32, 8, seed=3)
         try:
             conn = await sender.connect((await peer.line())["address"])
+            await sender.begin(conn, [Region(0), Region(1)], "r1", 1)
             await sender.write(conn, [Region(0)], [Region(0)], "r1", 1)
             os.kill(peer.proc.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
             t0 = time.monotonic()

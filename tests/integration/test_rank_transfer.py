@@ -53,6 +53,7 @@ async def _move(transport: str, p: int, d: int, heads: int, checksum: bool = Tru
         sender.register(RankCaches(_shards(full, p)) if p > 1 else full, layout)
         peer = await sender.connect(receiver.address())
         landed = receiver.expect("x", whole_blocks(DST), 1)
+        await sender.begin(peer, whole_blocks(DST), "x", 1)
         await sender.write(peer, whole_blocks(SRC[:1]), whole_blocks(DST[:1]), "x", 1,
                            checksum=checksum)
         await asyncio.sleep(0.05)

@@ -162,6 +162,7 @@ def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
             peer = await sender.connect(receiver.address())
             src, dst = list(range(16)), random.Random(5).sample(range(32), 16)
             landed = receiver.expect("x", [Region(d) for d in dst], 1)
+            await sender.begin(peer, [Region(d) for d in dst], "x", 1)
             for s, d in zip(src, dst, strict=True):
                 await sender.write(peer, [Region(s)], [Region(d)], "x", 1)
             await sender.finish(peer, "x")

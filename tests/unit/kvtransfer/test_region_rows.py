@@ -4,6 +4,7 @@ held to the per-region and per-cell definitions they replace on the hot path."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import numpy as np
@@ -62,9 +63,7 @@ def test_rows_agree_with_each_region(n: int) -> None:
                        r.head_start, None if r.heads(LAYOUT)[1] == 2 else r.head_end)
                 for r in regions]  # open ends where they cover everything
         assert rr.to_regions(rows, LAYOUT) == same
-        wire = [[r.block_id, r.layer_start, r.layer_end, r.num_blocks, r.rank, r.head_start,
-                 r.head_end] for r in regions]
-        assert (rr.rows_from_wire(wire, LAYOUT) == rows).all()
+        assert (rr.rows_from_wire(rr.pack_rows(rows)) == rows).all()
         errors = [e for e in (check_error(r, 2) for r in same) if e is not None]
         if errors:  # the first bad region's own error
             with pytest.raises(ValueError) as raised:
@@ -87,17 +86,13 @@ def test_rows_agree_with_each_region(n: int) -> None:
     assert checked >= 20  # the all-valid half at least
 
 
-def test_rows_from_wire_refuses_what_is_not_seven_integers() -> None:
-    with pytest.raises(ValueError):
-        rr.rows_from_wire([[1, 0, None, 1]], LAYOUT)
-    with pytest.raises(ValueError):
-        rr.rows_from_wire([[1, 0, "x", 1, 0, 0, None]], LAYOUT)
-    for n in (1, 12):  # the few-rows and many-rows sizes alike
-        for bad in (1.7, "1", 2**63, -2**63 - 1, [1]):
-            with pytest.raises(ValueError):
-                rr.rows_from_wire([[bad, 0, None, 1, 0, 0, None]] * n, LAYOUT)
-        rows = rr.rows_from_wire([[3, 0, None, 1, 0, 0, None]] * n, LAYOUT)
-        assert rows.tolist() == [[3, 0, LAYOUT.num_layers, 1, 0, 0, LAYOUT.num_kv_heads]] * n
+def test_rows_from_wire_refuses_what_is_not_packed_rows() -> None:
+    rows = rr.rows_of([Region(3), Region(1, 1, 2)], LAYOUT)
+    packed = rr.pack_rows(rows)
+    assert rr.rows_from_wire(packed).tolist() == rows.tolist()
+    for bad in (rows.tolist(), None, 7, packed[:-4] + "!!!!", rr.pack_rows(rows)[:-12]):
+        with pytest.raises(ValueError):
+            rr.rows_from_wire(bad)
 
 
 def test_rows_near_int64_max_lie_outside_the_cache() -> None:
@@ -195,8 +190,10 @@ def test_expect_of_rows_refuses_overlaps_like_regions() -> None:
 
 
 def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
-    """WRITTEN with a checksum count not matching the grant: the write in flight ends,
-    the transfer fails, and its blocks can be expected by the next transfer."""
+    """WRITTEN with a checksum count not matching its regions: the transfer fails, its
+    grant is revoked, and once the connection is gone unanswered, the grant's bound
+    (io_timeout_s + a margin past the last frame) frees its blocks for the next
+    transfer, not before."""
     import socket
 
     import torch
@@ -211,7 +208,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
     async def main() -> None:
         r = Receiver(TransferConfig(transport="shm", token="x", lease_s=1.0,
-                                    io_timeout_s=5.0))
+                                    io_timeout_s=0.5, heartbeat_s=0.1))
         ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
                               LAYOUT)
         done = r.expect("x1", [Region(b) for b in range(4)], 1)
@@ -225,12 +222,17 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
         r._send = send  # type: ignore[method-assign]
         try:
-            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5, "regions": [
-                [blk, 0, None, 1, 0, 0, None] for blk in range(4)]})
+            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5, "regions": rr.pack_rows(
+                rr.rows_of([Region(blk) for blk in range(4)], LAYOUT))})
             assert r.table._live["x1"].inflight == 1
             with pytest.raises(ProtocolError):
-                await r._on_written(conn, {"req": 5, "checksums": [1, 2]})
+                await r._on_written(conn, {"req": 5, "checksums": [1, 2],
+                                           "regions": rr.pack_rows(rr.rows_of([Region(0)], LAYOUT))})
+            await asyncio.sleep(0)  # the REVOKE goes out
+            assert sent[-1][0] == 14 and json.loads(sent[-1][13:])["req"] == 5  # REVOKE
             r._drop_conn(conn, PeerUnavailable("gone"))
+            await asyncio.sleep(0.5)
+            assert not done.done(), "blocks freed before the grant's bound"
             with pytest.raises(KVTransferError):
                 await asyncio.wait_for(done, 2.0)
             assert "x1" not in r.table._live

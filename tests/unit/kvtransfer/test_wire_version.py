@@ -44,8 +44,10 @@ def test_a_sender_refuses_a_receiver_of_another_version_before_saying_anything()
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("theirs", [None, 1, wire.PROTOCOL_VERSION + 1])
+@pytest.mark.parametrize("theirs", [None, 1, 3, wire.PROTOCOL_VERSION + 1])
 def test_a_receiver_refuses_a_sender_of_another_version(theirs: int | None) -> None:
+    """Version 3 is the per-chunk RESERVE/GRANT protocol: its WRITTEN names no regions
+    and it knows no REVOKE, so a version 3 peer is refused, not misread."""
     async def main() -> None:
         config = fast_config("tcp")
         receiver = await start_receiver(config, LAYOUT_F32, 4)
@@ -66,6 +68,8 @@ def test_a_receiver_refuses_a_sender_of_another_version(theirs: int | None) -> N
                                                      wire.Frame.REFUSE)
             assert kind is wire.Frame.REFUSE and reply["kind"] == "version"
             assert f"version {wire.PROTOCOL_VERSION}" in reply["message"]
+            assert f"version {theirs or '1 or older'}" in reply["message"]
+            assert "run one splitserve version on both sides" in reply["message"]
             assert isinstance(error_from_kind(reply["kind"], reply["message"]), VersionMismatch)
             assert receiver.metrics.value("splitserve:kv_transfer_handshakes_refused_total",
                                           reason="version") == 1

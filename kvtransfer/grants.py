@@ -1,0 +1,66 @@
+"""The cells of an in-place write grant, as both of its sides keep them: per block, a
+bit mask of the (rank, head, layer) cells granted and not yet written
+(`region_rows.cell_mask`'s bits, as `fencing` counts them).
+
+A grant covers a whole transfer's destination; each write takes its cells out of it,
+all or none. The sender takes them before it copies (it writes nowhere it was not
+granted, and nowhere twice); the receiver takes them again when the write's WRITTEN
+notice names them (what lands is what was granted, once). Torch-free.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtransfer import region_rows as rr
+from kvtransfer.fencing import slice_mask
+from kvtransfer.layout import KVLayout
+
+Cells = dict[int, int]  # block id -> mask of its open cells
+
+
+def cells_of(rows: np.ndarray, layout: KVLayout) -> Cells | None:
+    """The cells `rows` cover; None if two rows cover the same cell."""
+    cells: Cells = {}
+    for key, blocks in rr.by_slice(rows):
+        mask = slice_mask(layout, key)
+        if not cells and len(set(blocks)) == len(blocks):
+            cells = dict.fromkeys(blocks, mask)
+            continue
+        for b in blocks:
+            have = cells.get(b, 0)
+            if have & mask:
+                return None
+            cells[b] = have | mask
+    return cells
+
+
+def take(cells: Cells, rows: np.ndarray, layout: KVLayout) -> bool:
+    """Takes the cells `rows` cover out of `cells` if every one of them is there (and
+    no two rows cover the same one); False, leaving `cells` as it was, otherwise."""
+    groups = rr.by_slice(rows)
+    if len(groups) == 1:  # a chunk of whole blocks: one mask, dict operations in C
+        key, blocks = groups[0]
+        mask = slice_mask(layout, key)
+        try:
+            have = list(map(cells.__getitem__, blocks))
+        except KeyError:
+            return False
+        if len(set(blocks)) < len(blocks) or any(h & mask != mask for h in set(have)):
+            return False
+        for b, h in zip(blocks, have, strict=True):
+            if h == mask:
+                del cells[b]
+            else:
+                cells[b] = h & ~mask
+        return True
+    want = cells_of(rows, layout)
+    if want is None or any(cells.get(b, 0) & m != m for b, m in want.items()):
+        return False
+    for b, m in want.items():
+        left = cells[b] & ~m
+        if left:
+            cells[b] = left
+        else:
+            del cells[b]
+    return True

@@ -1,0 +1,283 @@
+"""The sending side of the in-place writers' protocol (`kvtransfer/inplace.py`): one
+revocable grant per transfer, then per chunk a copy and one WRITTEN notice."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransfer import grants, wire
+from kvtransfer import region_rows as rr
+from kvtransfer.errors import (
+    KVTransferError,
+    TransferCancelled,
+    TransferTimeout,
+    error_from_kind,
+)
+from kvtransfer.layout import KVLayout, Region, rank_layout, rank_pairs
+from kvtransfer.memory import Ready, producer_event, wait_ready
+from kvtransfer.sender import Peer, SenderBase
+from kvtransfer.wire import Frame
+
+
+@dataclass(slots=True)
+class _Held:
+    """A grant as its sender holds it."""
+
+    req: int
+    xfer_id: str
+    generation: int
+    layout: KVLayout  # the receiver's rank caches: what its rows mean
+    cells: grants.Cells  # granted, not written yet
+    granted: asyncio.Future[None]
+    ttl: float = 0.0
+    revoked: bool = False
+    settled: bool = False  # the transfer's verdict came
+    inflight: int = 0  # writes past taking their cells, notice not sent (nor dropped)
+
+
+class InPlaceSender(SenderBase):
+    """Holds one grant per transfer (`begin`, or the first write's own), copies with
+    the transport's `_copy` and sends one WRITTEN notice per write.
+
+    A copy still running on the device when `_copy` returns (cuda_ipc: an event after
+    the chunk's launch) defers its notice: `write()` returns at once and the notice goes
+    out when the event completed, so no chunk waits on the host for the one before.
+    The copies of one sender run in order on one stream: the flusher waits on the
+    newest pending event only and then sends every notice whose event completed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._notices: dict[int, _Notices] = {}  # id(peer) -> notices waiting for copies
+
+    async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
+                     generation: int) -> None:
+        held = peer.grants.get((xfer_id, generation))
+        if held is not None:
+            await asyncio.shield(held.granted)
+            return
+        assert self.kv is not None
+        dst_tp = int(peer.welcome.get("tp", 1))
+        there = rank_layout(self.kv.layout, dst_tp)
+        dst = list(dst_regions)
+        if self.kv.tp > 1 or dst_tp > 1:  # the cells each rank's heads go to
+            dst = [d for _, d in rank_pairs([(d, d) for d in dst],
+                                            self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)]
+        await self._ask(peer, rr.rows_of(dst, there), there, xfer_id, generation)
+
+    async def _ask(self, peer: Peer, rows: np.ndarray, there: KVLayout, xfer_id: str,
+                   generation: int) -> _Held:
+        """RESERVE `rows`, the transfer's cells; returns the grant once GRANTed."""
+        cells = grants.cells_of(rows, there)
+        if cells is None:
+            raise ValueError(f"{xfer_id}: destination regions overlap")
+        loop = asyncio.get_running_loop()
+        held = _Held(secrets.randbits(62), xfer_id, generation, there, cells,
+                     loop.create_future())
+        key = (xfer_id, generation)
+        peer.grants[key] = held
+        reply: asyncio.Future[dict[str, Any]] = loop.create_future()
+        peer.replies[held.req] = reply
+        asked = time.monotonic()
+        try:
+            await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
+                "req": held.req, "xfer": xfer_id, "gen": generation,
+                "regions": rr.pack_rows(rows)}))
+            grant = await reply
+            if not grant["ok"]:
+                raise error_from_kind(grant["kind"], grant["message"])
+        except BaseException as e:
+            peer.replies.pop(held.req, None)
+            if peer.grants.get(key) is held:
+                del peer.grants[key]
+            if isinstance(e, KVTransferError):
+                held.granted.set_exception(type(e)(str(e)))
+                held.granted.exception()
+            else:
+                held.granted.cancel()
+            raise
+        held.ttl = float(grant["ttl"])
+        peer.vouched = max(peer.vouched, asked)
+        # granted: we are a writer of the transfer, whose verdict comes to us unasked
+        self._outgoing(peer, xfer_id, generation).answered = True
+        held.granted.set_result(None)
+        return held
+
+    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                            xfer_id: str, generation: int, checksum: bool,
+                            ready: Ready | None) -> None:
+        assert self.kv is not None
+        held = peer.grants.get((xfer_id, generation))
+        if held is None:  # no begin(): a grant of this write's own regions
+            there = rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
+            held = await self._ask(peer, rr.rows_of((d for _, d in pairs), there), there,
+                                   xfer_id, generation)
+        else:
+            await asyncio.shield(held.granted)
+        if held.revoked:
+            raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
+        rows = rr.rows_of((d for _, d in pairs), held.layout)
+        if not grants.take(held.cells, rows, held.layout):
+            raise ValueError(f"{xfer_id}: regions outside its grant (begin() the transfer "
+                             "with its whole destination) or written before")
+        held.inflight += 1
+        deferred = False
+        copied: Ready | None = None
+        try:
+            copied = await self._copy(peer, pairs, peer.vouched + held.ttl, ready)
+            sums = None if not checksum else await self._checksums(pairs, ready)
+            notice = wire.pack_json(Frame.WRITTEN, {
+                "req": held.req, "regions": rr.pack_rows(rows), "checksums": sums})
+            if copied is not None:
+                if not copied.query():
+                    self._defer(peer, _Notice(copied, held, notice))
+                    deferred = True
+                    return
+                copied.synchronize()  # done: raises what the copy raised
+            if time.monotonic() >= peer.vouched + held.ttl:  # the receiver may reuse them
+                raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
+            await self._send_frame(peer, notice)
+        finally:
+            if deferred:
+                pass
+            elif copied is not None and not copied.query():  # failed with its copy running:
+                self._defer(peer, _Notice(copied, held, None))  # over once the copy is
+            else:
+                self._ended(peer, held)
+
+    def _ended(self, peer: Peer, held: _Held) -> None:
+        """A write of `held` is over (its notice sent, or it failed with its copy
+        stopped: `_copy`'s contract). A revoked grant is answered once none is left."""
+        held.inflight -= 1
+        if held.inflight:
+            return
+        if held.revoked:
+            self._answer(peer, held.req)
+        if held.revoked or held.settled:
+            self._drop(peer, held)
+
+    def _on_revoke(self, peer: Peer, msg: dict[str, Any]) -> None:
+        xfer_id, gen, req = str(msg["xfer"]), int(msg["gen"]), int(msg["req"])
+        out = peer.outgoing.get(xfer_id)
+        if out is not None and out.generation == gen and not out.verdict.done():
+            out.verdict.set_exception(error_from_kind(str(msg["kind"]), str(msg["message"])))
+            out.verdict.exception()
+        held = peer.grants.get((xfer_id, gen))
+        if held is None or held.req != req:  # asked for and given up: nothing written
+            self._answer(peer, req)
+            return
+        held.revoked = True  # no copy starts from now on
+        if not held.inflight:
+            self._answer(peer, req)
+            self._drop(peer, held)
+
+    def _on_verdict(self, peer: Peer, xfer_id: str, generation: int) -> None:
+        held = peer.grants.get((xfer_id, generation))
+        if held is not None:
+            held.settled = True
+            if not held.inflight:
+                self._drop(peer, held)
+
+    @staticmethod
+    def _drop(peer: Peer, held: _Held) -> None:
+        if peer.grants.get((held.xfer_id, held.generation)) is held:
+            del peer.grants[(held.xfer_id, held.generation)]
+
+    def _answer(self, peer: Peer, req: int) -> None:
+        if not peer.alive:  # the receiver waits out the grant's bound instead
+            return
+        task = asyncio.get_running_loop().create_task(self._send_quietly(
+            peer, wire.pack_json(Frame.REVOKED, {"req": req})))
+        peer.tasks = [t for t in peer.tasks if not t.done()] + [task]
+
+    async def _send_quietly(self, peer: Peer, data: bytes) -> None:
+        try:
+            await asyncio.wait_for(self._send_frame(peer, data), self.config.io_timeout_s)
+        except (KVTransferError, asyncio.TimeoutError) as e:
+            self._fail_peer(peer, TransferTimeout(f"REVOKED not sent: {e!r}"))
+
+    def _defer(self, peer: Peer, notice: _Notice) -> None:
+        pending = self._notices.setdefault(id(peer), _Notices())
+        pending.queue.append(notice)
+        if pending.task is None or pending.task.done():
+            pending.task = asyncio.get_running_loop().create_task(self._flush(peer, pending))
+            # `disconnect` cancels the flusher with the peer's other tasks
+            peer.tasks = [t for t in peer.tasks if not t.done()] + [pending.task]
+
+    async def _flush(self, peer: Peer, pending: _Notices) -> None:
+        """Send the deferred notices as their copies complete, in order. A copy that
+        completed past its grant fails its transfer instead (the receiver may reuse
+        the cells); one that failed fails the peer."""
+        try:
+            while pending.queue:
+                # The newest covers every copy before it on one stream; where it is done
+                # and the oldest is not (copies in threads), wait for the oldest.
+                wait = pending.queue[-1].copied
+                if wait.query():
+                    wait = pending.queue[0].copied
+                if not wait.query():
+                    await wait_ready(wait)
+                while pending.queue and pending.queue[0].copied.query():
+                    n = pending.queue.popleft()
+                    try:
+                        n.copied.synchronize()  # done: raises what the copy raised
+                        if n.frame is None:
+                            pass  # its write failed: nothing to tell, only to wait for
+                        elif time.monotonic() >= peer.vouched + n.held.ttl:
+                            self._late(peer, n.held.xfer_id)
+                        else:
+                            await self._send_frame(peer, n.frame)
+                    finally:
+                        self._ended(peer, n.held)
+        except KVTransferError as e:
+            pending.queue.clear()
+            self._fail_peer(peer, e)  # fails every transfer still pending on the peer
+        finally:
+            if not pending.queue:
+                self._notices.pop(id(peer), None)
+
+    def _late(self, peer: Peer, xfer_id: str) -> None:
+        out = peer.outgoing.get(xfer_id)
+        if out is not None and not out.verdict.done():
+            out.verdict.set_exception(TransferTimeout(
+                f"{xfer_id}: {self.name} copy outlived its grant"))
+            out.verdict.exception()
+
+    async def _checksums(self, pairs: list[tuple[Region, Region]],
+                         ready: Ready | None) -> list[int]:
+        assert self.kv is not None
+        if not self.kv.is_cuda:
+            return [self.kv.checksum(src) for src, _ in pairs]
+        # Read after `ready`, in a worker thread: not behind (nor blocking the event loop
+        # on) the compute queued after the chunk.
+        after = producer_event(self.kv.tensor.device, ready)
+        return await asyncio.to_thread(self.kv.device_checksums, [s for s, _ in pairs], after)
+
+    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+                    deadline: float, ready: Ready | None) -> Ready | None:
+        """Write every src region here into its dst region there, none before `ready`
+        completed, none started after `deadline`. Returns None once the bytes are in
+        place (visible to the receiver), or an event that completes when they are;
+        returns or raises (cancelled too) only once nothing else it started still
+        writes: a revoked grant is answered then."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class _Notice:
+    copied: Ready
+    held: _Held
+    frame: bytes | None  # None: the write failed; its grant waits for the copy only
+
+
+@dataclass(slots=True)
+class _Notices:
+    queue: deque[_Notice] = field(default_factory=deque)
+    task: asyncio.Task[None] | None = None
