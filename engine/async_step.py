@@ -50,8 +50,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from engine.input_batch import BatchRows
 from engine.request import Request, RequestStatus
 from engine.sampler import DeviceTokens, Logprobs, PendingIds
 from engine.scheduler import SchedulerOutput
@@ -67,15 +69,21 @@ Sampled = tuple[int, Logprobs | None]
 class StepTokens:
     """A launched step's sampled tokens. `sampling`: its scheduled requests that sample
     (their chunk reaches their newest token); `rows`: the request of each sampled row
-    (a sampling request, then its forks); `device`: the ids, on the device. Their copy
-    to the host starts here, queued after the step's work (even with no rows: waiting
-    for it is waiting for the step)."""
+    (a sampling request, then its forks); `device`: the ids, on the device; `batch`:
+    the persistent batch's slots of the sampling rows (engine/input_batch.py), told
+    of the tokens when the host reads them. Their copy to the host starts here,
+    queued after the step's work (even with no rows: waiting for it is waiting for
+    the step)."""
 
     def __init__(self, sampling: Sequence[Request], rows: Sequence[Request],
-                 device: DeviceTokens) -> None:
+                 device: DeviceTokens, batch: BatchRows | None = None) -> None:
         self.sampling = list(sampling)
         self.rows = list(rows)
         self.device = device
+        self.batch = batch
+        self._result: dict[str, Sampled] | None = None
+        if batch is not None:
+            batch.batch.sampled(batch)
         device.to_host()
 
     @functools.cached_property
@@ -85,24 +93,51 @@ class StepTokens:
 
     def result(self) -> dict[str, Sampled]:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""
-        tokens, lps = self.device.result()
-        return {r.request_id: (t, lp) for r, t, lp in zip(self.rows, tokens, lps, strict=True)}
+        if self._result is None:
+            tokens, lps = self.device.result()
+            if self.batch is not None:
+                b = self.batch
+                b.batch.appended(b, self.device.host_ids()[b.index])
+            self._result = {r.request_id: (t, lp)
+                            for r, t, lp in zip(self.rows, tokens, lps, strict=True)}
+        return self._result
 
 
 def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
     """Writes into `step.input_ids`, on the device, the ids `prev` sampled for the
     step's placeholder tokens."""
-    if not step.placeholders:
+    if not step.placeholders and step.in_flight is None:
         return
     if prev is None:
         raise RuntimeError("a step has placeholder tokens but no step in flight")
-    row = prev.pending.rows
-    idx = torch.tensor([[i for i, _ in step.placeholders],
-                        [row[r.request_id] for _, r in step.placeholders]])
+    if step.in_flight is not None:
+        at, src = _in_flight_rows(step.in_flight, prev.batch)
+    else:
+        row = prev.pending.rows
+        at = np.array([i for i, _ in step.placeholders], np.int64)
+        src = np.array([row[r.request_id] for _, r in step.placeholders], np.int64)
+    idx = torch.tensor(np.stack([at, src]))
     dev = step.input_ids.device
     if dev.type == "cuda":  # pinned and non-blocking: a pageable copy waits for the device
         idx = idx.pin_memory().to(dev, non_blocking=True)
     step.input_ids[idx[0]] = prev.device.ids[idx[1]].to(step.input_ids.dtype)
+
+
+def _in_flight_rows(in_flight: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    prev: BatchRows | None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices in input_ids, rows of the step in flight) of a planned step's tokens
+    in flight: each slot's row in `prev`, matched by slot and generation."""
+    at, slots, gens = in_flight
+    if prev is None:
+        raise RuntimeError("a step has tokens in flight but the step in flight has no "
+                           "batch rows")
+    size = max(prev.batch.capacity, int(slots.max()) + 1)
+    row_of = np.zeros(size, np.int64)
+    gen_of = np.zeros(size, np.int64)
+    row_of[prev.slots], gen_of[prev.slots] = prev.index, prev.gens
+    if not ((gen_of[slots] == gens) & np.isin(slots, prev.slots)).all():
+        raise RuntimeError("a step has a token in flight that no step in flight samples")
+    return at, row_of[slots]
 
 
 @dataclass(slots=True)
@@ -111,6 +146,7 @@ class StepLogits:
 
     sample_reqs: list[Request]
     logits: torch.Tensor
+    rows: BatchRows | None = None  # their slots in the persistent batch
 
 
 def waits_for_tokens(step: StepLogits) -> bool:
@@ -154,7 +190,7 @@ class AsyncSteps:
             outputs += self._resolve(prev)
         elif launched is None and e.offload is not None:
             e.offload.reap(e.kv.pool, timeout=0.01)  # idle but copies pending: don't spin
-        if launched is not None and any(s.request.hold_kv for s in out.scheduled):
+        if launched is not None and e.runner.step_holds_kv:
             outputs += self._resolve(launched)  # producers report every step's progress
             launched = None
         self.in_flight = launched

@@ -315,8 +315,7 @@ class LLMEngine:
             return []
         self._run_loads(out)
         sampled = self.runner.execute(out, self.kv)
-        producers = any(s.request.hold_kv for s in out.scheduled)
-        kv_ready = self.runner.record_kv_ready() if producers else None
+        kv_ready = self.runner.record_kv_ready() if self.runner.step_holds_kv else None
         got_token = self.scheduler.update_from_output(out, sampled)
         return self._step_outputs(out, sampled, got_token, kv_ready)
 
@@ -378,3 +377,4 @@ class LLMEngine:
         for b in (self.offload.saving if self.offload is not None else {}):
             held[b] = held.get(b, 0) + 1
         self.kv.check_integrity(held)
+        self.runner.batch.check_integrity(self.kv)

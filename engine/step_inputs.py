@@ -24,7 +24,7 @@ shape, straight into the graph's own input buffer (fixed addresses):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.input_batch import BatchRows, InputBatch, StepPlan
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
@@ -50,6 +51,10 @@ class StepInputs:
     # Async scheduling: (index in input_ids, request) of each token a step still in
     # flight is sampling; its id is filled in on the device (engine/async_step.py).
     placeholders: list[tuple[int, Request]] = field(default_factory=list)
+    # The same from the persistent batch (`build_planned`): (indices in input_ids,
+    # slots, their generations); and the batch rows of the sampled rows.
+    in_flight: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    rows: BatchRows | None = None
 
 
 def layout_size(t: int, b: int, w: int, s: int) -> int:
@@ -111,16 +116,13 @@ class StepInputBuilder:
     def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager,
               pad: tuple[int, int, int] | None = None, width: int | None = None,
               out: torch.Tensor | None = None) -> StepInputs:
-        """Lays out the step for `scheduled` and copies it to the device.
+        """Lays out the step for `scheduled` from the requests themselves (the
+        rebuild path: no persistent batch) and copies it to the device.
 
         `pad` (a CUDA graph's shape: tokens, sequences, sampled rows) pads the step to
         it as the module docstring draws; `width` fixes the block-table width; `out` is
         the device buffer to fill (a CUDA graph's), else our own.
         """
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        bs = self.block_size
         # One pass over the requests for every per-request value; numpy does the rest.
         reqs: list[Request] = []
         q_list: list[int] = []
@@ -145,15 +147,73 @@ class StepInputBuilder:
             if hi > len(known):
                 placeholders.append((len(tok), r))  # the newest token: not sampled yet
                 tok.append(0)
-        q_lens = np.array(q_list, np.int64)
-        starts = np.array(start_list, np.int64)
+
+        def fill(ids: np.ndarray, tables: np.ndarray, qsl: np.ndarray,
+                 need: np.ndarray) -> None:
+            ids[:len(tok)] = tok
+            _fill_tables(tables, rows_ids, need)
+
+        step = self._lay_out(np.array(q_list, np.int64), np.array(start_list, np.int64),
+                             np.array(samples, np.int64), fill, pad, width, out)
+        step.sample_reqs = [reqs[i] for i in samples]
+        step.placeholders = placeholders
+        return step
+
+    def build_planned(self, plan: StepPlan, batch: InputBatch,
+                      pad: tuple[int, int, int] | None = None, width: int | None = None,
+                      out: torch.Tensor | None = None) -> StepInputs:
+        """`build` from the persistent batch (engine/input_batch.py): the same step,
+        gathered from the batch's arrays by slot. Only rows that are neither a decode
+        of the newest known token nor of a token in flight (prompt chunks, recomputes)
+        read their request's token list."""
+        q, lo, known, slots = plan.q_lens, plan.starts, plan.known, plan.slots
+        hi = lo + q
+        samples = np.flatnonzero(hi == known + plan.pending)
+        in_flight = hi > known  # the last token of the row is being sampled
+        newest = (q == 1) & (lo == known - 1)
+        others = np.flatnonzero(~newest & ~((q == 1) & in_flight))
+
+        def fill(ids: np.ndarray, tables: np.ndarray, qsl: np.ndarray,
+                 need: np.ndarray) -> None:
+            n_real = len(q)
+            ids[:qsl[n_real]] = 0
+            ids[qsl[:n_real][newest]] = batch.newest[slots[newest]]
+            for i in others.tolist():  # | known tokens | the token in flight, if any |
+                r = plan.scheduled[i].request
+                a, b = int(lo[i]), int(min(hi[i], known[i]))
+                ids[qsl[i]:qsl[i] + b - a] = r.all_token_ids[a:b]
+            tables.fill(0)
+            w = int(need.max())
+            part = tables[:n_real, :w]
+            part[...] = batch.tables[slots, :w]
+            part[np.arange(w) >= need[:, None]] = 0  # blocks past this step's tokens
+
+        step = self._lay_out(q, lo, samples, fill, pad, width, out)
+        sampled_slots = slots[samples]
+        step.sample_reqs = batch.reqs[sampled_slots].tolist()
+        step.rows = batch.rows(sampled_slots)
+        ph = np.flatnonzero(in_flight)
+        if len(ph):  # (flat index, slot, generation) of each token in flight
+            step.in_flight = (np.cumsum(q)[ph] - 1, slots[ph], batch.gen[slots[ph]])
+        return step
+
+    def _lay_out(self, q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray,
+                 fill: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None],
+                 pad: tuple[int, int, int] | None, width: int | None,
+                 out: torch.Tensor | None) -> StepInputs:
+        """The step's layout (module docstring) in the staging buffer, `fill` writing
+        the real token ids and block tables; then its copy to `out` or our buffer."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        bs = self.block_size
         ends = starts + q_lens
-        n_real, t_real = len(reqs), len(tok)
+        n_real, t_real, s_real = len(q_lens), int(q_lens.sum()), len(samples)
         w = width or max(1, cdiv(int(ends.max()), bs))
-        t, b, s = pad or (t_real, n_real, len(samples))
-        if t < t_real or b < n_real or s < len(samples) or (t > t_real and b == n_real):
+        t, b, s = pad or (t_real, n_real, s_real)
+        if t < t_real or b < n_real or s < s_real or (t > t_real and b == n_real):
             raise ValueError(f"a step of {t_real} tokens, {n_real} sequences and "
-                             f"{len(samples)} sampled rows does not pad to {pad}")
+                             f"{s_real} sampled rows does not pad to {pad}")
         self._reserve(layout_size(t, b, w, s))
         ids, pos, slots, qsl, seq_lens, tables, rows = (
             v.numpy() for v in views(self._host, t, b, w, s))
@@ -163,16 +223,15 @@ class StepInputBuilder:
         qsl[b] = t
         seq_lens[:n_real] = ends
         seq_lens[n_real:] = 0
-        _fill_tables(tables, rows_ids, (ends + bs - 1) // bs)
-        ids[:t_real] = tok
+        fill(ids, tables, qsl, (ends + bs - 1) // bs)
         # Each token's position: its index in the flat batch, shifted per sequence.
         seq_of = np.repeat(np.arange(n_real), q_lens)
         p = np.arange(t_real) - np.repeat(qsl[:n_real] - starts, q_lens)
         pos[:t_real] = p
         slots[:t_real] = tables[seq_of, p // bs] * bs + p % bs
         ids[t_real:], pos[t_real:], slots[t_real:] = 0, 0, -1
-        rows[:len(samples)] = qsl[1:][samples] - 1
-        rows[len(samples):] = 0
+        rows[:s_real] = qsl[1:][samples] - 1
+        rows[s_real:] = 0
         n = layout_size(t, b, w, s)
         dev = self._dev if out is None else out
         if dev.data_ptr() != self._host.data_ptr():
@@ -182,12 +241,13 @@ class StepInputBuilder:
                 self._copied.record()
         self._last = (dev, n, (t, b, w, s))
         d = views(dev, t, b, w, s)
+        qsl_cpu = qsl.tolist()
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
             seq_lens=d[4], block_tables=d[5], max_query_len=int(q_lens.max()),
-            max_seq_len=int(ends.max()), query_start_loc_cpu=qsl.tolist(),
+            max_seq_len=int(ends.max()), query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
-        return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples], placeholders)
+        return StepInputs(d[0], d[1], meta, d[6], [])
 
     def send(self, tp: TPGroup, meta: AttentionMetadata,
              graph: tuple[str, int] | None = None) -> None:
