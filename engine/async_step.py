@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from engine.input_batch import BatchRows
+from engine.outputs import SampledTokens
 from engine.request import Request, RequestStatus
 from engine.sampler import DeviceTokens, Logprobs, PendingIds
 from engine.scheduler import SchedulerOutput
@@ -78,10 +79,10 @@ class StepTokens:
     def __init__(self, sampling: Sequence[Request], rows: Sequence[Request],
                  device: DeviceTokens, batch: BatchRows | None = None) -> None:
         self.sampling = list(sampling)
-        self.rows = list(rows)
+        self.rows = self.sampling if rows is sampling else list(rows)
         self.device = device
         self.batch = batch
-        self._result: dict[str, Sampled] | None = None
+        self._result: SampledTokens | None = None
         if batch is not None:
             batch.batch.sampled(batch)
         device.to_host()
@@ -91,15 +92,15 @@ class StepTokens:
         """The ids as the next step reads them (async scheduling only)."""
         return PendingIds(self.device.ids, {r.request_id: i for i, r in enumerate(self.rows)})
 
-    def result(self) -> dict[str, Sampled]:
+    def result(self) -> SampledTokens:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""
         if self._result is None:
             tokens, lps = self.device.result()
             if self.batch is not None:
                 b = self.batch
                 b.batch.appended(b, self.device.host_ids()[b.index])
-            self._result = {r.request_id: (t, lp)
-                            for r, t, lp in zip(self.rows, tokens, lps, strict=True)}
+            aligned = len(self.rows) == len(self.sampling)  # (forks add rows)
+            self._result = SampledTokens(self.rows, tokens, lps, aligned)
         return self._result
 
 
@@ -112,11 +113,16 @@ def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
         raise RuntimeError("a step has placeholder tokens but no step in flight")
     if step.in_flight is not None:
         at, src = _in_flight_rows(step.in_flight, prev.batch)
+        n = len(at)
+        if at[-1] == n - 1 and src[-1] == n - 1 and (src == at).all():
+            # (a decode step after a decode step of the same requests: rows 0..n-1)
+            step.input_ids[:n].copy_(prev.device.ids[:n])
+            return
     else:
         row = prev.pending.rows
         at = np.array([i for i, _ in step.placeholders], np.int64)
         src = np.array([row[r.request_id] for _, r in step.placeholders], np.int64)
-    idx = torch.tensor(np.stack([at, src]))
+    idx = torch.from_numpy(np.stack([at, src]))
     dev = step.input_ids.device
     if dev.type == "cuda":  # pinned and non-blocking: a pageable copy waits for the device
         idx = idx.pin_memory().to(dev, non_blocking=True)
@@ -131,13 +137,18 @@ def _in_flight_rows(in_flight: tuple[np.ndarray, np.ndarray, np.ndarray],
     if prev is None:
         raise RuntimeError("a step has tokens in flight but the step in flight has no "
                            "batch rows")
-    size = max(prev.batch.capacity, int(slots.max()) + 1)
-    row_of = np.zeros(size, np.int64)
-    gen_of = np.zeros(size, np.int64)
-    row_of[prev.slots], gen_of[prev.slots] = prev.index, prev.gens
-    if not ((gen_of[slots] == gens) & np.isin(slots, prev.slots)).all():
+    if len(slots) == len(prev.slots) and (slots == prev.slots).all():
+        row = prev.index  # the same requests in the same order (most decode steps)
+        ok = (gens == prev.gens).all()
+    else:
+        size = max(prev.batch.capacity, int(slots.max()) + 1)
+        row_of = np.zeros(size, np.int64)
+        gen_of = np.zeros(size, np.int64)  # (generations start at 1: 0 matches none)
+        row_of[prev.slots], gen_of[prev.slots] = prev.index, prev.gens
+        row, ok = row_of[slots], (gen_of[slots] == gens).all()
+    if not ok:
         raise RuntimeError("a step has a token in flight that no step in flight samples")
-    return at, row_of[slots]
+    return at, row
 
 
 @dataclass(slots=True)
@@ -161,6 +172,7 @@ class _Launched:
     ends: list[int]  # each scheduled request's computed tokens once the step is done
     tokens: StepTokens
     done: torch.cuda.Event | None  # after the step's work on the compute stream (CUDA)
+    producers: bool  # it has prefill producers (hold_kv)
 
 
 class AsyncSteps:
@@ -190,7 +202,7 @@ class AsyncSteps:
             outputs += self._resolve(prev)
         elif launched is None and e.offload is not None:
             e.offload.reap(e.kv.pool, timeout=0.01)  # idle but copies pending: don't spin
-        if launched is not None and e.runner.step_holds_kv:
+        if launched is not None and launched.producers:
             outputs += self._resolve(launched)  # producers report every step's progress
             launched = None
         self.in_flight = launched
@@ -224,7 +236,8 @@ class AsyncSteps:
         tokens = e.runner.sample(logits, prev.tokens if prev is not None else None)
         for r in tokens.sampling:
             r.num_output_placeholders += 1
-        return _Launched(out, ends, tokens, e.runner.record_kv_ready())
+        return _Launched(out, ends, tokens, e.runner.record_kv_ready(),
+                         e.runner.step_holds_kv)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Takes `step`'s tokens: caches its full blocks, appends tokens, checks stops
@@ -232,21 +245,23 @@ class AsyncSteps:
         e = self.engine
         sched = e.scheduler
         sampled = step.tokens.result()
-        sampling = {r.request_id for r in step.tokens.sampling}
+        scheduled = step.out.scheduled
+        # (a sampling request's row holds its own token: forks have rows of their own)
+        gots = sampled.along([s.request for s in scheduled])
         live = []
         got_token = []
-        for s, end in zip(step.out.scheduled, step.ends, strict=True):
+        for s, end, got in zip(scheduled, step.ends, gots, strict=True):
             req = s.request
-            if req.request_id in sampling:
+            if got is not None:
                 req.num_output_placeholders -= 1
             if sched.requests.get(req.request_id) is not req:
                 continue  # finished or aborted while the step ran
             live.append(s)
             if req.status == RequestStatus.RUNNING:  # (not preempted meanwhile)
                 e.kv.cache_blocks(req, end)
-            got = sampled.get(req.request_id)
             if got is not None:
                 req.append_token(got[0], got[1])
                 sched.fair.charge_output(req)
                 got_token.append(req)
-        return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done)
+        return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done,
+                               step.producers)

@@ -8,8 +8,8 @@ step then reads two values per scheduled request (its slot and its new tokens) a
 gathers the rest from the arrays:
 
     per slot: | gen | computed | known tokens | newest token | placeholders |
-              | block table row, its length | plain greedy | logprobs | prompt
-              | logprobs | hold_kv | forks |
+              | block table row, its length | flags: plain greedy, prompt logprobs,
+              | hold_kv, forks |
 
 - computed tokens advance by the step's tokens when a step is planned (the scheduler
   advances the request's own count once the step ran; nothing else changes it while
@@ -51,28 +51,61 @@ def plain_greedy(r: Request) -> bool:
         and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
 
 
+# Per-slot flags (bits): the request samples plain greedy (no logprobs, nothing that
+# changes the logits, no parallel-sample forks); asked for prompt logprobs; is a
+# prefill producer (hold_kv); has forks waiting on its first token.
+PLAIN, PROMPT_LOGPROBS, HOLD_KV, FORKS = 1, 2, 4, 8
+_GEN, _COMPUTED, _KNOWN, _NEWEST, _PENDING, _NUM_BLOCKS = range(6)
+
+
 @dataclass(slots=True)
 class StepPlan:
-    """One step's rows, in the scheduler's order: their slots and the values the
-    scheduler gave them (gathered before the step advances the batch)."""
+    """One step's rows, in the scheduler's order: their slots, tokens computed this
+    step, and their slots' values (`cols`: the batch's int rows gathered before the
+    step advanced it) and flags (`any_flags`/`all_flags`: OR/AND over the rows)."""
 
     scheduled: Sequence[ScheduledRequest]
     slots: np.ndarray  # int64 [B]
-    q_lens: np.ndarray  # int64 [B] tokens computed this step
-    starts: np.ndarray  # int64 [B] tokens computed before it
-    known: np.ndarray  # int64 [B] token ids the host has
-    pending: np.ndarray  # int64 [B] tokens being sampled (async scheduling)
+    q_lens: np.ndarray  # int64 [B]
+    cols: np.ndarray  # int64 [6, B]
+    decode: bool  # one token each
+    any_flags: int
+    all_flags: int
+
+    @property
+    def starts(self) -> np.ndarray:  # tokens computed before this step
+        return self.cols[_COMPUTED]
+
+    @property
+    def known(self) -> np.ndarray:  # token ids the host has
+        return self.cols[_KNOWN]
+
+    @property
+    def pending(self) -> np.ndarray:  # tokens being sampled (async scheduling)
+        return self.cols[_PENDING]
 
     @property
     def ends(self) -> np.ndarray:
         return self.starts + self.q_lens
+
+    @property
+    def gens(self) -> np.ndarray:  # the slots' generations
+        return self.cols[_GEN]
+
+    @property
+    def newest(self) -> np.ndarray:  # the newest known token id
+        return self.cols[_NEWEST]
+
+    @property
+    def num_blocks(self) -> np.ndarray:  # blocks in the slot's table row
+        return self.cols[_NUM_BLOCKS]
 
 
 @dataclass(slots=True)
 class BatchRows:
     """The slots (and their generations) of a step's sampling requests and their rows
     among the sampled rows (`index`: forks add rows of their own), for `sampled` and
-    `appended`; `plain`: every row plain greedy without logprobs and no forks."""
+    `appended`; `plain`: every row plain greedy (PLAIN)."""
 
     batch: InputBatch
     slots: np.ndarray
@@ -87,16 +120,14 @@ class InputBatch:
         self.reqs = np.empty(capacity, dtype=object)
         self._src: list[array[int] | None] = [None] * capacity  # each row's table source
         self._free = list(range(capacity - 1, -1, -1))  # pop(): the lowest slot first
-        self._ints = np.zeros((6, capacity), np.int64)
-        self._flags = np.zeros((5, capacity), np.bool_)
+        self._ints = np.zeros((6, capacity), np.int64)  # rows: _GEN ... _NUM_BLOCKS
+        self.flags = np.zeros(capacity, np.uint8)
         self.tables = np.zeros((capacity, width), np.int32)
         self._bind()
 
     def _bind(self) -> None:
         (self.gen, self.computed, self.known, self.newest, self.pending,
          self.num_blocks) = self._ints
-        (self.plain, self.logprobs, self.prompt_logprobs, self.hold_kv,
-         self.forks) = self._flags
 
     @property
     def capacity(self) -> int:
@@ -111,16 +142,20 @@ class InputBatch:
         self._src += [None] * n
         self._free += range(2 * n - 1, n - 1, -1)
         self._ints = np.concatenate([self._ints, np.zeros_like(self._ints)], axis=1)
-        self._flags = np.concatenate([self._flags, np.zeros_like(self._flags)], axis=1)
+        self.flags = np.concatenate([self.flags, np.zeros_like(self.flags)])
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
         self._bind()
 
-    def _copy_table(self, slot: int, ids: array[int]) -> None:
+    def _copy_table(self, slot: int, ids: array[int], fresh: bool = False) -> None:
+        """Copies `ids` into the slot's row; the row stays zero past them (`fresh`: a
+        new row, whose tail may hold a former request's blocks)."""
         n = len(ids)
         if n > self.tables.shape[1]:
             w = max(n, 2 * self.tables.shape[1])
             self.tables = np.pad(self.tables, ((0, 0), (0, w - self.tables.shape[1])))
         self.tables[slot, :n] = np.frombuffer(ids, np.int32)
+        if fresh:
+            self.tables[slot, n:] = 0
         self.num_blocks[slot] = n
         self._src[slot] = ids
 
@@ -137,15 +172,14 @@ class InputBatch:
         self.newest[slot] = r.all_token_ids[-1]
         self.pending[slot] = r.num_output_placeholders
         p = r.sampling_params
-        self.plain[slot] = plain_greedy(r) and p.logprobs is None
-        self.logprobs[slot] = p.logprobs is not None
-        self.prompt_logprobs[slot] = p.prompt_logprobs is not None
-        self.hold_kv[slot] = r.hold_kv
-        self.forks[slot] = bool(r.forks)
+        self.flags[slot] = (
+            PLAIN * (plain_greedy(r) and p.logprobs is None and not r.forks)
+            | PROMPT_LOGPROBS * (p.prompt_logprobs is not None)
+            | HOLD_KV * r.hold_kv | FORKS * bool(r.forks))
         ids = kv.table(r.request_id)
         if ids is None:
             raise RuntimeError(f"request {r.request_id} is scheduled without blocks")
-        self._copy_table(slot, ids)
+        self._copy_table(slot, ids, fresh=True)
         return slot
 
     def remove(self, request_id: str) -> None:
@@ -184,16 +218,36 @@ class InputBatch:
                 if s.request.request_id not in index:
                     self.add(s.request, kv)
             slot_list = [index[s.request.request_id] for s in scheduled]
+        # (few numpy calls: on a host whose caches the forward pass evicts, each one
+        # costs more than the per-request reads)
         n = len(slot_list)
         slots = np.fromiter(slot_list, np.int64, n)
-        q = np.fromiter([s.num_new_tokens for s in scheduled], np.int64, n)
-        starts = self.computed[slots]
-        self.computed[slots] = starts + q
-        return StepPlan(scheduled, slots, q, starts, self.known[slots], self.pending[slots])
+        q_list = [s.num_new_tokens for s in scheduled]
+        decode = sum(q_list) == n
+        q = np.ones(n, np.int64) if decode else np.fromiter(q_list, np.int64, n)
+        cols = self._ints[:, slots]
+        self.computed[slots] = cols[_COMPUTED] + q
+        flags = self.flags[slots]
+        return StepPlan(scheduled, slots, q, cols, decode,
+                        int(np.bitwise_or.reduce(flags)), int(np.bitwise_and.reduce(flags)))
 
-    def rows(self, slots: np.ndarray) -> BatchRows:
-        plain = bool(self.plain[slots].all()) and not self.forks[slots].any()
-        return BatchRows(self, slots, self.gen[slots], plain, np.arange(len(slots)))
+    def rows(self, plan: StepPlan, samples: np.ndarray | None) -> BatchRows:
+        """The batch rows of `plan`'s rows `samples` (None: all of them)."""
+        if samples is None:
+            slots, gens = plan.slots, plan.gens
+        else:
+            slots, gens = plan.slots[samples], plan.gens[samples]
+        return BatchRows(self, slots, gens, bool(plan.all_flags & PLAIN),
+                         np.arange(len(slots)))
+
+    def refresh_forks(self, slots: np.ndarray) -> None:
+        """Clears FORKS of the requests in `slots` whose forks have started (then they
+        are plain greedy again where their params are)."""
+        for slot in slots[(self.flags[slots] & FORKS) != 0].tolist():
+            r = self.reqs[slot]
+            if not r.forks:
+                plain = plain_greedy(r) and r.sampling_params.logprobs is None
+                self.flags[slot] = (int(self.flags[slot]) & ~FORKS) | PLAIN * plain
 
     def sampled(self, rows: BatchRows) -> None:
         """The step of `rows` was launched: each row's token is being sampled."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,7 +31,7 @@ import torch
 from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
-from engine.input_batch import InputBatch
+from engine.input_batch import HOLD_KV, PROMPT_LOGPROBS, InputBatch
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_scales import calibrating, make_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
@@ -266,7 +267,7 @@ class ModelRunner(KVStaging):
         return torch.zeros(len(positions), **i32), positions, self.kv_cache, meta
 
     # -- a step -------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, Sampled]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Mapping[str, Sampled]:
         """Runs one step; returns {request_id: (token, logprobs)} for requests whose
         computed tokens reach their end this step (partial prefill chunks sample nothing).
         """
@@ -284,7 +285,7 @@ class ModelRunner(KVStaging):
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
         plan = self.batch.plan(out.scheduled, kv)
-        self.step_holds_kv = bool(self.batch.hold_kv[plan.slots].any())
+        self.step_holds_kv = bool(plan.any_flags & HOLD_KV)
         calibrate = self.kv_scales is not None and self.kv_scales.pending
         graphed = None if calibrate else forward_graph(self, plan, prev)
         if graphed is not None:
@@ -295,7 +296,7 @@ class ModelRunner(KVStaging):
             self.inputs.send(self.tp, step.meta)
         with calibrating(self.kv_scales):  # --calculate-kv-scales: the first one eagerly
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
-        if self.batch.prompt_logprobs[plan.slots].any():  # most steps: nobody asked
+        if plan.any_flags & PROMPT_LOGPROBS:  # most steps: nobody asked
             self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
         if not step.sample_reqs:
             return StepLogits([], hidden[:0], step.rows)
@@ -310,8 +311,8 @@ class ModelRunner(KVStaging):
         plain = batch_rows is not None and batch_rows.plain
         forks = [] if plain else [_first_forks(r) for r in reqs] if any(
             r.forks for r in reqs) else []
-        if batch_rows is not None and not plain and not forks:
-            batch_rows.batch.forks[batch_rows.slots] = False  # theirs started
+        if batch_rows is not None and not plain:
+            batch_rows.batch.refresh_forks(batch_rows.slots)
         if any(forks):
             # Parallel samples draw their first tokens from the one prefill's logits row.
             rows = [i for i, k in enumerate(forks) for _ in range(1 + k)]

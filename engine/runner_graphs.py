@@ -27,7 +27,7 @@ from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention.base import AttentionMetadata
 from engine.attention.mla import absorbed_is_cheaper
 from engine.cuda_graphs import DecodeGraphs
-from engine.input_batch import StepPlan
+from engine.input_batch import PROMPT_LOGPROBS, StepPlan
 from engine.kv_cache_manager import cdiv
 from engine.mixed_graphs import MixedGraphs
 
@@ -149,8 +149,8 @@ def forward_graph(runner: ModelRunner, plan: StepPlan,
     if size is not None:
         graphs, kind = runner.graphs, "decode"
     elif runner.mixed_graphs is not None:
-        wants = bool(runner.batch.prompt_logprobs[plan.slots].any())
-        size = runner.mixed_graphs.bucket_for_plan(plan, wants)
+        size = runner.mixed_graphs.bucket_for_plan(
+            plan, bool(plan.any_flags & PROMPT_LOGPROBS))
         graphs, kind = runner.mixed_graphs, "mixed"
     if graphs is None or size is None:
         return None

@@ -364,11 +364,13 @@ class Scheduler:
         Returns the requests that received a new token this step.
         """
         got_token = []
-        for s in out.scheduled:
+        along = getattr(sampled, "along", None)  # (engine.outputs.SampledTokens)
+        gots = along([s.request for s in out.scheduled]) if along is not None \
+            else [sampled.get(s.request.request_id) for s in out.scheduled]
+        for s, got in zip(out.scheduled, gots, strict=True):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            got = sampled.get(req.request_id)
             if got is not None:
                 req.append_token(got[0], got[1])
                 self.fair.charge_output(req)
