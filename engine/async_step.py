@@ -247,7 +247,7 @@ class AsyncSteps:
         sampled = step.tokens.result()
         scheduled = step.out.scheduled
         # (a sampling request's row holds its own token: forks have rows of their own)
-        gots = sampled.along([s.request for s in scheduled])
+        gots = sampled.along(scheduled)
         live = []
         got_token = []
         for s, end, got in zip(scheduled, step.ends, gots, strict=True):

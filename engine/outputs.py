@@ -68,15 +68,17 @@ class SampledTokens(Mapping[str, tuple[int, Any]]):
         self.aligned = aligned
         self._by_id: dict[str, tuple[int, Any]] | None = None
 
-    def along(self, requests: Sequence[Any]) -> list[tuple[int, Any] | None]:
-        """Each of `requests` (the step's scheduled requests, in order): its row's
+    def along(self, scheduled: Sequence[Any]) -> list[tuple[int, Any] | None]:
+        """Each of `scheduled` (the step's ScheduledRequests, in order): its request's
         (token, logprobs), or None where it sampled nothing."""
+        if self.aligned and len(self.rows) == len(scheduled):
+            return list(zip(self.tokens, self.logprobs, strict=True))  # all sampled (decode)
         if not self.aligned:
-            return [self.get(r.request_id) for r in requests]
+            return [self.get(s.request.request_id) for s in scheduled]
         out: list[tuple[int, Any] | None] = []
         rows, j, n = self.rows, 0, len(self.rows)
-        for r in requests:
-            if j < n and rows[j] is r:
+        for s in scheduled:
+            if j < n and rows[j] is s.request:
                 out.append((self.tokens[j], self.logprobs[j]))
                 j += 1
             else:

@@ -365,7 +365,7 @@ class Scheduler:
         """
         got_token = []
         along = getattr(sampled, "along", None)  # (engine.outputs.SampledTokens)
-        gots = along([s.request for s in out.scheduled]) if along is not None \
+        gots = along(out.scheduled) if along is not None \
             else [sampled.get(s.request.request_id) for s in out.scheduled]
         for s, got in zip(out.scheduled, gots, strict=True):
             req = s.request
