@@ -247,20 +247,20 @@ class AsyncSteps:
         sampled = step.tokens.result()
         scheduled = step.out.scheduled
         # (a sampling request's row holds its own token: forks have rows of their own)
-        gots = sampled.along(scheduled)
+        tokens, lps = sampled.along(scheduled)
         live = []
         got_token = []
-        for s, end, got in zip(scheduled, step.ends, gots, strict=True):
+        for s, end, tok, lp in zip(scheduled, step.ends, tokens, lps, strict=True):
             req = s.request
-            if got is not None:
+            if tok is not None:
                 req.num_output_placeholders -= 1
             if sched.requests.get(req.request_id) is not req:
                 continue  # finished or aborted while the step ran
             live.append(s)
             if req.status == RequestStatus.RUNNING:  # (not preempted meanwhile)
                 e.kv.cache_blocks(req, end)
-            if got is not None:
-                req.append_token(got[0], got[1])
+            if tok is not None:
+                req.append_token(tok, lp)
                 sched.fair.charge_output(req)
                 got_token.append(req)
         return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done,

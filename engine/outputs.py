@@ -68,13 +68,17 @@ class SampledTokens(Mapping[str, tuple[int, Any]]):
         self.aligned = aligned
         self._by_id: dict[str, tuple[int, Any]] | None = None
 
-    def along(self, scheduled: Sequence[Any]) -> list[tuple[int, Any] | None]:
-        """Each of `scheduled` (the step's ScheduledRequests, in order): its request's
-        (token, logprobs), or None where it sampled nothing."""
+    def along(self, scheduled: Sequence[Any]) -> tuple[Sequence[int | None], Sequence[Any]]:
+        """(tokens, logprobs) of each of `scheduled` (the step's ScheduledRequests, in
+        order): its request's, None where it sampled nothing."""
         if self.aligned and len(self.rows) == len(scheduled):
-            return list(zip(self.tokens, self.logprobs, strict=True))  # all sampled (decode)
-        if not self.aligned:
-            return [self.get(s.request.request_id) for s in scheduled]
+            return self.tokens, self.logprobs  # every request sampled (decode)
+        got = [self.get(s.request.request_id) for s in scheduled] if not self.aligned \
+            else self._walk(scheduled)
+        return ([None if g is None else g[0] for g in got],
+                [None if g is None else g[1] for g in got])
+
+    def _walk(self, scheduled: Sequence[Any]) -> list[tuple[int, Any] | None]:
         out: list[tuple[int, Any] | None] = []
         rows, j, n = self.rows, 0, len(self.rows)
         for s in scheduled:

@@ -365,14 +365,18 @@ class Scheduler:
         """
         got_token = []
         along = getattr(sampled, "along", None)  # (engine.outputs.SampledTokens)
-        gots = along(out.scheduled) if along is not None \
-            else [sampled.get(s.request.request_id) for s in out.scheduled]
-        for s, got in zip(out.scheduled, gots, strict=True):
+        if along is not None:
+            tokens, lps = along(out.scheduled)
+        else:
+            gots = [sampled.get(s.request.request_id) for s in out.scheduled]
+            tokens = [None if g is None else g[0] for g in gots]
+            lps = [None if g is None else g[1] for g in gots]
+        for s, tok, lp in zip(out.scheduled, tokens, lps, strict=True):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            if got is not None:
-                req.append_token(got[0], got[1])
+            if tok is not None:
+                req.append_token(tok, lp)
                 self.fair.charge_output(req)
                 got_token.append(req)
         return got_token
