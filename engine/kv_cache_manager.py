@@ -24,8 +24,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching) if pool is None else pool
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as int32 block ids, kept in step with `req_blocks`: every step
-        # joins them into its block table without a Python loop (engine/step_inputs.py).
+        # The same tables as int32 block ids, kept in step with `req_blocks`: the
+        # runner's persistent batch copies a row from them when it changes
+        # (engine/input_batch.py); the rebuild path joins them (engine/step_inputs.py).
         self._req_ids: dict[str, array[int]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
         # Requests whose table grew, was replaced or freed since `take_changed` last
