@@ -8,7 +8,8 @@ engine instance it builds; nothing in the engine changes):
 
     # | schedule | inputs | forward | sample | update | outputs | other |
 
-`schedule`: Scheduler.schedule; `inputs`: StepInputBuilder.build; `forward`: the model
+`schedule`: Scheduler.schedule; `inputs`: the persistent batch's plan of the step and
+StepInputBuilder.build_planned (engine/input_batch.py); `forward`: the model
 call and its LM head (the tiny model's CPU forward, the reference, not host overhead);
 `sample`: ModelRunner.sample and reading the tokens; `update`:
 Scheduler.update_from_output; `outputs`: stop checks, detokenization and RequestOutputs
@@ -92,7 +93,8 @@ def instrument(engine: Any, timer: PhaseTimer | None = None) -> PhaseTimer:
     timer = PhaseTimer() if timer is None else timer
     runner = engine.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(runner.inputs, "build", "inputs")
+    timer.wrap(runner.batch, "plan", "inputs")
+    timer.wrap(runner.inputs, "build_planned", "inputs")
     timer.wrap(runner.model, "forward", "forward")
     timer.wrap(runner.model, "compute_logits", "forward")  # the LM head: device work too
     timer.wrap(engine.scheduler, "update_from_output", "update")

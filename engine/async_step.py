@@ -50,8 +50,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from engine.input_batch import BatchRows
+from engine.outputs import SampledTokens
 from engine.request import Request, RequestStatus
 from engine.sampler import DeviceTokens, Logprobs, PendingIds
 from engine.scheduler import SchedulerOutput
@@ -67,15 +70,21 @@ Sampled = tuple[int, Logprobs | None]
 class StepTokens:
     """A launched step's sampled tokens. `sampling`: its scheduled requests that sample
     (their chunk reaches their newest token); `rows`: the request of each sampled row
-    (a sampling request, then its forks); `device`: the ids, on the device. Their copy
-    to the host starts here, queued after the step's work (even with no rows: waiting
-    for it is waiting for the step)."""
+    (a sampling request, then its forks); `device`: the ids, on the device; `batch`:
+    the persistent batch's slots of the sampling rows (engine/input_batch.py), told
+    of the tokens when the host reads them. Their copy to the host starts here,
+    queued after the step's work (even with no rows: waiting for it is waiting for
+    the step)."""
 
     def __init__(self, sampling: Sequence[Request], rows: Sequence[Request],
-                 device: DeviceTokens) -> None:
+                 device: DeviceTokens, batch: BatchRows | None = None) -> None:
         self.sampling = list(sampling)
-        self.rows = list(rows)
+        self.rows = self.sampling if rows is sampling else list(rows)
         self.device = device
+        self.batch = batch
+        self._result: SampledTokens | None = None
+        if batch is not None:
+            batch.batch.sampled(batch)
         device.to_host()
 
     @functools.cached_property
@@ -83,26 +92,63 @@ class StepTokens:
         """The ids as the next step reads them (async scheduling only)."""
         return PendingIds(self.device.ids, {r.request_id: i for i, r in enumerate(self.rows)})
 
-    def result(self) -> dict[str, Sampled]:
+    def result(self) -> SampledTokens:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""
-        tokens, lps = self.device.result()
-        return {r.request_id: (t, lp) for r, t, lp in zip(self.rows, tokens, lps, strict=True)}
+        if self._result is None:
+            tokens, lps = self.device.result()
+            if self.batch is not None:
+                b = self.batch
+                b.batch.appended(b, self.device.host_ids()[b.index])
+            aligned = len(self.rows) == len(self.sampling)  # (forks add rows)
+            self._result = SampledTokens(self.rows, tokens, lps, aligned)
+        return self._result
 
 
 def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
     """Writes into `step.input_ids`, on the device, the ids `prev` sampled for the
     step's placeholder tokens."""
-    if not step.placeholders:
+    if not step.placeholders and step.in_flight is None:
         return
     if prev is None:
         raise RuntimeError("a step has placeholder tokens but no step in flight")
-    row = prev.pending.rows
-    idx = torch.tensor([[i for i, _ in step.placeholders],
-                        [row[r.request_id] for _, r in step.placeholders]])
+    if step.in_flight is not None:
+        at, src = _in_flight_rows(step.in_flight, prev.batch)
+        n = len(at)
+        if at[-1] == n - 1 and src[-1] == n - 1 and (src == at).all():
+            # (a decode step after a decode step of the same requests: rows 0..n-1)
+            step.input_ids[:n].copy_(prev.device.ids[:n])
+            return
+    else:
+        row = prev.pending.rows
+        at = np.array([i for i, _ in step.placeholders], np.int64)
+        src = np.array([row[r.request_id] for _, r in step.placeholders], np.int64)
+    idx = torch.from_numpy(np.stack([at, src]))
     dev = step.input_ids.device
     if dev.type == "cuda":  # pinned and non-blocking: a pageable copy waits for the device
         idx = idx.pin_memory().to(dev, non_blocking=True)
     step.input_ids[idx[0]] = prev.device.ids[idx[1]].to(step.input_ids.dtype)
+
+
+def _in_flight_rows(in_flight: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    prev: BatchRows | None) -> tuple[np.ndarray, np.ndarray]:
+    """(indices in input_ids, rows of the step in flight) of a planned step's tokens
+    in flight: each slot's row in `prev`, matched by slot and generation."""
+    at, slots, gens = in_flight
+    if prev is None:
+        raise RuntimeError("a step has tokens in flight but the step in flight has no "
+                           "batch rows")
+    if len(slots) == len(prev.slots) and (slots == prev.slots).all():
+        row = prev.index  # the same requests in the same order (most decode steps)
+        ok = (gens == prev.gens).all()
+    else:
+        size = max(prev.batch.capacity, int(slots.max()) + 1)
+        row_of = np.zeros(size, np.int64)
+        gen_of = np.zeros(size, np.int64)  # (generations start at 1: 0 matches none)
+        row_of[prev.slots], gen_of[prev.slots] = prev.index, prev.gens
+        row, ok = row_of[slots], (gen_of[slots] == gens).all()
+    if not ok:
+        raise RuntimeError("a step has a token in flight that no step in flight samples")
+    return at, row
 
 
 @dataclass(slots=True)
@@ -111,6 +157,7 @@ class StepLogits:
 
     sample_reqs: list[Request]
     logits: torch.Tensor
+    rows: BatchRows | None = None  # their slots in the persistent batch
 
 
 def waits_for_tokens(step: StepLogits) -> bool:
@@ -125,6 +172,7 @@ class _Launched:
     ends: list[int]  # each scheduled request's computed tokens once the step is done
     tokens: StepTokens
     done: torch.cuda.Event | None  # after the step's work on the compute stream (CUDA)
+    producers: bool  # it has prefill producers (hold_kv)
 
 
 class AsyncSteps:
@@ -154,7 +202,7 @@ class AsyncSteps:
             outputs += self._resolve(prev)
         elif launched is None and e.offload is not None:
             e.offload.reap(e.kv.pool, timeout=0.01)  # idle but copies pending: don't spin
-        if launched is not None and any(s.request.hold_kv for s in out.scheduled):
+        if launched is not None and launched.producers:
             outputs += self._resolve(launched)  # producers report every step's progress
             launched = None
         self.in_flight = launched
@@ -188,7 +236,8 @@ class AsyncSteps:
         tokens = e.runner.sample(logits, prev.tokens if prev is not None else None)
         for r in tokens.sampling:
             r.num_output_placeholders += 1
-        return _Launched(out, ends, tokens, e.runner.record_kv_ready())
+        return _Launched(out, ends, tokens, e.runner.record_kv_ready(),
+                         e.runner.step_holds_kv)
 
     def _resolve(self, step: _Launched) -> list[RequestOutput]:
         """Takes `step`'s tokens: caches its full blocks, appends tokens, checks stops
@@ -196,21 +245,23 @@ class AsyncSteps:
         e = self.engine
         sched = e.scheduler
         sampled = step.tokens.result()
-        sampling = {r.request_id for r in step.tokens.sampling}
+        scheduled = step.out.scheduled
+        # (a sampling request's row holds its own token: forks have rows of their own)
+        tokens, lps = sampled.along(scheduled)
         live = []
         got_token = []
-        for s, end in zip(step.out.scheduled, step.ends, strict=True):
+        for s, end, tok, lp in zip(scheduled, step.ends, tokens, lps, strict=True):
             req = s.request
-            if req.request_id in sampling:
+            if tok is not None:
                 req.num_output_placeholders -= 1
             if sched.requests.get(req.request_id) is not req:
                 continue  # finished or aborted while the step ran
             live.append(s)
             if req.status == RequestStatus.RUNNING:  # (not preempted meanwhile)
                 e.kv.cache_blocks(req, end)
-            got = sampled.get(req.request_id)
-            if got is not None:
-                req.append_token(got[0], got[1])
+            if tok is not None:
+                req.append_token(tok, lp)
                 sched.fair.charge_output(req)
                 got_token.append(req)
-        return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done)
+        return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done,
+                               step.producers)

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
 
     from engine.distributed import TPGroup
+    from engine.input_batch import StepPlan
     from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,13 @@ class DecodeGraphs:
                     or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
                 return None
         return self.bucket_for(len(scheduled))
+
+    def bucket_for_plan(self, plan: StepPlan) -> int | None:
+        """`bucket_for_step` of a persistent-batch step (engine/input_batch.py)."""
+        if len(plan.slots) > self.max_batch or not (plan.q_lens == 1).all() \
+                or not (plan.starts + 1 == plan.known + plan.pending).all():
+            return None
+        return self.bucket_for(len(plan.slots))
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids, pos, slots, qsl, seq_lens, tables, _ = views(self.buffer, b, b, self.width, b)

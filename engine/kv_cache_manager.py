@@ -24,10 +24,14 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching) if pool is None else pool
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as int32 block ids, kept in step with `req_blocks`: every step
-        # joins them into its block table without a Python loop (engine/step_inputs.py).
+        # The same tables as int32 block ids, kept in step with `req_blocks`: the
+        # runner's persistent batch copies a row from them when it changes
+        # (engine/input_batch.py); the rebuild path joins them (engine/step_inputs.py).
         self._req_ids: dict[str, array[int]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
+        # Requests whose table grew, was replaced or freed since `take_changed` last
+        # ran (the runner's persistent batch, engine/input_batch.py); None: no reader.
+        self._changed: set[str] | None = None
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
 
@@ -46,6 +50,23 @@ class KVCacheManager:
         """The request's block table (int32 ids) itself, read-only, valid until its
         next allocation or free; the caller must not keep or change it."""
         return self._req_ids.get(request_id) or array("i")
+
+    def table(self, request_id: str) -> array[int] | None:
+        """The request's block table (int32 ids) itself, None if it holds none. The
+        same object until the table is freed or replaced (then a new one), appended to
+        in place as it grows; the caller must not change it."""
+        return self._req_ids.get(request_id)
+
+    def take_changed(self) -> set[str]:
+        """Request ids whose table grew, was replaced or freed since the last call
+        (the first call starts the tracking and returns nothing)."""
+        changed = self._changed
+        self._changed = set()
+        return changed or set()
+
+    def _touched(self, request_id: str) -> None:
+        if self._changed is not None:
+            self._changed.add(request_id)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of `request`, as blocks (not yet referenced).
@@ -85,6 +106,7 @@ class KVCacheManager:
         if max(num_new, 0) + num_revived > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id], self._req_ids[request.request_id]
+                self._touched(request.request_id)
             return False
         self.pool.touch(new_computed_blocks)
         ids = self._req_ids[request.request_id]
@@ -98,6 +120,7 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new)
         if new_computed_blocks:
             self._num_cached[request.request_id] = len(blocks) - max(num_new, 0)
+        self._touched(request.request_id)
         return True
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -143,6 +166,7 @@ class KVCacheManager:
         self._req_ids[child.request_id] = array("i", [b.block_id for b in mine])
         self._num_cached[child.request_id] = min(self._num_cached.get(parent.request_id, 0),
                                                  len(full))
+        self._touched(child.request_id)
         return copy
 
     def set_blocks(self, request_id: str, blocks: list[KVBlock]) -> None:
@@ -151,12 +175,14 @@ class KVCacheManager:
         windows)."""
         self.req_blocks[request_id][:] = blocks
         self._req_ids[request_id] = array("i", [b.block_id for b in blocks])
+        self._touched(request_id)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks (tail first, so its prefix is evicted last)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self._req_ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        self._touched(request.request_id)
         self.pool.free(reversed(blocks))
 
     def check_integrity(self, other_holders: dict[int, int] | None = None) -> None:

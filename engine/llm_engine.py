@@ -315,17 +315,18 @@ class LLMEngine:
             return []
         self._run_loads(out)
         sampled = self.runner.execute(out, self.kv)
-        producers = any(s.request.hold_kv for s in out.scheduled)
-        kv_ready = self.runner.record_kv_ready() if producers else None
+        kv_ready = self.runner.record_kv_ready() if self.runner.step_holds_kv else None
         got_token = self.scheduler.update_from_output(out, sampled)
-        return self._step_outputs(out, sampled, got_token, kv_ready)
+        return self._step_outputs(out, sampled, got_token, kv_ready,
+                                  self.runner.step_holds_kv)
 
     def _step_outputs(self, out: SchedulerOutput,
                       sampled: Mapping[str, tuple[int, Logprobs | None]],
                       got_token: list[Request], kv_ready: torch.cuda.Event | None,
-                      ) -> list[RequestOutput]:
+                      producers: bool = True) -> list[RequestOutput]:
         """A step's outputs, once its tokens were appended (`got_token`): forks start,
-        stops end requests, producers report KV progress."""
+        stops end requests, producers report KV progress (`producers`: the step may
+        have some)."""
         now = time.monotonic()
         outputs = []
         self.outputs.detokenize(got_token)
@@ -338,7 +339,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish(req.request_id, status)
             outputs += self.outputs.emit(req, final=status is not None)
-        for s in out.scheduled:  # producers report KV progress of chunks too
+        for s in out.scheduled if producers else ():  # their KV progress, chunks too
             if s.request.hold_kv and s.request not in got_token:
                 outputs += self.outputs.emit(s.request, final=False)
         if kv_ready is not None:
@@ -378,3 +379,4 @@ class LLMEngine:
         for b in (self.offload.saving if self.offload is not None else {}):
             held[b] = held.get(b, 0) + 1
         self.kv.check_integrity(held)
+        self.runner.batch.check_integrity(self.kv)

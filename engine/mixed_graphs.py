@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE as PoolHandle
 
     from engine.distributed import TPGroup
+    from engine.input_batch import StepPlan
     from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,18 @@ class MixedGraphs:
                  for s in scheduled]):
             return None
         tokens = sum(s.num_new_tokens for s in scheduled)
+        return next((t for t in self.buckets if t >= tokens), None)
+
+    def bucket_for_plan(self, plan: StepPlan, prompt_logprobs: bool) -> int | None:
+        """`bucket_for_step` of a persistent-batch step (engine/input_batch.py);
+        `prompt_logprobs`: a row's request asked for prompt logprobs."""
+        if len(plan.slots) > self.max_num_seqs or (prompt_logprobs and any(
+                s.request.wants_prompt_logprobs for s in plan.scheduled)):
+            return None
+        if self.takes_runs is not None and not self.takes_runs(
+                list(zip(plan.q_lens.tolist(), plan.ends.tolist(), strict=True))):
+            return None
+        tokens = int(plan.q_lens.sum())
         return next((t for t in self.buckets if t >= tokens), None)
 
     def _views(self, t: int) -> tuple[torch.Tensor, ...]:

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention import AttentionMetadata, make_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.input_batch import HOLD_KV, PROMPT_LOGPROBS, InputBatch
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_scales import calibrating, make_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
@@ -120,6 +123,10 @@ class ModelRunner(KVStaging):
                                self.max_model_len)
         self.kv_scales = make_kv_scales(self) if config.fp8_kv else None
         self.inputs = StepInputBuilder(self.block_size, self.device, model_cfg.sliding_window)
+        # rank 0: the running requests' step state between steps (engine.input_batch)
+        self.batch = InputBatch(config.scheduler.max_num_seqs,
+                                cdiv(self.max_model_len, self.block_size))
+        self.step_holds_kv = False  # the last step forwarded has a prefill producer
         self.graphs, self.mixed_graphs = make_graph_sets(self)  # (engine.runner_graphs)
         if kv_cache is None:
             kv_cache = self._allocate_kv()
@@ -260,7 +267,7 @@ class ModelRunner(KVStaging):
         return torch.zeros(len(positions), **i32), positions, self.kv_cache, meta
 
     # -- a step -------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[str, Sampled]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> Mapping[str, Sampled]:
         """Runs one step; returns {request_id: (token, logprobs)} for requests whose
         computed tokens reach their end this step (partial prefill chunks sample nothing).
         """
@@ -277,34 +284,45 @@ class ModelRunner(KVStaging):
     def forward(self, out: SchedulerOutput, kv: KVCacheManager,
                 prev: StepTokens | None = None) -> StepLogits:
         """Queues the step's forward pass; returns the logits of its sampling rows."""
+        plan = self.batch.plan(out.scheduled, kv)
+        self.step_holds_kv = bool(plan.any_flags & HOLD_KV)
         calibrate = self.kv_scales is not None and self.kv_scales.pending
-        graphed = None if calibrate else forward_graph(self, out.scheduled, kv, prev)
+        graphed = None if calibrate else forward_graph(self, plan, prev)
         if graphed is not None:
             return graphed
-        step = self.inputs.build(out.scheduled, kv)
+        step = self.inputs.build_planned(plan, self.batch)
         fill_placeholders(step, prev)
         if self.tp is not None:
             self.inputs.send(self.tp, step.meta)
         with calibrating(self.kv_scales):  # --calculate-kv-scales: the first one eagerly
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
-        self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
+        if plan.any_flags & PROMPT_LOGPROBS:  # most steps: nobody asked
+            self._prompt_logprobs(hidden, out.scheduled, step.meta.query_start_loc_cpu)
         if not step.sample_reqs:
-            return StepLogits([], hidden[:0])
+            return StepLogits([], hidden[:0], step.rows)
         self._tell(("logits", None))
-        return StepLogits(step.sample_reqs, self.model.compute_logits(hidden[step.sample_rows]))
+        return StepLogits(step.sample_reqs, self.model.compute_logits(hidden[step.sample_rows]),
+                          step.rows)
 
     @torch.inference_mode()
     def sample(self, step: StepLogits, prev: StepTokens | None = None) -> StepTokens:
         """Samples a forwarded step (rank 0 only); `prev` as in `launch`."""
-        reqs, logits = step.sample_reqs, step.logits
-        forks = [_first_forks(r) for r in reqs] if any(r.forks for r in reqs) else []
+        reqs, logits, batch_rows = step.sample_reqs, step.logits, step.rows
+        plain = batch_rows is not None and batch_rows.plain
+        forks = [] if plain else [_first_forks(r) for r in reqs] if any(
+            r.forks for r in reqs) else []
+        if batch_rows is not None and not plain:
+            batch_rows.batch.refresh_forks(batch_rows.slots)
         if any(forks):
             # Parallel samples draw their first tokens from the one prefill's logits row.
             rows = [i for i, k in enumerate(forks) for _ in range(1 + k)]
             reqs = [x for r, k in zip(reqs, forks, strict=True) for x in (r, *r.forks[:k])]
             logits = logits[torch.tensor(rows, device=logits.device)]
-        pending = prev.pending if prev is not None else None
-        return StepTokens(step.sample_reqs, reqs, self.sampler.sample(logits, reqs, pending))
+            if batch_rows is not None:  # each sampling request's row: before its forks'
+                batch_rows.index = np.cumsum([0, *(1 + k for k in forks[:-1])])
+        pending = prev.pending if prev is not None and not plain else None
+        return StepTokens(step.sample_reqs, reqs,
+                          self.sampler.sample(logits, reqs, pending, plain), batch_rows)
 
     def record_kv_ready(self) -> torch.cuda.Event | None:
         """An event on the compute stream after the work queued so far (the step's

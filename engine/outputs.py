@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,3 +52,54 @@ class RequestOutput:
     # on it, on the device, and so overlaps the forwards queued after it. None: the KV is
     # in place already (CPU forwards are synchronous).
     kv_ready: Any = None
+
+
+class SampledTokens(Mapping[str, tuple[int, Any]]):
+    """A step's sampled tokens, from the model runner: row i is `rows[i]`'s
+    (`tokens[i]`, `logprobs[i]`). Read by request id (a dict made on first use), or,
+    when `aligned` (the rows are the step's sampling requests in the scheduler's order,
+    no parallel-sample forks among them), in row order along the scheduled requests."""
+
+    __slots__ = ("rows", "tokens", "logprobs", "aligned", "_by_id")
+
+    def __init__(self, rows: Sequence[Any], tokens: Sequence[int], logprobs: Sequence[Any],
+                 aligned: bool) -> None:
+        self.rows, self.tokens, self.logprobs = rows, tokens, logprobs
+        self.aligned = aligned
+        self._by_id: dict[str, tuple[int, Any]] | None = None
+
+    def along(self, scheduled: Sequence[Any]) -> tuple[Sequence[int | None], Sequence[Any]]:
+        """(tokens, logprobs) of each of `scheduled` (the step's ScheduledRequests, in
+        order): its request's, None where it sampled nothing."""
+        if self.aligned and len(self.rows) == len(scheduled):
+            return self.tokens, self.logprobs  # every request sampled (decode)
+        got = [self.get(s.request.request_id) for s in scheduled] if not self.aligned \
+            else self._walk(scheduled)
+        return ([None if g is None else g[0] for g in got],
+                [None if g is None else g[1] for g in got])
+
+    def _walk(self, scheduled: Sequence[Any]) -> list[tuple[int, Any] | None]:
+        out: list[tuple[int, Any] | None] = []
+        rows, j, n = self.rows, 0, len(self.rows)
+        for s in scheduled:
+            if j < n and rows[j] is s.request:
+                out.append((self.tokens[j], self.logprobs[j]))
+                j += 1
+            else:
+                out.append(None)
+        return out
+
+    def _map(self) -> dict[str, tuple[int, Any]]:
+        if self._by_id is None:
+            self._by_id = {r.request_id: (t, lp) for r, t, lp
+                           in zip(self.rows, self.tokens, self.logprobs, strict=True)}
+        return self._by_id
+
+    def __getitem__(self, request_id: str) -> tuple[int, Any]:
+        return self._map()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self.rows)

@@ -27,9 +27,9 @@ from engine.async_step import StepLogits, StepTokens, fill_placeholders
 from engine.attention.base import AttentionMetadata
 from engine.attention.mla import absorbed_is_cheaper
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.input_batch import PROMPT_LOGPROBS, StepPlan
+from engine.kv_cache_manager import cdiv
 from engine.mixed_graphs import MixedGraphs
-from engine.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -139,24 +139,25 @@ def _cuda_peak_bytes(dev: torch.device) -> Callable[[Callable[[], object]], int]
     return measure
 
 
-def forward_graph(runner: ModelRunner, scheduled: list[ScheduledRequest],
-                  kv: KVCacheManager, prev: StepTokens | None) -> StepLogits | None:
+def forward_graph(runner: ModelRunner, plan: StepPlan,
+                  prev: StepTokens | None) -> StepLogits | None:
     """A decode-only step through the decode graphs, another step that fits a mixed
     graph through those (padded to the graph's shape, built into its buffer); None when
     neither takes it (the step runs eagerly)."""
     graphs: DecodeGraphs | MixedGraphs | None = None
-    size = runner.graphs.bucket_for_step(scheduled) if runner.graphs is not None else None
+    size = runner.graphs.bucket_for_plan(plan) if runner.graphs is not None else None
     if size is not None:
         graphs, kind = runner.graphs, "decode"
     elif runner.mixed_graphs is not None:
-        size = runner.mixed_graphs.bucket_for_step(scheduled)
+        size = runner.mixed_graphs.bucket_for_plan(
+            plan, bool(plan.any_flags & PROMPT_LOGPROBS))
         graphs, kind = runner.mixed_graphs, "mixed"
     if graphs is None or size is None:
         return None
-    step = runner.inputs.build(scheduled, kv, pad=graphs.pad(size), width=graphs.width,
-                               out=graphs.buffer)
+    step = runner.inputs.build_planned(plan, runner.batch, pad=graphs.pad(size),
+                                       width=graphs.width, out=graphs.buffer)
     fill_placeholders(step, prev)
     if runner.tp is not None:  # the other ranks replay the same graph
         runner.inputs.send(runner.tp, step.meta, (kind, size))
     logits = graphs.run(size, step)
-    return StepLogits(step.sample_reqs, logits[:len(step.sample_reqs)])
+    return StepLogits(step.sample_reqs, logits[:len(step.sample_reqs)], step.rows)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.input_batch import plain_greedy
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured import apply_grammar_masks
@@ -162,15 +163,6 @@ def has_penalty(p: SamplingParams) -> bool:
         or p.repetition_penalty != 1.0
 
 
-def _plain_greedy(r: Request) -> bool:
-    """Greedy with nothing that changes the logits (grammar, penalties, logit_bias,
-    min_tokens): the row is the argmax of its raw logits."""
-    p = r.sampling_params
-    return p.temperature == 0.0 and r.grammar is None and not p.logit_bias \
-        and not p.min_tokens and p.presence_penalty == 0.0 \
-        and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-
-
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -186,15 +178,19 @@ class Sampler:
         return self.sample(logits, requests).result()
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request],
-               pending: PendingIds | None = None) -> DeviceTokens:
+               pending: PendingIds | None = None, plain: bool = False) -> DeviceTokens:
         """`__call__`'s tokens, left on the device (the host reads them with `result`).
         `pending`: the step in flight, which holds the placeholder tokens of `requests`
-        (async scheduling); the penalties count them as the synchronous loop would."""
+        (async scheduling); the penalties count them as the synchronous loop would.
+        `plain`: the caller knows every row is plain greedy without logprobs (the
+        persistent batch's flags, engine/input_batch.py): no look at the requests."""
         if not requests:
             return DeviceTokens(torch.empty(0, dtype=torch.int64, device=logits.device), [])
+        if plain:
+            return DeviceTokens(logits.argmax(dim=-1), [None] * len(requests))
         params = [r.sampling_params for r in requests]
         ks = [p.logprobs for p in params]
-        if all(_plain_greedy(r) for r in requests):
+        if all(plain_greedy(r) for r in requests):
             ids = logits.argmax(dim=-1)  # the common greedy step: no parameter table
             return DeviceTokens(ids, ks, _pack(logits, ids, ks))
         if any(r.grammar is not None for r in requests):  # structured outputs, first of all
@@ -351,6 +347,13 @@ class DeviceTokens:
             self._copied.record()
         else:
             self._host = self._src.cpu()
+
+    def host_ids(self) -> np.ndarray:
+        """The sampled ids on the host, int64 [B] (after `result`)."""
+        assert self._host is not None
+        if self._src is self.ids:
+            return self._host.numpy()
+        return self._host[:, 0].numpy().astype(np.int64)
 
     def result(self) -> tuple[list[int], list[Logprobs | None]]:
         self.to_host()

@@ -364,13 +364,19 @@ class Scheduler:
         Returns the requests that received a new token this step.
         """
         got_token = []
-        for s in out.scheduled:
+        along = getattr(sampled, "along", None)  # (engine.outputs.SampledTokens)
+        if along is not None:
+            tokens, lps = along(out.scheduled)
+        else:
+            gots = [sampled.get(s.request.request_id) for s in out.scheduled]
+            tokens = [None if g is None else g[0] for g in gots]
+            lps = [None if g is None else g[1] for g in gots]
+        for s, tok, lp in zip(out.scheduled, tokens, lps, strict=True):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            got = sampled.get(req.request_id)
-            if got is not None:
-                req.append_token(got[0], got[1])
+            if tok is not None:
+                req.append_token(tok, lp)
                 self.fair.charge_output(req)
                 got_token.append(req)
         return got_token

@@ -24,7 +24,7 @@ shape, straight into the graph's own input buffer (fixed addresses):
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.input_batch import BatchRows, InputBatch, StepPlan
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
@@ -50,6 +51,10 @@ class StepInputs:
     # Async scheduling: (index in input_ids, request) of each token a step still in
     # flight is sampling; its id is filled in on the device (engine/async_step.py).
     placeholders: list[tuple[int, Request]] = field(default_factory=list)
+    # The same from the persistent batch (`build_planned`): (indices in input_ids,
+    # slots, their generations); and the batch rows of the sampled rows.
+    in_flight: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    rows: BatchRows | None = None
 
 
 def layout_size(t: int, b: int, w: int, s: int) -> int:
@@ -111,16 +116,13 @@ class StepInputBuilder:
     def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager,
               pad: tuple[int, int, int] | None = None, width: int | None = None,
               out: torch.Tensor | None = None) -> StepInputs:
-        """Lays out the step for `scheduled` and copies it to the device.
+        """Lays out the step for `scheduled` from the requests themselves (the
+        rebuild path: no persistent batch) and copies it to the device.
 
         `pad` (a CUDA graph's shape: tokens, sequences, sampled rows) pads the step to
         it as the module docstring draws; `width` fixes the block-table width; `out` is
         the device buffer to fill (a CUDA graph's), else our own.
         """
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        bs = self.block_size
         # One pass over the requests for every per-request value; numpy does the rest.
         reqs: list[Request] = []
         q_list: list[int] = []
@@ -145,34 +147,119 @@ class StepInputBuilder:
             if hi > len(known):
                 placeholders.append((len(tok), r))  # the newest token: not sampled yet
                 tok.append(0)
-        q_lens = np.array(q_list, np.int64)
-        starts = np.array(start_list, np.int64)
+
+        def fill(ids: np.ndarray, tables: np.ndarray, qsl: np.ndarray,
+                 need: np.ndarray) -> None:
+            ids[:len(tok)] = tok
+            _fill_tables(tables, rows_ids, need)
+
+        step = self._lay_out(np.array(q_list, np.int64), np.array(start_list, np.int64),
+                             np.array(samples, np.int64), fill, pad, width, out)
+        step.sample_reqs = [reqs[i] for i in samples]
+        step.placeholders = placeholders
+        return step
+
+    def build_planned(self, plan: StepPlan, batch: InputBatch,
+                      pad: tuple[int, int, int] | None = None, width: int | None = None,
+                      out: torch.Tensor | None = None) -> StepInputs:
+        """`build` from the persistent batch (engine/input_batch.py): the same step,
+        gathered from the batch's arrays by slot. Only rows that are neither a decode
+        of the newest known token nor of a token in flight (prompt chunks, recomputes)
+        read their request's token list."""
+        q, lo, known, slots = plan.q_lens, plan.starts, plan.known, plan.slots
+        d = known - lo  # | computed | d known tokens to compute | (in flight) |
+        samples: np.ndarray | None
+        in_flight: np.ndarray | None
+        if plan.decode and int(d.max()) <= 1:
+            # Decode: each row computes its newest token (d = 1) or the one in flight
+            # (d = 0), and samples.
+            samples = None
+            in_flight = np.flatnonzero(d == 0) if int(d.min()) == 0 else None
+            others: list[int] = []
+        else:
+            hi = lo + q
+            samples = np.flatnonzero(hi == known + plan.pending)
+            ph = np.flatnonzero(hi > known)  # rows whose last token is in flight
+            in_flight = ph if len(ph) else None
+            others = np.flatnonzero((q != 1) | (d > 1)).tolist()
+
+        def fill(ids: np.ndarray, tables: np.ndarray, qsl: np.ndarray,
+                 need: np.ndarray) -> None:
+            n_real = len(q)
+            if plan.decode and not others:  # the newest token, or 0 for one in flight
+                ids[:n_real] = plan.newest * (d == 1)
+            else:
+                ids[:qsl[n_real]] = 0
+                newest = (q == 1) & (d == 1)
+                ids[qsl[:n_real][newest]] = plan.newest[newest]
+            for i in others:  # | known tokens | the token in flight, if any |
+                r = plan.scheduled[i].request
+                a, b = int(lo[i]), int(min(lo[i] + q[i], known[i]))
+                ids[qsl[i]:qsl[i] + b - a] = r.all_token_ids[a:b]
+            # The batch's rows are zero past their blocks: padding rows and columns
+            # past the step's widest row are the only ones to clear.
+            w = int(need.max())
+            if len(tables) > n_real:
+                tables[n_real:] = 0
+            if tables.shape[1] > w:
+                tables[:n_real, w:] = 0
+            part = tables[:n_real, :w]
+            part[...] = batch.tables[slots, :w]
+            over = np.flatnonzero(plan.num_blocks > need)
+            if len(over):  # blocks past this step's tokens (a prompt's later chunks)
+                part[over[:, None], np.arange(w)] *= np.arange(w) < need[over, None]
+
+        step = self._lay_out(q, lo, samples, fill, pad, width, out)
+        step.rows = batch.rows(plan, samples)
+        step.sample_reqs = batch.reqs[step.rows.slots].tolist()
+        if in_flight is not None:  # (flat index, slot, generation) of each token in flight
+            at = in_flight if plan.decode else np.cumsum(q)[in_flight] - 1
+            step.in_flight = (at, slots[in_flight], plan.gens[in_flight])
+        return step
+
+    def _lay_out(self, q_lens: np.ndarray, starts: np.ndarray, samples: np.ndarray | None,
+                 fill: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None],
+                 pad: tuple[int, int, int] | None, width: int | None,
+                 out: torch.Tensor | None) -> StepInputs:
+        """The step's layout (module docstring) in the staging buffer, `fill` writing
+        the real token ids and block tables; then its copy to `out` or our buffer.
+        `samples`: the rows that sample (None: every one)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        bs = self.block_size
         ends = starts + q_lens
-        n_real, t_real = len(reqs), len(tok)
+        n_real, t_real = len(q_lens), int(q_lens.sum())
+        s_real = n_real if samples is None else len(samples)
         w = width or max(1, cdiv(int(ends.max()), bs))
-        t, b, s = pad or (t_real, n_real, len(samples))
-        if t < t_real or b < n_real or s < len(samples) or (t > t_real and b == n_real):
+        t, b, s = pad or (t_real, n_real, s_real)
+        if t < t_real or b < n_real or s < s_real or (t > t_real and b == n_real):
             raise ValueError(f"a step of {t_real} tokens, {n_real} sequences and "
-                             f"{len(samples)} sampled rows does not pad to {pad}")
+                             f"{s_real} sampled rows does not pad to {pad}")
         self._reserve(layout_size(t, b, w, s))
-        ids, pos, slots, qsl, seq_lens, tables, rows = (
-            v.numpy() for v in views(self._host, t, b, w, s))
+        host = views(self._host, t, b, w, s)
+        ids, pos, slots, qsl, seq_lens, tables, rows = (v.numpy() for v in host)
         qsl[0] = 0
         np.cumsum(q_lens, out=qsl[1:n_real + 1])
-        qsl[n_real + 1:] = np.minimum(t_real + np.arange(1, b - n_real + 1), t)
-        qsl[b] = t
+        if b > n_real:
+            qsl[n_real + 1:] = np.minimum(t_real + np.arange(1, b - n_real + 1), t)
+            qsl[b] = t
         seq_lens[:n_real] = ends
-        seq_lens[n_real:] = 0
-        _fill_tables(tables, rows_ids, (ends + bs - 1) // bs)
-        ids[:t_real] = tok
-        # Each token's position: its index in the flat batch, shifted per sequence.
-        seq_of = np.repeat(np.arange(n_real), q_lens)
-        p = np.arange(t_real) - np.repeat(qsl[:n_real] - starts, q_lens)
+        if b > n_real:
+            seq_lens[n_real:] = 0
+        fill(ids, tables, qsl, (ends + bs - 1) // bs)
+        if t_real == n_real:  # one token each (decode): its position is `starts`
+            seq_of, p = np.arange(n_real), starts
+        else:  # each token's index in the flat batch, shifted per sequence
+            seq_of = np.repeat(np.arange(n_real), q_lens)
+            p = np.arange(t_real) - np.repeat(qsl[:n_real] - starts, q_lens)
         pos[:t_real] = p
         slots[:t_real] = tables[seq_of, p // bs] * bs + p % bs
-        ids[t_real:], pos[t_real:], slots[t_real:] = 0, 0, -1
-        rows[:len(samples)] = qsl[1:][samples] - 1
-        rows[len(samples):] = 0
+        if t > t_real:
+            ids[t_real:], pos[t_real:], slots[t_real:] = 0, 0, -1
+        rows[:s_real] = (qsl[1:n_real + 1] if samples is None else qsl[1:][samples]) - 1
+        if s > s_real:
+            rows[s_real:] = 0
         n = layout_size(t, b, w, s)
         dev = self._dev if out is None else out
         if dev.data_ptr() != self._host.data_ptr():
@@ -181,13 +268,14 @@ class StepInputBuilder:
                 self._copied = torch.cuda.Event()
                 self._copied.record()
         self._last = (dev, n, (t, b, w, s))
-        d = views(dev, t, b, w, s)
+        d = host if dev.data_ptr() == self._host.data_ptr() else views(dev, t, b, w, s)
+        qsl_cpu = qsl.tolist()
         meta = AttentionMetadata(
             num_seqs=b, num_tokens=t, slot_mapping=d[2], query_start_loc=d[3],
             seq_lens=d[4], block_tables=d[5], max_query_len=int(q_lens.max()),
-            max_seq_len=int(ends.max()), query_start_loc_cpu=qsl.tolist(),
+            max_seq_len=int(ends.max()), query_start_loc_cpu=qsl_cpu,
             seq_lens_cpu=seq_lens.tolist(), sliding_window=self.sliding_window)
-        return StepInputs(d[0], d[1], meta, d[6], [reqs[i] for i in samples], placeholders)
+        return StepInputs(d[0], d[1], meta, d[6], [])
 
     def send(self, tp: TPGroup, meta: AttentionMetadata,
              graph: tuple[str, int] | None = None) -> None:
