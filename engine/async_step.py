@@ -106,22 +106,17 @@ class StepTokens:
 
 def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
     """Writes into `step.input_ids`, on the device, the ids `prev` sampled for the
-    step's placeholder tokens."""
-    if not step.placeholders and step.in_flight is None:
+    step's tokens in flight (`step.in_flight`)."""
+    if step.in_flight is None:
         return
     if prev is None:
         raise RuntimeError("a step has placeholder tokens but no step in flight")
-    if step.in_flight is not None:
-        at, src = _in_flight_rows(step.in_flight, prev.batch)
-        n = len(at)
-        if at[-1] == n - 1 and src[-1] == n - 1 and (src == at).all():
-            # (a decode step after a decode step of the same requests: rows 0..n-1)
-            step.input_ids[:n].copy_(prev.device.ids[:n])
-            return
-    else:
-        row = prev.pending.rows
-        at = np.array([i for i, _ in step.placeholders], np.int64)
-        src = np.array([row[r.request_id] for _, r in step.placeholders], np.int64)
+    at, src = _in_flight_rows(step.in_flight, prev.batch)
+    n = len(at)
+    if at[-1] == n - 1 and src[-1] == n - 1 and (src == at).all():
+        # (a decode step after a decode step of the same requests: rows 0..n-1)
+        step.input_ids[:n].copy_(prev.device.ids[:n])
+        return
     idx = torch.from_numpy(np.stack([at, src]))
     dev = step.input_ids.device
     if dev.type == "cuda":  # pinned and non-blocking: a pageable copy waits for the device

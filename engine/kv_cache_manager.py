@@ -26,7 +26,7 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # The same tables as int32 block ids, kept in step with `req_blocks`: the
         # runner's persistent batch copies a row from them when it changes
-        # (engine/input_batch.py); the rebuild path joins them (engine/step_inputs.py).
+        # (engine/input_batch.py).
         self._req_ids: dict[str, array[int]] = {}
         self._num_cached: dict[str, int] = {}  # full blocks already in the hash map
         # Requests whose table grew, was replaced or freed since `take_changed` last
@@ -45,11 +45,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table (ids); [] if it holds none."""
         return list(self._req_ids.get(request_id, ()))
-
-    def block_ids_view(self, request_id: str) -> array[int]:
-        """The request's block table (int32 ids) itself, read-only, valid until its
-        next allocation or free; the caller must not keep or change it."""
-        return self._req_ids.get(request_id) or array("i")
 
     def table(self, request_id: str) -> array[int] | None:
         """The request's block table (int32 ids) itself, None if it holds none. The

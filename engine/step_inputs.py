@@ -23,9 +23,8 @@ shape, straight into the graph's own input buffer (fixed addresses):
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,9 +32,8 @@ import torch
 
 from engine.attention.base import AttentionMetadata
 from engine.input_batch import BatchRows, InputBatch, StepPlan
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import cdiv
 from engine.request import Request
-from engine.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
     from engine.distributed import TPGroup
@@ -48,11 +46,9 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int32 rows of the flat batch whose logits are sampled
     sample_reqs: list[Request]  # the request of each sampled row
-    # Async scheduling: (index in input_ids, request) of each token a step still in
-    # flight is sampling; its id is filled in on the device (engine/async_step.py).
-    placeholders: list[tuple[int, Request]] = field(default_factory=list)
-    # The same from the persistent batch (`build_planned`): (indices in input_ids,
-    # slots, their generations); and the batch rows of the sampled rows.
+    # Async scheduling: (indices in input_ids, slots, their generations) of the tokens
+    # a step still in flight is sampling; their ids are filled in on the device
+    # (engine/async_step.py). And the batch rows of the sampled rows.
     in_flight: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     rows: BatchRows | None = None
 
@@ -70,26 +66,8 @@ def views(buf: torch.Tensor, t: int, b: int, w: int, s: int) -> tuple[torch.Tens
     return tuple(parts)
 
 
-def _fill_tables(tables: np.ndarray, rows: Sequence[array[int]], need: np.ndarray) -> None:
-    """Writes each real sequence's first `need` block ids (of its int32 row in `rows`)
-    into its row of `tables` [B, W], zeros elsewhere: one join and one masked copy for
-    the whole step instead of a copy per sequence."""
-    tables.fill(0)
-    if not rows:
-        return
-    lens = np.fromiter(map(len, rows), np.int64, len(rows))
-    flat = np.frombuffer(b"".join(rows), np.int32)
-    if (lens != need).any():  # a row holds blocks past this step's tokens: cut them
-        need = np.minimum(lens, need)
-        starts = np.cumsum(lens) - lens
-        flat = np.concatenate([flat[s:s + n] for s, n in zip(starts, need, strict=True)])
-    # Only the columns in use: a CUDA graph's table is max_model_len wide.
-    width = int(need.max())
-    tables[:len(rows), :width][np.arange(width) < need[:, None]] = flat
-
-
 class StepInputBuilder:
-    """Owns the staging (host) and input (device) buffers; `build` fills them."""
+    """Owns the staging (host) and input (device) buffers; `build_planned` fills them."""
 
     def __init__(self, block_size: int, device: torch.device,
                  sliding_window: int | None) -> None:
@@ -113,59 +91,18 @@ class StepInputBuilder:
         self._dev = self._host if self.device.type == "cpu" else torch.empty(
             n, dtype=torch.int32, device=self.device)
 
-    def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager,
-              pad: tuple[int, int, int] | None = None, width: int | None = None,
-              out: torch.Tensor | None = None) -> StepInputs:
-        """Lays out the step for `scheduled` from the requests themselves (the
-        rebuild path: no persistent batch) and copies it to the device.
+    def build_planned(self, plan: StepPlan, batch: InputBatch,
+                      pad: tuple[int, int, int] | None = None, width: int | None = None,
+                      out: torch.Tensor | None = None) -> StepInputs:
+        """Lays out the step `plan`ned from the persistent batch (engine/input_batch.py),
+        gathered from the batch's arrays by slot, and copies it to the device. Only rows
+        that are neither a decode of the newest known token nor of a token in flight
+        (prompt chunks, recomputes) read their request's token list.
 
         `pad` (a CUDA graph's shape: tokens, sequences, sampled rows) pads the step to
         it as the module docstring draws; `width` fixes the block-table width; `out` is
         the device buffer to fill (a CUDA graph's), else our own.
         """
-        # One pass over the requests for every per-request value; numpy does the rest.
-        reqs: list[Request] = []
-        q_list: list[int] = []
-        start_list: list[int] = []
-        rows_ids: list[array[int]] = []  # block tables
-        samples: list[int] = []  # sequences whose chunk reaches their newest token
-        tok: list[int] = []
-        placeholders: list[tuple[int, Request]] = []
-        block_ids_view = kv.block_ids_view
-        for i, sr in enumerate(scheduled):
-            r, n = sr.request, sr.num_new_tokens
-            lo = r.num_computed_tokens
-            hi = lo + n
-            known = r.all_token_ids
-            reqs.append(r)
-            q_list.append(n)
-            start_list.append(lo)
-            rows_ids.append(block_ids_view(r.request_id))
-            if hi == len(known) + r.num_output_placeholders:
-                samples.append(i)
-            tok += known[lo:hi]
-            if hi > len(known):
-                placeholders.append((len(tok), r))  # the newest token: not sampled yet
-                tok.append(0)
-
-        def fill(ids: np.ndarray, tables: np.ndarray, qsl: np.ndarray,
-                 need: np.ndarray) -> None:
-            ids[:len(tok)] = tok
-            _fill_tables(tables, rows_ids, need)
-
-        step = self._lay_out(np.array(q_list, np.int64), np.array(start_list, np.int64),
-                             np.array(samples, np.int64), fill, pad, width, out)
-        step.sample_reqs = [reqs[i] for i in samples]
-        step.placeholders = placeholders
-        return step
-
-    def build_planned(self, plan: StepPlan, batch: InputBatch,
-                      pad: tuple[int, int, int] | None = None, width: int | None = None,
-                      out: torch.Tensor | None = None) -> StepInputs:
-        """`build` from the persistent batch (engine/input_batch.py): the same step,
-        gathered from the batch's arrays by slot. Only rows that are neither a decode
-        of the newest known token nor of a token in flight (prompt chunks, recomputes)
-        read their request's token list."""
         q, lo, known, slots = plan.q_lens, plan.starts, plan.known, plan.slots
         d = known - lo  # | computed | d known tokens to compute | (in flight) |
         samples: np.ndarray | None

@@ -17,14 +17,16 @@ import torch
 
 from engine.cli import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
+from engine.input_batch import InputBatch
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.mixed_graphs import token_buckets
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.step_inputs import StepInputBuilder
+from engine.step_inputs import StepInputBuilder, layout_size, views
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.unit.engine.step_reference import layout_of, reference_layout
 from tests.unit.engine.test_correctness import make_prompts
 
 # chunks (prompts up to ~70 tokens), prefix hits, and too few blocks: preemption
@@ -49,9 +51,13 @@ def test_layout_of_a_mixed_step_padded_to_its_bucket() -> None:
         assert kv.allocate_slots(r, r.num_tokens)
     a.num_computed_tokens = 9
     builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
-    # bucket 8 of an engine with max_num_seqs 4: 8 tokens, 5 sequences, 4 sampled rows
-    step = builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 3)], kv,
-                         pad=(8, 5, 4), width=8)
+    batch = InputBatch(capacity=2, width=2)
+    sched = [ScheduledRequest(a, 1), ScheduledRequest(b, 3)]
+    plan = batch.plan(sched, kv)
+    # bucket 8 of an engine with max_num_seqs 4: 8 tokens, 5 sequences, 4 sampled rows,
+    # built into the graphs' own buffer (fixed addresses)
+    buf = torch.full((layout_size(8, 5, 8, 4),), -7, dtype=torch.int32)
+    step = builder.build_planned(plan, batch, pad=(8, 5, 4), width=8, out=buf)
     ta, tb = kv.block_ids("a"), kv.block_ids("b")
     assert step.input_ids.tolist() == [19, 30, 31, 32, 0, 0, 0, 0]
     assert step.positions.tolist() == [9, 0, 1, 2, 0, 0, 0, 0]
@@ -60,11 +66,22 @@ def test_layout_of_a_mixed_step_padded_to_its_bucket() -> None:
     # padding sequences: one token each, the last one the rest; the batch ends at 8
     assert step.meta.query_start_loc.tolist() == [0, 1, 4, 5, 6, 8]
     assert step.meta.seq_lens.tolist() == [10, 3, 0, 0, 0]
+    assert step.meta.block_tables.tolist() == [ta[:3] + [0] * 5, [tb[0]] + [0] * 7,
+                                               *[[0] * 8] * 3]
     assert step.sample_rows.tolist() == [0, 0, 0, 0]  # a's row 0, then padding rows
     assert [r.request_id for r in step.sample_reqs] == ["a"]
+    assert layout_of(step) == reference_layout(sched, kv, 4, pad=(8, 5, 4), width=8)
+    views_of_buf = views(buf, 8, 5, 8, 4)
+    for got, at in [(step.input_ids, views_of_buf[0]), (step.positions, views_of_buf[1]),
+                    (step.meta.slot_mapping, views_of_buf[2]),
+                    (step.meta.query_start_loc, views_of_buf[3]),
+                    (step.meta.seq_lens, views_of_buf[4]),
+                    (step.meta.block_tables, views_of_buf[5]),
+                    (step.sample_rows, views_of_buf[6])]:
+        assert got.data_ptr() == at.data_ptr() and torch.equal(got, at)
     # padding tokens need a padding sequence to own them
     with pytest.raises(ValueError, match="does not pad"):
-        builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 3)], kv, pad=(8, 2, 2))
+        builder.build_planned(plan, batch, pad=(8, 2, 2), out=buf)
 
 
 def _generate(arch: str, prompts: list[list[int]], params: list[SamplingParams],

@@ -1,6 +1,7 @@
 """The per-step host work done for the whole batch at once gives what the per-request
-path gives: block tables joined from the manager's id arrays, and a step's newest tokens
-detokenized in one tokenizer call."""
+path gives: block tables gathered from the persistent batch's rows (cut to the chunk,
+following allocations and frees), and a step's newest tokens detokenized in one
+tokenizer call."""
 
 from __future__ import annotations
 
@@ -11,37 +12,45 @@ import torch
 
 from engine.default_model import write_tokenizer
 from engine.detokenizer import IncrementalDetokenizer
+from engine.input_batch import InputBatch
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder
 from engine.tokenizer import Tokenizer
+from tests.unit.engine.step_reference import layout_of, reference_layout, sampled, step_on
 
 
 def test_block_tables_cut_to_the_chunk_and_follow_allocations() -> None:
     kv = KVCacheManager(num_blocks=32, block_size=4)
     a = Request("a", list(range(10, 30)), SamplingParams())  # 20 tokens: 5 blocks held
-    b = Request("b", list(range(40, 46)), SamplingParams())  # 6 tokens: 2 blocks
+    b = Request("b", list(range(40, 48)), SamplingParams())  # 8 tokens: 2 blocks
     assert kv.allocate_slots(a, a.num_tokens) and kv.allocate_slots(b, b.num_tokens)
     builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
+    batch = InputBatch(capacity=2, width=2)
     # a's first chunk of 6 needs 2 of its 5 blocks; b's whole prompt its 2.
-    step = builder.build([ScheduledRequest(a, 6), ScheduledRequest(b, 6)], kv)
+    sched = [ScheduledRequest(a, 6), ScheduledRequest(b, 8)]
+    step = step_on(builder, batch, kv, sched)
     ta, tb = kv.block_ids("a"), kv.block_ids("b")
     assert len(ta) == 5
     assert step.meta.block_tables.tolist() == [ta[:2], tb]
-    # b decodes into a third block: its table grows, a copy handed out earlier does not.
-    b.num_computed_tokens = 6
-    b.append_token(7)
-    b.append_token(8)
-    b.append_token(9)
-    assert kv.allocate_slots(b, 3)
+    assert layout_of(step) == reference_layout(sched, kv, 4)
+    # b samples and decodes into a third block: its row grows, a copy handed out
+    # earlier does not.
+    sampled(step, sched, [7])
+    assert kv.allocate_slots(b, 1)
     assert len(kv.block_ids("b")) == 3 and len(tb) == 2
-    a.num_computed_tokens = 6
-    step = builder.build([ScheduledRequest(b, 3), ScheduledRequest(a, 1)], kv)
+    sched = [ScheduledRequest(b, 1), ScheduledRequest(a, 1)]
+    step = step_on(builder, batch, kv, sched)
     assert step.meta.block_tables.tolist() == [kv.block_ids("b"), ta[:2] + [0]]
+    assert layout_of(step) == reference_layout(sched, kv, 4)
+    sampled(step, sched, [8])
+    batch.check_integrity(kv)
     kv.free(a)
-    assert kv.block_ids("a") == [] and kv.block_ids_view("a") == kv.block_ids_view("x")
+    assert kv.block_ids("a") == [] and kv.table("a") is None
+    batch.sync(kv)  # a's table freed: so is its slot
+    assert "a" not in batch.index and "b" in batch.index
     kv.free(b)
     kv.check_integrity()
 

@@ -1,5 +1,5 @@
 """The persistent batch (engine/input_batch.py): every step the engine lays out from it
-equals the step rebuilt from the requests themselves, through slot reuse after finished,
+equals the step laid out from the requests themselves (tests/unit/engine/step_reference.py), through slot reuse after finished,
 aborted and preempted requests with a mix of sampling params, chunked prefill, prefix
 hits, parallel samples and async scheduling; and each request samples with its own
 params whichever slot it lands in."""
@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder, StepInputs
 from tests.factories import tiny_model_dir
+from tests.unit.engine.step_reference import layout_of, reference_layout, step_on
 from tests.unit.engine.test_correctness import make_prompts
 
 
@@ -37,43 +38,19 @@ def mixed_params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=5 + (i * 3) % 11, ignore_eos=True, **kinds[i % len(kinds)])
 
 
-def _same_step(got: StepInputs, ref: StepInputs) -> None:
-    for a, b in [(got.input_ids, ref.input_ids), (got.positions, ref.positions),
-                 (got.sample_rows, ref.sample_rows),
-                 (got.meta.slot_mapping, ref.meta.slot_mapping),
-                 (got.meta.query_start_loc, ref.meta.query_start_loc),
-                 (got.meta.seq_lens, ref.meta.seq_lens),
-                 (got.meta.block_tables, ref.meta.block_tables)]:
-        assert torch.equal(a, b)
-    assert got.meta.max_query_len == ref.meta.max_query_len
-    assert got.meta.max_seq_len == ref.meta.max_seq_len
-    assert got.sample_reqs == ref.sample_reqs
-    ref_flight = [(i, r) for i, r in ref.placeholders]
-    if got.in_flight is None:
-        assert ref_flight == []
-    else:
-        at, slots, _ = got.in_flight
-        batch = got.rows.batch if got.rows is not None else None
-        assert batch is not None
-        assert list(zip(at.tolist(), [batch.reqs[s] for s in slots.tolist()],
-                        strict=True)) == ref_flight
-
-
-def check_against_rebuild(engine: LLMEngine) -> list[int]:
-    """Makes every step the runner builds from its batch also be rebuilt from the
-    requests (StepInputBuilder.build) and compared; returns the counts of steps checked
+def check_against_reference(engine: LLMEngine) -> list[int]:
+    """Makes every step the runner builds from its batch also be laid out from the
+    requests (`reference_layout`) and compared; returns the counts of steps checked
     (a list, so the caller sees it grow)."""
     runner = engine.runner
-    ref_builder = StepInputBuilder(runner.block_size, runner.device,
-                                   runner.model_cfg.sliding_window)
     planned = runner.inputs.build_planned
     checked = [0]
 
     def build_planned(plan: Any, batch: InputBatch, pad: Any = None, width: Any = None,
                       out: Any = None) -> StepInputs:
-        ref = ref_builder.build(plan.scheduled, engine.kv, pad=pad, width=width)
+        want = reference_layout(plan.scheduled, engine.kv, runner.block_size, pad, width)
         got = planned(plan, batch, pad=pad, width=width, out=out)
-        _same_step(got, ref)
+        assert layout_of(got) == want
         checked[0] += 1
         return got
 
@@ -84,13 +61,13 @@ def check_against_rebuild(engine: LLMEngine) -> list[int]:
 def run_mixed(async_scheduling: bool, seed: int, **kw: Any) -> tuple[dict[str, list], LLM]:
     """Requests of mixed params arriving over time, some aborted mid-way, on an engine
     with few seats and blocks (slots reused, preemption); every step checked against
-    the rebuild path and the batch's integrity. Returns each finished request's
+    the reference layout and the batch's integrity. Returns each finished request's
     (sample index, tokens)."""
     llm = LLM(tiny_model_dir("llama"), dtype="float32", block_size=4, num_blocks=28,
               max_num_seqs=4, max_num_batched_tokens=24, async_scheduling=async_scheduling,
               **kw)
     e = llm.engine
-    checked = check_against_rebuild(e)
+    checked = check_against_reference(e)
     rng = random.Random(seed)
     prompts = make_prompts(14)
     pending = list(enumerate(prompts))
@@ -117,7 +94,7 @@ def run_mixed(async_scheduling: bool, seed: int, **kw: Any) -> tuple[dict[str, l
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_steps_equal_the_rebuild_path_through_reuse_preemption_and_aborts(
+def test_steps_equal_the_reference_through_reuse_preemption_and_aborts(
         async_scheduling: bool) -> None:
     tokens, llm = run_mixed(async_scheduling, seed=1)
     st = llm.engine.stats()
@@ -128,9 +105,9 @@ def test_steps_equal_the_rebuild_path_through_reuse_preemption_and_aborts(
     assert len(llm.engine.runner.batch) == 0
 
 
-def test_padded_graph_steps_equal_the_rebuild_path() -> None:
+def test_padded_graph_steps_equal_the_reference() -> None:
     """The fixed-address inputs of CUDA graphs (padded on CPU): decode and mixed steps
-    built into the graphs' buffer from the batch equal the rebuilt ones."""
+    built into the graphs' buffer from the batch equal the reference ones."""
     tokens, llm = run_mixed(True, seed=2, padded_decode=True, padded_mixed=True,
                             max_graph_tokens=32)
     assert tokens and llm.engine.stats().num_preemptions > 0
@@ -154,7 +131,7 @@ def test_each_request_samples_with_its_own_params_whatever_its_slot() -> None:
         llm = LLM(d, dtype="float32", block_size=4, num_blocks=24, max_num_seqs=2,
                   max_num_batched_tokens=16, async_scheduling=async_scheduling)
         e = llm.engine
-        checked = check_against_rebuild(e)
+        checked = check_against_reference(e)
         # "x" first runs greedy and is aborted; the id comes back with seeded sampling.
         e.add_request("x", prompts[0], SamplingParams(max_tokens=50, temperature=0,
                                                       repetition_penalty=1.5))
@@ -181,16 +158,14 @@ def test_each_request_samples_with_its_own_params_whatever_its_slot() -> None:
 
 def test_a_reused_slot_keeps_no_blocks_of_its_former_request() -> None:
     """A slot a long request left, taken by a short one: its block-table row is the
-    short request's alone (the rebuild path's), and the batch grows past its capacity."""
+    short request's alone (the reference's), and the batch grows past its capacity."""
     kv = KVCacheManager(num_blocks=64, block_size=4)
     batch = InputBatch(capacity=1, width=2)
-    builder, ref = (StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
-                    for _ in range(2))
+    builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
 
     def step(sched: list[ScheduledRequest]) -> None:
-        want = ref.build(sched, kv)
-        got = builder.build_planned(batch.plan(sched, kv), batch)
-        _same_step(got, want)
+        want = reference_layout(sched, kv, 4)
+        assert layout_of(step_on(builder, batch, kv, sched)) == want
         for s in sched:  # the scheduler's side of the step
             s.request.num_computed_tokens += s.num_new_tokens
 

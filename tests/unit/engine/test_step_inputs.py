@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.cuda_graphs import bucket_sizes
+from engine.input_batch import InputBatch
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.request import Request
@@ -16,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.unit.engine.step_reference import layout_of, reference_layout, sampled, step_on
 
 
 def _prompts(n: int, lengths: tuple[int, ...] = (5, 19, 33, 2, 47)) -> list[list[int]]:
@@ -31,7 +33,9 @@ def test_layout_of_a_mixed_step_padding_and_sample_rows() -> None:
         assert kv.allocate_slots(r, r.num_tokens)
     a.num_computed_tokens = 6
     builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
-    step = builder.build([ScheduledRequest(a, 4), ScheduledRequest(b, 2)], kv)
+    batch = InputBatch(capacity=2, width=2)
+    sched = [ScheduledRequest(a, 4), ScheduledRequest(b, 2)]
+    step = step_on(builder, batch, kv, sched)
     ta, tb = kv.block_ids("a"), kv.block_ids("b")
     assert step.input_ids.tolist() == [16, 17, 18, 19, 30, 31]
     assert step.positions.tolist() == [6, 7, 8, 9, 0, 1]
@@ -42,14 +46,26 @@ def test_layout_of_a_mixed_step_padding_and_sample_rows() -> None:
     assert step.meta.block_tables.tolist() == [ta[:3], [tb[0], 0, 0]]
     assert step.sample_rows.tolist() == [3]  # b's chunk ends before its prompt does
     assert [r.request_id for r in step.sample_reqs] == ["a"]
-    # Padded to 4 one-token sequences (the decode graphs' layout): padding is inert.
-    a.num_computed_tokens, b.num_computed_tokens = 9, 2
-    padded = builder.build([ScheduledRequest(a, 1), ScheduledRequest(b, 1)], kv,
-                           pad=(4, 4, 4), width=8)
-    assert padded.meta.slot_mapping.tolist() == [ta[2] * 4 + 1, tb[0] * 4 + 2, -1, -1]
-    assert padded.meta.seq_lens.tolist() == [10, 3, 0, 0]
+    assert step.in_flight is None
+    assert layout_of(step) == reference_layout(sched, kv, 4)
+    # a samples 77; both compute one token, padded to 4 one-token sequences (the decode
+    # graphs' layout): padding is inert.
+    sampled(step, sched, [77])
+    assert kv.allocate_slots(a, 1) and kv.allocate_slots(b, 1)
+    sched = [ScheduledRequest(a, 1), ScheduledRequest(b, 1)]
+    padded = step_on(builder, batch, kv, sched, pad=(4, 4, 4), width=8)
+    assert padded.input_ids.tolist() == [77, 32, 0, 0]
+    assert padded.positions.tolist() == [10, 2, 0, 0]
+    assert padded.meta.slot_mapping.tolist() == [ta[2] * 4 + 2, tb[0] * 4 + 2, -1, -1]
+    assert padded.meta.seq_lens.tolist() == [11, 3, 0, 0]
     assert padded.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert padded.meta.block_tables.shape == (4, 8)
+    assert padded.meta.block_tables.tolist() == [ta[:3] + [0] * 5, [tb[0]] + [0] * 7,
+                                                 [0] * 8, [0] * 8]
+    assert padded.sample_rows.tolist() == [0, 1, 0, 0]
+    assert [r.request_id for r in padded.sample_reqs] == ["a", "b"]
+    assert layout_of(padded) == reference_layout(sched, kv, 4, pad=(4, 4, 4), width=8)
+    sampled(padded, sched, [5, 6])
+    batch.check_integrity(kv)
 
 
 def test_bucket_sizes() -> None:
