@@ -25,9 +25,10 @@ arrives, its round trip overlapped with the compute), and held until the transfe
 
 A sender that does not answer (hung, gone) is bounded by time: a grant holds only
 `ttl` past the send of the newest request the receiver answered (RESERVE, or a
-heartbeat PING: the sender stops every copy past that on its own clock), so the
-receiver reuses a revoked grant's cells `ttl` + a margin after the last frame it got
-on that connection, whether or not the REVOKE arrived. Hence a failed transfer's
+heartbeat PING): the sender starts no copy past that on its own clock, and every copy
+it started is over within `grants.COPY_BUDGET_S` after it; so the receiver reuses a
+revoked grant's cells `ttl` + that budget + a margin after the last frame it got on
+that connection, whether or not the REVOKE arrived. Hence a failed transfer's
 blocks are never written after its failure is reported (for a sender that honours the
 grant: peers are authenticated members of the cluster).
 """
@@ -47,7 +48,7 @@ from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.wire import Frame
 
 log = logging.getLogger(__name__)
-_GRANT_MARGIN_S = 0.5  # past a revoked grant's bound, before its cells are reused
+_GRANT_MARGIN_S = 0.5  # past a revoked grant's bound and copy budget, before reuse
 
 
 @dataclass(slots=True)
@@ -152,7 +153,8 @@ class InPlaceReceiver(ReceiverBase):
                     "message": str(error) if error else "revoked"}))
         if (grant.conn.id, grant.req) in self._grants:  # not answered meanwhile
             loop = asyncio.get_running_loop()
-            bound = grant.conn.last_rx + self.config.io_timeout_s + _GRANT_MARGIN_S
+            bound = grant.conn.last_rx + self.config.io_timeout_s + grants.COPY_BUDGET_S \
+                + _GRANT_MARGIN_S
             grant.timer = loop.call_at(bound, self._expire, grant)
 
     def _on_revoked(self, conn: Conn, msg: dict[str, Any]) -> None:

@@ -141,7 +141,7 @@ class InPlaceSender(SenderBase):
                     deferred = True
                     return
                 copied.synchronize()  # done: raises what the copy raised
-            if time.monotonic() >= peer.vouched + held.ttl:  # the receiver may reuse them
+            if time.monotonic() >= _reuse_bound(peer, held):  # the receiver may reuse them
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
         finally:
@@ -230,7 +230,7 @@ class InPlaceSender(SenderBase):
                         n.copied.synchronize()  # done: raises what the copy raised
                         if n.frame is None:
                             pass  # its write failed: nothing to tell, only to wait for
-                        elif time.monotonic() >= peer.vouched + n.held.ttl:
+                        elif time.monotonic() >= _reuse_bound(peer, n.held):
                             self._late(peer, n.held.xfer_id)
                         else:
                             await self._send_frame(peer, n.frame)
@@ -263,11 +263,17 @@ class InPlaceSender(SenderBase):
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> Ready | None:
         """Write every src region here into its dst region there, none before `ready`
-        completed, none started after `deadline`. Returns None once the bytes are in
+        completed, none started after `deadline`, every one over (done, or stopped)
+        within `grants.COPY_BUDGET_S` after it. Returns None once the bytes are in
         place (visible to the receiver), or an event that completes when they are;
         returns or raises (cancelled too) only once nothing else it started still
         writes: a revoked grant is answered then."""
         raise NotImplementedError
+
+
+def _reuse_bound(peer: Peer, held: _Held) -> float:
+    """Past this the receiver may reuse the grant's cells (`grants.COPY_BUDGET_S`)."""
+    return peer.vouched + held.ttl + grants.COPY_BUDGET_S
 
 
 @dataclass(slots=True)
