@@ -72,3 +72,14 @@ def take(cells: Cells, rows: np.ndarray, layout: KVLayout) -> bool:
         else:
             del cells[b]
     return True
+
+
+def add(cells: Cells, more: Cells) -> None:
+    """Adds the cells `more` holds to `cells` (a grant extended)."""
+    for b, m in more.items():
+        cells[b] = cells.get(b, 0) | m
+
+
+def covers(cells: Cells, want: Cells) -> bool:
+    """Whether every cell of `want` is in `cells`."""
+    return all(cells.get(b, 0) & m == m for b, m in want.items())

@@ -7,8 +7,10 @@ asked for once, as soon as it knows the destination (`begin`: when the prefill c
 arrives, its round trip overlapped with the compute), and held until the transfer ends:
 
     sender -> RESERVE {req, xfer, gen, regions}     every destination cell of the
-                                                    transfer; receiver admits (fence
-                                                    check), all claimed as one write
+                                                    transfer (coalesced; in several
+                                                    frames of one req if too many);
+                                                    receiver admits (fence check), all
+                                                    claimed as one write
     sender <- GRANT {req, ok, ttl}                  in flight until the grant ends
     per chunk, no waiting:
     sender:   copies the chunk's regions (its cells taken out of the grant first:
@@ -77,24 +79,39 @@ class InPlaceReceiver(ReceiverBase):
             rows = rr.rows_from_wire(msg["regions"])
         except ValueError as e:
             raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
-        if (conn.id, req) in self._grants or any(
-                k[0] == conn.id and self._grants[k].generation == gen
-                for k in self._of_xfer.get(xfer_id, ())):
-            raise ProtocolError(f"{self.name} {xfer_id} is already granted to this sender")
-        # every cell of the transfer at once: one write in flight until the grant ends
-        if not self.table.admit_rows(xfer_id, gen, rows, conn.id):
+        grant = self._grants.get((conn.id, req))
+        if grant is None and any(k[0] == conn.id and self._grants[k].generation == gen
+                                 for k in self._of_xfer.get(xfer_id, ())):
+            # a second grant of one transfer to one sender (a begin retried after its
+            # timeout): what was written under the first cannot be told apart
+            self.table.fail(xfer_id, ProtocolError(f"{xfer_id} granted twice to a sender"))
+            await self._refuse(conn, req, "protocol", f"{xfer_id} is already granted")
+            return
+        if grant is not None and (grant.xfer_id, grant.generation) != (xfer_id, gen):
+            await self._refuse(conn, req, "protocol", f"grant {req} is of {grant.xfer_id}")
+            return
+        # every cell of the transfer (a RESERVE of the same req extends the grant: one
+        # too large for a frame, a write outside the cells begun): one write in flight
+        # until the grant ends
+        if (grant is not None and grant.revoked) or not self.table.admit_rows(
+                xfer_id, gen, rows, conn.id, extend=grant is not None):
             error = self.table.error_of(xfer_id) or self._results.get((xfer_id, gen))
-            kind = error.kind if error is not None else "cancelled"
-            await self._send(conn, wire.pack_json(Frame.GRANT, {
-                "req": req, "ok": False, "kind": kind,
-                "message": f"{xfer_id} gen {gen} is fenced or not expected"}))
+            await self._refuse(conn, req, error.kind if error is not None else "cancelled",
+                               f"{xfer_id} gen {gen} is fenced or not expected")
             return
         cells = grants.cells_of(rows, self.table.layout)
         assert cells is not None  # admit_rows refuses cells claimed twice
-        self._grants[(conn.id, req)] = _Grant(conn, req, xfer_id, gen, cells)
-        self._of_xfer.setdefault(xfer_id, set()).add((conn.id, req))
+        if grant is None:
+            self._grants[(conn.id, req)] = _Grant(conn, req, xfer_id, gen, cells)
+            self._of_xfer.setdefault(xfer_id, set()).add((conn.id, req))
+        else:
+            grants.add(grant.cells, cells)
         await self._send(conn, wire.pack_json(Frame.GRANT, {
             "req": req, "ok": True, "ttl": self.config.io_timeout_s}))
+
+    async def _refuse(self, conn: Conn, req: int, kind: str, message: str) -> None:
+        await self._send(conn, wire.pack_json(Frame.GRANT, {
+            "req": req, "ok": False, "kind": kind, "message": message}))
 
     async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
         grant = self._grants.get((conn.id, int(msg["req"])))

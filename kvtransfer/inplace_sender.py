@@ -17,6 +17,7 @@ from kvtransfer import grants, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import (
     KVTransferError,
+    ProtocolError,
     TransferCancelled,
     TransferTimeout,
     error_from_kind,
@@ -25,6 +26,9 @@ from kvtransfer.layout import KVLayout, Region, rank_layout, rank_pairs
 from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
+
+# rows per RESERVE frame: 8192 rows pack into ~600 KB of base64, under `wire.MAX_META`
+_RESERVE_ROWS = 8192
 
 
 @dataclass(slots=True)
@@ -41,11 +45,13 @@ class _Held:
     revoked: bool = False
     settled: bool = False  # the transfer's verdict came
     inflight: int = 0  # writes past taking their cells, notice not sent (nor dropped)
+    asking: asyncio.Lock = field(default_factory=asyncio.Lock)  # a RESERVE in flight
 
 
 class InPlaceSender(SenderBase):
-    """Holds one grant per transfer (`begin`, or the first write's own), copies with
-    the transport's `_copy` and sends one WRITTEN notice per write.
+    """Holds one grant per transfer (asked for by `begin`; a write into cells it does
+    not hold extends it first, by one more RESERVE round trip), copies with the
+    transport's `_copy` and sends one WRITTEN notice per write.
 
     A copy still running on the device when `_copy` returns (cuda_ipc: an event after
     the chunk's launch) defers its notice: `write()` returns at once and the notice goes
@@ -59,10 +65,6 @@ class InPlaceSender(SenderBase):
 
     async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
                      generation: int) -> None:
-        held = peer.grants.get((xfer_id, generation))
-        if held is not None:
-            await asyncio.shield(held.granted)
-            return
         assert self.kv is not None
         dst_tp = int(peer.welcome.get("tp", 1))
         there = rank_layout(self.kv.layout, dst_tp)
@@ -70,63 +72,93 @@ class InPlaceSender(SenderBase):
         if self.kv.tp > 1 or dst_tp > 1:  # the cells each rank's heads go to
             dst = [d for _, d in rank_pairs([(d, d) for d in dst],
                                             self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)]
-        await self._ask(peer, rr.rows_of(dst, there), there, xfer_id, generation)
+        await self._grant(peer, rr.rows_of(dst, there), there, xfer_id, generation)
 
-    async def _ask(self, peer: Peer, rows: np.ndarray, there: KVLayout, xfer_id: str,
-                   generation: int) -> _Held:
-        """RESERVE `rows`, the transfer's cells; returns the grant once GRANTed."""
-        cells = grants.cells_of(rows, there)
-        if cells is None:
+    async def _grant(self, peer: Peer, rows: np.ndarray, there: KVLayout, xfer_id: str,
+                     generation: int) -> _Held:
+        """The transfer's grant, holding the cells of `rows` (RESERVEd here where it does
+        not yet: the first call asks for the grant, a later one extends it); returns it
+        once GRANTed. Raises the receiver's typed error if it refuses."""
+        want = grants.cells_of(rows, there)
+        if want is None:
             raise ValueError(f"{xfer_id}: destination regions overlap")
-        loop = asyncio.get_running_loop()
-        held = _Held(secrets.randbits(62), xfer_id, generation, there, cells,
-                     loop.create_future())
         key = (xfer_id, generation)
-        peer.grants[key] = held
-        reply: asyncio.Future[dict[str, Any]] = loop.create_future()
+        found: _Held | None = peer.grants.get(key)
+        first = found is None
+        if found is not None:
+            held = found
+        else:
+            held = _Held(secrets.randbits(62), xfer_id, generation, there, {},
+                         asyncio.get_running_loop().create_future())
+            peer.grants[key] = held
+        async with held.asking:  # one RESERVE at a time per grant (one req, one reply)
+            if not first:
+                await asyncio.shield(held.granted)  # raises the first one's refusal
+                if held.revoked:
+                    raise TransferCancelled(f"{xfer_id}: the receiver revoked its grant")
+                if grants.covers(held.cells, want):
+                    return held
+                # only the blocks' cells it does not hold yet
+                rows = rr.one_per_block(rows)
+                rows = rows[[not grants.covers(held.cells, grants.cells_of(r[None], there)
+                                               or {}) for r in rows]]
+                want = grants.cells_of(rows, there) or {}
+            try:
+                for part in _parts(rr.coalesce_rows(rows, there)):
+                    await self._reserve(peer, held, part)
+            except BaseException as e:
+                if first:
+                    if peer.grants.get(key) is held:
+                        del peer.grants[key]
+                    if isinstance(e, KVTransferError):
+                        held.granted.set_exception(type(e)(str(e)))
+                        held.granted.exception()
+                    else:
+                        held.granted.cancel()
+                raise
+            grants.add(held.cells, want)
+            # granted: we are a writer of the transfer, whose verdict comes to us unasked
+            self._outgoing(peer, xfer_id, generation).answered = True
+            if first:
+                held.granted.set_result(None)
+        return held
+
+    async def _reserve(self, peer: Peer, held: _Held, rows: np.ndarray) -> None:
+        """One RESERVE of `rows` for `held`; returns once GRANTed."""
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         peer.replies[held.req] = reply
         asked = time.monotonic()
         try:
             await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
-                "req": held.req, "xfer": xfer_id, "gen": generation,
+                "req": held.req, "xfer": held.xfer_id, "gen": held.generation,
                 "regions": rr.pack_rows(rows)}))
             grant = await reply
-            if not grant["ok"]:
-                raise error_from_kind(grant["kind"], grant["message"])
-        except BaseException as e:
+        finally:
             peer.replies.pop(held.req, None)
-            if peer.grants.get(key) is held:
-                del peer.grants[key]
-            if isinstance(e, KVTransferError):
-                held.granted.set_exception(type(e)(str(e)))
-                held.granted.exception()
-            else:
-                held.granted.cancel()
-            raise
+        if not grant["ok"]:
+            raise error_from_kind(grant["kind"], grant["message"])
         held.ttl = float(grant["ttl"])
         peer.vouched = max(peer.vouched, asked)
-        # granted: we are a writer of the transfer, whose verdict comes to us unasked
-        self._outgoing(peer, xfer_id, generation).answered = True
-        held.granted.set_result(None)
-        return held
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         assert self.kv is not None
         held = peer.grants.get((xfer_id, generation))
-        if held is None:  # no begin(): a grant of this write's own regions
-            there = rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
-            held = await self._ask(peer, rr.rows_of((d for _, d in pairs), there), there,
-                                   xfer_id, generation)
-        else:
+        if held is not None:
             await asyncio.shield(held.granted)
-        if held.revoked:
+        if held is not None and held.revoked:
             raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
-        rows = rr.rows_of((d for _, d in pairs), held.layout)
-        if not grants.take(held.cells, rows, held.layout):
-            raise ValueError(f"{xfer_id}: regions outside its grant (begin() the transfer "
-                             "with its whole destination) or written before")
+        there = held.layout if held is not None else \
+            rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
+        rows = rr.rows_of((d for _, d in pairs), there)
+        if held is None or not grants.take(held.cells, rows, there):
+            # cells not begun (no begin(), or a write outside it): the grant extends
+            held = await self._grant(peer, rows, there, xfer_id, generation)
+            if not grants.take(held.cells, rows, there):
+                raise ProtocolError(f"{xfer_id}: regions written before")
+            if held.revoked:
+                raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
         held.inflight += 1
         deferred = False
         copied: Ready | None = None
@@ -269,6 +301,11 @@ class InPlaceSender(SenderBase):
         returns or raises (cancelled too) only once nothing else it started still
         writes: a revoked grant is answered then."""
         raise NotImplementedError
+
+
+def _parts(rows: np.ndarray) -> list[np.ndarray]:
+    """`rows` in RESERVE frames a receiver reads (`wire.MAX_META`, as packed rows)."""
+    return [rows[i:i + _RESERVE_ROWS] for i in range(0, max(len(rows), 1), _RESERVE_ROWS)]
 
 
 def _reuse_bound(peer: Peer, held: _Held) -> float:

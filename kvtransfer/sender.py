@@ -150,9 +150,11 @@ class SenderBase:
         """Announce transfer `xfer_id`'s whole destination before its writes. In-place
         transports ask for its write grant here: one round trip, which the caller
         overlaps with what it does meanwhile (a prefill's compute), so that each
-        `write()` then copies and notifies without waiting. Optional: a first write
-        without it asks for a grant of its own regions. Raises the receiver's typed
-        error if it refuses (the transfer is fenced or unknown there)."""
+        `write()` then copies and notifies without waiting. A write into cells no begin
+        announced extends the grant first (one more round trip, on that write's
+        clock), as does a later begin of more cells; a begin of cells already granted
+        asks nothing. Raises the receiver's typed error if it refuses (the transfer is
+        fenced or unknown there, or its cells were granted or written before)."""
         peer.check()
         out = self._outgoing(peer, xfer_id, generation)
         if out.verdict.done():
