@@ -38,7 +38,6 @@ grant: peers are authenticated members of the cluster).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -159,18 +158,27 @@ class InPlaceReceiver(ReceiverBase):
                 self._spawn(self._revoke(grant))
 
     async def _revoke(self, grant: _Grant) -> None:
-        """Sends REVOKE, then bounds the wait for REVOKED: the sender copies nothing
-        past `ttl` after the newest request we answered, all received by now."""
+        """Sends REVOKE (within io_timeout_s, the wait for the connection included), then
+        bounds the wait for REVOKED: the sender copies nothing past `ttl` after the newest
+        request we answered, all received by now. A REVOKE not sent drops the connection:
+        no frame extends the sender's window past it. Either way the cells are let go at
+        most io_timeout_s + ttl + the copy budget + the margin after the failure."""
         error = self.table.error_of(grant.xfer_id)
-        if grant.conn.id in self._conns:
-            with contextlib.suppress(KVTransferError, OSError, TimeoutError):
-                await self._send(grant.conn, wire.pack_json(Frame.REVOKE, {
+        conn = grant.conn
+        if conn.id in self._conns:
+            try:
+                await asyncio.wait_for(self._send(conn, wire.pack_json(Frame.REVOKE, {
                     "req": grant.req, "xfer": grant.xfer_id, "gen": grant.generation,
                     "kind": error.kind if error else "cancelled",
-                    "message": str(error) if error else "revoked"}))
-        if (grant.conn.id, grant.req) in self._grants:  # not answered meanwhile
+                    "message": str(error) if error else "revoked"})), self.config.io_timeout_s)
+            except (KVTransferError, OSError, TimeoutError) as e:
+                log.warning("%s: REVOKE of %s not sent (%r); dropping the connection",
+                            self.name, grant.xfer_id, e)
+                if conn.task is not None:
+                    conn.task.cancel()
+        if (conn.id, grant.req) in self._grants:  # not answered meanwhile
             loop = asyncio.get_running_loop()
-            bound = grant.conn.last_rx + self.config.io_timeout_s + grants.COPY_BUDGET_S \
+            bound = conn.last_rx + self.config.io_timeout_s + grants.COPY_BUDGET_S \
                 + _GRANT_MARGIN_S
             grant.timer = loop.call_at(bound, self._expire, grant)
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from kvtransfer import KVLayout, ProtocolError, Region
+from kvtransfer import KVLayout, KVTransferError, ProtocolError, Region
 from kvtransfer.wire import MAX_META
 from tests.integration.kvtransfer_util import (
     LAYOUT_F32,
@@ -127,6 +127,40 @@ def test_a_second_grant_of_a_transfer_is_refused_not_dropped(
             await sender.write(peer, [Region(0)], [Region(5)], "y", 1)
             await sender.finish(peer, "y", 1)
             await asyncio.wait_for(again, 5)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_revoke_not_sent_in_time_drops_the_connection(no_leaks: None) -> None:  # noqa: F811
+    """The REVOKE cannot go out (the connection's send lock held past io_timeout_s): the
+    receiver drops the connection, so no PING extends the sender's window, and lets the
+    cells go within the grant's bound after that."""
+    from kvtransfer.grants import COPY_BUDGET_S
+
+    async def main() -> None:
+        config = fast_config("shm", io_timeout_s=0.5)
+        receiver = await start_receiver(config, LAYOUT_F32, 16)
+        sender = start_sender(config, LAYOUT_F32, 8, seed=11)
+        try:
+            peer = await sender.connect(receiver.address())
+            landed = receiver.expect("x", [Region(2), Region(3)], 1, lease_s=60.0)
+            await sender.begin(peer, [Region(2), Region(3)], "x", 1)
+            (conn,) = receiver._conns.values()
+            async with conn.send_lock:  # as a frame stuck on a full socket
+                t0 = asyncio.get_running_loop().time()
+                receiver.cancel("x", "client cancelled")
+                await asyncio.sleep(config.io_timeout_s + 0.3)
+                assert not receiver._conns, "the connection outlived its REVOKE"
+            with pytest.raises(KVTransferError):
+                await asyncio.wait_for(landed, 2 * config.io_timeout_s + COPY_BUDGET_S + 1)
+            assert asyncio.get_running_loop().time() - t0 < \
+                2 * config.io_timeout_s + COPY_BUDGET_S + 1
+            await asyncio.sleep(0.2)
+            assert not peer.alive
         finally:
             await sender.close()
             await receiver.close()
