@@ -59,10 +59,6 @@ class InPlaceSender(SenderBase):
     The copies of one sender run in order on one stream: the flusher waits on the
     newest pending event only and then sends every notice whose event completed."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._notices: dict[int, _Notices] = {}  # id(peer) -> notices waiting for copies
-
     async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
                      generation: int) -> None:
         assert self.kv is not None
@@ -236,7 +232,9 @@ class InPlaceSender(SenderBase):
             self._fail_peer(peer, TransferTimeout(f"REVOKED not sent: {e!r}"))
 
     def _defer(self, peer: Peer, notice: _Notice) -> None:
-        pending = self._notices.setdefault(id(peer), _Notices())
+        if peer.notices is None:
+            peer.notices = _Notices()
+        pending: _Notices = peer.notices
         pending.queue.append(notice)
         if pending.task is None or pending.task.done():
             pending.task = asyncio.get_running_loop().create_task(self._flush(peer, pending))
@@ -272,8 +270,8 @@ class InPlaceSender(SenderBase):
             pending.queue.clear()
             self._fail_peer(peer, e)  # fails every transfer still pending on the peer
         finally:
-            if not pending.queue:
-                self._notices.pop(id(peer), None)
+            if not pending.queue and peer.notices is pending:
+                peer.notices = None
 
     def _late(self, peer: Peer, xfer_id: str) -> None:
         out = peer.outgoing.get(xfer_id)

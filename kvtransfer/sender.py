@@ -65,6 +65,7 @@ class Peer:
         self.tasks: list[asyncio.Task[None]] = []
         self.state: Any = None  # transport-specific (ucx endpoint, shm mapping)
         self.grants: dict[tuple[str, int], Any] = {}  # in-place: (xfer, gen) -> its grant
+        self.notices: Any = None  # in-place: write notices waiting for their copies
         # time.monotonic() when the newest request the receiver answered (HELLO, RESERVE,
         # PING) was sent: an in-place grant holds for its ttl past that instant
         self.vouched = time.monotonic()
@@ -247,6 +248,7 @@ class SenderBase:
             log.warning("%d task(s) of peer %s:%s did not end on cancel; closing anyway",
                         stuck, peer.address["host"], peer.address["port"])
         await self._on_disconnected(peer)
+        peer.notices = None  # its flusher is gone: nothing will send them
         peer.sock.close()
         self._peers.discard(peer)
 

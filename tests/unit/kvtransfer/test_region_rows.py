@@ -229,7 +229,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
             with pytest.raises(ProtocolError):
                 await r._on_written(conn, {"req": 5, "checksums": [1, 2],
                                            "regions": rr.pack_rows(rr.rows_of([Region(0)], LAYOUT))})
-            await asyncio.sleep(0)  # the REVOKE goes out
+            await asyncio.sleep(0.05)  # the REVOKE goes out
             assert sent[-1][0] == 14 and json.loads(sent[-1][13:])["req"] == 5  # REVOKE
             r._drop_conn(conn, PeerUnavailable("gone"))
             await asyncio.sleep(0.5)
