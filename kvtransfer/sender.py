@@ -384,10 +384,13 @@ class SenderBase:
                 self._fail_peer(peer, PeerUnavailable(
                     f"receiver silent for {self.config.liveness_timeout_s}s"))
                 return
-            if not peer.send_lock.locked():  # a frame in progress is activity enough
+            # After any frame in progress, not instead of it: the answered PING is what
+            # extends an in-place grant's window (`Peer.vouched`), busy or not.
+            async with peer.send_lock:
                 peer.pings.append(time.monotonic())
                 try:
-                    await asyncio.wait_for(self._send_frame(peer, wire.pack_frame(Frame.PING)),
+                    await asyncio.wait_for(wire.send_all(loop, peer.sock,
+                                                         wire.pack_frame(Frame.PING)),
                                            self.config.io_timeout_s)
                 except (KVTransferError, asyncio.TimeoutError) as e:
                     self._fail_peer(peer, PeerUnavailable(f"heartbeat failed: {e!r}"))
