@@ -77,7 +77,7 @@ class InPlaceSender(SenderBase):
         once GRANTed. Raises the receiver's typed error if it refuses."""
         want = grants.cells_of(rows, there)
         if want is None:
-            raise ValueError(f"{xfer_id}: destination regions overlap")
+            raise await self._give_up(peer, xfer_id, generation, "destination regions overlap")
         key = (xfer_id, generation)
         found: _Held | None = peer.grants.get(key)
         first = found is None
@@ -119,6 +119,13 @@ class InPlaceSender(SenderBase):
                 held.granted.set_result(None)
         return held
 
+    async def _give_up(self, peer: Peer, xfer_id: str, generation: int,
+                       why: str) -> ProtocolError:
+        """A write that cannot be granted: the receiver fences the transfer (CANCEL)
+        rather than waiting for its lease; returns the error to raise."""
+        await self.cancel(peer, xfer_id, generation, why)
+        return ProtocolError(f"{xfer_id}: {why}")
+
     async def _reserve(self, peer: Peer, held: _Held, rows: np.ndarray) -> None:
         """One RESERVE of `rows` for `held`; returns once GRANTed."""
         reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -152,7 +159,7 @@ class InPlaceSender(SenderBase):
             # cells not begun (no begin(), or a write outside it): the grant extends
             held = await self._grant(peer, rows, there, xfer_id, generation)
             if not grants.take(held.cells, rows, there):
-                raise ProtocolError(f"{xfer_id}: regions written before")
+                raise await self._give_up(peer, xfer_id, generation, "regions written before")
             if held.revoked:
                 raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
         held.inflight += 1

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVTransferError, ProtocolError, Region
+from kvtransfer import KVLayout, KVTransferError, ProtocolError, Region, TransferCancelled
 from kvtransfer.wire import MAX_META
 from tests.integration.kvtransfer_util import (
     LAYOUT_F32,
@@ -95,6 +95,14 @@ def test_writes_outside_the_begun_cells_extend_the_grant(transport: str,
                 await sender.write(peer, [Region(1)], [Region(7)], "c", 1)
             with pytest.raises(ProtocolError):
                 await asyncio.wait_for(landed, 10)
+            assert peer.alive
+            # overlapping destinations: refused here (typed), the transfer fenced there
+            landed = receiver.expect("d", [Region(10), Region(11)], 1, lease_s=60.0)
+            with pytest.raises(ProtocolError):
+                await sender.write(peer, [Region(0), Region(1)], [Region(10), Region(10)],
+                                   "d", 1)
+            with pytest.raises(TransferCancelled):
+                await asyncio.wait_for(landed, 5)
             assert peer.alive
         finally:
             await sender.close()
