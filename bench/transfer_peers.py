@@ -58,6 +58,7 @@ async def _sender_loop(conn: Connection, config_kw: dict[str, Any], address: str
             times = []
             for xfer_id, src, dst in xfers:
                 t0 = time.perf_counter()
+                await sender.begin(peer, [Region(dst, num_blocks=nblocks)], xfer_id, 1)
                 await sender.write(peer, [Region(src, num_blocks=nblocks)],
                                    [Region(dst, num_blocks=nblocks)], xfer_id, 1)
                 await sender.finish(peer, xfer_id, timeout_s=60.0)

@@ -324,6 +324,7 @@ async def _sender(conn: Connection, transport: str, llm: Any, path: str) -> None
             if runner.tp is not None and path == "staging":
                 runner.gather_blocks(src, staging)
                 t1 = time.perf_counter()
+            await sender.begin(peer, whole_blocks(dst), xfer, 1)
             await sender.write(peer, whole_blocks(src), whole_blocks(dst), xfer, 1)
             await sender.finish(peer, xfer, timeout_s=120.0)
             if staging.device.type == "cuda":

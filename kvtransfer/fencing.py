@@ -145,10 +145,12 @@ class TransferTable:
         xfer.inflight += 1
         return True
 
-    def admit_rows(self, xfer_id: str, generation: int, rows: np.ndarray, writer: int) -> bool:
+    def admit_rows(self, xfer_id: str, generation: int, rows: np.ndarray, writer: int,
+                   extend: bool = False) -> bool:
         """`admit` of every region of one write at once (`region_rows`), all or none:
         True claims them all as ONE write in flight until `landed_rows()` (or
-        `released()`); False admits none (stale: counted; unexpected: the transfer fails)."""
+        `released()`); False admits none (stale: counted; unexpected: the transfer fails).
+        `extend`: the regions join a write of `writer` admitted before (in flight)."""
         xfer = self._admissible(xfer_id, generation)
         if xfer is None:
             return False
@@ -169,7 +171,7 @@ class TransferTable:
                     f"regions of blocks {blocks} not expected by {xfer_id!r}"))
                 return False
         xfer.writers.add(writer)
-        xfer.inflight += 1
+        xfer.inflight += not extend
         return True
 
     def _admissible(self, xfer_id: str, generation: int) -> _Transfer | None:

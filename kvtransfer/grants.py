@@ -18,6 +18,14 @@ from kvtransfer.layout import KVLayout
 
 Cells = dict[int, int]  # block id -> mask of its open cells
 
+# How long after its start bound (`ttl` past the send of the newest request the receiver
+# answered) a copy may still write: the sender starts none past the bound, and a copy
+# started before it is over within this budget (ucx: its puts stopped, their endpoints
+# closed; host: each batch of at most 1024 iovecs starts before the bound; device: one
+# chunk's copy behind the forward it waits for). The receiver reuses a revoked grant's
+# cells only past the bound, this budget and a margin (`inplace`).
+COPY_BUDGET_S = 2.0
+
 
 def cells_of(rows: np.ndarray, layout: KVLayout) -> Cells | None:
     """The cells `rows` cover; None if two rows cover the same cell."""
@@ -64,3 +72,14 @@ def take(cells: Cells, rows: np.ndarray, layout: KVLayout) -> bool:
         else:
             del cells[b]
     return True
+
+
+def add(cells: Cells, more: Cells) -> None:
+    """Adds the cells `more` holds to `cells` (a grant extended)."""
+    for b, m in more.items():
+        cells[b] = cells.get(b, 0) | m
+
+
+def covers(cells: Cells, want: Cells) -> bool:
+    """Whether every cell of `want` is in `cells`."""
+    return all(cells.get(b, 0) & m == m for b, m in want.items())

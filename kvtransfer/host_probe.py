@@ -4,15 +4,22 @@ with `process_vm_readv`, a syscall's cost.
 With UCX's endpoint error handling off (its fast `cma` path, `kvtransfer/ucx.py`), a put
 into a process that died makes UCX abort the sender. An in-place sender holds its grant
 for the whole transfer and sends no request per chunk, so before each chunk's puts it
-probes the receiver it shares a node (and a PID namespace) with; the window left is the
-probe-to-put microseconds. Receivers on other nodes are not probed.
+probes the receiver it shares a node (and a PID namespace) with: one probe per chunk,
+covering every lane batch of that chunk's puts (a receiver dying during them is not
+seen). Only ESRCH (no such process) means gone; another failure (EPERM under a ptrace
+policy, EFAULT) says nothing, so the receiver counts as alive and the sender logs at
+connect that probing is unavailable and why. Receivers on other nodes are not probed.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import os
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def identity() -> dict[str, Any]:
@@ -45,10 +52,20 @@ class HostProbe:
                                                 for k in ("boot_id", "pidns")):
             return None
         probe = cls(int(theirs["pid"]), address)
-        return probe if probe.alive() else None
+        if (err := probe.read()) != 0:
+            log.warning("cannot probe the receiver (pid %s) on this node: %s; a put into "
+                        "it after it died aborts this process", theirs["pid"],
+                        os.strerror(err))
+            return None
+        return probe
 
-    def alive(self) -> bool:
+    def read(self) -> int:
+        """Reads the byte: 0, or the errno of the failure."""
         done = self._readv(self._pid, ctypes.byref(self._local), 1,
                            ctypes.byref(self._remote), 1, 0)
-        return bool(done == 1)
+        return 0 if done == 1 else ctypes.get_errno() or errno.EIO
+
+    def alive(self) -> bool:
+        """False only when the process is gone (ESRCH); unknown counts as alive."""
+        return self.read() != errno.ESRCH
 

@@ -7,8 +7,10 @@ asked for once, as soon as it knows the destination (`begin`: when the prefill c
 arrives, its round trip overlapped with the compute), and held until the transfer ends:
 
     sender -> RESERVE {req, xfer, gen, regions}     every destination cell of the
-                                                    transfer; receiver admits (fence
-                                                    check), all claimed as one write
+                                                    transfer (coalesced; in several
+                                                    frames of one req if too many);
+                                                    receiver admits (fence check), all
+                                                    claimed as one write
     sender <- GRANT {req, ok, ttl}                  in flight until the grant ends
     per chunk, no waiting:
     sender:   copies the chunk's regions (its cells taken out of the grant first:
@@ -25,9 +27,10 @@ arrives, its round trip overlapped with the compute), and held until the transfe
 
 A sender that does not answer (hung, gone) is bounded by time: a grant holds only
 `ttl` past the send of the newest request the receiver answered (RESERVE, or a
-heartbeat PING: the sender stops every copy past that on its own clock), so the
-receiver reuses a revoked grant's cells `ttl` + a margin after the last frame it got
-on that connection, whether or not the REVOKE arrived. Hence a failed transfer's
+heartbeat PING): the sender starts no copy past that on its own clock, and every copy
+it started is over within `grants.COPY_BUDGET_S` after it; so the receiver reuses a
+revoked grant's cells `ttl` + that budget + a margin after the last frame it got on
+that connection, whether or not the REVOKE arrived. Hence a failed transfer's
 blocks are never written after its failure is reported (for a sender that honours the
 grant: peers are authenticated members of the cluster).
 """
@@ -35,7 +38,6 @@ grant: peers are authenticated members of the cluster).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +49,7 @@ from kvtransfer.receiver import Conn, ReceiverBase
 from kvtransfer.wire import Frame
 
 log = logging.getLogger(__name__)
-_GRANT_MARGIN_S = 0.5  # past a revoked grant's bound, before its cells are reused
+_GRANT_MARGIN_S = 0.5  # past a revoked grant's bound and copy budget, before reuse
 
 
 @dataclass(slots=True)
@@ -76,24 +78,39 @@ class InPlaceReceiver(ReceiverBase):
             rows = rr.rows_from_wire(msg["regions"])
         except ValueError as e:
             raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
-        if (conn.id, req) in self._grants or any(
-                k[0] == conn.id and self._grants[k].generation == gen
-                for k in self._of_xfer.get(xfer_id, ())):
-            raise ProtocolError(f"{self.name} {xfer_id} is already granted to this sender")
-        # every cell of the transfer at once: one write in flight until the grant ends
-        if not self.table.admit_rows(xfer_id, gen, rows, conn.id):
+        grant = self._grants.get((conn.id, req))
+        if grant is None and any(k[0] == conn.id and self._grants[k].generation == gen
+                                 for k in self._of_xfer.get(xfer_id, ())):
+            # a second grant of one transfer to one sender (a begin retried after its
+            # timeout): what was written under the first cannot be told apart
+            self.table.fail(xfer_id, ProtocolError(f"{xfer_id} granted twice to a sender"))
+            await self._refuse(conn, req, "protocol", f"{xfer_id} is already granted")
+            return
+        if grant is not None and (grant.xfer_id, grant.generation) != (xfer_id, gen):
+            await self._refuse(conn, req, "protocol", f"grant {req} is of {grant.xfer_id}")
+            return
+        # every cell of the transfer (a RESERVE of the same req extends the grant: one
+        # too large for a frame, a write outside the cells begun): one write in flight
+        # until the grant ends
+        if (grant is not None and grant.revoked) or not self.table.admit_rows(
+                xfer_id, gen, rows, conn.id, extend=grant is not None):
             error = self.table.error_of(xfer_id) or self._results.get((xfer_id, gen))
-            kind = error.kind if error is not None else "cancelled"
-            await self._send(conn, wire.pack_json(Frame.GRANT, {
-                "req": req, "ok": False, "kind": kind,
-                "message": f"{xfer_id} gen {gen} is fenced or not expected"}))
+            await self._refuse(conn, req, error.kind if error is not None else "cancelled",
+                               f"{xfer_id} gen {gen} is fenced or not expected")
             return
         cells = grants.cells_of(rows, self.table.layout)
         assert cells is not None  # admit_rows refuses cells claimed twice
-        self._grants[(conn.id, req)] = _Grant(conn, req, xfer_id, gen, cells)
-        self._of_xfer.setdefault(xfer_id, set()).add((conn.id, req))
+        if grant is None:
+            self._grants[(conn.id, req)] = _Grant(conn, req, xfer_id, gen, cells)
+            self._of_xfer.setdefault(xfer_id, set()).add((conn.id, req))
+        else:
+            grants.add(grant.cells, cells)
         await self._send(conn, wire.pack_json(Frame.GRANT, {
             "req": req, "ok": True, "ttl": self.config.io_timeout_s}))
+
+    async def _refuse(self, conn: Conn, req: int, kind: str, message: str) -> None:
+        await self._send(conn, wire.pack_json(Frame.GRANT, {
+            "req": req, "ok": False, "kind": kind, "message": message}))
 
     async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
         grant = self._grants.get((conn.id, int(msg["req"])))
@@ -141,18 +158,28 @@ class InPlaceReceiver(ReceiverBase):
                 self._spawn(self._revoke(grant))
 
     async def _revoke(self, grant: _Grant) -> None:
-        """Sends REVOKE, then bounds the wait for REVOKED: the sender copies nothing
-        past `ttl` after the newest request we answered, all received by now."""
+        """Sends REVOKE (within io_timeout_s, the wait for the connection included), then
+        bounds the wait for REVOKED: the sender copies nothing past `ttl` after the newest
+        request we answered, all received by now. A REVOKE not sent drops the connection:
+        no frame extends the sender's window past it. Either way the cells are let go at
+        most io_timeout_s + ttl + the copy budget + the margin after the failure."""
         error = self.table.error_of(grant.xfer_id)
-        if grant.conn.id in self._conns:
-            with contextlib.suppress(KVTransferError, OSError, TimeoutError):
-                await self._send(grant.conn, wire.pack_json(Frame.REVOKE, {
+        conn = grant.conn
+        if conn.id in self._conns:
+            try:
+                await asyncio.wait_for(self._send(conn, wire.pack_json(Frame.REVOKE, {
                     "req": grant.req, "xfer": grant.xfer_id, "gen": grant.generation,
                     "kind": error.kind if error else "cancelled",
-                    "message": str(error) if error else "revoked"}))
-        if (grant.conn.id, grant.req) in self._grants:  # not answered meanwhile
+                    "message": str(error) if error else "revoked"})), self.config.io_timeout_s)
+            except (KVTransferError, OSError, TimeoutError) as e:
+                log.warning("%s: REVOKE of %s not sent (%r); dropping the connection",
+                            self.name, grant.xfer_id, e)
+                if conn.task is not None:
+                    conn.task.cancel()
+        if (conn.id, grant.req) in self._grants:  # not answered meanwhile
             loop = asyncio.get_running_loop()
-            bound = grant.conn.last_rx + self.config.io_timeout_s + _GRANT_MARGIN_S
+            bound = conn.last_rx + self.config.io_timeout_s + grants.COPY_BUDGET_S \
+                + _GRANT_MARGIN_S
             grant.timer = loop.call_at(bound, self._expire, grant)
 
     def _on_revoked(self, conn: Conn, msg: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from kvtransfer import grants, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import (
     KVTransferError,
+    ProtocolError,
     TransferCancelled,
     TransferTimeout,
     error_from_kind,
@@ -25,6 +26,9 @@ from kvtransfer.layout import KVLayout, Region, rank_layout, rank_pairs
 from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
+
+# rows per RESERVE frame: 8192 rows pack into ~600 KB of base64, under `wire.MAX_META`
+_RESERVE_ROWS = 8192
 
 
 @dataclass(slots=True)
@@ -41,11 +45,13 @@ class _Held:
     revoked: bool = False
     settled: bool = False  # the transfer's verdict came
     inflight: int = 0  # writes past taking their cells, notice not sent (nor dropped)
+    asking: asyncio.Lock = field(default_factory=asyncio.Lock)  # a RESERVE in flight
 
 
 class InPlaceSender(SenderBase):
-    """Holds one grant per transfer (`begin`, or the first write's own), copies with
-    the transport's `_copy` and sends one WRITTEN notice per write.
+    """Holds one grant per transfer (asked for by `begin`; a write into cells it does
+    not hold extends it first, by one more RESERVE round trip), copies with the
+    transport's `_copy` and sends one WRITTEN notice per write.
 
     A copy still running on the device when `_copy` returns (cuda_ipc: an event after
     the chunk's launch) defers its notice: `write()` returns at once and the notice goes
@@ -53,16 +59,8 @@ class InPlaceSender(SenderBase):
     The copies of one sender run in order on one stream: the flusher waits on the
     newest pending event only and then sends every notice whose event completed."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._notices: dict[int, _Notices] = {}  # id(peer) -> notices waiting for copies
-
     async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
                      generation: int) -> None:
-        held = peer.grants.get((xfer_id, generation))
-        if held is not None:
-            await asyncio.shield(held.granted)
-            return
         assert self.kv is not None
         dst_tp = int(peer.welcome.get("tp", 1))
         there = rank_layout(self.kv.layout, dst_tp)
@@ -70,63 +68,100 @@ class InPlaceSender(SenderBase):
         if self.kv.tp > 1 or dst_tp > 1:  # the cells each rank's heads go to
             dst = [d for _, d in rank_pairs([(d, d) for d in dst],
                                             self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)]
-        await self._ask(peer, rr.rows_of(dst, there), there, xfer_id, generation)
+        await self._grant(peer, rr.rows_of(dst, there), there, xfer_id, generation)
 
-    async def _ask(self, peer: Peer, rows: np.ndarray, there: KVLayout, xfer_id: str,
-                   generation: int) -> _Held:
-        """RESERVE `rows`, the transfer's cells; returns the grant once GRANTed."""
-        cells = grants.cells_of(rows, there)
-        if cells is None:
-            raise ValueError(f"{xfer_id}: destination regions overlap")
-        loop = asyncio.get_running_loop()
-        held = _Held(secrets.randbits(62), xfer_id, generation, there, cells,
-                     loop.create_future())
+    async def _grant(self, peer: Peer, rows: np.ndarray, there: KVLayout, xfer_id: str,
+                     generation: int) -> _Held:
+        """The transfer's grant, holding the cells of `rows` (RESERVEd here where it does
+        not yet: the first call asks for the grant, a later one extends it); returns it
+        once GRANTed. Raises the receiver's typed error if it refuses."""
+        want = grants.cells_of(rows, there)
+        if want is None:
+            raise await self._give_up(peer, xfer_id, generation, "destination regions overlap")
         key = (xfer_id, generation)
-        peer.grants[key] = held
-        reply: asyncio.Future[dict[str, Any]] = loop.create_future()
+        found: _Held | None = peer.grants.get(key)
+        first = found is None
+        if found is not None:
+            held = found
+        else:
+            held = _Held(secrets.randbits(62), xfer_id, generation, there, {},
+                         asyncio.get_running_loop().create_future())
+            peer.grants[key] = held
+        async with held.asking:  # one RESERVE at a time per grant (one req, one reply)
+            if not first:
+                await asyncio.shield(held.granted)  # raises the first one's refusal
+                if held.revoked:
+                    raise TransferCancelled(f"{xfer_id}: the receiver revoked its grant")
+                if grants.covers(held.cells, want):
+                    return held
+                # only the blocks' cells it does not hold yet
+                rows = rr.one_per_block(rows)
+                rows = rows[[not grants.covers(held.cells, grants.cells_of(r[None], there)
+                                               or {}) for r in rows]]
+                want = grants.cells_of(rows, there) or {}
+            try:
+                for part in _parts(rr.coalesce_rows(rows, there)):
+                    await self._reserve(peer, held, part)
+            except BaseException as e:
+                if first:
+                    if peer.grants.get(key) is held:
+                        del peer.grants[key]
+                    if isinstance(e, KVTransferError):
+                        held.granted.set_exception(type(e)(str(e)))
+                        held.granted.exception()
+                    else:
+                        held.granted.cancel()
+                raise
+            grants.add(held.cells, want)
+            # granted: we are a writer of the transfer, whose verdict comes to us unasked
+            self._outgoing(peer, xfer_id, generation).answered = True
+            if first:
+                held.granted.set_result(None)
+        return held
+
+    async def _give_up(self, peer: Peer, xfer_id: str, generation: int,
+                       why: str) -> ProtocolError:
+        """A write that cannot be granted: the receiver fences the transfer (CANCEL)
+        rather than waiting for its lease; returns the error to raise."""
+        await self.cancel(peer, xfer_id, generation, why)
+        return ProtocolError(f"{xfer_id}: {why}")
+
+    async def _reserve(self, peer: Peer, held: _Held, rows: np.ndarray) -> None:
+        """One RESERVE of `rows` for `held`; returns once GRANTed."""
+        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         peer.replies[held.req] = reply
         asked = time.monotonic()
         try:
             await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
-                "req": held.req, "xfer": xfer_id, "gen": generation,
+                "req": held.req, "xfer": held.xfer_id, "gen": held.generation,
                 "regions": rr.pack_rows(rows)}))
             grant = await reply
-            if not grant["ok"]:
-                raise error_from_kind(grant["kind"], grant["message"])
-        except BaseException as e:
+        finally:
             peer.replies.pop(held.req, None)
-            if peer.grants.get(key) is held:
-                del peer.grants[key]
-            if isinstance(e, KVTransferError):
-                held.granted.set_exception(type(e)(str(e)))
-                held.granted.exception()
-            else:
-                held.granted.cancel()
-            raise
+        if not grant["ok"]:
+            raise error_from_kind(grant["kind"], grant["message"])
         held.ttl = float(grant["ttl"])
         peer.vouched = max(peer.vouched, asked)
-        # granted: we are a writer of the transfer, whose verdict comes to us unasked
-        self._outgoing(peer, xfer_id, generation).answered = True
-        held.granted.set_result(None)
-        return held
 
     async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         assert self.kv is not None
         held = peer.grants.get((xfer_id, generation))
-        if held is None:  # no begin(): a grant of this write's own regions
-            there = rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
-            held = await self._ask(peer, rr.rows_of((d for _, d in pairs), there), there,
-                                   xfer_id, generation)
-        else:
+        if held is not None:
             await asyncio.shield(held.granted)
-        if held.revoked:
+        if held is not None and held.revoked:
             raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
-        rows = rr.rows_of((d for _, d in pairs), held.layout)
-        if not grants.take(held.cells, rows, held.layout):
-            raise ValueError(f"{xfer_id}: regions outside its grant (begin() the transfer "
-                             "with its whole destination) or written before")
+        there = held.layout if held is not None else \
+            rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
+        rows = rr.rows_of((d for _, d in pairs), there)
+        if held is None or not grants.take(held.cells, rows, there):
+            # cells not begun (no begin(), or a write outside it): the grant extends
+            held = await self._grant(peer, rows, there, xfer_id, generation)
+            if not grants.take(held.cells, rows, there):
+                raise await self._give_up(peer, xfer_id, generation, "regions written before")
+            if held.revoked:
+                raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
         held.inflight += 1
         deferred = False
         copied: Ready | None = None
@@ -141,7 +176,7 @@ class InPlaceSender(SenderBase):
                     deferred = True
                     return
                 copied.synchronize()  # done: raises what the copy raised
-            if time.monotonic() >= peer.vouched + held.ttl:  # the receiver may reuse them
+            if time.monotonic() >= _reuse_bound(peer, held):  # the receiver may reuse them
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
         finally:
@@ -204,7 +239,9 @@ class InPlaceSender(SenderBase):
             self._fail_peer(peer, TransferTimeout(f"REVOKED not sent: {e!r}"))
 
     def _defer(self, peer: Peer, notice: _Notice) -> None:
-        pending = self._notices.setdefault(id(peer), _Notices())
+        if peer.notices is None:
+            peer.notices = _Notices()
+        pending: _Notices = peer.notices
         pending.queue.append(notice)
         if pending.task is None or pending.task.done():
             pending.task = asyncio.get_running_loop().create_task(self._flush(peer, pending))
@@ -230,7 +267,7 @@ class InPlaceSender(SenderBase):
                         n.copied.synchronize()  # done: raises what the copy raised
                         if n.frame is None:
                             pass  # its write failed: nothing to tell, only to wait for
-                        elif time.monotonic() >= peer.vouched + n.held.ttl:
+                        elif time.monotonic() >= _reuse_bound(peer, n.held):
                             self._late(peer, n.held.xfer_id)
                         else:
                             await self._send_frame(peer, n.frame)
@@ -240,8 +277,8 @@ class InPlaceSender(SenderBase):
             pending.queue.clear()
             self._fail_peer(peer, e)  # fails every transfer still pending on the peer
         finally:
-            if not pending.queue:
-                self._notices.pop(id(peer), None)
+            if not pending.queue and peer.notices is pending:
+                peer.notices = None
 
     def _late(self, peer: Peer, xfer_id: str) -> None:
         out = peer.outgoing.get(xfer_id)
@@ -263,11 +300,22 @@ class InPlaceSender(SenderBase):
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> Ready | None:
         """Write every src region here into its dst region there, none before `ready`
-        completed, none started after `deadline`. Returns None once the bytes are in
+        completed, none started after `deadline`, every one over (done, or stopped)
+        within `grants.COPY_BUDGET_S` after it. Returns None once the bytes are in
         place (visible to the receiver), or an event that completes when they are;
         returns or raises (cancelled too) only once nothing else it started still
         writes: a revoked grant is answered then."""
         raise NotImplementedError
+
+
+def _parts(rows: np.ndarray) -> list[np.ndarray]:
+    """`rows` in RESERVE frames a receiver reads (`wire.MAX_META`, as packed rows)."""
+    return [rows[i:i + _RESERVE_ROWS] for i in range(0, max(len(rows), 1), _RESERVE_ROWS)]
+
+
+def _reuse_bound(peer: Peer, held: _Held) -> float:
+    """Past this the receiver may reuse the grant's cells (`grants.COPY_BUDGET_S`)."""
+    return peer.vouched + held.ttl + grants.COPY_BUDGET_S
 
 
 @dataclass(slots=True)

@@ -57,6 +57,8 @@ class KVPusher:
         if self.stage is not None:
             await self.stage(list(src_blocks))
         try:
+            await self.sender.begin(peer, whole_blocks(dst_blocks), xfer_id, generation,
+                                    timeout_s=timeout_s)
             await self.sender.write(peer, whole_blocks(src_blocks), whole_blocks(dst_blocks),
                                     xfer_id, generation, timeout_s=timeout_s)
             await self.sender.finish(peer, xfer_id, generation, timeout_s=timeout_s)

@@ -46,6 +46,31 @@ def pack_rows(rows: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(rows, dtype="<i8").tobytes()).decode()
 
 
+def coalesce_rows(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
+    """`rows` with each run of whole-layer rows over consecutive blocks (the same cells
+    of each) as one row of `num_blocks` blocks: what a RESERVE carries."""
+    if len(rows) < 2:
+        return rows
+    whole = (rows[:, LAYER_START] == 0) & (rows[:, LAYER_END] == layout.num_layers)
+    joins = ((rows[1:, SLICE] == rows[:-1, SLICE]).all(axis=1)
+             & (rows[1:, BLOCK] == rows[:-1, BLOCK] + rows[:-1, NUM_BLOCKS])
+             & whole[1:] & whole[:-1])
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    out = rows[starts].copy()
+    out[:, NUM_BLOCKS] = np.add.reduceat(rows[:, NUM_BLOCKS], starts)
+    return out
+
+
+def one_per_block(rows: np.ndarray) -> np.ndarray:
+    """`rows` with each row of several blocks split into one row per block."""
+    counts = rows[:, NUM_BLOCKS]
+    out = np.repeat(rows, counts, axis=0)
+    firsts = np.cumsum(counts) - counts
+    out[:, BLOCK] += np.arange(len(out)) - np.repeat(firsts, counts)
+    out[:, NUM_BLOCKS] = 1
+    return out
+
+
 def rows_from_wire(text: Any) -> np.ndarray:
     """The rows `pack_rows` packed. ValueError for anything else (not base64 of whole
     rows). Every field is an int64 by construction; `check_rows` says whether the rows

@@ -65,6 +65,7 @@ class Peer:
         self.tasks: list[asyncio.Task[None]] = []
         self.state: Any = None  # transport-specific (ucx endpoint, shm mapping)
         self.grants: dict[tuple[str, int], Any] = {}  # in-place: (xfer, gen) -> its grant
+        self.notices: Any = None  # in-place: write notices waiting for their copies
         # time.monotonic() when the newest request the receiver answered (HELLO, RESERVE,
         # PING) was sent: an in-place grant holds for its ttl past that instant
         self.vouched = time.monotonic()
@@ -150,9 +151,11 @@ class SenderBase:
         """Announce transfer `xfer_id`'s whole destination before its writes. In-place
         transports ask for its write grant here: one round trip, which the caller
         overlaps with what it does meanwhile (a prefill's compute), so that each
-        `write()` then copies and notifies without waiting. Optional: a first write
-        without it asks for a grant of its own regions. Raises the receiver's typed
-        error if it refuses (the transfer is fenced or unknown there)."""
+        `write()` then copies and notifies without waiting. A write into cells no begin
+        announced extends the grant first (one more round trip, on that write's
+        clock), as does a later begin of more cells; a begin of cells already granted
+        asks nothing. Raises the receiver's typed error if it refuses (the transfer is
+        fenced or unknown there, or its cells were granted or written before)."""
         peer.check()
         out = self._outgoing(peer, xfer_id, generation)
         if out.verdict.done():
@@ -245,6 +248,7 @@ class SenderBase:
             log.warning("%d task(s) of peer %s:%s did not end on cancel; closing anyway",
                         stuck, peer.address["host"], peer.address["port"])
         await self._on_disconnected(peer)
+        peer.notices = None  # its flusher is gone: nothing will send them
         peer.sock.close()
         self._peers.discard(peer)
 
@@ -380,10 +384,13 @@ class SenderBase:
                 self._fail_peer(peer, PeerUnavailable(
                     f"receiver silent for {self.config.liveness_timeout_s}s"))
                 return
-            if not peer.send_lock.locked():  # a frame in progress is activity enough
+            # After any frame in progress, not instead of it: the answered PING is what
+            # extends an in-place grant's window (`Peer.vouched`), busy or not.
+            async with peer.send_lock:
                 peer.pings.append(time.monotonic())
                 try:
-                    await asyncio.wait_for(self._send_frame(peer, wire.pack_frame(Frame.PING)),
+                    await asyncio.wait_for(wire.send_all(loop, peer.sock,
+                                                         wire.pack_frame(Frame.PING)),
                                            self.config.io_timeout_s)
                 except (KVTransferError, asyncio.TimeoutError) as e:
                     self._fail_peer(peer, PeerUnavailable(f"heartbeat failed: {e!r}"))

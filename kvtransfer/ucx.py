@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer import bounce
+from kvtransfer import bounce, grants
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.host_probe import HostProbe, identity
@@ -234,25 +234,47 @@ class UcxSender(InPlaceSender):
             self._fail_peer(peer, gone)
             raise gone
         remote.busy += 1
-        puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left))
+        # the puts may run until the copy budget past the start bound (`grants`)
+        puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left + grants.COPY_BUDGET_S))
         try:
-            try:
-                await asyncio.shield(puts)
-            except asyncio.CancelledError:
-                # a cancelled write ends once its puts did: its revoked grant may then be
-                # given back (`InPlaceSender._copy`)
-                await asyncio.wait([puts])
-                if not puts.cancelled() and puts.exception() is not None:
-                    raise puts.exception() from None  # type: ignore[misc]
-                raise
-        except asyncio.TimeoutError:
-            # Puts may still be in flight: the connection goes (its endpoints with it).
-            error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s)")
-            self._fail_peer(peer, error)
-            raise error from None
+            # A cancelled write ends only once its puts did (then stopped if need be),
+            # however often it is cancelled: its revoked grant may then be given back
+            # (`InPlaceSender._copy`).
+            cancelled = await _to_the_end(puts)
+            error = None if puts.cancelled() else puts.exception()
+            if isinstance(error, asyncio.TimeoutError):
+                cancelled |= await _to_the_end(asyncio.ensure_future(
+                    self._stop_puts(peer, remote, left)))
+                error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s "
+                                        "and its copy budget)")
+            if error is not None:
+                raise error
+            if cancelled:
+                raise asyncio.CancelledError
         finally:
             remote.busy -= 1
         return None  # flushed: the bytes are in place
+
+    async def _stop_puts(self, peer: Peer, remote: _Remote, left: float) -> None:
+        """Puts past the copy budget: the peer fails, no batch issues any more, and its
+        endpoints are closed (their puts still outstanding cancelled or completed)
+        before the write reports its end: the receiver may reuse the cells soon after."""
+        self._fail_peer(peer, TransferTimeout(
+            f"ucx puts not flushed within the grant ({left:.1f}s)"))
+        remote.closed = True
+        if remote.issuing:  # lane threads issue without blocking: they return soon
+            await asyncio.wait(set(remote.issuing))
+        self._close_endpoints(remote)
+
+    def _close_endpoints(self, remote: _Remote) -> None:
+        assert self._ucp is not None
+        for rkeys in remote.rkeys:
+            for rkey in rkeys:
+                self._ucp.rkey_destroy(rkey)
+        remote.rkeys = []
+        for ep in remote.eps:
+            close_endpoint(ep)
+        remote.eps = []
 
     async def _put_tiles(self, remote: _Remote, tiles: list[bounce.Tile],
                          there: KVLayout) -> None:
@@ -361,12 +383,7 @@ class UcxSender(InPlaceSender):
         # a lane thread may be issuing (also for a batch whose caller was cancelled)
         while (remote.busy or remote.issuing) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        assert self._ucp is not None
-        for rkeys in remote.rkeys:
-            for rkey in rkeys:
-                self._ucp.rkey_destroy(rkey)
-        for ep in remote.eps:
-            close_endpoint(ep)
+        self._close_endpoints(remote)
         if remote.packer is not None:  # its buffers go once no lane thread may read them
             if remote.issuing:  # a thread past the deadline: freed when it returns
                 task = asyncio.ensure_future(self._free_packer(remote))
@@ -401,6 +418,17 @@ class UcxSender(InPlaceSender):
         self._batches.clear()
         self._scratch = None  # device memory on a GPU: nothing outlives close()
         close_lanes(self._lanes)
+
+
+async def _to_the_end(task: asyncio.Future[Any]) -> bool:
+    """Waits until `task` is done, through cancellations: True if there were any."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 __all__ = ["UcxReceiver", "UcxSender"]

@@ -105,7 +105,10 @@ def nonce() -> bytes:
 
 
 def pack_json(kind: Frame, obj: dict[str, Any]) -> bytes:
+    """ValueError for a frame larger than a receiver reads (`MAX_META`)."""
     meta = json.dumps(obj).encode()
+    if len(meta) > MAX_META:
+        raise ValueError(f"a {kind.name} frame of {len(meta)} bytes (at most {MAX_META})")
     return HEADER.pack(kind, len(meta), 0) + meta
 
 

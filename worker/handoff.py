@@ -298,9 +298,9 @@ class HandoffConnector(PrefillSide):
 
     async def _fence(self, rid: str, landed: asyncio.Future[None], reason: str) -> None:
         """Fences the transfer and waits until its blocks are safe to reuse (no write
-        still landing: an in-place grant answered, or past its bound of io_timeout_s +
-        0.5 s)."""
+        still landing: an in-place grant answered, or past the bound the receiver
+        keeps, `InPlaceReceiver._revoke`: no guess here that could free them early)."""
         assert self.receiver is not None
         self.receiver.cancel(rid, reason)
         with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(landed), self.config.transfer.io_timeout_s + 1)
+            await asyncio.shield(landed)

@@ -112,6 +112,12 @@ class PrefillSide(pb_grpc.PrefillServicer):
         writer = asyncio.create_task(self._write_loop(
             sender, peer, rid, gen, queue, list(dest.block_ids[sent:]),
             self.pusher.stage if self.pusher else None))
+        # A writer that fails (a begin refused or timed out, a write failed) stops the
+        # compute at once, not after the whole prompt: its error is the call's.
+        me, computing = asyncio.current_task(), True
+        writer.add_done_callback(lambda t: me.cancel() if computing and me is not None
+                                 and not t.cancelled() and t.exception() is not None
+                                 else None)
         pid = f"prefill-{rid}"
         final: RequestOutput | None = None
         t_first_write: float | None = None
@@ -136,6 +142,7 @@ class PrefillSide(pb_grpc.PrefillServicer):
                         queue.put_nowait((out.block_ids[sent:done],
                                           list(dest.block_ids[sent:done]), out.kv_ready))
                         sent = done
+            computing = False
             final = firsts.get(0)
             t_compute = time.monotonic()
             if final is None or final.finish_reason == "error" or not final.token_ids:
@@ -145,12 +152,17 @@ class PrefillSide(pb_grpc.PrefillServicer):
             await writer  # raises the transfer's first error
             remaining = context.time_remaining()
             await sender.finish(peer, rid, gen, timeout_s=remaining if remaining else None)
-        except BaseException:
+        except BaseException as e:
+            computing = False
+            failed = writer.done() and not writer.cancelled() and writer.exception()
             writer.cancel()
             with contextlib.suppress(BaseException):
                 await writer
             with contextlib.suppress(Exception):
                 await asyncio.shield(sender.cancel(peer, rid, gen, "prefill aborted"))
+            if isinstance(e, asyncio.CancelledError) and failed and me is not None \
+                    and me.uncancel() == 0:  # cancelled by the writer's failure alone
+                raise failed from None
             raise
         finally:
             llm.release(pid)  # no-op when the request was aborted (its blocks are freed)
@@ -182,8 +194,8 @@ class PrefillSide(pb_grpc.PrefillServicer):
         order until None (each staged first when the pusher stages: TP's gather)."""
         await sender.begin(peer, whole_blocks(dst), rid, gen)
         while (batch := await queue.get()) is not None:
-            src, dst, ready = batch
+            src, chunk_dst, ready = batch
             if stage is not None:
                 await stage(src)
-            await sender.write(peer, whole_blocks(src), whole_blocks(dst), rid, gen,
+            await sender.write(peer, whole_blocks(src), whole_blocks(chunk_dst), rid, gen,
                                ready=ready)

@@ -169,7 +169,7 @@ def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
             await asyncio.wait_for(landed, 5)
             got = receiver.kv.tensor[dst].view(torch.uint8)
             assert torch.equal(got, sender.kv.tensor[src].view(torch.uint8))
-            assert not sender._notices  # every deferred notice went out
+            assert peer.notices is None  # every deferred notice went out
 
             receiver.expect("y", [Region(0)], 1)
             peer.state = (os.getpid(), 8, 32)  # unmapped: process_vm_writev faults

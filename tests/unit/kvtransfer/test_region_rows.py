@@ -192,7 +192,7 @@ def test_expect_of_rows_refuses_overlaps_like_regions() -> None:
 def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
     """WRITTEN with a checksum count not matching its regions: the transfer fails, its
     grant is revoked, and once the connection is gone unanswered, the grant's bound
-    (io_timeout_s + a margin past the last frame) frees its blocks for the next
+    (io_timeout_s + the copy budget + a margin past the last frame) frees its blocks for the next
     transfer, not before."""
     import socket
 
@@ -200,6 +200,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
     from kvtransfer.config import TransferConfig
     from kvtransfer.errors import KVTransferError, PeerUnavailable
+    from kvtransfer.grants import COPY_BUDGET_S
     from kvtransfer.inplace import InPlaceReceiver
     from kvtransfer.receiver import Conn, ReceiverBase
 
@@ -228,13 +229,13 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
             with pytest.raises(ProtocolError):
                 await r._on_written(conn, {"req": 5, "checksums": [1, 2],
                                            "regions": rr.pack_rows(rr.rows_of([Region(0)], LAYOUT))})
-            await asyncio.sleep(0)  # the REVOKE goes out
+            await asyncio.sleep(0.05)  # the REVOKE goes out
             assert sent[-1][0] == 14 and json.loads(sent[-1][13:])["req"] == 5  # REVOKE
             r._drop_conn(conn, PeerUnavailable("gone"))
             await asyncio.sleep(0.5)
             assert not done.done(), "blocks freed before the grant's bound"
             with pytest.raises(KVTransferError):
-                await asyncio.wait_for(done, 2.0)
+                await asyncio.wait_for(done, 2.0 + COPY_BUDGET_S)
             assert "x1" not in r.table._live
             r.expect("x2", [Region(0)], 1)  # block 0 is free to expect again
         finally:
@@ -243,3 +244,17 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
             await r.close()
 
     asyncio.run(main())
+
+
+def test_coalesce_rows_and_one_per_block_cover_the_same_cells() -> None:
+    from kvtransfer import grants
+
+    regions = [Region(b) for b in (3, 4, 5, 9, 10, 2)] + [Region(11, layer_start=1),
+                                                         Region(12, layer_start=1)]
+    rows = rr.rows_of(regions, LAYOUT)
+    joined = rr.coalesce_rows(rows, LAYOUT)
+    assert joined[:, rr.BLOCK].tolist() == [3, 9, 2, 11, 12]  # partial layers stay apart
+    assert joined[:, rr.NUM_BLOCKS].tolist() == [3, 2, 1, 1, 1]
+    split = rr.one_per_block(joined)
+    assert np.array_equal(split, rows)
+    assert grants.cells_of(joined, LAYOUT) == grants.cells_of(rows, LAYOUT)
