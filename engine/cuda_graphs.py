@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
     from engine.distributed import TPGroup
     from engine.input_batch import StepPlan
-    from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +128,9 @@ class DecodeGraphs:
         """Bucket `b`'s step shape: (tokens, sequences, sampled rows)."""
         return b, b, b
 
-    def bucket_for_step(self, scheduled: list[ScheduledRequest]) -> int | None:
+    def bucket_for_plan(self, plan: StepPlan) -> int | None:
         """The bucket for a decode-only step (every sequence computes its one newest
         token and samples), else None."""
-        if len(scheduled) > self.max_batch:
-            return None
-        for s in scheduled:
-            r = s.request
-            if s.num_new_tokens != 1 \
-                    or r.num_computed_tokens + 1 != r.num_tokens_with_placeholders:
-                return None
-        return self.bucket_for(len(scheduled))
-
-    def bucket_for_plan(self, plan: StepPlan) -> int | None:
-        """`bucket_for_step` of a persistent-batch step (engine/input_batch.py)."""
         if len(plan.slots) > self.max_batch or not (plan.q_lens == 1).all() \
                 or not (plan.starts + 1 == plan.known + plan.pending).all():
             return None

@@ -67,7 +67,6 @@ if TYPE_CHECKING:
 
     from engine.distributed import TPGroup
     from engine.input_batch import StepPlan
-    from engine.scheduler import ScheduledRequest
 
 log = logging.getLogger(__name__)
 
@@ -127,23 +126,11 @@ class MixedGraphs:
         s = min(t, self.max_num_seqs)
         return t, s + 1, s
 
-    def bucket_for_step(self, scheduled: list[ScheduledRequest]) -> int | None:
+    def bucket_for_plan(self, plan: StepPlan, prompt_logprobs: bool) -> int | None:
         """The bucket for this step, or None: it runs eagerly (too many tokens, a
         request wants prompt logprobs, which need the logits of rows not sampled, or an
-        MLA step's runs cost less decompressed)."""
-        if len(scheduled) > self.max_num_seqs \
-                or any(s.request.wants_prompt_logprobs for s in scheduled):
-            return None
-        if self.takes_runs is not None and not self.takes_runs(
-                [(s.num_new_tokens, s.request.num_computed_tokens + s.num_new_tokens)
-                 for s in scheduled]):
-            return None
-        tokens = sum(s.num_new_tokens for s in scheduled)
-        return next((t for t in self.buckets if t >= tokens), None)
-
-    def bucket_for_plan(self, plan: StepPlan, prompt_logprobs: bool) -> int | None:
-        """`bucket_for_step` of a persistent-batch step (engine/input_batch.py);
-        `prompt_logprobs`: a row's request asked for prompt logprobs."""
+        MLA step's runs cost less decompressed). `prompt_logprobs`: a row's request
+        asked for prompt logprobs (the plan's flags)."""
         if len(plan.slots) > self.max_num_seqs or (prompt_logprobs and any(
                 s.request.wants_prompt_logprobs for s in plan.scheduled)):
             return None

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from engine.cli import add_engine_arguments, engine_config_from_args
 from engine.config import EngineConfig
-from engine.input_batch import InputBatch
+from engine.input_batch import InputBatch, StepPlan
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.mixed_graphs import token_buckets
@@ -212,12 +213,23 @@ def test_mixed_graphs_bucket_only_steps_they_can_replay() -> None:
     b = Request("b", list(range(10, 50)), SamplingParams(prompt_logprobs=1))
     a.num_computed_tokens = 20
     b.num_computed_tokens = 20
-    assert graphs.bucket_for_step([ScheduledRequest(a, 2)]) == 2
-    assert graphs.bucket_for_step([ScheduledRequest(a, 40), ScheduledRequest(a, 30)]) is None
-    assert graphs.bucket_for_step([ScheduledRequest(b, 2)]) is None
+
+    def bucket(*rows: ScheduledRequest) -> int | None:
+        """The bucket of a step of `rows` (the plan the persistent batch would make)."""
+        starts = [s.request.num_computed_tokens for s in rows]
+        cols = np.zeros((6, len(rows)), np.int64)
+        cols[1] = starts  # tokens computed before the step
+        plan = StepPlan(rows, np.arange(len(rows)), np.array([s.num_new_tokens for s in rows]),
+                        cols, False, 0, 0)
+        return graphs.bucket_for_plan(
+            plan, any(s.request.wants_prompt_logprobs for s in rows))
+
+    assert bucket(ScheduledRequest(a, 2)) == 2
+    assert bucket(ScheduledRequest(a, 40), ScheduledRequest(a, 30)) is None
+    assert bucket(ScheduledRequest(b, 2)) is None
     fresh = Request("c", list(range(10, 50)), SamplingParams())
-    assert graphs.bucket_for_step([ScheduledRequest(fresh, 30)]) is None
+    assert bucket(ScheduledRequest(fresh, 30)) is None
     # a fresh chunk beside enough decode rows of long contexts: cheaper absorbed in all
     rows = [ScheduledRequest(a, 1) for _ in range(3)]
-    assert graphs.bucket_for_step([ScheduledRequest(fresh, 4), *rows]) == 8
+    assert bucket(ScheduledRequest(fresh, 4), *rows) == 8
     llm.engine.close()
