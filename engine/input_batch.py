@@ -1,8 +1,9 @@
 """The persistent batch (vLLM v1's InputBatch): what the runner keeps of each running
 request between steps, in preallocated numpy arrays indexed by a stable slot.
 
-A request takes a slot the first step it is scheduled and keeps it until its block
-table is freed or replaced (finished, aborted, preempted, yielded: the KV cache
+A request takes a slot the first step it is scheduled and keeps it until the first
+step planned after its block table was freed or replaced (finished, aborted,
+preempted, yielded; a held prefill producer's once it is released: the KV cache
 manager's table changes are the batch's diff, `KVCacheManager.take_changed`). Each
 step then reads two values per scheduled request (its slot and its new tokens) and
 gathers the rest from the arrays:
@@ -11,9 +12,9 @@ gathers the rest from the arrays:
               | block table row, its length | flags: plain greedy, prompt logprobs,
               | hold_kv, forks |
 
-- computed tokens advance by the step's tokens when a step is planned (the scheduler
-  advances the request's own count once the step ran; nothing else changes it while
-  the request holds its table);
+- computed tokens advance by the step's tokens when a step is planned (the request's
+  own count advances once the step ran, or once its forward is queued under async
+  scheduling; nothing else changes it while the request holds its table);
 - known tokens, the newest token and placeholders (async scheduling) follow the
   sampled tokens as the host reads them (`sampled` / `appended`); rows whose request
   left meanwhile are told apart by the slot's generation;
@@ -223,7 +224,7 @@ class InputBatch:
         n = len(slot_list)
         slots = np.fromiter(slot_list, np.int64, n)
         q_list = [s.num_new_tokens for s in scheduled]
-        decode = sum(q_list) == n
+        decode = max(q_list, default=0) == 1  # (every row computes at least one token)
         q = np.ones(n, np.int64) if decode else np.fromiter(q_list, np.int64, n)
         cols = self._ints[:, slots]
         self.computed[slots] = cols[_COMPUTED] + q
