@@ -1,12 +1,14 @@
 """The persistent batch (vLLM v1's InputBatch): what the runner keeps of each running
 request between steps, in preallocated numpy arrays indexed by a stable slot.
 
-A request takes a slot the first step it is scheduled and keeps it until the first
-step planned after its block table was freed or replaced (finished, aborted,
-preempted, yielded; a held prefill producer's once it is released: the KV cache
-manager's table changes are the batch's diff, `KVCacheManager.take_changed`). Each
-step then reads two values per scheduled request (its slot and its new tokens) and
-gathers the rest from the arrays:
+A request takes a slot the first step it is scheduled and keeps it while it runs:
+the engine frees the slot when the request finishes or is aborted (`remove`; a held
+prefill producer's too: it is never scheduled again, and its held blocks are the KV
+cache manager's business); a step's plan frees the slots whose block table was freed
+or replaced since the last plan (preempted, yielded: the KV cache manager's table
+changes are the batch's diff, `KVCacheManager.take_changed`). Each step then reads
+two values per scheduled request (its slot and its new tokens) and gathers the rest
+from the arrays:
 
     per slot: | gen | computed | known tokens | newest token | placeholders |
               | block table row, its length | flags: plain greedy, prompt logprobs,
@@ -190,6 +192,7 @@ class InputBatch:
             return
         self.reqs[slot] = None
         self._src[slot] = None
+        self.flags[slot] = 0  # (a step in flight may still refresh its rows' forks)
         self.gen[slot] += 1  # sampled rows still in flight for it no longer match
         self._free.append(slot)
 
@@ -270,9 +273,7 @@ class InputBatch:
         assert len(self.index) + len(self._free) == self.capacity
         for rid, slot in self.index.items():
             r = self.reqs[slot]
-            assert r is not None and r.request_id == rid
-            if r.status.finished:
-                continue  # a producer's held blocks: never scheduled again
+            assert r is not None and r.request_id == rid and not r.status.finished, rid
             assert self.computed[slot] == r.num_computed_tokens, rid
             assert self.known[slot] == r.num_tokens, rid
             assert self.newest[slot] == r.all_token_ids[-1], rid

@@ -247,7 +247,7 @@ class LLMEngine:
             outs += self._fork(req, drawn)
         status = self.outputs.check_stop(req)
         if status is not None:
-            self.scheduler.finish(request_id, status)
+            self._finish(request_id, status)
         return outs + self.outputs.emit(req, final=status is not None)
 
     def set_strategies(self, strategies: StrategySet) -> None:
@@ -281,19 +281,27 @@ class LLMEngine:
             for m in group.members:  # every sample still live, started or not
                 if m.request_id not in self.outputs.groups:
                     continue
-                if self.scheduler.finish(m.request_id, status) is None:
+                if self._finish(m.request_id, status) is None:
                     m.status = status  # a fork not started yet
                 outs += self.outputs.emit(m, final=True)
             if not outs:
                 return None
             outs[-1].error = error
             return outs[-1]
-        req = self.scheduler.finish(request_id, status)
+        req = self._finish(request_id, status)
         if req is None:
             return None
         out = self.outputs.finish(req)
         out.error = error
         return out
+
+    def _finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends the request in the scheduler and frees its persistent-batch slot (a
+        held producer's too: it is never scheduled again; its blocks stay the
+        scheduler's until `release`). None if the scheduler does not know it."""
+        req = self.scheduler.finish(request_id, status)
+        self.runner.batch.remove(request_id)
+        return req
 
     def has_work(self) -> bool:
         """Requests to run, or device blocks held until their offload copy is done."""
@@ -337,7 +345,7 @@ class LLMEngine:
                 outputs += self._fork(req, [sampled[c.request_id] for c in req.forks])
             status = self.outputs.stop_status(req)
             if status is not None:
-                self.scheduler.finish(req.request_id, status)
+                self._finish(req.request_id, status)
             outputs += self.outputs.emit(req, final=status is not None)
         for s in out.scheduled if producers else ():  # their KV progress, chunks too
             if s.request.hold_kv and s.request not in got_token:

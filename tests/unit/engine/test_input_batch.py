@@ -180,3 +180,32 @@ def test_a_reused_slot_keeps_no_blocks_of_its_former_request() -> None:
     assert len(batch) == 2 and batch.capacity == 2
     assert batch.index["short"] == 0  # the long request's slot
     batch.check_integrity(kv)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slots_are_freed_when_requests_leave_the_running_set(async_scheduling: bool) -> None:
+    """Held prefill producers (finished, blocks kept until `release`) and finished
+    requests give their slots back at once: six producers on two seats keep the batch
+    at two slots, and the batch refers to no finished request after its last step."""
+    llm = LLM(tiny_model_dir("llama"), dtype="float32", block_size=4, num_blocks=64,
+              max_num_seqs=2, async_scheduling=async_scheduling)
+    e = llm.engine
+    batch = e.runner.batch
+    prompts = make_prompts(8)
+    for i, p in enumerate(prompts[:6]):
+        e.add_request(f"p{i}", p, SamplingParams(max_tokens=1, temperature=0), hold_kv=True)
+    for i, p in enumerate(prompts[6:]):
+        e.add_request(f"d{i}", p, SamplingParams(max_tokens=4, temperature=0))
+    finished = 0
+    while e.has_work():
+        finished += sum(o.finished for o in e.step())
+        # (the step that ends a request frees its slot: the batch keeps no finished one)
+        assert all(r is None or not r.status.finished for r in batch.reqs)
+        assert batch.capacity == 2
+        e.check_integrity()
+    assert finished == 8
+    assert len(e.scheduler.held) == 6  # not released: their blocks are still held
+    assert len(batch) == 0 and all(r is None for r in batch.reqs)
+    for rid in list(e.scheduler.held):
+        assert e.release(rid)
+    e.check_integrity()
