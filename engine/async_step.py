@@ -77,14 +77,13 @@ class StepTokens:
     the step)."""
 
     def __init__(self, sampling: Sequence[Request], rows: Sequence[Request],
-                 device: DeviceTokens, batch: BatchRows | None = None) -> None:
+                 device: DeviceTokens, batch: BatchRows) -> None:
         self.sampling = list(sampling)
         self.rows = self.sampling if rows is sampling else list(rows)
         self.device = device
         self.batch = batch
         self._result: SampledTokens | None = None
-        if batch is not None:
-            batch.batch.sampled(batch)
+        batch.batch.sampled(batch)
         device.to_host()
 
     @functools.cached_property
@@ -96,9 +95,8 @@ class StepTokens:
         """{request_id: (token, logprobs)}; waits for the copy to the host."""
         if self._result is None:
             tokens, lps = self.device.result()
-            if self.batch is not None:
-                b = self.batch
-                b.batch.appended(b, self.device.host_ids()[b.index])
+            b = self.batch
+            b.batch.appended(b, self.device.host_ids()[b.index])
             aligned = len(self.rows) == len(self.sampling)  # (forks add rows)
             self._result = SampledTokens(self.rows, tokens, lps, aligned)
         return self._result
@@ -125,13 +123,10 @@ def fill_placeholders(step: StepInputs, prev: StepTokens | None) -> None:
 
 
 def _in_flight_rows(in_flight: tuple[np.ndarray, np.ndarray, np.ndarray],
-                    prev: BatchRows | None) -> tuple[np.ndarray, np.ndarray]:
+                    prev: BatchRows) -> tuple[np.ndarray, np.ndarray]:
     """(indices in input_ids, rows of the step in flight) of a planned step's tokens
     in flight: each slot's row in `prev`, matched by slot and generation."""
     at, slots, gens = in_flight
-    if prev is None:
-        raise RuntimeError("a step has tokens in flight but the step in flight has no "
-                           "batch rows")
     if len(slots) == len(prev.slots) and (slots == prev.slots).all():
         row = prev.index  # the same requests in the same order (most decode steps)
         ok = (gens == prev.gens).all()
@@ -152,7 +147,7 @@ class StepLogits:
 
     sample_reqs: list[Request]
     logits: torch.Tensor
-    rows: BatchRows | None = None  # their slots in the persistent batch
+    rows: BatchRows  # their slots in the persistent batch
 
 
 def waits_for_tokens(step: StepLogits) -> bool:

@@ -331,7 +331,7 @@ class LLMEngine:
     def _step_outputs(self, out: SchedulerOutput,
                       sampled: Mapping[str, tuple[int, Logprobs | None]],
                       got_token: list[Request], kv_ready: torch.cuda.Event | None,
-                      producers: bool = True) -> list[RequestOutput]:
+                      producers: bool) -> list[RequestOutput]:
         """A step's outputs, once its tokens were appended (`got_token`): forks start,
         stops end requests, producers report KV progress (`producers`: the step may
         have some)."""

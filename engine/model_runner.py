@@ -291,6 +291,7 @@ class ModelRunner(KVStaging):
         if graphed is not None:
             return graphed
         step = self.inputs.build_planned(plan, self.batch)
+        assert step.rows is not None  # (build_planned sets them)
         fill_placeholders(step, prev)
         if self.tp is not None:
             self.inputs.send(self.tp, step.meta)
@@ -308,18 +309,18 @@ class ModelRunner(KVStaging):
     def sample(self, step: StepLogits, prev: StepTokens | None = None) -> StepTokens:
         """Samples a forwarded step (rank 0 only); `prev` as in `launch`."""
         reqs, logits, batch_rows = step.sample_reqs, step.logits, step.rows
-        plain = batch_rows is not None and batch_rows.plain
+        plain = batch_rows.plain
         forks = [] if plain else [_first_forks(r) for r in reqs] if any(
             r.forks for r in reqs) else []
-        if batch_rows is not None and not plain:
+        if not plain:
             batch_rows.batch.refresh_forks(batch_rows.slots)
         if any(forks):
             # Parallel samples draw their first tokens from the one prefill's logits row.
             rows = [i for i, k in enumerate(forks) for _ in range(1 + k)]
             reqs = [x for r, k in zip(reqs, forks, strict=True) for x in (r, *r.forks[:k])]
             logits = logits[torch.tensor(rows, device=logits.device)]
-            if batch_rows is not None:  # each sampling request's row: before its forks'
-                batch_rows.index = np.cumsum([0, *(1 + k for k in forks[:-1])])
+            # each sampling request's row: before its forks'
+            batch_rows.index = np.cumsum([0, *(1 + k for k in forks[:-1])])
         pending = prev.pending if prev is not None and not plain else None
         return StepTokens(step.sample_reqs, reqs,
                           self.sampler.sample(logits, reqs, pending, plain), batch_rows)

@@ -156,6 +156,7 @@ def forward_graph(runner: ModelRunner, plan: StepPlan,
         return None
     step = runner.inputs.build_planned(plan, runner.batch, pad=graphs.pad(size),
                                        width=graphs.width, out=graphs.buffer)
+    assert step.rows is not None  # (build_planned sets them)
     fill_placeholders(step, prev)
     if runner.tp is not None:  # the other ranks replay the same graph
         runner.inputs.send(runner.tp, step.meta, (kind, size))

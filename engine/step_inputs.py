@@ -48,7 +48,8 @@ class StepInputs:
     sample_reqs: list[Request]  # the request of each sampled row
     # Async scheduling: (indices in input_ids, slots, their generations) of the tokens
     # a step still in flight is sampling; their ids are filled in on the device
-    # (engine/async_step.py). And the batch rows of the sampled rows.
+    # (engine/async_step.py). And the batch rows of the sampled rows (`build_planned`
+    # sets them; a step received by ranks 1..N-1 has none).
     in_flight: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     rows: BatchRows | None = None
 
