@@ -20,8 +20,8 @@ from the arrays:
 - known tokens, the newest token and placeholders (async scheduling) follow the
   sampled tokens as the host reads them (`sampled` / `appended`); rows whose request
   left meanwhile are told apart by the slot's generation;
-- a block-table row is copied again only when the manager says the table changed
-  (a new block every block_size decode steps).
+- a block-table row takes the table's new blocks only when the manager says the
+  table changed (a new block every block_size decode steps).
 
 Freed slots go back on a free list; slots are not condensed. The scheduler's order
 (policy order, priorities, preemption victims) decides the step's layout, so a step
@@ -151,12 +151,15 @@ class InputBatch:
 
     def _copy_table(self, slot: int, ids: array[int], fresh: bool = False) -> None:
         """Copies `ids` into the slot's row; the row stays zero past them (`fresh`: a
-        new row, whose tail may hold a former request's blocks)."""
+        new row, whose tail may hold a former request's blocks, copied whole; else the
+        row's table grew: the manager only appends to a table it keeps, so the ids the
+        row holds are still its front and only the new tail is copied)."""
         n = len(ids)
         if n > self.tables.shape[1]:
             w = max(n, 2 * self.tables.shape[1])
             self.tables = np.pad(self.tables, ((0, 0), (0, w - self.tables.shape[1])))
-        self.tables[slot, :n] = np.frombuffer(ids, np.int32)
+        old = 0 if fresh else int(self.num_blocks[slot])
+        self.tables[slot, old:n] = np.frombuffer(ids, np.int32)[old:]
         if fresh:
             self.tables[slot, n:] = 0
         self.num_blocks[slot] = n
@@ -205,8 +208,8 @@ class InputBatch:
             if slot is None:
                 continue
             ids = kv.table(rid)
-            if ids is None or ids is not self._src[slot]:
-                self.remove(rid)
+            if ids is None or ids is not self._src[slot] or len(ids) < self.num_blocks[slot]:
+                self.remove(rid)  # (a kept table only grows: a shorter one is another)
             elif len(ids) != self.num_blocks[slot]:
                 self._copy_table(slot, ids)
 

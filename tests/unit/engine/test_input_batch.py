@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputBuilder, StepInputs
 from tests.factories import tiny_model_dir
-from tests.unit.engine.step_reference import layout_of, reference_layout, step_on
+from tests.unit.engine.step_reference import layout_of, reference_layout, sampled, step_on
 from tests.unit.engine.test_correctness import make_prompts
 
 
@@ -209,3 +209,31 @@ def test_slots_are_freed_when_requests_leave_the_running_set(async_scheduling: b
     for rid in list(e.scheduler.held):
         assert e.release(rid)
     e.check_integrity()
+
+
+def test_a_growing_table_row_takes_its_new_blocks() -> None:
+    """A request decoding past several blocks, its row widened on the way, and one
+    taking a prefix hit next to it: each row equals its table (the reference's)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    batch = InputBatch(capacity=2, width=2)
+    builder = StepInputBuilder(4, torch.device("cpu"), sliding_window=None)
+    a = Request("a", list(range(1, 8)), SamplingParams())  # 2 blocks
+    assert kv.allocate_slots(a, a.num_tokens)
+    sched = [ScheduledRequest(a, a.num_tokens)]
+    for i in range(14):
+        step = step_on(builder, batch, kv, sched)
+        assert layout_of(step) == reference_layout(sched, kv, 4)
+        sampled(step, sched, [100 + i] * len(sched))
+        for s in sched:
+            kv.cache_blocks(s.request, s.request.num_computed_tokens)
+        batch.check_integrity(kv)
+        sched = [ScheduledRequest(s.request, 1) for s in sched]
+        if i == 5:  # "b" shares a's first full blocks (a prefix hit), then decodes
+            b = Request("b", a.all_token_ids[:9], SamplingParams())
+            hit, n = kv.get_computed_blocks(b)
+            assert n == 8 and kv.allocate_slots(b, b.num_tokens - n, hit)
+            b.num_computed_tokens = n
+            sched.append(ScheduledRequest(b, b.num_tokens - n))
+        for s in sched[:1] if i == 5 else sched:
+            assert kv.allocate_slots(s.request, 1)
+    assert batch.num_blocks[batch.index["a"]] == 5 and batch.tables.shape[1] > 2  # (widened)
