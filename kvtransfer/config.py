@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtransfer.faults import FaultSpec
+from kvtransfer.grants import COPY_BUDGET_S
 
 TRANSPORTS = ("tcp", "shm", "ucx", "cuda_ipc", "auto")
 
@@ -33,6 +34,10 @@ class TransferConfig:
     io_timeout_s: deadline of every single network call (connect, send, reply).
     liveness_timeout_s: a peer silent for this long (no frame, not even a
         heartbeat every heartbeat_s) is declared unavailable.
+    copy_budget_s: how long past a grant's start bound a copy the sender started may
+        still write (`grants.COPY_BUDGET_S`, the default); the receiver reuses a revoked
+        grant's cells only past the bound, this budget and a margin. Sender and receiver
+        must agree on it.
     """
 
     transport: str = "tcp"
@@ -43,6 +48,7 @@ class TransferConfig:
     io_timeout_s: float = 10.0
     heartbeat_s: float = 1.0
     liveness_timeout_s: float = 5.0
+    copy_budget_s: float = COPY_BUDGET_S
     checksum: bool = False
     socket_buffer_bytes: int = 4 << 20
     shm_name: str | None = None
@@ -65,7 +71,8 @@ class TransferConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.token:
             raise ValueError("a non-empty shared cluster token is required")
-        for name in ("lease_s", "io_timeout_s", "heartbeat_s", "liveness_timeout_s"):
+        for name in ("lease_s", "io_timeout_s", "heartbeat_s", "liveness_timeout_s",
+                     "copy_budget_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         if self.liveness_timeout_s <= self.heartbeat_s:

@@ -23,7 +23,8 @@ Cells = dict[int, int]  # block id -> mask of its open cells
 # started before it is over within this budget (ucx: its puts stopped, their endpoints
 # closed; host: each batch of at most 1024 iovecs starts before the bound; device: one
 # chunk's copy behind the forward it waits for). The receiver reuses a revoked grant's
-# cells only past the bound, this budget and a margin (`inplace`).
+# cells only past the bound, this budget and a margin (`inplace`). The default of
+# `TransferConfig.copy_budget_s`, which sender and receiver read.
 COPY_BUDGET_S = 2.0
 
 

@@ -28,9 +28,9 @@ arrives, its round trip overlapped with the compute), and held until the transfe
 A sender that does not answer (hung, gone) is bounded by time: a grant holds only
 `ttl` past the send of the newest request the receiver answered (RESERVE, or a
 heartbeat PING): the sender starts no copy past that on its own clock, and every copy
-it started is over within `grants.COPY_BUDGET_S` after it; so the receiver reuses a
-revoked grant's cells `ttl` + that budget + a margin after the last frame it got on
-that connection, whether or not the REVOKE arrived. Hence a failed transfer's
+it started is over within `TransferConfig.copy_budget_s` after it; so the receiver
+reuses a revoked grant's cells `ttl` + that budget + a margin after the last frame it
+got on that connection, whether or not the REVOKE arrived. Hence a failed transfer's
 blocks are never written after its failure is reported (for a sender that honours the
 grant: peers are authenticated members of the cluster).
 """
@@ -178,7 +178,7 @@ class InPlaceReceiver(ReceiverBase):
                     conn.task.cancel()
         if (conn.id, grant.req) in self._grants:  # not answered meanwhile
             loop = asyncio.get_running_loop()
-            bound = conn.last_rx + self.config.io_timeout_s + grants.COPY_BUDGET_S \
+            bound = conn.last_rx + self.config.io_timeout_s + self.config.copy_budget_s \
                 + _GRANT_MARGIN_S
             grant.timer = loop.call_at(bound, self._expire, grant)
 

@@ -176,7 +176,8 @@ class InPlaceSender(SenderBase):
                     deferred = True
                     return
                 copied.synchronize()  # done: raises what the copy raised
-            if time.monotonic() >= _reuse_bound(peer, held):  # the receiver may reuse them
+            # past it the receiver may reuse them
+            if time.monotonic() >= _reuse_bound(peer, held, self.config.copy_budget_s):
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
         finally:
@@ -267,7 +268,8 @@ class InPlaceSender(SenderBase):
                         n.copied.synchronize()  # done: raises what the copy raised
                         if n.frame is None:
                             pass  # its write failed: nothing to tell, only to wait for
-                        elif time.monotonic() >= _reuse_bound(peer, n.held):
+                        elif time.monotonic() >= _reuse_bound(peer, n.held,
+                                                              self.config.copy_budget_s):
                             self._late(peer, n.held.xfer_id)
                         else:
                             await self._send_frame(peer, n.frame)
@@ -301,7 +303,7 @@ class InPlaceSender(SenderBase):
                     deadline: float, ready: Ready | None) -> Ready | None:
         """Write every src region here into its dst region there, none before `ready`
         completed, none started after `deadline`, every one over (done, or stopped)
-        within `grants.COPY_BUDGET_S` after it. Returns None once the bytes are in
+        within `config.copy_budget_s` after it. Returns None once the bytes are in
         place (visible to the receiver), or an event that completes when they are;
         returns or raises (cancelled too) only once nothing else it started still
         writes: a revoked grant is answered then."""
@@ -313,9 +315,9 @@ def _parts(rows: np.ndarray) -> list[np.ndarray]:
     return [rows[i:i + _RESERVE_ROWS] for i in range(0, max(len(rows), 1), _RESERVE_ROWS)]
 
 
-def _reuse_bound(peer: Peer, held: _Held) -> float:
-    """Past this the receiver may reuse the grant's cells (`grants.COPY_BUDGET_S`)."""
-    return peer.vouched + held.ttl + grants.COPY_BUDGET_S
+def _reuse_bound(peer: Peer, held: _Held, copy_budget_s: float) -> float:
+    """Past this the receiver may reuse the grant's cells (`TransferConfig.copy_budget_s`)."""
+    return peer.vouched + held.ttl + copy_budget_s
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtransfer import bounce, grants
+from kvtransfer import bounce
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.host_probe import HostProbe, identity
@@ -235,7 +235,7 @@ class UcxSender(InPlaceSender):
             raise gone
         remote.busy += 1
         # the puts may run until the copy budget past the start bound (`grants`)
-        puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left + grants.COPY_BUDGET_S))
+        puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left + self.config.copy_budget_s))
         try:
             # A cancelled write ends only once its puts did (then stopped if need be),
             # however often it is cancelled: its revoked grant may then be given back

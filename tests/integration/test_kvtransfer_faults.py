@@ -36,8 +36,9 @@ TWO_WRITES = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9
 
 
 async def _with_sender_child(transport: str, plan: list[dict[str, Any]], body: Any,
-                             lease_s: float = 10.0, **extra: Any) -> None:
-    config = fast_config(transport, lease_s=lease_s)
+                             lease_s: float = 10.0, config_kw: dict[str, Any] | None = None,
+                             **extra: Any) -> None:
+    config = fast_config(transport, lease_s=lease_s, **(config_kw or {}))
     receiver = await start_receiver(config, LAYOUT_F32, 16)
     peer = PeerProcess(spec("sender", config, LAYOUT_F32, 4, plan,
                             address=receiver.address(), **extra))
@@ -63,7 +64,10 @@ def test_sender_killed_mid_transfer(transport: str, no_leaks: None) -> None:  # 
         assert time.monotonic() - t0 < 8
         assert not receiver.kv.tensor[9].any()
 
-    asyncio.run(_with_sender_child(transport, TWO_WRITES, body, stop_after_first_write=True))
+    # an in-place receiver frees the blocks only past the grant's bound (io_timeout_s + the
+    # copy budget + a margin after the last frame): short ones here, the test waits them out
+    asyncio.run(_with_sender_child(transport, TWO_WRITES, body, stop_after_first_write=True,
+                                   config_kw=dict(io_timeout_s=1.0, copy_budget_s=0.5)))
 
 
 @pytest.mark.timeout(60)

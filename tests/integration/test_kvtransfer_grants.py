@@ -147,10 +147,8 @@ def test_a_revoke_not_sent_in_time_drops_the_connection(no_leaks: None) -> None:
     """The REVOKE cannot go out (the connection's send lock held past io_timeout_s): the
     receiver drops the connection, so no PING extends the sender's window, and lets the
     cells go within the grant's bound after that."""
-    from kvtransfer.grants import COPY_BUDGET_S
-
     async def main() -> None:
-        config = fast_config("shm", io_timeout_s=0.5)
+        config = fast_config("shm", io_timeout_s=0.5, copy_budget_s=0.5)
         receiver = await start_receiver(config, LAYOUT_F32, 16)
         sender = start_sender(config, LAYOUT_F32, 8, seed=11)
         try:
@@ -164,9 +162,9 @@ def test_a_revoke_not_sent_in_time_drops_the_connection(no_leaks: None) -> None:
                 await asyncio.sleep(config.io_timeout_s + 0.3)
                 assert not receiver._conns, "the connection outlived its REVOKE"
             with pytest.raises(KVTransferError):
-                await asyncio.wait_for(landed, 2 * config.io_timeout_s + COPY_BUDGET_S + 1)
+                await asyncio.wait_for(landed, 2 * config.io_timeout_s + config.copy_budget_s + 1)
             assert asyncio.get_running_loop().time() - t0 < \
-                2 * config.io_timeout_s + COPY_BUDGET_S + 1
+                2 * config.io_timeout_s + config.copy_budget_s + 1
             await asyncio.sleep(0.2)
             assert not peer.alive
         finally:
