@@ -289,14 +289,17 @@ class TransferTable:
             self._owner.pop(block, None)
         if xfer.timer is not None:
             xfer.timer.cancel()
+        # (a caller may have cancelled the future, e.g. by a wait_for that timed out)
         if error is None:
             self.metrics.bytes.inc(xfer.nbytes)
             self.metrics.completed(time.perf_counter() - xfer.started, xfer.nbytes)
-            xfer.future.set_result(None)
+            if not xfer.future.done():
+                xfer.future.set_result(None)
         else:
             self.metrics.failure(error.kind)
-            xfer.future.set_exception(error)
-            xfer.future.exception()  # a failure nobody awaits is not an asyncio error log
+            if not xfer.future.done():
+                xfer.future.set_exception(error)
+                xfer.future.exception()  # a failure nobody awaits is not an asyncio error log
         if self._on_resolved is not None:
             self._on_resolved(xfer_id, xfer.generation, error, xfer.writers)
 

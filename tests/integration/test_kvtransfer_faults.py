@@ -138,7 +138,10 @@ def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> Non
         with pytest.raises(IntegrityError):
             await asyncio.wait_for(future, 5)
 
-    asyncio.run(_with_sender_child(transport, TWO_WRITES, body, corrupt=True))
+    # The failure resolves once the sender answered the grant's REVOKE, or (a sender
+    # that closed first) at the grant's bound: io_timeout + copy budget + 0.5 s
+    asyncio.run(_with_sender_child(transport, TWO_WRITES, body, corrupt=True,
+                                   config_kw={"io_timeout_s": 1.0, "copy_budget_s": 0.5}))
 
 
 @pytest.mark.timeout(60)

@@ -95,3 +95,26 @@ def test_a_completed_transfer_is_observed_once_with_its_bytes() -> None:
         assert value("splitserve:kv_transfer_request_bytes_bucket", le="16384.0") == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_future_its_caller_cancelled_still_resolves_the_transfer() -> None:
+    """A caller's wait_for that timed out cancels the transfer's future: the transfer
+    still ends (its blocks freed, a write in flight released) without an error."""
+    async def main() -> None:
+        table = make_table()
+        for xfer, fail in (("x", True), ("y", False)):
+            fut = table.expect(xfer, [Region(3)], 1, lease_s=5)
+            assert table.admit(xfer, 1, Region(3), writer=1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(fut, 0.01)
+            assert fut.cancelled()
+            if fail:
+                table.cancel(xfer)
+                table.released(xfer, TransferCancelled("writer gone"))
+            else:
+                table.landed(xfer, Region(3))
+            assert not table.is_live(xfer, 1)
+            table.check_integrity()
+
+    asyncio.run(main())
