@@ -349,11 +349,14 @@ class AsyncLLM:
                         cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     pass
-                self._deliver_step(self.engine.step())
+                outputs = self.engine.step()
+                # The figures first: a client that has its last token sees its request
+                # gone from them (the metrics a router scores, `num_active` callers).
+                self._stats = self.engine.stats()
+                self._deliver_step(outputs)
                 step_sink = self._step_sink
                 if step_sink is not None and self.engine.last_step_tokens:
                     step_sink(self.engine.last_step_tokens)
-                self._stats = self.engine.stats()
                 self._forward_kv_events()
         except BaseException as e:  # a bug in the engine: fail every stream loudly
             log.exception("engine loop crashed")

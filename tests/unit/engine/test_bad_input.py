@@ -60,6 +60,18 @@ def test_async_streaming_and_abort_on_close():
     async def main():
         llm = AsyncLLM(make_engine_config(tiny_model_dir("llama"), dtype="float32",
                                           block_size=4, num_blocks=128))
+        # What a reader of the figures sees as a step's outputs leave the engine thread:
+        # a request that finished in the step is gone from them (a client with its last
+        # token that reads /metrics finds it not running).
+        running_at_delivery: list[tuple[int, int]] = []
+        deliver = llm._deliver_step
+
+        def recording_deliver(outs):
+            finished = sum(o.finished for o in outs)
+            if finished:
+                running_at_delivery.append((llm.stats().num_running, finished))
+            deliver(outs)
+        llm._deliver_step = recording_deliver  # type: ignore[method-assign]
         try:
             params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -67,6 +79,7 @@ def test_async_streaming_and_abort_on_close():
                 return [o async for o in llm.generate(rid, [5, 6, 7, 8, 9], params)]
 
             runs = await asyncio.gather(*(collect(f"r{i}") for i in range(4)))
+            assert running_at_delivery and running_at_delivery[-1][0] == 0, running_at_delivery
             for outs in runs:
                 assert outs[-1].finished and len(outs[-1].token_ids) == 12
                 assert sum(len(o.new_token_ids) for o in outs) == 12
