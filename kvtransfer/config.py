@@ -13,11 +13,12 @@ from kvtransfer.grants import COPY_BUDGET_S
 
 TRANSPORTS = ("tcp", "shm", "ucx", "cuda_ipc", "auto")
 
-# Host KV caches: what worked between two processes on a CPU host: cross-memory
-# attach for the RMA puts (one copy, the kernel does it), TCP for the wire-up, `self`
-# for loopback. (UCX_RNDV_THRESH only matters to tag messages, which KV no longer uses.)
+# Host KV caches: TCP (RMA emulated over it between hosts without RDMA) and `self` for
+# loopback. A receiver on the sender's node is written with process_vm_writev by the
+# sender itself (`kvtransfer/host_copy.py`): under peer error handling UCX has no `cma`
+# for RMA. (UCX_RNDV_THRESH only matters to tag messages, which KV does not use.)
 HOST_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
-    ("TLS", "tcp,cma,self"),
+    ("TLS", "tcp,self"),
     ("RNDV_THRESH", "8192"),
 )
 # CUDA KV caches: UCX picks its transports (cuda_ipc over NVLink/PCIe on one host,
@@ -54,14 +55,10 @@ class TransferConfig:
     shm_name: str | None = None
     # None: HOST_UCX_OPTIONS or CUDA_UCX_OPTIONS, by where the KV cache lives.
     ucx_options: tuple[tuple[str, str], ...] | None = None
-    # Off keeps UCX's cross-memory-attach fast path; on survives a receiver dying
-    # between its grant and the puts (UCX may abort the sender otherwise) at the speed of
-    # RMA emulated over TCP.
-    ucx_error_handling: bool = False
     # Sender UCX workers (lanes), each with its own progress thread, endpoint and
     # issuing thread: a chunk's puts are dealt across them and a region of 1 MiB or
-    # more is split, so that several cross-memory-attach copies run at once (one
-    # process_vm_writev stream tops out at ~4.3 GB/s here, two reach ~7).
+    # more is split, so that several copies run at once (into a receiver on this node,
+    # one process_vm_writev stream tops out at ~4.3 GB/s here, two reach ~7).
     ucx_lanes: int = 2
     # Testing: seeded faults the tcp sender injects on its WRITE frames (None: off).
     faults: FaultSpec | None = None

@@ -13,8 +13,8 @@ and one `ucp_ep_flush_nbx` per batch, whose completion callback resolves an asyn
 future.
 
 ctypes releases the GIL around every call, so a batch issued from a worker thread runs
-alongside the event loop (with `cma`, UCX copies inside `ucp_put_nbx` itself). The
-struct layouts below are UCX 1.19-1.21's (checked against `ucp.h` with offsetof).
+alongside the event loop. The struct layouts below are UCX 1.19-1.21's (checked against
+`ucp.h` with offsetof).
 """
 
 from __future__ import annotations

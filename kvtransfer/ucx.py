@@ -25,17 +25,22 @@ threads and endpoints.
 
 Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `ucx_lanes.Lane` with
 its own progress thread, endpoint and remote key, and issues each lane's puts from its
-own thread (ctypes drops the GIL): with `cma` UCX copies inside `ucp_put_nbx`
-(process_vm_writev), so two lanes copy on two cores. A region of 1 MiB or more is cut
-into page-aligned parts across lanes; smaller ones go in consecutive stretches that
-even out the lanes' bytes (`ucp_rma.plan_lanes`).
+own thread (ctypes drops the GIL). A region of 1 MiB or more is cut into page-aligned
+parts across lanes; smaller ones go in consecutive stretches that even out the lanes'
+bytes (`ucp_rma.plan_lanes`).
 
-Faults: peer failures are detected on the control channel (deadlines, heartbeats),
-with UCX endpoint error handling off by default: with it on, UCX drops `cma` and
-emulates RMA over TCP (0.4-0.9 GB/s here). The price: a receiver that dies between
-its grant and the puts can make UCX abort the sender (`ucx_error_handling=True` trades
-speed for surviving that). A sender that dies mid-copy cannot hurt the receiver: its
-grant's bound passes and the blocks are reused.
+Same node: every endpoint runs with UCX's peer error handling, so a receiver's death is
+an error status, never an abort of the sender; UCX then has no `cma` for RMA (see
+`kvtransfer/host_copy.py`). So into a host-memory receiver on this node (same boot and
+PID namespace, and readable: WELCOME carries its `identity()`) the sender copies each
+lane's list itself with batched `process_vm_writev` (the syscall `cma` makes), from the
+same lane threads, two lanes on two cores; no UCX endpoint is opened to it. A receiver
+that dies mid-copy fails the write with PeerUnavailable at the lane's next call. Other
+receivers (another node, a GPU cache) get UCX puts: RDMA or cuda_ipc where UCX has
+them, RMA emulated over TCP between hosts without RDMA.
+
+Faults: a sender that dies mid-copy cannot hurt the receiver: its grant's bound passes
+and the blocks are reused.
 
 UCX options (UCX_TLS etc.) come from `TransferConfig.ucx_options_for(cuda)`, passed
 to the UCX context at creation; nothing here reads the environment.
@@ -58,7 +63,7 @@ import torch
 from kvtransfer import bounce
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
-from kvtransfer.host_probe import HostProbe, identity
+from kvtransfer.host_copy import HostCopy, identity
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
@@ -91,7 +96,8 @@ class UcxReceiver(InPlaceReceiver):
         kv = self.kv
         self._ucp = Ucp()
         # One worker: its progress thread serves what the target side must (TCP-emulated
-        # RMA between hosts without RDMA); cma, RDMA and cuda_ipc need nothing here.
+        # RMA between hosts without RDMA); RDMA and cuda_ipc need nothing here, and a
+        # sender on this node writes host memory itself (`host_copy`).
         lane = Lane(self.config.ucx_options_for(kv.is_cuda), asyncio.get_running_loop())
         self._lanes = [lane]
         # every rank's cache (tensor parallelism: rank 0 maps them all), one key each
@@ -100,7 +106,7 @@ class UcxReceiver(InPlaceReceiver):
                        for b in bases]
         self._welcome_info = {
             "ucx_worker": lane.address, "bases": bases, "nbytes": kv.nbytes,
-            "node": identity(),
+            "node": None if kv.is_cuda else identity(),
             "rkeys": [self._ucp.rkey_pack(lane.context.handle, m).hex() for m in self._memhs]}
         await super().start()
 
@@ -131,7 +137,13 @@ class _Remote:
     # at its first packed write.
     packer: bounce.Packer | None = None
     closed: bool = False  # disconnected: nothing may issue on its endpoints or keys
-    probe: HostProbe | None = None  # a receiver on this node: is it still there?
+    host: HostCopy | None = None  # a host-memory receiver on this node: copied directly
+
+    def close(self) -> None:
+        """Nothing issues on its endpoints or keys any more, no host copy goes on."""
+        self.closed = True
+        if self.host is not None:
+            self.host.stop()
 
 
 class UcxSender(InPlaceSender):
@@ -180,15 +192,17 @@ class UcxSender(InPlaceSender):
         assert self._ucp is not None
         remote = peer.state = _Remote([int(b) for b in welcome["bases"]],
                                       int(welcome["nbytes"]))
-        remote.probe = HostProbe.of(welcome.get("node"), remote.bases[0])
+        if self.kv is not None and not self.kv.is_cuda:
+            remote.host = HostCopy.of(welcome.get("node"), remote.bases[0])
+        if remote.host is not None:
+            return  # copied by this process's lane threads: no UCX endpoint to it
         packed = [bytes.fromhex(str(k)) for k in welcome["rkeys"]]
         for lane in self._lanes:
-            ep = lane.connect(str(welcome["ucx_worker"]), self.config.ucx_error_handling)
+            ep = lane.connect(str(welcome["ucx_worker"]))
             remote.eps.append(ep)
             remote.rkeys.append([self._ucp.rkey_unpack(ep.handle, k) for k in packed])
-        # Wire every lane up now, with a small get into scratch (connect() bounds it):
-        # a peer that dies while UCX is still wiring an endpoint up (error handling
-        # off) can corrupt the heap; after this round trip a dead peer is a silent one.
+        # Wire every lane up now, with a small get into scratch (connect() bounds it),
+        # not on the first write's clock.
         n, base = min(_WIREUP_BYTES, remote.nbytes), self._scratch.data_ptr()
         await self._run(remote, "get", [[(base + i * _WIREUP_BYTES, n, remote.bases[0])]
                                         for i in range(len(self._lanes))], scratch=True)
@@ -218,9 +232,9 @@ class UcxSender(InPlaceSender):
             # before an error is raised (no lane thread outlives the call on a peer
             # that then goes).
             lanes = len(self._lanes)
-            done = await asyncio.gather(self._put_tiles(remote, packed, there), *(
+            done = await asyncio.gather(self._put_tiles(remote, packed, there, deadline), *(
                 self._run(remote, "put", plan_lanes(items, lanes), src_rank=src_rank,
-                          dst_rank=dst_rank)
+                          dst_rank=dst_rank, bound=deadline)
                 for (src_rank, dst_rank), items in groups.items()), return_exceptions=True)
             for result in done:
                 if isinstance(result, BaseException):
@@ -228,11 +242,6 @@ class UcxSender(InPlaceSender):
 
         # Busy for the whole copy, not per batch: a disconnect waits for it (between
         # batches, while a tile is packed, nothing else shows it is not done).
-        if remote.probe is not None and not remote.probe.alive():
-            # a put into a process that is gone would abort us (`host_probe`)
-            gone = PeerUnavailable("the ucx receiver's process is gone")
-            self._fail_peer(peer, gone)
-            raise gone
         remote.busy += 1
         # the puts may run until the copy budget past the start bound (`grants`)
         puts = asyncio.ensure_future(asyncio.wait_for(put_all(), left + self.config.copy_budget_s))
@@ -247,6 +256,8 @@ class UcxSender(InPlaceSender):
                     self._stop_puts(peer, remote, left)))
                 error = TransferTimeout(f"ucx puts not flushed within the grant ({left:.1f}s "
                                         "and its copy budget)")
+            if isinstance(error, PeerUnavailable):  # its memory or endpoints are gone
+                self._fail_peer(peer, error)
             if error is not None:
                 raise error
             if cancelled:
@@ -261,7 +272,7 @@ class UcxSender(InPlaceSender):
         before the write reports its end: the receiver may reuse the cells soon after."""
         self._fail_peer(peer, TransferTimeout(
             f"ucx puts not flushed within the grant ({left:.1f}s)"))
-        remote.closed = True
+        remote.close()
         if remote.issuing:  # lane threads issue without blocking: they return soon
             await asyncio.wait(set(remote.issuing))
         self._close_endpoints(remote)
@@ -277,7 +288,7 @@ class UcxSender(InPlaceSender):
         remote.eps = []
 
     async def _put_tiles(self, remote: _Remote, tiles: list[bounce.Tile],
-                         there: KVLayout) -> None:
+                         there: KVLayout, bound: float) -> None:
         """Each packed tile of `tiles` one put into its region (`bounce.Packer`)."""
         if not tiles:
             return
@@ -287,7 +298,7 @@ class UcxSender(InPlaceSender):
         async def put(memhs: list[int], rows: dict[int, list[tuple[int, int, int]]]) -> None:
             done = await asyncio.gather(*(
                 self._run(remote, "put", plan_lanes(items, lanes), dst_rank=rank,
-                          memhs=memhs) for rank, items in rows.items()),
+                          memhs=memhs, bound=bound) for rank, items in rows.items()),
                 return_exceptions=True)
             for result in done:
                 if isinstance(result, BaseException):
@@ -338,16 +349,19 @@ class UcxSender(InPlaceSender):
 
     async def _run(self, remote: _Remote, op: str, plan: Sequence[Any],
                    scratch: bool = False, src_rank: int = 0, dst_rank: int = 0,
-                   memhs: list[int] | None = None) -> None:
+                   memhs: list[int] | None = None, bound: float | None = None) -> None:
         """Each lane issues its list (from its own thread), then flushes; returns once
         every lane's flush completed. The local addresses lie in `src_rank`'s cache, or
         in the memory `memhs` (one per lane) registered. PeerUnavailable on a UCX
-        error."""
+        error. A receiver on this node is copied into directly (`host_copy`), each
+        call started before `bound`."""
         assert self._flushes is not None and self._pool is not None and self._ucp is not None
         loop = asyncio.get_running_loop()
         cuda = self.kv is not None and self.kv.is_cuda
         if remote.closed:  # its keys and endpoints are gone (or going)
             raise PeerUnavailable(f"ucx {op}: the receiver was disconnected")
+        if remote.host is not None:
+            return await self._copy_host(remote, remote.host, plan, bound)
         waits = []
         remote.busy += 1
         try:
@@ -370,6 +384,25 @@ class UcxSender(InPlaceSender):
         finally:
             remote.busy -= 1
 
+    async def _copy_host(self, remote: _Remote, host: HostCopy, plan: Sequence[Any],
+                         bound: float | None) -> None:
+        """Each lane's list copied by its own thread; returns once every lane's is done
+        (or raises the first failure then)."""
+        loop = asyncio.get_running_loop()
+        copies = [loop.run_in_executor(self._pool, host.write, parts, bound)
+                  for parts in plan if len(parts)]
+        for copy in copies:
+            remote.issuing.add(copy)  # a disconnect waits for it
+            copy.add_done_callback(remote.issuing.discard)
+        remote.busy += 1
+        try:
+            await asyncio.wait(copies)  # not cancelled with this call: they end on their own
+        finally:
+            remote.busy -= 1
+        errors = [e for e in (copy.exception() for copy in copies) if e is not None]
+        if errors:
+            raise errors[0]
+
     def _issued(self, fid: int, issued: asyncio.Future[None]) -> None:
         if issued.exception() is not None and self._flushes is not None:
             self._flushes.resolve(fid, -1)  # UCS_ERR_NO_MESSAGE: the batch was refused
@@ -378,7 +411,7 @@ class UcxSender(InPlaceSender):
         remote, peer.state = peer.state, None
         if remote is None:
             return
-        remote.closed = True  # no batch issues from now on
+        remote.close()  # no batch issues from now on
         deadline = time.monotonic() + self.config.io_timeout_s
         # a lane thread may be issuing (also for a batch whose caller was cancelled)
         while (remote.busy or remote.issuing) and time.monotonic() < deadline:

@@ -47,12 +47,13 @@ class Lane:
     def address(self) -> str:
         return bytes(self.worker.address.tobytes()).hex()
 
-    def connect(self, address: str, error_handling: bool) -> Any:
+    def connect(self, address: str) -> Any:
+        """An endpoint to the worker at `address`, with UCX's peer error handling: the
+        peer's death fails its operations, never this process."""
         from ucxx._lib import libucxx as ucx_api
 
         peer = ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(address))
-        return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, peer,
-                                                              error_handling)
+        return ucx_api.UCXEndpoint.create_from_worker_address(self.worker, peer, True)
 
     def close(self) -> None:
         """Cancel what is in flight, stop both threads; the worker goes with the

@@ -76,7 +76,7 @@ def test_ucx_settings_from_the_cli(monkeypatch) -> None:
     monkeypatch.setenv("SPLITSERVE_CLUSTER_TOKEN", "t")
     cfg = cli.transfer_config(_args("--role", "decode", "--transport", "ucx"))
     assert cfg is not None and cfg.ucx_lanes == 2 and cfg.ucx_options is None
-    # Defaults by memory: host caches pin UCX to cma/tcp, CUDA ones let UCX choose.
+    # Defaults by memory: host caches pin UCX to tcp, CUDA ones let UCX choose.
     assert cfg.ucx_options_for(False) == HOST_UCX_OPTIONS
     assert cfg.ucx_options_for(True) == CUDA_UCX_OPTIONS
     assert not any(name == "TLS" for name, _ in CUDA_UCX_OPTIONS)
