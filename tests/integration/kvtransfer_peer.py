@@ -11,6 +11,10 @@ reports whether the transfer finished while that work still ran (`overlapped`);
 `hold_after_close` reports the device memory still allocated after `close()`, then
 stops the process (alive, so its IPC mappings would still be open had close() kept
 them) until the test kills it.
+
+A receiver with `die_mid_write` SIGKILLs itself while a write's copy into its cache runs:
+once the cache's first byte has landed, it reports whether the last byte of each half
+(what two ucx lanes copy last) is still unwritten, then dies.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -124,6 +129,8 @@ async def run_receiver(spec: dict[str, Any]) -> None:
                                       dtype=getattr(torch, layout.dtype),
                                       device=spec.get("device", "cpu")), layout)
     await receiver.start()
+    if spec.get("die_mid_write"):
+        threading.Thread(target=die_mid_write, args=(receiver.kv.tensor,), daemon=True).start()
     futures = {t["xfer"]: receiver.expect(t["xfer"], regions(t["dst"]), t["gen"])
                for t in spec["transfers"]}
     emit({"address": receiver.address()})
@@ -134,6 +141,15 @@ async def run_receiver(spec: dict[str, Any]) -> None:
         except KVTransferError as e:
             emit({"xfer": xfer, "ok": False, "kind": e.kind})
     await receiver.close()
+
+
+def die_mid_write(kv: torch.Tensor) -> None:
+    cells = kv.view(-1).view(torch.uint8).numpy()  # the test's KV has no zero byte
+    half = len(cells) // 2
+    while cells[0] == 0:
+        pass
+    emit({"dying": True, "mid_copy": bool(cells[half - 1] == 0 and cells[-1] == 0)})
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
