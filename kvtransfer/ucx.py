@@ -3,14 +3,16 @@
 Registration happens once. The receiver maps its whole KV cache with its UCP context
 (`ucp_mem_map`) and sends its worker address, the packed remote key and the cache's
 base address in WELCOME (after the token proof: only an authenticated sender gets a
-key to the cache). The sender maps its own cache once per lane, and per lane opens
-one endpoint to the receiver's worker and unpacks the remote key on it.
+key to the cache), and on the host its `host_copy.identity()`. The sender maps its own
+cache once per lane, and per lane opens one endpoint to the receiver's worker and
+unpacks the remote key on it (not to a receiver on its node: see "Same node" below).
 
 The sender holds the in-place writers' grant for the transfer (`kvtransfer/inplace.py`:
 asked for once, revocable; the fence a put needs, since it lands before the receiver
 could look at it). Per `write()` (one chunk of a prefill) it puts the chunk's regions
-as one batch of `ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane, then sends
-one WRITTEN notice. No UCX tag message carries KV; tags are not used at all.
+as one batch of `ucp_put_nbx` per lane and ONE `ucp_ep_flush_nbx` per lane (into a
+receiver on its node: `process_vm_writev` calls per lane), then sends one WRITTEN
+notice. No UCX tag message carries KV; tags are not used at all.
 
 Between TP sizes a region arrives as per-rank head slices, one strided run per
 (block, layer, K/V, token) on at least one side. Put one by one, ~10^5 runs of 2 KiB
