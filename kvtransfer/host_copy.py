@@ -22,11 +22,14 @@ each, medians; 2-vCPU shared AMD EPYC, CPU only, 2026-12-03; docs/architecture.m
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import logging
 import os
 import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -127,12 +130,38 @@ class HostCopy:
                 raise self._failure(done, want)
             i = j
 
+    async def write_lanes(self, pool: Executor, plan: Sequence[Any], bound: float | None,
+                          issuing: set[Any]) -> None:
+        """Each lane's list of `plan` written (`write`) by a thread of `pool`, all at once;
+        returns once every one is done, or raises the first failure then. Each copy is
+        in `issuing` until it returns, also past a cancellation of this call (which does
+        not stop it: `stop` does)."""
+        loop = asyncio.get_running_loop()
+        copies = [loop.run_in_executor(pool, self.write, parts, bound)
+                  for parts in plan if len(parts)]
+        if not copies:
+            return
+        for copy in copies:
+            issuing.add(copy)
+            copy.add_done_callback(issuing.discard)
+            copy.add_done_callback(_seen)
+        await asyncio.wait(copies)
+        errors = [e for e in (copy.exception() for copy in copies) if e is not None]
+        if errors:
+            raise errors[0]
+
     def _failure(self, done: int, want: int) -> PeerUnavailable:
         err = ctypes.get_errno() if done < 0 else 0
         why = ("its process is gone" if err == errno.ESRCH
                else "its memory is gone (exiting?)" if err == errno.EFAULT
                else os.strerror(err) if err else f"short write, {done}/{want} bytes")
         return PeerUnavailable(f"process_vm_writev into the receiver (pid {self.pid}): {why}")
+
+
+def _seen(copy: asyncio.Future[None]) -> None:
+    """Its failure is retrieved, also when the call that waited for it was cancelled."""
+    if not copy.cancelled():
+        copy.exception()
 
 
 def cut(rows: np.ndarray, most: int) -> np.ndarray:

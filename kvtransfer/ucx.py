@@ -362,8 +362,8 @@ class UcxSender(InPlaceSender):
         cuda = self.kv is not None and self.kv.is_cuda
         if remote.closed:  # its keys and endpoints are gone (or going)
             raise PeerUnavailable(f"ucx {op}: the receiver was disconnected")
-        if remote.host is not None:
-            return await self._copy_host(remote, remote.host, plan, bound)
+        if remote.host is not None:  # its issuing set: a disconnect waits for the copies
+            return await remote.host.write_lanes(self._pool, plan, bound, remote.issuing)
         waits = []
         remote.busy += 1
         try:
@@ -385,25 +385,6 @@ class UcxSender(InPlaceSender):
                     raise self._ucp.error(status, f"{op}/flush")
         finally:
             remote.busy -= 1
-
-    async def _copy_host(self, remote: _Remote, host: HostCopy, plan: Sequence[Any],
-                         bound: float | None) -> None:
-        """Each lane's list copied by its own thread; returns once every lane's is done
-        (or raises the first failure then)."""
-        loop = asyncio.get_running_loop()
-        copies = [loop.run_in_executor(self._pool, host.write, parts, bound)
-                  for parts in plan if len(parts)]
-        for copy in copies:
-            remote.issuing.add(copy)  # a disconnect waits for it
-            copy.add_done_callback(remote.issuing.discard)
-        remote.busy += 1
-        try:
-            await asyncio.wait(copies)  # not cancelled with this call: they end on their own
-        finally:
-            remote.busy -= 1
-        errors = [e for e in (copy.exception() for copy in copies) if e is not None]
-        if errors:
-            raise errors[0]
 
     def _issued(self, fid: int, issued: asyncio.Future[None]) -> None:
         if issued.exception() is not None and self._flushes is not None:

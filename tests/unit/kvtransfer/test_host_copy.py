@@ -68,3 +68,30 @@ def test_only_a_readable_receiver_on_this_node_is_written_directly() -> None:
     assert HostCopy.of({**mine, "boot_id": "elsewhere"}, ctypes.addressof(byte)) is None
     assert HostCopy.of(None, ctypes.addressof(byte)) is None  # a GPU receiver says no node
     assert HostCopy.of(mine, 8) is None  # unreadable: UCX moves its bytes (logged)
+
+
+def test_lanes_write_side_by_side_and_report_a_failure_after_all_ended() -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = np.arange(1 << 20, dtype=np.uint8)
+    dst = np.zeros(2 << 20, dtype=np.uint8)
+    host = HostCopy.of(identity(), dst.ctypes.data)
+    assert host is not None
+    half = len(src) // 2
+    plan = [np.array([(src.ctypes.data, half, dst.ctypes.data)], dtype=np.int64),
+            np.array([(src.ctypes.data + half, half, dst.ctypes.data + half)], dtype=np.int64),
+            np.zeros((0, 3), dtype=np.int64)]  # a lane with nothing to copy
+    issuing: set[object] = set()
+
+    async def main() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            await host.write_lanes(pool, plan, None, issuing)
+            assert (dst[:len(src)] == src).all() and not issuing
+            await host.write_lanes(pool, [plan[2]], None, issuing)  # nothing at all
+            bad = [plan[0], np.array([(src.ctypes.data, 64, 8)], dtype=np.int64)]
+            with pytest.raises(PeerUnavailable):  # the other lane ended first
+                await host.write_lanes(pool, bad, None, issuing)
+            assert not issuing
+
+    asyncio.run(main())
