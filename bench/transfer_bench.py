@@ -5,7 +5,8 @@ whole-block regions of 16 KiB .. 64 MiB (coalesced runs of 16 KiB blocks), one
 transfer at a time (`write` + `finish`), rotating through a pool of blocks. In the
 same run: a plain memcpy (torch `copy_` and numpy, out of cache: the reference for
 shm, which is one copy) and a raw TCP stream between two processes (the reference
-for tcp, and for ucx, which has no RDMA here and moves bytes by cma or TCP).
+for tcp, and for ucx, which has no RDMA here: on one node its sender writes the
+receiver with process_vm_writev, between nodes UCX emulates RMA over TCP).
 
 Each transport's summary figure is its best region size. Targets (from issue 3):
 shm >= 0.7x memcpy, ucx >= 0.5x memcpy, tcp >= 0.8x raw TCP.
