@@ -12,9 +12,11 @@ reports whether the transfer finished while that work still ran (`overlapped`);
 stops the process (alive, so its IPC mappings would still be open had close() kept
 them) until the test kills it.
 
-A receiver with `die_mid_write` SIGKILLs itself while a write's copy into its cache runs:
-once the cache's first byte has landed, it reports whether the last byte of each half
-(what two ucx lanes copy last) is still unwritten, then dies.
+A receiver with `die_mid_write` (a one-byte file) SIGKILLs itself while a write's copy
+into its cache runs: once the cache's first byte has landed it stores in that file 1 if
+the last byte of each half (what two ucx lanes copy last) is still unwritten, else 2,
+and dies, with no GIL release in between that would let its event loop take a notice
+of a copy that ends meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import mmap
 import os
 import signal
 import sys
@@ -130,7 +133,8 @@ async def run_receiver(spec: dict[str, Any]) -> None:
                                       device=spec.get("device", "cpu")), layout)
     await receiver.start()
     if spec.get("die_mid_write"):
-        threading.Thread(target=die_mid_write, args=(receiver.kv.tensor,), daemon=True).start()
+        threading.Thread(target=die_mid_write, args=(receiver.kv.tensor, spec["die_mid_write"]),
+                         daemon=True).start()
     futures = {t["xfer"]: receiver.expect(t["xfer"], regions(t["dst"]), t["gen"])
                for t in spec["transfers"]}
     emit({"address": receiver.address()})
@@ -143,12 +147,14 @@ async def run_receiver(spec: dict[str, Any]) -> None:
     await receiver.close()
 
 
-def die_mid_write(kv: torch.Tensor) -> None:
+def die_mid_write(kv: torch.Tensor, path: str) -> None:
+    fd = os.open(path, os.O_RDWR)
+    verdict = mmap.mmap(fd, 1)
     cells = kv.view(-1).view(torch.uint8).numpy()  # the test's KV has no zero byte
     half = len(cells) // 2
     while cells[0] == 0:
         pass
-    emit({"dying": True, "mid_copy": bool(cells[half - 1] == 0 and cells[-1] == 0)})
+    verdict[0] = 1 if cells[half - 1] == 0 and cells[-1] == 0 else 2
     os.kill(os.getpid(), signal.SIGKILL)
 
 
