@@ -4,10 +4,12 @@ and check that no socket or shared-memory segment is left behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -121,6 +123,27 @@ def start_sender(config: TransferConfig, layout: KVLayout, num_blocks: int, seed
     sender = make_sender(config)
     sender.register(make_kv(layout, num_blocks, seed), layout)
     return sender
+
+
+@contextlib.asynccontextmanager
+async def connected(config: TransferConfig, layout: KVLayout, dst_blocks: int, src_blocks: int,
+                    seed: int) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A started receiver of `dst_blocks` and a sender of `src_blocks` (seeded) connected
+    to it: (receiver, sender, peer); both closed on the way out."""
+    receiver = await start_receiver(config, layout, dst_blocks)
+    sender = start_sender(config, layout, src_blocks, seed)
+    try:
+        yield receiver, sender, await sender.connect(receiver.address())
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Returns once `condition()` holds, looking every 10 ms; TimeoutError past `timeout`."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 def open_sockets(ignore_listening: bool = False) -> int:
