@@ -200,7 +200,6 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
     from kvtransfer.config import TransferConfig
     from kvtransfer.errors import KVTransferError, PeerUnavailable
-    from kvtransfer.grants import COPY_BUDGET_S
     from kvtransfer.inplace import InPlaceReceiver
     from kvtransfer.receiver import Conn, ReceiverBase
 
@@ -208,8 +207,9 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
         name = "shm"  # the in-place receiver's bookkeeping alone, no segment
 
     async def main() -> None:
+        # a short copy budget: the bound is 0.5 + 0.2 + 0.5 s past the last frame
         r = Receiver(TransferConfig(transport="shm", token="x", lease_s=1.0,
-                                    io_timeout_s=0.5, heartbeat_s=0.1))
+                                    io_timeout_s=0.5, heartbeat_s=0.1, copy_budget_s=0.2))
         ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
                               LAYOUT)
         done = r.expect("x1", [Region(b) for b in range(4)], 1)
@@ -235,7 +235,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
             await asyncio.sleep(0.5)
             assert not done.done(), "blocks freed before the grant's bound"
             with pytest.raises(KVTransferError):
-                await asyncio.wait_for(done, 2.0 + COPY_BUDGET_S)
+                await asyncio.wait_for(done, 2.0 + r.config.copy_budget_s)
             assert "x1" not in r.table._live
             r.expect("x2", [Region(0)], 1)  # block 0 is free to expect again
         finally:
