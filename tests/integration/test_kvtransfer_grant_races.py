@@ -58,7 +58,8 @@ def test_answered_pings_hold_a_grant_past_its_ttl(transport: str,
     """A write long after the GRANT (past the bound a REVOKE would have) copies: each
     answered PING extends the sender's window; without them the copy is refused."""
     async def main() -> None:
-        async with connected(config(transport), LAYOUT_F32, 16, 8, seed=21) as (r, s, peer):
+        cfg = config(transport, liveness_timeout_s=5.0)  # the silent part is not dropped
+        async with connected(cfg, LAYOUT_F32, 16, 8, seed=21) as (r, s, peer):
             landed = r.expect("x", [Region(5), Region(9)], 1)
             await s.begin(peer, [Region(5), Region(9)], "x", 1)
             granted = peer.vouched
@@ -69,6 +70,14 @@ def test_answered_pings_hold_a_grant_past_its_ttl(transport: str,
             await asyncio.wait_for(landed, 5)
             for src, dst in ((0, 5), (1, 9)):
                 assert torch.equal(r.kv.tensor[dst], s.kv.tensor[src])
+            peer.tasks[1].cancel()  # the heartbeat: the window stays where it is
+            waiting = r.expect("y", [Region(7)], 1)
+            await s.begin(peer, [Region(7)], "y", 1)
+            await until(lambda: time.monotonic() > peer.vouched + TTL)
+            with pytest.raises(TransferTimeout):
+                await s.write(peer, [Region(2)], [Region(7)], "y", 1)
+            assert not r.kv.tensor[7].any() and not waiting.done()
+            r.cancel("y")
 
     asyncio.run(main())
 
