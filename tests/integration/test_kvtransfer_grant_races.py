@@ -343,6 +343,9 @@ def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused(
 @pytest.mark.xfail(strict=True, reason="puts already sent when the sender closes its "
                    "endpoints land once the receiver's worker progresses (RMA over TCP)")
 def test_ucx_puts_stopped_past_their_budget_never_land(no_leaks: None) -> None:  # noqa: F811
+    """The gap the docs name: puts over RMA emulated on TCP that were sent before the
+    sender closed its endpoints sit in the receiver's socket; once its UCX worker
+    progresses again, past the cells' reuse, they land there."""
     n = 2048
 
     async def main() -> None:
