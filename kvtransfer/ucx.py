@@ -149,6 +149,10 @@ class UcxSender(InPlaceSender):
         self._packers: set[bounce.Packer] = set()  # the receivers' bounce buffers, not freed
         self._freeing: set[asyncio.Future[None]] = set()  # _free_packer tasks in flight
 
+    def _open(self) -> None:
+        if not self._lanes:
+            self._open_lanes()
+
     def _open_lanes(self) -> None:
         """Lanes, registrations and threads, once, at the first connection."""
         assert self.kv is not None

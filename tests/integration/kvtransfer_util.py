@@ -34,8 +34,11 @@ LAYOUT_MLA = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=8, d
 
 
 def fast_config(transport: str, **kw: Any) -> TransferConfig:
+    # The lease outlasts a peer process's start-up on a loaded 2-core box (its torch
+    # import alone took over 10 s while other test processes ran, 2026-12-03): a test
+    # that is about a lease sets its own.
     base: dict[str, Any] = dict(transport=transport, token=TOKEN, io_timeout_s=5.0,
-                                heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=10.0)
+                                heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=60.0)
     base.update(kw)
     return TransferConfig(**base)
 

@@ -37,7 +37,7 @@ TWO_WRITES = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9
 
 
 async def _with_sender_child(transport: str, plan: list[dict[str, Any]], body: Any,
-                             lease_s: float = 10.0, config_kw: dict[str, Any] | None = None,
+                             lease_s: float = 60.0, config_kw: dict[str, Any] | None = None,
                              **extra: Any) -> None:
     config = fast_config(transport, lease_s=lease_s, **(config_kw or {}))
     receiver = await start_receiver(config, LAYOUT_F32, 16)
@@ -204,6 +204,37 @@ def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # n
             assert kind is wire.Frame.WELCOME and reply["rkeys"] and reply["ucx_worker"]
             assert "rkey" not in receiver.address()
         finally:
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+def test_ucx_set_up_past_its_deadline_is_a_typed_error(no_leaks: None) -> None:  # noqa: F811
+    """The receiver's UCX worker makes no progress, so the wire-up of the sender's lanes
+    (a small get, RMA over TCP here) never completes: connect raises PeerUnavailable
+    within io_timeout_s, not a bare TimeoutError; the sender's lanes, opened before the
+    deadline started, serve the next connection."""
+    from kvtransfer.ucx_lanes import EPOLL_MS
+
+    async def main() -> None:
+        config = fast_config("ucx", io_timeout_s=1.0, ucx_options=(("TLS", "tcp,self"),))
+        receiver = await start_receiver(config, LAYOUT_F32, 16)
+        sender = start_sender(config, LAYOUT_F32, 4, seed=3)
+        worker = receiver._lanes[0].worker
+        try:
+            worker.stop_progress_thread()
+            with pytest.raises(PeerUnavailable, match="set-up"):
+                await sender.connect(receiver.address())
+            worker.start_progress_thread(polling_mode=False, epoll_timeout=EPOLL_MS)
+            peer = await sender.connect(receiver.address())
+            landed = receiver.expect("x", [Region(3)], 1)
+            await sender.write(peer, [Region(1)], [Region(3)], "x", 1)
+            await sender.finish(peer, "x", 1)
+            await asyncio.wait_for(landed, 5)
+        finally:
+            await sender.close()
             await receiver.close()
 
     asyncio.run(main())
