@@ -136,9 +136,23 @@ async def run_receiver(spec: dict[str, Any]) -> None:
     await receiver.close()
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def run(spec: dict[str, Any]) -> None:
     asyncio.run(run_sender(spec) if spec["role"] == "sender" else run_receiver(spec))
+
+
+def run_forked(spec: str, out: Any, err: Any) -> None:
+    """`run` in a process forked from the tests' forkserver (`kvtransfer_util`, torch
+    imported there once): stdout, its lines included, goes to the pipe `out`, stderr
+    to `err` (the test process's)."""
+    for conn, fd in ((out, 1), (err, 2)):
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1, for the process's life
+    run(json.loads(spec))
+
+
+def main() -> None:
+    run(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":
