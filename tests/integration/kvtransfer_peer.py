@@ -1,8 +1,9 @@
-"""The other process of the kvtransfer two-process tests (run with `python -m`).
+"""The other process of the kvtransfer two-process tests (run with `python -m`, or forked
+from the tests' forkserver: `run_forked`).
 
-One JSON spec on argv[1]. Prints JSON lines on stdout: {"address": ...} once a
-receiver listens, {"ready": true} once a sender is connected, then one
-{"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
+One JSON spec (argv[1], or `run_forked`'s argument). Prints JSON lines on stdout:
+{"address": ...} once a receiver listens, {"ready": true} once a sender is connected,
+then one {"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
 the test process rebuilds it and checks the received blocks bit for bit.
 
 GPU senders: a transfer with `overlap_s` queues that long of later work on the compute
