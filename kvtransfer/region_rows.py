@@ -172,10 +172,10 @@ def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
     every block id of the group's rows, in row order)]. A scattered hand-off of whole
     blocks is one group."""
     if len(rows) <= FEW:  # grouped on plain ints: fewer calls than numpy's grouping
-        groups: dict[tuple[int, ...], list[int]] = {}
+        few: dict[tuple[int, ...], list[int]] = {}
         for b, ls, le, n, rank, hs, he in rows.tolist():
-            groups.setdefault((ls, le, rank, hs, he), []).extend(range(b, b + n))
-        return list(groups.items())
+            few.setdefault((ls, le, rank, hs, he), []).extend(range(b, b + n))
+        return list(few.items())
     keys = rows[:, SLICE]
     if (keys == keys[0]).all():
         groups = [(keys[0], rows)]
