@@ -43,8 +43,9 @@ class _Outgoing:
     verdict: asyncio.Future[None]
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
-    # The receiver sends its verdict unasked (it admitted a write of ours: we are a
-    # writer of the transfer), so `finish` need not send FINISH.
+    # The receiver sends its verdict unasked (it answers every tcp WRITE frame; it granted
+    # an in-place write of ours: we are a writer of the transfer), so `finish` need not
+    # send FINISH.
     answered: bool = False
 
 

@@ -99,9 +99,10 @@ def test_rows_near_int64_max_lie_outside_the_cache() -> None:
     """block + num_blocks would wrap around in int64: the bound holds without adding."""
     big = 2**63 - 1
     for row in ([big, 0, 4, 1, 0, 0, 2], [1, 0, 4, 2**62, 0, 0, 2]):
-        rows = np.array([row] * (rr.FEW + 1), dtype=np.int64)
-        with pytest.raises(ValueError):
-            rr.check_rows(rows, LAYOUT, BLOCKS, 1)
+        for count in (1, rr.FEW, rr.FEW + 1):  # on plain ints, and with numpy
+            rows = np.array([row] * count, dtype=np.int64)
+            with pytest.raises(ValueError):
+                rr.check_rows(rows, LAYOUT, BLOCKS, 1)
 
 
 def test_block_coalescing_matches_coalesce() -> None:
