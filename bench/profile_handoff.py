@@ -8,15 +8,15 @@ nothing outside this bench):
     sender:   kv.begin > wire.RESERVE (in-place transports: the transfer's grant);
               handoff > kv.write (one chunk) > kv.send_regions > kv.copy, wire.WRITTEN
               (in-place transports), wire.WRITE (tcp: its regions and their bytes, one
-              frame per chunk);  kv.finish > wire.FINISH
+              frame per chunk);  kv.finish (a FINISH only where nothing was written)
     receiver: handoff > rx.reserve, rx.written (in-place transports), rx.write (tcp)
 
 The grant's RESERVE waits for its GRANT, before the hand-off's range (a worker asks as
 the prefill call arrives, beside the first chunk's compute; `grant_us`); `kv.finish`
-waits for the verdict (asked for with a FINISH over tcp; an in-place writer is sent it
-unasked). A RESERVE inside a chunk would be a round trip per chunk; a WRITTEN notice
-is sent without waiting. (ucx's puts end in flushes, a round trip each inside its
-copy, below the frames counted here.)
+waits for the verdict (sent unasked to every writer: tcp's WRITE frames, an in-place
+transport's grant make the sender one). A RESERVE inside a chunk would be a round trip
+per chunk; a WRITTEN notice is sent without waiting. (ucx's puts end in flushes, a
+round trip each inside its copy, below the frames counted here.)
 """
 
 from __future__ import annotations

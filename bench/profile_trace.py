@@ -150,8 +150,9 @@ def mean_us(events: list[Event], name: str) -> float:
 def handoff_figures(events: list[Event], work: DeviceWork, nbytes: int) -> dict[str, Any]:
     """Per hand-off (means over the `handoff` ranges): chunks (`kv.write` ranges), control
     frames sent (`wire.<KIND>`), round trips (a RESERVE in a chunk awaits a GRANT,
-    `kv.finish` the verdict: asked for with FINISH over tcp, sent unasked to an
-    in-place writer; the grant begun before the range is not counted here), copy
+    `kv.finish` the verdict, sent unasked to every writer: tcp's WRITE frames and an
+    in-place transport's grant make the sender one; the grant begun before the range
+    is not counted here), copy
     µs (`kv.copy`, tcp's `kv.send_regions`; on CUDA at least the device time of what the
     hand-off launched) and the fixed rest of the wall time."""
     outer = ranges(events, "handoff")

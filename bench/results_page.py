@@ -191,8 +191,8 @@ work), device time the time inside those ops, host time the rest.
 - Per hand-off, means: `copy` is the time the bytes moved (the in-place transports' \
 copy, tcp's sends; on CUDA at least the device time of what the hand-off launched), \
 `fixed` the wall less the copy; a round trip is a frame the sender waits a reply to \
-(the verdict per hand-off for every transport: asked for with FINISH over tcp, sent \
-unasked to an in-place writer; none per chunk: the in-place transports `shm`, \
+(the verdict per hand-off for every transport, sent unasked to each writer: tcp's WRITE \
+frames and an in-place transport's grant make the sender one; none per chunk: the in-place transports `shm`, \
 `cuda_ipc`, `ucx` ask for their write grant once, as the transfer begins, before the \
 hand-off's first write), a notice one it does not (WRITTEN per chunk); `finish wait` \
 the time from `finish` to the receiver's verdict.

@@ -35,6 +35,9 @@ class AutoSender(CudaIpcSender, UcxSender):
         super().__init__(*args, **kwargs)
         self.paths: dict[int, str] = {}  # id(peer) -> "cuda_ipc" | "ucx"
 
+    def _open(self) -> None:
+        """Nothing before a connection: ucx lanes only for a peer off this node."""
+
     async def _on_connected(self, peer: Peer) -> None:
         assert self.kv is not None
         local = local_refusal(peer.welcome, self.kv) is None

@@ -34,7 +34,8 @@ class TransferConfig:
     lease_s: how long a receiver keeps destination blocks waiting (vLLM: 30 s).
     io_timeout_s: deadline of every single network call (connect, send, reply).
     liveness_timeout_s: a peer silent for this long (no frame, not even a
-        heartbeat every heartbeat_s) is declared unavailable.
+        heartbeat every heartbeat_s) is declared unavailable. Both it and io_timeout_s
+        (an in-place grant's ttl past the newest answered PING) exceed heartbeat_s.
     copy_budget_s: how long past a grant's start bound a copy the sender started may
         still write (`grants.COPY_BUDGET_S`, the default); the receiver reuses a revoked
         grant's cells only past the bound, this budget and a margin. Sender and receiver
@@ -55,6 +56,10 @@ class TransferConfig:
     shm_name: str | None = None
     # None: HOST_UCX_OPTIONS or CUDA_UCX_OPTIONS, by where the KV cache lives.
     ucx_options: tuple[tuple[str, str], ...] | None = None
+    # A host-memory ucx receiver on the sender's node is written by the sender itself
+    # (process_vm_writev, `kvtransfer/host_copy.py`); off: UCX moves its bytes too, as
+    # between hosts (RMA emulated over TCP without RDMA), e.g. to test that path on one box.
+    ucx_host_copy: bool = True
     # Sender UCX workers (lanes), each with its own progress thread, endpoint and
     # issuing thread: a chunk's puts are dealt across them and a region of 1 MiB or
     # more is split, so that several copies run at once (into a receiver on this node,
@@ -74,6 +79,10 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive")
         if self.liveness_timeout_s <= self.heartbeat_s:
             raise ValueError("liveness_timeout_s must exceed heartbeat_s")
+        if self.io_timeout_s <= self.heartbeat_s:
+            # an in-place grant holds io_timeout_s past the newest PING answered: one
+            # no longer than the time between PINGs lapses while they are answered
+            raise ValueError("io_timeout_s must exceed heartbeat_s")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if not 1 <= self.ucx_lanes <= 8:

@@ -146,8 +146,9 @@ class Faults:
         return out
 
     async def send_write(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                         head: bytes, data: Any) -> None:
-        """Sends one WRITE frame (header, then payload) with the drawn fault."""
+                         head: bytes, data: Any) -> bool:
+        """Sends one WRITE frame (header, then payload) with the drawn fault; False
+        when the fault is that it never goes out (dropped)."""
         from kvtransfer import wire
 
         self.writes += 1
@@ -155,7 +156,7 @@ class Faults:
             self.kill(f"WRITE frame {self.writes}")
         kind = self.draw([k for k in self._kinds if k != "reorder"])  # in spec order
         if kind == "drop":
-            return
+            return False
         if kind == "delay":
             await asyncio.sleep(self.spec.delay_s)
         payload = memoryview(data).cast("B")
@@ -167,10 +168,11 @@ class Faults:
             await wire.send_all(loop, sock, head)
             await wire.send_all(loop, sock, payload[:len(payload) // 2])
             sock.shutdown(socket.SHUT_RDWR)  # the stream cannot be resynchronised
-            return
+            return True
         for _ in range(2 if kind == "duplicate" else 1):
             await wire.send_all(loop, sock, head)
             await wire.send_all(loop, sock, payload)
+        return True
 
 
 def on_wire(spec: FaultSpec | None) -> bool:

@@ -270,7 +270,7 @@ class InPlaceSender(SenderBase):
                             pass  # its write failed: nothing to tell, only to wait for
                         elif time.monotonic() >= _reuse_bound(peer, n.held,
                                                               self.config.copy_budget_s):
-                            self._late(peer, n.held.xfer_id)
+                            self._late(peer, n.held)
                         else:
                             await self._send_frame(peer, n.frame)
                     finally:
@@ -282,11 +282,13 @@ class InPlaceSender(SenderBase):
             if not pending.queue and peer.notices is pending:
                 peer.notices = None
 
-    def _late(self, peer: Peer, xfer_id: str) -> None:
-        out = peer.outgoing.get(xfer_id)
-        if out is not None and not out.verdict.done():
+    def _late(self, peer: Peer, held: _Held) -> None:
+        """`held`'s copy completed past its bound: its transfer fails (not a later one
+        that reuses the id: its generation tells them apart)."""
+        out = peer.outgoing.get(held.xfer_id)
+        if out is not None and out.generation == held.generation and not out.verdict.done():
             out.verdict.set_exception(TransferTimeout(
-                f"{xfer_id}: {self.name} copy outlived its grant"))
+                f"{held.xfer_id}: {self.name} copy outlived its grant"))
             out.verdict.exception()
 
     async def _checksums(self, pairs: list[tuple[Region, Region]],

@@ -45,6 +45,9 @@ class Conn:
         self.send_lock = asyncio.Lock()
         self.last_rx = asyncio.get_running_loop().time()
         self.task: asyncio.Task[None] | None = None
+        # RESULT frames of transfers that this connection's own frame resolved: its frame
+        # loop sends them once that frame is handled, with no task of their own
+        self.results: list[bytes] = []
 
 
 class ReceiverBase:
@@ -272,6 +275,9 @@ class ReceiverBase:
                 self._on_revoked(conn, json.loads(meta))
             else:
                 raise ProtocolError(f"unexpected {kind.name} frame from a sender")
+            if conn.results:
+                frames, conn.results = conn.results, []
+                await self._send(conn, b"".join(frames))
 
     async def _on_finish(self, conn: Conn, msg: dict[str, Any]) -> None:
         xfer_id, gen = str(msg["xfer"]), int(msg["gen"])
@@ -293,10 +299,19 @@ class ReceiverBase:
         while len(self._results) > _RESULTS_KEPT:
             self._results.popitem(last=False)
         targets = self._finish_waiters.pop(xfer_id, set()) | writers
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # no loop running: nothing is resolved by a frame
+            current = None
         for conn_id in targets:
             conn = self._conns.get(conn_id)
-            if conn is not None:
-                self._spawn(self._send_quietly(conn, _result_frame(xfer_id, gen, error)))
+            if conn is None:
+                continue
+            frame = _result_frame(xfer_id, gen, error)
+            if current is not None and conn.task is current:
+                conn.results.append(frame)  # resolved by a frame of its own: sent next
+            else:
+                self._spawn(self._send_quietly(conn, frame))
 
     async def _send_quietly(self, conn: Conn, data: bytes) -> None:
         with contextlib.suppress(KVTransferError, OSError, asyncio.TimeoutError):

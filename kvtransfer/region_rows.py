@@ -97,9 +97,14 @@ def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:
 def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 1) -> None:
     """`Region.check` of every row: ValueError (that of the first bad row) unless all
     lie in `tp` rank caches of `total_blocks` blocks of `layout`."""
-    if len(rows) <= FEW:
-        for region in to_regions(rows, layout):
-            region.check(layout, total_blocks, tp)
+    if len(rows) <= FEW:  # the rule below on plain ints: no Region, no numpy call per row
+        layers, heads = layout.num_layers, layout.num_kv_heads
+        for row in rows.tolist():
+            block, start, end, n, rank, first, last = row
+            if not (0 <= rank < tp and 0 <= first < last <= heads and 0 <= start < end <= layers
+                    and 1 <= n and 0 <= block <= total_blocks - n
+                    and (n == 1 or (start == 0 and end == layers))):
+                _raise_outside(np.array([row], dtype=np.int64), layout, total_blocks, tp)
         return
     r = rows.T
     ok = ((r[RANK] >= 0) & (r[RANK] < tp) & (r[HEAD_START] >= 0)
@@ -110,9 +115,14 @@ def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 
           & ((r[NUM_BLOCKS] == 1) | ((r[LAYER_START] == 0)
                                      & (r[LAYER_END] == layout.num_layers))))
     if not ok.all():
-        bad = rows[int(np.argmin(ok))]
-        to_regions(bad[None], layout)[0].check(layout, total_blocks, tp)
-        raise ValueError(f"{bad.tolist()} lies outside the cache")  # not reached
+        _raise_outside(rows[int(np.argmin(ok))][None], layout, total_blocks, tp)
+
+
+def _raise_outside(bad: np.ndarray, layout: KVLayout, total_blocks: int, tp: int) -> None:
+    """The ValueError `Region.check` raises for the one row `bad` that `check_rows`
+    refused."""
+    to_regions(bad, layout)[0].check(layout, total_blocks, tp)
+    raise ValueError(f"{bad[0].tolist()} lies outside the cache")  # not reached
 
 
 def whole_heads(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
@@ -161,9 +171,11 @@ def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
     """Rows grouped by the cells they cover in each block: [(a row's slice columns,
     every block id of the group's rows, in row order)]. A scattered hand-off of whole
     blocks is one group."""
-    if len(rows) <= FEW:  # a group per row: fewer calls than grouping them
-        return [((ls, le, rank, hs, he), list(range(b, b + n)))
-                for b, ls, le, n, rank, hs, he in rows.tolist()]
+    if len(rows) <= FEW:  # grouped on plain ints: fewer calls than numpy's grouping
+        few: dict[tuple[int, ...], list[int]] = {}
+        for b, ls, le, n, rank, hs, he in rows.tolist():
+            few.setdefault((ls, le, rank, hs, he), []).extend(range(b, b + n))
+        return list(few.items())
     keys = rows[:, SLICE]
     if (keys == keys[0]).all():
         groups = [(keys[0], rows)]

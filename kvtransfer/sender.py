@@ -43,8 +43,9 @@ class _Outgoing:
     verdict: asyncio.Future[None]
     started: float = field(default_factory=time.perf_counter)
     nbytes: int = 0
-    # The receiver sends its verdict unasked (it admitted a write of ours: we are a
-    # writer of the transfer), so `finish` need not send FINISH.
+    # The receiver sends its verdict unasked (it answers every tcp WRITE frame; it granted
+    # an in-place write of ours: we are a writer of the transfer), so `finish` need not
+    # send FINISH.
     answered: bool = False
 
 
@@ -114,6 +115,7 @@ class SenderBase:
             raise ValueError(f"address is for {addr.get('transport')!r}, not {self.name!r}")
         token = self.config.token if token is None else token
         layout = self.kv.layout if layout is None else layout
+        self._open()  # local set-up: not on the clock of the network calls below
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         hello = time.monotonic()
@@ -141,8 +143,11 @@ class SenderBase:
                       loop.create_task(self._heartbeat(peer))]
         try:
             await asyncio.wait_for(self._on_connected(peer), self.config.io_timeout_s)
-        except BaseException:
+        except BaseException as e:
             await self.disconnect(peer)
+            if isinstance(e, asyncio.TimeoutError):
+                raise PeerUnavailable(f"set-up with {addr['host']}:{addr['port']} timed out")\
+                    from None
             raise
         return peer
 
@@ -282,6 +287,10 @@ class SenderBase:
         return pairs, sum(self.kv.region_bytes(s) for s, _ in pairs)
 
     # ----- transport hooks ----------------------------------------------------------
+    def _open(self) -> None:
+        """Local resources the first connection needs (ucx: its lanes), made before
+        the connection's I/O deadlines start."""
+
     async def _begin(self, peer: Peer, dst_regions: Sequence[Region], xfer_id: str,
                      generation: int) -> None:
         pass

@@ -160,24 +160,30 @@ class ShmSender(InPlaceSender):
                 with contextlib.suppress(BufferError):
                     m.close()
             raise
-        peer.state = (maps, caches, layout)
+        # the byte views a copy writes through, made once: a write's copy takes them as
+        # they are (building them costs tens of µs per write, most of a small one's copy)
+        peer.state = (maps, caches, layout, [host_bytes(c) for c in caches])
 
     async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
-        _, caches, layout = peer.state
+        _, caches, layout, views = peer.state
         total = caches[0].shape[0]
         # A CUDA cache's regions come over to the host a batch of blocks at a time
         if time.monotonic() >= deadline:
             raise TransferTimeout("shm grant expired before the copy")
+        if not self.kv.is_cuda and len(pairs) <= rr.FEW and all(
+                s.whole_heads(self.kv.rank_layout) and d.whole_heads(layout) for s, d in pairs):
+            self._copy_few(views, pairs, layout, total)
+            return None
         src_rows = rr.rows_of((s for s, _ in pairs), self.kv.rank_layout)
         dst_rows = rr.rows_of((d for _, d in pairs), layout)
         rr.check_rows(dst_rows, layout, total, len(caches))
         flat = rr.whole_heads(src_rows, self.kv.rank_layout) & rr.whole_heads(dst_rows, layout)
         if not self.kv.is_cuda and flat.all():
             # byte ranges on both sides: one memcpy each, offsets computed at once
-            self._copy_ranges(caches, src_rows, dst_rows, layout, deadline)
+            self._copy_ranges(views, src_rows, dst_rows, layout, deadline)
             return None
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
@@ -192,12 +198,30 @@ class ShmSender(InPlaceSender):
                 np.copyto(out, next(staged).cpu().numpy().reshape(out.shape))
         return None
 
-    def _copy_ranges(self, caches: list[torch.Tensor], src_rows: np.ndarray,
-                     dst_rows: np.ndarray, layout: KVLayout, deadline: float) -> None:
-        """Whole-head rows of the local host cache into the mapped `caches`; the grant
-        checked every _ROWS_PER_CHECK rows, as the per-pair path checks each pair."""
+    def _copy_few(self, there: list[memoryview], pairs: list[tuple[Region, Region]],
+                  layout: KVLayout, total: int) -> None:
+        """A few (`rr.FEW`) whole-head pairs, each one byte range on both sides, located
+        one at a time on plain ints (numpy's per-call cost is most of such a copy's), all
+        checked before a byte moves."""
         assert self.kv is not None
-        there = [host_bytes(c) for c in caches]
+        ranges = []
+        for src, dst in pairs:
+            if not 0 <= dst.rank < len(there):
+                raise ValueError(f"{dst} names a rank of {len(there)}")
+            s, n = self.kv.locate(src)
+            d, m = dst.resolve(layout, total)
+            if m != n:
+                raise ValueError(f"{src} and {dst} differ in size")
+            ranges.append((self.kv.rank_view(src.rank), s, there[dst.rank], d, n))
+        for here, s, out, d, n in ranges:
+            out[d:d + n] = here[s:s + n]
+
+    def _copy_ranges(self, there: list[memoryview], src_rows: np.ndarray,
+                     dst_rows: np.ndarray, layout: KVLayout, deadline: float) -> None:
+        """Whole-head rows of the local host cache into the mapped caches' byte views
+        `there`; the grant checked every _ROWS_PER_CHECK rows, as the per-pair path
+        checks each pair."""
+        assert self.kv is not None
         here = [self.kv.rank_view(r) for r in range(self.kv.tp)]
         sizes = rr.nbytes(src_rows, self.kv.rank_layout).tolist()
         for i, (s_rank, s, d_rank, d, n) in enumerate(zip(
@@ -210,9 +234,11 @@ class ShmSender(InPlaceSender):
 
     async def _on_disconnected(self, peer: Peer) -> None:
         if peer.state is not None:
-            maps, caches, _ = peer.state
+            maps, caches, _, views = peer.state
             peer.state = None
-            del caches
+            for view in views:  # the views first: a mapping with live exports cannot close
+                view.release()
+            del caches, views
             for mapping in maps:
                 with contextlib.suppress(BufferError):
                     mapping.close()

@@ -9,6 +9,11 @@ payload goes to a scratch buffer instead, so no byte of a stale write lands afte
 fence. A table that fails its checks lands nothing: a stale one is dropped (counted)
 and one the transfer does not expect fails it, their payload discarded; one whose
 payload is not the rows' total ends the connection.
+
+Every WRITE frame is answered with the transfer's RESULT, unasked: one admitted makes
+its sender a writer of the transfer, told its verdict; one dropped is answered as a
+FINISH is (the verdict, at once if known, else once the transfer resolves). So a
+sender that wrote sends no FINISH: its verdict is on its way.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ class TcpReceiver(ReceiverBase):
         # and unclaimed (a stale table is counted, an unexpected one fails the transfer)
         if not self.table.admit_rows(xfer_id, head.generation, rows, conn.id):
             await self._discard(conn, payload_len)
+            # not a writer of it: the sender, which sends no FINISH, is told the verdict
+            await self._on_finish(conn, {"xfer": xfer_id, "gen": head.generation})
             return
         try:
             sizes = rr.nbytes(rows, self.table.layout)
@@ -182,8 +189,10 @@ class TcpSender(SenderBase):
             pieces, sums = self._payload(pairs[start:end], src_rows[start:end], part,
                                          checksum, staged)
             meta = WriteHead(xfer_id, generation, dst_rows[start:end], sums).pack()
-            await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta, int(part.sum())),
-                                   pieces)
+            if await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta,
+                                                            int(part.sum())), pieces):
+                # every WRITE frame is answered with the transfer's RESULT: no FINISH
+                self._outgoing(peer, xfer_id, generation).answered = True
 
     def _payload(self, pairs: list[tuple[Region, Region]], rows: np.ndarray,
                  sizes: np.ndarray, checksum: bool, staged: Iterator[object] | None,
@@ -216,8 +225,9 @@ class TcpSender(SenderBase):
         return pieces, sums
 
     async def _send_write(self, peer: Peer, head: bytes,
-                          pieces: list[Iterable[memoryview]]) -> None:
-        """One WRITE frame: its header, then its payload's pieces. A frame once begun is
+                          pieces: list[Iterable[memoryview]]) -> bool:
+        """One WRITE frame: its header, then its payload's pieces; returns whether it
+        went out (False: the fault injector dropped it). A frame once begun is
         sent whole even if its write is cancelled (a client gone, a Prefill's deadline):
         a half-sent frame would leave the connection's other transfers reading payload
         as headers. The bytes land in the cancelled transfer's own cells, which its
@@ -225,24 +235,24 @@ class TcpSender(SenderBase):
         peer's liveness check, which fail the peer."""
         loop = asyncio.get_running_loop()
 
-        async def send() -> None:
+        async def send() -> bool:
             # The lock is per frame, so concurrent transfers interleave frame by frame.
             async with peer.send_lock:
                 peer.check()
                 if self._faults is not None:
                     data = b"".join(chain.from_iterable(pieces))
-                    await self._faults.send_write(loop, peer.sock, head, data)
-                    return
+                    return await self._faults.send_write(loop, peer.sock, head, data)
                 await wire.send_all(loop, peer.sock, head)
                 for piece in chain.from_iterable(pieces):
                     await wire.send_all(loop, peer.sock, piece)
+                return True
 
         frame = asyncio.ensure_future(send())
         frame.add_done_callback(_retrieved)
-        await asyncio.shield(frame)
+        return await asyncio.shield(frame)
 
 
-def _retrieved(task: asyncio.Future[None]) -> None:
+def _retrieved(task: asyncio.Future[bool]) -> None:
     """A shielded frame's error reaches its writer, or nobody once the writer was
     cancelled (the peer is failed then by its deadline or liveness check)."""
     if not task.cancelled():

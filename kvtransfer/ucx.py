@@ -163,6 +163,10 @@ class UcxSender(InPlaceSender):
         self._packers: set[bounce.Packer] = set()  # the receivers' bounce buffers, not freed
         self._freeing: set[asyncio.Future[None]] = set()  # _free_packer tasks in flight
 
+    def _open(self) -> None:
+        if not self._lanes:
+            self._open_lanes()
+
     def _open_lanes(self) -> None:
         """Lanes, registrations and threads, once, at the first connection."""
         assert self.kv is not None
@@ -194,7 +198,7 @@ class UcxSender(InPlaceSender):
         assert self._ucp is not None
         remote = peer.state = _Remote([int(b) for b in welcome["bases"]],
                                       int(welcome["nbytes"]))
-        if self.kv is not None and not self.kv.is_cuda:
+        if self.config.ucx_host_copy and self.kv is not None and not self.kv.is_cuda:
             remote.host = HostCopy.of(welcome.get("node"), remote.bases[0])
         if remote.host is not None:
             return  # copied by this process's lane threads: no UCX endpoint to it

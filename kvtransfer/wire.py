@@ -63,7 +63,9 @@ else:  # Python 3.10: async_timeout (a dependency of redis's there too)
 #      asked for once (RESERVE of the transfer's whole destination, at `begin`): each
 #      WRITTEN names the regions it landed; the receiver REVOKEs a failed transfer's
 #      grant and the sender answers REVOKED once none of its writes is in flight.
-PROTOCOL_VERSION = 4
+#   5: a tcp receiver answers every WRITE frame with the transfer's RESULT (a dropped
+#      one as a FINISH), so a tcp sender that wrote sends no FINISH.
+PROTOCOL_VERSION = 5
 HEADER = struct.Struct("!BIQ")
 MAX_META = 1 << 20
 

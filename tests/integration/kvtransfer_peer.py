@@ -1,8 +1,9 @@
-"""The other process of the kvtransfer two-process tests (run with `python -m`).
+"""The other process of the kvtransfer two-process tests (run with `python -m`, or forked
+from the tests' forkserver: `run_forked`).
 
-One JSON spec on argv[1]. Prints JSON lines on stdout: {"address": ...} once a
-receiver listens, {"ready": true} once a sender is connected, then one
-{"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
+One JSON spec (argv[1], or `run_forked`'s argument). Prints JSON lines on stdout:
+{"address": ...} once a receiver listens, {"ready": true} once a sender is connected,
+then one {"xfer", "ok", "kind"} per transfer. Source KV is deterministic from `seed`, so
 the test process rebuilds it and checks the received blocks bit for bit.
 
 GPU senders: a transfer with `overlap_s` queues that long of later work on the compute
@@ -158,9 +159,23 @@ def die_mid_write(kv: torch.Tensor, path: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
+def run(spec: dict[str, Any]) -> None:
     asyncio.run(run_sender(spec) if spec["role"] == "sender" else run_receiver(spec))
+
+
+def run_forked(spec: str, out: Any, err: Any) -> None:
+    """`run` in a process forked from the tests' forkserver (`kvtransfer_util`, torch
+    imported there once): stdout, its lines included, goes to the pipe `out`, stderr
+    to `err` (the test process's)."""
+    for conn, fd in ((out, 1), (err, 2)):
+        os.dup2(conn.fileno(), fd)
+        conn.close()
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1, for the process's life
+    run(json.loads(spec))
+
+
+def main() -> None:
+    run(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,15 @@ and check that no socket or shared-memory segment is left behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,8 +37,11 @@ LAYOUT_MLA = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=8, d
 
 
 def fast_config(transport: str, **kw: Any) -> TransferConfig:
+    # The lease outlasts a peer process's start-up on a loaded 2-core box (its torch
+    # import alone took over 10 s while other test processes ran, 2026-12-03): a test
+    # that is about a lease sets its own.
     base: dict[str, Any] = dict(transport=transport, token=TOKEN, io_timeout_s=5.0,
-                                heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=10.0)
+                                heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=60.0)
     base.update(kw)
     return TransferConfig(**base)
 
@@ -54,19 +62,79 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
 SPAWNED_PIDS: set[int] = set()
 
 
+@functools.cache
+def _forkserver() -> Any:
+    """The multiprocessing context whose server imported the peer (torch, the transports)
+    once for this test process: a peer forked from it starts in ~0.1 s, not the seconds
+    of a fresh interpreter's imports."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.integration.kvtransfer_peer"])
+    return ctx
+
+
+class _Forked:
+    """A host peer forked from `_forkserver()`, with the calls of asyncio's Process the
+    tests use: pid, stdout (its lines), returncode, wait(), kill()."""
+
+    def __init__(self, proc: Any, stdout: asyncio.StreamReader, pipe: Any) -> None:
+        self.proc, self.stdout, self._pipe = proc, stdout, pipe
+        self.pid: int = proc.pid
+
+    @classmethod
+    async def start(cls, spec: dict[str, Any]) -> _Forked:
+        from tests.integration.kvtransfer_peer import run_forked
+
+        ctx = _forkserver()
+        reader, writer = ctx.Pipe(duplex=False)
+        # its stderr: this process's (pytest's capture of it), as a child's would be
+        err = multiprocessing.connection.Connection(os.dup(2), readable=False)
+        proc = ctx.Process(target=run_forked, args=(json.dumps(spec), writer, err),
+                           daemon=True)
+        try:
+            await asyncio.to_thread(proc.start)  # the first one starts the server
+        finally:
+            writer.close()  # the child's copy is the only writer: EOF when it exits
+            err.close()
+        stdout = asyncio.StreamReader()
+        pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stdout),
+            os.fdopen(os.dup(reader.fileno()), "rb", buffering=0))
+        reader.close()
+        return cls(proc, stdout, pipe)
+
+    @property
+    def returncode(self) -> int | None:
+        code: int | None = self.proc.exitcode
+        return code
+
+    async def wait(self) -> int:
+        while self.proc.exitcode is None:
+            await asyncio.sleep(0.02)
+        self._pipe.close()
+        return int(self.proc.exitcode)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
 class PeerProcess:
-    """The other process; lines are JSON objects read with a deadline."""
+    """The other process; lines are JSON objects read with a deadline. A host peer is
+    forked from the forkserver (`_forkserver`); one on a GPU, or with an environment
+    of its own, is a fresh interpreter."""
 
     def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: Any = None  # asyncio.subprocess.Process or _Forked
         self.spec = spec
         self.env = env or {}
 
     async def start(self) -> PeerProcess:
-        env = {**child_env(), **self.env}
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.integration.kvtransfer_peer", json.dumps(self.spec),
-            stdout=subprocess.PIPE, env=env, cwd=str(ROOT))
+        if not self.env and self.spec.get("device", "cpu") == "cpu":
+            self.proc = await _Forked.start(self.spec)
+        else:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tests.integration.kvtransfer_peer",
+                json.dumps(self.spec), stdout=subprocess.PIPE,
+                env={**child_env(), **self.env}, cwd=str(ROOT))
         SPAWNED_PIDS.add(self.proc.pid)
         return self
 
@@ -121,6 +189,27 @@ def start_sender(config: TransferConfig, layout: KVLayout, num_blocks: int, seed
     sender = make_sender(config)
     sender.register(make_kv(layout, num_blocks, seed), layout)
     return sender
+
+
+@contextlib.asynccontextmanager
+async def connected(config: TransferConfig, layout: KVLayout, dst_blocks: int, src_blocks: int,
+                    seed: int) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A started receiver of `dst_blocks` and a sender of `src_blocks` (seeded) connected
+    to it: (receiver, sender, peer); both closed on the way out."""
+    receiver = await start_receiver(config, layout, dst_blocks)
+    sender = start_sender(config, layout, src_blocks, seed)
+    try:
+        yield receiver, sender, await sender.connect(receiver.address())
+    finally:
+        await sender.close()
+        await receiver.close()
+
+
+async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
+    """Returns once `condition()` holds, looking every 10 ms; TimeoutError past `timeout`."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
 
 
 def open_sockets(ignore_listening: bool = False) -> int:

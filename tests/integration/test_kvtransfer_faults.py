@@ -1,4 +1,4 @@
-"""Faults across two processes: killed and hung peers, corruption, late writes.
+"""Faults: killed and hung peers and corruption (across two processes), late writes.
 
 Every case ends in a typed error within its deadline; nothing hangs or leaks.
 """
@@ -24,6 +24,7 @@ from kvtransfer import (
 from tests.integration.kvtransfer_util import (
     LAYOUT_F32,
     PeerProcess,
+    connected,
     fast_config,
     spec,
     start_receiver,
@@ -36,7 +37,7 @@ TWO_WRITES = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9
 
 
 async def _with_sender_child(transport: str, plan: list[dict[str, Any]], body: Any,
-                             lease_s: float = 10.0, config_kw: dict[str, Any] | None = None,
+                             lease_s: float = 60.0, config_kw: dict[str, Any] | None = None,
                              **extra: Any) -> None:
     config = fast_config(transport, lease_s=lease_s, **(config_kw or {}))
     receiver = await start_receiver(config, LAYOUT_F32, 16)
@@ -136,24 +137,27 @@ def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> Non
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> None:  # noqa: F811
-    async def body(receiver: Any, peer: PeerProcess) -> None:
-        future = receiver.expect("r1", [Region(5), Region(9)], 1)
-        assert receiver.cancel("r1", "request aborted")
-        with pytest.raises(TransferCancelled):
-            await future
-        # The blocks are reused at once by another transfer under a new generation.
-        # (A lease well past a peer process's start-up on a busy 2-core box.)
-        reused = receiver.expect("r1", [Region(5), Region(9)], 2, lease_s=15.0)
-        await peer.start()
-        assert (await peer.line())["ready"]
-        verdict = await peer.line()
-        assert (verdict["ok"], verdict["kind"]) == (False, "cancelled")
-        assert receiver.metrics.value("splitserve:kv_transfer_stale_writes_dropped_total") >= 1
-        assert not receiver.kv.tensor.any(), "a stale write landed"
-        assert not reused.done()
-        receiver.cancel("r1")
+    """A sender writes into a transfer the receiver fenced and whose blocks it reused
+    under a new generation: its write is dropped (counted), its verdict is the fence's,
+    and nothing lands. (Both sides in this process: the fence is the receiver's alone.)"""
+    async def main() -> None:
+        async with connected(fast_config(transport), LAYOUT_F32, 16, 4, seed=1) as (r, s, peer):
+            future = r.expect("r1", [Region(5), Region(9)], 1)
+            assert r.cancel("r1", "request aborted")
+            with pytest.raises(TransferCancelled):
+                await future
+            reused = r.expect("r1", [Region(5), Region(9)], 2)  # the blocks, reused at once
+            with pytest.raises(TransferCancelled):
+                await s.begin(peer, [Region(5), Region(9)], "r1", 1)
+                for src, dst in ((0, 5), (1, 9)):
+                    await s.write(peer, [Region(src)], [Region(dst)], "r1", 1, checksum=True)
+                await s.finish(peer, "r1", 1)
+            assert r.metrics.value("splitserve:kv_transfer_stale_writes_dropped_total") >= 1
+            assert not r.kv.tensor.any(), "a stale write landed"
+            assert not reused.done()
+            r.cancel("r1")
 
-    asyncio.run(_with_sender_child(transport, TWO_WRITES, body))
+    asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
@@ -256,5 +260,37 @@ def test_ucx_receiver_killed_during_the_copy(tmp_path: Any,
                 await peer.aclose()
         finally:
             await sender.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+def test_ucx_set_up_past_its_deadline_is_a_typed_error(no_leaks: None) -> None:  # noqa: F811
+    """The receiver's UCX worker makes no progress, so the wire-up of the sender's lanes
+    (a small get, RMA over TCP here) never completes: connect raises PeerUnavailable
+    within io_timeout_s, not a bare TimeoutError; the sender's lanes, opened before the
+    deadline started, serve the next connection."""
+    from kvtransfer.ucx_lanes import EPOLL_MS
+
+    async def main() -> None:
+        config = fast_config("ucx", io_timeout_s=1.0, ucx_options=(("TLS", "tcp,self"),),
+                             ucx_host_copy=False)  # UCX's own path, as between hosts
+        receiver = await start_receiver(config, LAYOUT_F32, 16)
+        sender = start_sender(config, LAYOUT_F32, 4, seed=3)
+        worker = receiver._lanes[0].worker
+        try:
+            worker.stop_progress_thread()
+            with pytest.raises(PeerUnavailable, match="set-up"):
+                await sender.connect(receiver.address())
+            worker.start_progress_thread(polling_mode=False, epoll_timeout=EPOLL_MS)
+            peer = await sender.connect(receiver.address())
+            landed = receiver.expect("x", [Region(3)], 1)
+            await sender.write(peer, [Region(1)], [Region(3)], "x", 1)
+            await sender.finish(peer, "x", 1)
+            await asyncio.wait_for(landed, 5)
+        finally:
+            await sender.close()
+            await receiver.close()
 
     asyncio.run(main())

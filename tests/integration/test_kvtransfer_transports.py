@@ -1,4 +1,5 @@
-"""Bit-exact round trips for every transport, sender and receiver in two processes."""
+"""Bit-exact round trips for every transport, sender and receiver in two processes; the
+handshake's refusals (a wrong token or layout), sender and receiver in one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtransfer import KVLayout, make_sender
+from kvtransfer import AuthError, KVLayout, KVTransferError, LayoutMismatch, make_sender
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
     LAYOUT_F32,
@@ -145,23 +146,32 @@ def test_fp8_blocks_move_half_the_bytes_of_bf16_over_tcp(no_leaks: None) -> None
     asyncio.run(main())
 
 
+async def refusal(receiver: Any, config: Any, layout: KVLayout) -> KVTransferError:
+    """What a sender with `config` and a `layout` cache (here: the handshake, over a
+    real socket, is what is refused) gets when it connects to `receiver`."""
+    sender = make_sender(config)
+    sender.register(make_kv(layout, 4, seed=1), layout)
+    try:
+        with pytest.raises(KVTransferError) as refused:
+            await sender.connect(receiver.address())
+        return refused.value
+    finally:
+        await sender.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_wrong_token_and_layout_are_refused(transport: str, no_leaks: None) -> None:
     async def main() -> None:
         config = fast_config(transport)
         receiver = await start_receiver(config, LAYOUT_F32, 16)
-        plan = [{"xfer": "x", "gen": 1, "src": [[[0]]], "dst": [[[0]]]}]
         future = receiver.expect("x", [_r([0])], 1)
         bad_token = fast_config(transport, token="not-the-token")
-        peers = [await PeerProcess(spec("sender", cfg, lay, 4, plan,
-                                        address=receiver.address())).start()
-                 for cfg, lay in ((bad_token, LAYOUT_F32), (config, LAYOUT_BF16))]
         try:
-            auth, layout = [await p.line() for p in peers]
-            assert (auth["connect"], auth["kind"]) == (False, "auth")
-            assert (layout["connect"], layout["kind"]) == (False, "layout")
-            assert "dtype" in layout["message"]
+            auth = await refusal(receiver, bad_token, LAYOUT_F32)
+            layout = await refusal(receiver, config, LAYOUT_BF16)
+            assert isinstance(auth, AuthError) and isinstance(layout, LayoutMismatch)
+            assert "dtype" in str(layout)
             m = receiver.metrics
             assert m.value("splitserve:kv_transfer_handshakes_refused_total",
                            reason="auth") == 1
@@ -169,8 +179,6 @@ def test_wrong_token_and_layout_are_refused(transport: str, no_leaks: None) -> N
                            reason="layout") == 1
             assert not future.done() and not receiver.kv.tensor.any()
         finally:
-            for p in peers:
-                await p.aclose()
             await receiver.close()
 
     asyncio.run(main())
@@ -254,17 +262,13 @@ def test_fp8_and_bf16_peers_are_refused(transport: str, no_leaks: None) -> None:
     async def main() -> None:
         config = fast_config(transport)
         receiver = await start_receiver(config, LAYOUT_BF16, 16)
-        plan = [{"xfer": "x", "gen": 1, "src": [[[0]]], "dst": [[[0]]]}]
-        future = receiver.expect("x", [_r([0])], 1, lease_s=120)
-        peer = await PeerProcess(spec("sender", config, LAYOUT_FP8, 4, plan,
-                                      address=receiver.address())).start()
+        future = receiver.expect("x", [_r([0])], 1)
         try:
-            refused = await peer.line()
-            assert (refused["connect"], refused["kind"]) == (False, "layout")
-            assert "float8_e4m3fn" in refused["message"] and "bfloat16" in refused["message"]
+            refused = await refusal(receiver, config, LAYOUT_FP8)
+            assert isinstance(refused, LayoutMismatch)
+            assert "float8_e4m3fn" in str(refused) and "bfloat16" in str(refused)
             assert not future.done() and not receiver.kv.tensor.any()
         finally:
-            await peer.aclose()
             await receiver.close()
 
     asyncio.run(main())
@@ -281,20 +285,15 @@ def test_latent_and_kv_layouts_of_equal_size_are_refused(transport: str,
     async def main() -> None:
         config = fast_config(transport)
         receiver = await start_receiver(config, LAYOUT_MLA, 16)
-        plan = [{"xfer": "x", "gen": 1, "src": [[[0]]], "dst": [[[0]]]}]
-        # a lease longer than a slow peer start: the transfer is still waiting at the end
-        future = receiver.expect("x", [_r([0])], 1, lease_s=120)
-        peer = await PeerProcess(spec("sender", config, LAYOUT_F32, 4, plan,
-                                      address=receiver.address())).start()
+        future = receiver.expect("x", [_r([0])], 1)
         try:
-            refused = await peer.line()
-            assert (refused["connect"], refused["kind"]) == (False, "layout")
-            assert "mla_latent_v1" in refused["message"]
+            refused = await refusal(receiver, config, LAYOUT_F32)
+            assert isinstance(refused, LayoutMismatch)
+            assert "mla_latent_v1" in str(refused)
             assert receiver.metrics.value("splitserve:kv_transfer_handshakes_refused_total",
                                           reason="layout") == 1
             assert not future.done() and not receiver.kv.tensor.any()
         finally:
-            await peer.aclose()
             await receiver.close()
 
     asyncio.run(main())

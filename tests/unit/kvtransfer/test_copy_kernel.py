@@ -144,7 +144,7 @@ def test_the_host_movers_copy_is_a_ready_that_completes_when_the_bytes_landed() 
     layout = LAYOUT_BF16
     src, dst = cache(layout, 6, 8), torch.zeros(layout.tensor_shape(6), dtype=torch.bfloat16)
     kv = RegisteredKV(src, layout)
-    mover = HostMover()
+    mover = HostMover(inline_bytes=0)  # on its copy thread (a small copy runs inline)
     target = mover.open({"pid": os.getpid(), "address": dst.data_ptr(),
                          "nbytes": as_bytes(dst).numel()}, kv)
 

@@ -150,8 +150,9 @@ def test_auto_takes_the_ipc_path_exactly_when_the_sender_can_map_the_cache() -> 
 
 def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
     """Many one-block writes of one transfer (the host mover: copies on their own
-    thread, each notice sent once its copy completed), then finish: every block lands
-    bit-exact; a copy that fails (the peer's memory gone) fails the transfer."""
+    thread, none inline here, each notice sent once its copy completed), then finish:
+    every block lands bit-exact; a copy that fails (the peer's memory gone) fails the
+    transfer."""
     import os
 
     async def main() -> None:
@@ -160,6 +161,7 @@ def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
         sender = start_sender(config, LAYOUT_BF16, 16, seed=3)
         try:
             peer = await sender.connect(receiver.address())
+            sender._mover.inline_bytes = 0
             src, dst = list(range(16)), random.Random(5).sample(range(32), 16)
             landed = receiver.expect("x", [Region(d) for d in dst], 1)
             await sender.begin(peer, [Region(d) for d in dst], "x", 1)

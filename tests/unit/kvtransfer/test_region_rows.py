@@ -99,9 +99,10 @@ def test_rows_near_int64_max_lie_outside_the_cache() -> None:
     """block + num_blocks would wrap around in int64: the bound holds without adding."""
     big = 2**63 - 1
     for row in ([big, 0, 4, 1, 0, 0, 2], [1, 0, 4, 2**62, 0, 0, 2]):
-        rows = np.array([row] * (rr.FEW + 1), dtype=np.int64)
-        with pytest.raises(ValueError):
-            rr.check_rows(rows, LAYOUT, BLOCKS, 1)
+        for count in (1, rr.FEW, rr.FEW + 1):  # on plain ints, and with numpy
+            rows = np.array([row] * count, dtype=np.int64)
+            with pytest.raises(ValueError):
+                rr.check_rows(rows, LAYOUT, BLOCKS, 1)
 
 
 def test_block_coalescing_matches_coalesce() -> None:
@@ -200,7 +201,6 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
     from kvtransfer.config import TransferConfig
     from kvtransfer.errors import KVTransferError, PeerUnavailable
-    from kvtransfer.grants import COPY_BUDGET_S
     from kvtransfer.inplace import InPlaceReceiver
     from kvtransfer.receiver import Conn, ReceiverBase
 
@@ -208,8 +208,9 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
         name = "shm"  # the in-place receiver's bookkeeping alone, no segment
 
     async def main() -> None:
+        # a short copy budget: the bound is 0.5 + 0.2 + 0.5 s past the last frame
         r = Receiver(TransferConfig(transport="shm", token="x", lease_s=1.0,
-                                    io_timeout_s=0.5, heartbeat_s=0.1))
+                                    io_timeout_s=0.5, heartbeat_s=0.1, copy_budget_s=0.2))
         ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
                               LAYOUT)
         done = r.expect("x1", [Region(b) for b in range(4)], 1)
@@ -235,7 +236,7 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
             await asyncio.sleep(0.5)
             assert not done.done(), "blocks freed before the grant's bound"
             with pytest.raises(KVTransferError):
-                await asyncio.wait_for(done, 2.0 + COPY_BUDGET_S)
+                await asyncio.wait_for(done, 2.0 + r.config.copy_budget_s)
             assert "x1" not in r.table._live
             r.expect("x2", [Region(0)], 1)  # block 0 is free to expect again
         finally:

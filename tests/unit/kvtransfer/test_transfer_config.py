@@ -1,5 +1,5 @@
 """TransferConfig's copy budget: the grants' default, positive, the same on both sides
-(a peer process gets the config as a dict)."""
+(a peer process gets the config as a dict); a grant's ttl longer than the heartbeat."""
 
 from __future__ import annotations
 
@@ -18,3 +18,13 @@ def test_the_copy_budget_defaults_to_the_grants_and_must_be_positive() -> None:
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="copy_budget_s must be positive"):
             TransferConfig(token="t", copy_budget_s=bad)
+
+
+def test_a_grant_ttl_within_one_heartbeat_is_refused() -> None:
+    """io_timeout_s is an in-place grant's ttl past the newest answered PING: one no
+    longer than the time between PINGs would lapse while every PING is answered."""
+    TransferConfig(token="t", io_timeout_s=0.5, heartbeat_s=0.2, liveness_timeout_s=1.0)
+    for ttl in (0.2, 0.1):
+        with pytest.raises(ValueError, match="io_timeout_s must exceed heartbeat_s"):
+            TransferConfig(token="t", io_timeout_s=ttl, heartbeat_s=0.2,
+                           liveness_timeout_s=1.0)

@@ -1,0 +1,193 @@
+"""What a small hand-off does on its way, per transport: the frames and hops it takes
+(`bench transfer --handoffs` measures what they cost). A verdict goes out from the
+frame loop that resolved it; a tcp writer sends no FINISH and is answered even when its
+write is dropped; shm copies through views made once per connection; cuda_ipc's host
+mover copies a small chunk on the sender's loop and a large one on its copy thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer import Region, TransferCancelled
+from kvtransfer.cuda_ipc import INLINE_COPY_BYTES, HostMover
+from kvtransfer.memory import FutureReady
+from tests.integration.kvtransfer_util import (
+    LAYOUT_BF16,
+    fast_config,
+    start_receiver,
+    start_sender,
+)
+from tests.integration.test_kvtransfer_transports import no_leaks  # noqa: F401
+
+SRC, DST = [1, 2, 3], [9, 4, 12]
+
+
+def _spied(receiver: Any) -> tuple[list[str], list[int]]:
+    """Records the coroutines the receiver spawns and counts the FINISH frames it takes."""
+    spawned: list[str] = []
+    finishes = [0]
+    spawn, on_finish = receiver._spawn, receiver._on_finish
+
+    def spy_spawn(coro: Any) -> Any:
+        spawned.append(coro.__qualname__)
+        return spawn(coro)
+
+    async def spy_finish(conn: Any, msg: dict[str, Any]) -> None:
+        finishes[0] += 1
+        await on_finish(conn, msg)
+
+    receiver._spawn, receiver._on_finish = spy_spawn, spy_finish
+    return spawned, finishes
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "cuda_ipc"])
+def test_a_hand_off_is_answered_by_the_frame_that_ends_it(
+        transport: str, no_leaks: None) -> None:  # noqa: F811
+    """The verdict goes out from the receiving frame loop (no task spawned for it); no
+    FINISH crosses the wire (tcp: its WRITE frames are answered; in-place: the grant
+    makes the sender a writer); the blocks land bit-exact."""
+
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=4)
+        try:
+            peer = await sender.connect(receiver.address())
+            spawned, finishes = _spied(receiver)
+            for i in range(3):
+                landed = receiver.expect(f"x{i}", [Region(d) for d in DST], 1)
+                await sender.begin(peer, [Region(d) for d in DST], f"x{i}", 1)
+                await sender.write(peer, [Region(s) for s in SRC], [Region(d) for d in DST],
+                                   f"x{i}", 1)
+                await sender.finish(peer, f"x{i}", 1, timeout_s=5)
+                await asyncio.wait_for(landed, 5)
+            assert finishes == [0]
+            assert "ReceiverBase._send_quietly" not in spawned
+            got = receiver.kv.tensor[DST].view(torch.uint8)
+            assert torch.equal(got, sender.kv.tensor[SRC].view(torch.uint8))
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish(
+        no_leaks: None) -> None:  # noqa: F811
+    """A WRITE frame the receiver drops (its transfer cancelled there) is answered with
+    the verdict, as a FINISH would be: the sender's finish raises TransferCancelled
+    rather than waiting out its deadline."""
+
+    async def main() -> None:
+        config = fast_config("tcp")
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=4)
+        try:
+            peer = await sender.connect(receiver.address())
+            _, finishes = _spied(receiver)
+            failed = receiver.expect("gone", [Region(d) for d in DST], 1)
+            assert receiver.cancel("gone", "client went away")
+            with pytest.raises(TransferCancelled):
+                await failed
+            await sender.write(peer, [Region(s) for s in SRC], [Region(d) for d in DST],
+                               "gone", 1)
+            with pytest.raises(TransferCancelled):
+                await sender.finish(peer, "gone", 1, timeout_s=30)
+            assert finishes == [1]  # the dropped WRITE, answered as a FINISH
+            assert not receiver.kv.tensor[DST].view(torch.uint8).any()
+            landed = receiver.expect("next", [Region(0)], 1)  # the connection is intact
+            await sender.write(peer, [Region(0)], [Region(0)], "next", 1)
+            await sender.finish(peer, "next", 1, timeout_s=5)
+            await asyncio.wait_for(landed, 5)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
+        no_leaks: None, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Writes of a few regions and of many make no byte view of the mapped segment;
+    disconnect closes the mappings (no export left holding them)."""
+    import kvtransfer.shm as shm
+
+    async def main() -> None:
+        config = fast_config("shm")
+        receiver = await start_receiver(config, LAYOUT_BF16, 64)
+        sender = start_sender(config, LAYOUT_BF16, 32, seed=6)
+        try:
+            peer = await sender.connect(receiver.address())
+            maps = peer.state[0]
+            made = [0]
+            host_bytes = shm.host_bytes
+
+            def counted(t: torch.Tensor) -> memoryview:
+                made[0] += 1
+                return host_bytes(t)
+
+            monkeypatch.setattr(shm, "host_bytes", counted)
+            for name, src, dst in (("few", SRC, DST),
+                                   ("many", list(range(20)), list(range(63, 23, -2)))):
+                landed = receiver.expect(name, [Region(d) for d in dst], 1)
+                await sender.begin(peer, [Region(d) for d in dst], name, 1)
+                await sender.write(peer, [Region(s) for s in src], [Region(d) for d in dst],
+                                   name, 1)
+                await sender.finish(peer, name, 1, timeout_s=5)
+                await asyncio.wait_for(landed, 5)
+                got = receiver.kv.tensor[dst].view(torch.uint8)
+                assert torch.equal(got, sender.kv.tensor[src].view(torch.uint8))
+            assert made == [0]
+            await sender.disconnect(peer)
+            assert all(m.closed for m in maps)
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its_thread(
+        ) -> None:
+    """A chunk of at most `inline_bytes` with no copy queued lands before `copy` returns
+    (None: nothing to wait for); a larger one, or one behind a queued copy, goes to the
+    copy thread, in order (a FutureReady)."""
+    from kvtransfer.memory import RegisteredKV
+
+    layout = LAYOUT_BF16
+    src = RegisteredKV(torch.arange(16 * layout.block_bytes // 2, dtype=torch.int16)
+                       .view(torch.bfloat16).view(layout.tensor_shape(16)), layout)
+    dst = RegisteredKV(torch.zeros(layout.tensor_shape(16), dtype=torch.bfloat16), layout)
+    mover = HostMover(inline_bytes=2 * layout.block_bytes)
+    assert HostMover().inline_bytes == INLINE_COPY_BYTES
+    there = mover.open(mover.export(dst), src)
+    far = 1e18  # the grant's start bound: not reached
+
+    def landed(pairs: list[tuple[int, int]]) -> bool:
+        return all(torch.equal(dst.tensor[d], src.tensor[s]) for s, d in pairs)
+
+    async def main() -> None:
+        small = await mover.copy(src, there, [(Region(1, num_blocks=2), Region(5, num_blocks=2))],
+                                 far, None)
+        assert small is None and landed([(1, 5), (2, 6)])
+        large = await mover.copy(src, there, [(Region(3, num_blocks=3), Region(8, num_blocks=3))],
+                                 far, None)
+        assert isinstance(large, FutureReady)
+        large.synchronize()
+        assert landed([(3, 8), (4, 9), (5, 10)])
+        gate = threading.Event()
+        blocker = mover._pool.submit(gate.wait, 10)
+        mover._last = blocker  # a copy queued on the thread, not done
+        queued = await mover.copy(src, there, [(Region(0), Region(0))], far, None)
+        assert isinstance(queued, FutureReady) and not landed([(0, 0)])
+        gate.set()
+        queued.synchronize()
+        assert landed([(0, 0)])
+        mover.close([])
+
+    asyncio.run(main())
