@@ -7,13 +7,15 @@ mover copies a small chunk on the sender's loop and a large one on its copy thre
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from kvtransfer import Region, TransferCancelled
+from kvtransfer import PeerUnavailable, Region, TransferCancelled
 from kvtransfer.cuda_ipc import INLINE_COPY_BYTES, HostMover
 from kvtransfer.memory import FutureReady
 from tests.integration.kvtransfer_util import (
@@ -114,7 +116,9 @@ def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish(
 def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
         no_leaks: None, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Writes of a few regions and of many make no byte view of the mapped segment;
-    disconnect closes the mappings (no export left holding them)."""
+    disconnect lets the views go (releasing them) before it closes the mappings, and a
+    copy whose source became ready after the disconnect raises PeerUnavailable instead
+    of writing through an unmapped segment."""
     import kvtransfer.shm as shm
 
     async def main() -> None:
@@ -143,8 +147,18 @@ def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
                 got = receiver.kv.tensor[dst].view(torch.uint8)
                 assert torch.equal(got, sender.kv.tensor[src].view(torch.uint8))
             assert made == [0]
+            views = peer.state[3]
+            source = concurrent.futures.Future[None]()
+            pending = asyncio.create_task(sender._copy(
+                peer, [(Region(0), Region(0))], time.monotonic() + 30, FutureReady(source)))
+            await asyncio.sleep(0)  # the copy waits for its source
             await sender.disconnect(peer)
-            assert all(m.closed for m in maps)
+            source.set_result(None)
+            with pytest.raises(PeerUnavailable):
+                await asyncio.wait_for(pending, 5)
+            assert peer.state is None and all(m.closed for m in maps)
+            with pytest.raises(ValueError):  # released: a write raises, it cannot fault
+                views[0][0:1] = b"x"
         finally:
             await sender.close()
             await receiver.close()
