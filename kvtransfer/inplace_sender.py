@@ -114,7 +114,7 @@ class InPlaceSender(SenderBase):
                 raise
             grants.add(held.cells, want)
             # granted: we are a writer of the transfer, whose verdict comes to us unasked
-            self._outgoing(peer, xfer_id, generation).answered = True
+            self._answered(peer, xfer_id, generation)
             if first:
                 held.granted.set_result(None)
         return held

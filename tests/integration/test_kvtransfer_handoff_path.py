@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtransfer import PeerUnavailable, Region, TransferCancelled
+from kvtransfer import PeerUnavailable, Region, TransferCancelled, wire
 from kvtransfer.cuda_ipc import INLINE_COPY_BYTES, HostMover
 from kvtransfer.memory import FutureReady
 from tests.integration.kvtransfer_util import (
@@ -203,5 +204,45 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
         queued.synchronize()
         assert landed([(0, 0)])
         mover.close([])
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(
+        transport: str, no_leaks: None) -> None:  # noqa: F811
+    """A cancel that lands while a WRITE waits for its source (tcp) or a begin waits for
+    its GRANT (shm) ends the transfer: the frame's answer re-creates no entry for it."""
+
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=7)
+        try:
+            peer = await sender.connect(receiver.address())
+            dst = [Region(d) for d in DST]
+            landed = receiver.expect("gone", dst, 1)
+            if transport == "tcp":
+                source = concurrent.futures.Future[None]()
+                pending = asyncio.create_task(sender.write(
+                    peer, [Region(s) for s in SRC], dst, "gone", 1, ready=FutureReady(source)))
+            else:
+                pending = asyncio.create_task(sender.begin(peer, dst, "gone", 1))
+            async with wire.deadline(5):  # the write waits for its source, the begin for
+                await asyncio.sleep(0)    # a GRANT
+                while transport == "shm" and not peer.replies:
+                    await asyncio.sleep(0.001)
+            assert "gone" in peer.outgoing
+            await sender.cancel(peer, "gone", 1)
+            if transport == "tcp":
+                source.set_result(None)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(pending, 5)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(landed, 5)  # the receiver fenced it
+            assert "gone" not in peer.outgoing
+        finally:
+            await sender.close()
+            await receiver.close()
 
     asyncio.run(main())
