@@ -17,6 +17,7 @@ from kvtransfer import grants, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import (
     KVTransferError,
+    PeerUnavailable,
     ProtocolError,
     TransferCancelled,
     TransferTimeout,
@@ -180,6 +181,11 @@ class InPlaceSender(SenderBase):
             if time.monotonic() >= _reuse_bound(peer, held, self.config.copy_budget_s):
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
+        except PeerUnavailable as e:
+            # a copy that faulted on the peer's memory (on this loop, or done on its
+            # thread) fails the peer as `_flush` does for one it waited for
+            self._fail_peer(peer, e)
+            raise
         finally:
             if deferred:
                 pass

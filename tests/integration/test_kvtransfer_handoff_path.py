@@ -246,3 +246,36 @@ def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(
             await receiver.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(
+        inline: bool, no_leaks: None) -> None:  # noqa: F811
+    """process_vm_writev into memory the receiver no longer has (here: an address
+    nothing maps) fails the peer, whether the copy ran on the sender's loop (a small
+    chunk) or on the mover's thread."""
+
+    async def main() -> None:
+        config = fast_config("cuda_ipc")
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=8)
+        try:
+            peer = await sender.connect(receiver.address())
+            sender._mover.inline_bytes = INLINE_COPY_BYTES if inline else 0
+            pid, _, blocks = peer.state
+            peer.state = (pid, 4096, blocks)  # the zero page's neighbour: never mapped
+            dst = [Region(d) for d in DST]
+            landed = receiver.expect("fault", dst, 1)
+            await sender.begin(peer, dst, "fault", 1)
+            with contextlib.suppress(PeerUnavailable):  # inline: raised by the write
+                await sender.write(peer, [Region(s) for s in SRC], dst, "fault", 1)
+            with pytest.raises(PeerUnavailable):
+                await sender.finish(peer, "fault", 1, timeout_s=5)
+            assert isinstance(peer.error, PeerUnavailable)
+            assert "process_vm_writev" in str(peer.error)
+            landed.cancel()
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
