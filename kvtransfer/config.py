@@ -78,10 +78,11 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive")
         if self.liveness_timeout_s <= self.heartbeat_s:
             raise ValueError("liveness_timeout_s must exceed heartbeat_s")
-        if self.io_timeout_s <= self.heartbeat_s:
-            # an in-place grant holds io_timeout_s past the newest PING answered: one
-            # no longer than the time between PINGs lapses while they are answered
-            raise ValueError("io_timeout_s must exceed heartbeat_s")
+        if self.io_timeout_s < 2 * self.heartbeat_s:
+            # an in-place grant holds io_timeout_s past the newest PING answered: it
+            # must outlast the time between PINGs plus a PING's round trip, which on a
+            # loaded host can take most of another interval
+            raise ValueError("io_timeout_s must be at least twice heartbeat_s")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if not 1 <= self.ucx_lanes <= 8:
