@@ -33,8 +33,9 @@ class TransferConfig:
     lease_s: how long a receiver keeps destination blocks waiting (vLLM: 30 s).
     io_timeout_s: deadline of every single network call (connect, send, reply).
     liveness_timeout_s: a peer silent for this long (no frame, not even a
-        heartbeat every heartbeat_s) is declared unavailable. Both it and io_timeout_s
-        (an in-place grant's ttl past the newest answered PING) exceed heartbeat_s.
+        heartbeat every heartbeat_s) is declared unavailable; it exceeds heartbeat_s,
+        and io_timeout_s (an in-place grant's ttl past the newest answered PING) is
+        at least twice heartbeat_s.
     copy_budget_s: how long past a grant's start bound a copy the sender started may
         still write (`grants.COPY_BUDGET_S`, the default); the receiver reuses a revoked
         grant's cells only past the bound, this budget and a margin. Sender and receiver
