@@ -178,13 +178,15 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
     src = RegisteredKV(torch.arange(16 * layout.block_bytes // 2, dtype=torch.int16)
                        .view(torch.bfloat16).view(layout.tensor_shape(16)), layout)
     dst = RegisteredKV(torch.zeros(layout.tensor_shape(16), dtype=torch.bfloat16), layout)
-    mover = HostMover(inline_bytes=2 * layout.block_bytes)
     assert HostMover().inline_bytes == INLINE_COPY_BYTES
+    mover = HostMover(inline_bytes=2 * layout.block_bytes)
     there = mover.open(mover.export(dst), src)
     far = 1e18  # the grant's start bound: not reached
 
     def landed(pairs: list[tuple[int, int]]) -> bool:
         return all(torch.equal(dst.tensor[d], src.tensor[s]) for s, d in pairs)
+
+    gate = threading.Event()
 
     async def main() -> None:
         small = await mover.copy(src, there, [(Region(1, num_blocks=2), Region(5, num_blocks=2))],
@@ -195,7 +197,6 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
         assert isinstance(large, FutureReady)
         large.synchronize()
         assert landed([(3, 8), (4, 9), (5, 10)])
-        gate = threading.Event()
         blocker = mover._pool.submit(gate.wait, 10)
         mover._last = blocker  # a copy queued on the thread, not done
         queued = await mover.copy(src, there, [(Region(0), Region(0))], far, None)
@@ -203,9 +204,12 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
         gate.set()
         queued.synchronize()
         assert landed([(0, 0)])
-        mover.close([])
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()  # a failed check leaves no copy thread waiting on it
+        mover.close([])
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
