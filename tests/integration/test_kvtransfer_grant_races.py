@@ -25,6 +25,7 @@ import torch
 from kvtransfer import PeerUnavailable, Region, TransferCancelled, TransferTimeout, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.inplace import _GRANT_MARGIN_S
+from kvtransfer.inplace_sender import _reuse_bound
 from kvtransfer.memory import wait_ready
 from kvtransfer.wire import Frame
 from tests.integration.kvtransfer_util import (
@@ -129,6 +130,39 @@ def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(
             await asyncio.wait_for(again, 5)
             assert torch.equal(r.kv.tensor[5], s.kv.tensor[2])
             r.table.check_integrity()
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.event.set()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", IN_PLACE)
+def test_a_revoked_grants_bound_on_the_sender_stops_moving_with_pings(
+        transport: str, no_leaks: None) -> None:  # noqa: F811
+    """After a REVOKE the receiver's bound no longer moves; nor does the sender's (the
+    one a late copy is judged by), while PINGs go on answered."""
+    gate = Gate()
+
+    async def main() -> None:
+        async with connected(config(transport), LAYOUT_F32, 16, 8, seed=28) as (r, s, peer):
+            landed = r.expect("x", [Region(5)], 1, lease_s=60.0)
+            await s.begin(peer, [Region(5)], "x", 1)
+            held = peer.grants[("x", 1)]
+            write = asyncio.create_task(s.write(peer, [Region(0)], [Region(5)], "x", 1,
+                                                ready=gate, timeout_s=30.0))
+            await until(lambda: held.inflight == 1)
+            assert r.cancel("x")
+            await until(lambda: held.revoked)
+            at = peer.vouched
+            await until(lambda: peer.vouched > at)  # a PING answered after the REVOKE
+            assert _reuse_bound(peer, held, BUDGET) <= at + held.ttl + BUDGET
+            gate.event.set()
+            with contextlib.suppress(TransferCancelled, TransferTimeout):
+                await asyncio.wait_for(write, 10)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(landed, BOUND + 5)
 
     try:
         asyncio.run(main())
