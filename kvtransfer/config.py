@@ -25,6 +25,9 @@ HOST_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
 CUDA_UCX_OPTIONS: tuple[tuple[str, str], ...] = (("RNDV_THRESH", "8192"),)
 
 
+INLINE_COPY_BYTES = 1 << 20  # `TransferConfig.inline_copy_bytes`'s default
+
+
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Settings shared by the sender and receiver of one transport.
@@ -65,6 +68,9 @@ class TransferConfig:
     # more is split, so that several cross-memory-attach copies run at once (one
     # process_vm_writev stream tops out at ~4.3 GB/s here, two reach ~7).
     ucx_lanes: int = 2
+    # cuda_ipc on host caches: a chunk of at most this many bytes is copied on the
+    # sender's event loop, a larger one on the host mover's copy thread (`HostMover`)
+    inline_copy_bytes: int = INLINE_COPY_BYTES
     # Testing: seeded faults the tcp sender injects on its WRITE frames (None: off).
     faults: FaultSpec | None = None
 
@@ -86,6 +92,8 @@ class TransferConfig:
             raise ValueError("io_timeout_s must be at least twice heartbeat_s")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
+        if self.inline_copy_bytes < 0:
+            raise ValueError("inline_copy_bytes must be >= 0")
         if not 1 <= self.ucx_lanes <= 8:
             raise ValueError("ucx_lanes must be in [1, 8]")
         if self.socket_buffer_bytes < 65536:

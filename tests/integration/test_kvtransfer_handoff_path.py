@@ -260,12 +260,11 @@ def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(
     chunk) or on the mover's thread."""
 
     async def main() -> None:
-        config = fast_config("cuda_ipc")
+        config = fast_config("cuda_ipc", inline_copy_bytes=INLINE_COPY_BYTES if inline else 0)
         receiver = await start_receiver(config, LAYOUT_BF16, 16)
         sender = start_sender(config, LAYOUT_BF16, 8, seed=8)
         try:
             peer = await sender.connect(receiver.address())
-            sender._mover.inline_bytes = INLINE_COPY_BYTES if inline else 0
             pid, _, blocks = peer.state
             peer.state = (pid, 4096, blocks)  # the zero page's neighbour: never mapped
             dst = [Region(d) for d in DST]

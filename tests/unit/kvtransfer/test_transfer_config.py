@@ -28,3 +28,9 @@ def test_a_grant_ttl_within_two_heartbeats_is_refused() -> None:
         with pytest.raises(ValueError, match="io_timeout_s must be at least twice heartbeat_s"):
             TransferConfig(token="t", io_timeout_s=ttl, heartbeat_s=0.2,
                            liveness_timeout_s=1.0)
+
+
+def test_a_negative_inline_copy_size_is_refused() -> None:
+    assert TransferConfig(token="t", inline_copy_bytes=0).inline_copy_bytes == 0
+    with pytest.raises(ValueError, match="inline_copy_bytes"):
+        TransferConfig(token="t", inline_copy_bytes=-1)
