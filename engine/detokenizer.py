@@ -57,25 +57,12 @@ class IncrementalDetokenizer:
         p, r = self._prefix_offset, self._read_offset
         tok, skip = self._tok, self._skip
         prefix = tok.piece(ids[p], skip) if r - p == 1 else tok.decode(ids[p:r], skip)
-        self._apply(prefix, tok.decode(ids[p:], skip))
-
-    def skip(self, token_ids: Sequence[int]) -> None:
-        """Adds tokens whose text an earlier stream of this request already showed
-        (fail-over): the text holds them (stop strings see it whole), and what a stream
-        would have returned by now is marked returned, so the next delta continues
-        exactly where that stream left off."""
-        self.add(token_ids)
-        self.take_delta()
-
-    def _apply(self, prefix: str, full: str) -> None:
-        """Takes the decoded ids from the prefix offset: those before the read offset
-        (`prefix`, the joining context) and all of them (`full`): new text, offsets,
-        stop strings."""
+        full = tok.decode(ids[p:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for more bytes
         start = len(self.text)
         self.text += full[len(prefix):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = r, len(ids)
         if self._stop:
             # Search only where a stop string could newly end.
             lo = max(0, start - max(len(s) for s in self._stop) + 1)
@@ -84,6 +71,14 @@ class IncrementalDetokenizer:
                 i, s = min(hits)
                 self.text = self.text[:i + len(s) if self._include else i]
                 self.stopped, self.stop_str = True, s
+
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Adds tokens whose text an earlier stream of this request already showed
+        (fail-over): the text holds them (stop strings see it whole), and what a stream
+        would have returned by now is marked returned, so the next delta continues
+        exactly where that stream left off."""
+        self.add(token_ids)
+        self.take_delta()
 
     def take_delta(self, final: bool = False) -> str:
         """The text not yet returned that may be shown now (all of it when final)."""
