@@ -76,8 +76,8 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """A long list is decoded with the GIL released (`decode_batch`; a lone `decode`
         holds it: 600k ids ~0.1 s); a short one, the common case, the direct way."""
-        if len(token_ids) < _LONG_DECODE:
-            return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+        if len(token_ids) < _LONG_DECODE:  # (positional: a keyword costs the call ~10%)
+            return str(self._tok.decode(token_ids, skip_special_tokens))
         return str(self._tok.decode_batch([list(token_ids)],
                                           skip_special_tokens=skip_special_tokens)[0])
 
