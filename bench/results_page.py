@@ -101,8 +101,8 @@ def render(results_dir: str) -> str:
     if sim:
         lines += ["## The simulator at cluster scale", "",
                   "`splitserve sim experiment NAME` replays the Mooncake conversation trace "
-                  "on simulated GPUs ([simulator.md](simulator.md)); the commands below reproduce each "
-                  "report into `docs/results/`.", ""]
+                  "on simulated GPUs ([simulator.md](simulator.md)); the commands below "
+                  "reproduce each report into `docs/results/`.", ""]
         for path in sim:
             # (a simulator report's summary holds its answers; its phases are in the JSON)
             lines += _section(load(path) or {}, path, _sim_command, with_phases=False)
@@ -143,7 +143,8 @@ def _section(data: dict[str, Any], path: str, command: Callable[[dict[str, Any]]
              "```bash", command(data), "```", "",
              "| figure | value |", "|---|---|"]
     for k, v in data.get("summary", {}).items():
-        lines.append(f"| `{k}` | {v:.4g} |" if isinstance(v, float) else f"| `{k}` | {v} |")
+        text = "n/s" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+        lines.append(f"| `{k}` | {text} |")  # n/s: not significant (within its noise)
     lines.append("")
     for table in data.get("tables", []):
         lines += [*table, ""]
@@ -192,9 +193,10 @@ work), device time the time inside those ops, host time the rest.
 copy, tcp's sends; on CUDA at least the device time of what the hand-off launched), \
 `fixed` the wall less the copy; a round trip is a frame the sender waits a reply to \
 (the verdict per hand-off for every transport, sent unasked to each writer: tcp's WRITE \
-frames and an in-place transport's grant make the sender one; none per chunk: the in-place transports `shm`, \
-`cuda_ipc`, `ucx` ask for their write grant once, as the transfer begins, before the \
-hand-off's first write), a notice one it does not (WRITTEN per chunk); `finish wait` \
+frames and an in-place transport's grant make the sender one; none per chunk: the \
+in-place transports `shm`, `cuda_ipc`, `ucx` ask for their write grant once, as the \
+transfer begins, before the hand-off's first write), a notice one it does not \
+(WRITTEN per chunk); `finish wait` \
 the time from `finish` to the receiver's verdict.
 - Every figure is taken under the profiler, which adds its own cost to each op it \
 records: host times most."""

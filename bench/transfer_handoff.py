@@ -15,7 +15,9 @@ Summary (`--json`): `copy_gbps`, `<transport>_gbps` (bandwidth of the largest
 scattered hand-off), `<transport>_fixed_us` (latency of the smallest hand-off beyond
 its bytes at that bandwidth), `<transport>_region_us` (what one more region costs: the
 largest hand-off scattered, one region per block, against the same bytes contiguous, one
-region, per extra region), per transport `<transport>_vs_copy`. The JSON also carries
+region, per extra region; null, "n/s" on the page, when that excess is within the noise of
+the two medians), per transport `<transport>_vs_copy`. `copy_gbps` is the median of
+the in-process copy measured before, between and after the transports' runs. The JSON also carries
 the machine, the date and the tables `docs/benchmarks.md` shows (copied to
 `docs/results/transfer-handoff.json`, it is that page's host section). Targets on an H100 /
 H200: cuda_ipc >= 0.6x the copy and <= 150 µs fixed (issue 55), ucx >= 0.3x the copy. On CUDA
@@ -30,6 +32,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import random
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -58,6 +61,7 @@ class Row:
     handoffs: int
     p50_ms: float
     gbps: float
+    iqr_ms: float = 0.0  # interquartile range of the hand-offs' times: their noise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,9 +86,14 @@ def run(args: argparse.Namespace) -> int:
     pool = 2 * max(blocks) + 8
     transports = (args.handoff_transports or ("cuda_ipc,ucx" if cuda
                                                else "ucx,cuda_ipc,shm,tcp")).split(",")
-    copy = measure_copy(args.device, layout, pool, blocks, args.repeats)
-    rows = [r for t in transports for r in asyncio.run(
-        bench(t.strip(), args.device, layout, pool, tokens, args.repeats))]
+    # the copy baseline before, between and after the transports' runs: its median
+    # holds up against the host's load changing over the run
+    copies = [measure_copy(args.device, layout, pool, blocks, args.repeats)]
+    rows: list[Row] = []
+    for t in transports:
+        rows += asyncio.run(bench(t.strip(), args.device, layout, pool, tokens, args.repeats))
+        copies.append(measure_copy(args.device, layout, pool, blocks, args.repeats))
+    copy = {k: statistics.median(c[k] for c in copies) for k in copies[0]}
     summary = summarize(rows, copy, tokens, layout.block_size)
     report(rows, copy, summary, layout)
     if args.json:
@@ -125,7 +134,7 @@ def page_fields(args: argparse.Namespace, rows: list[Row], layout: Any) -> dict[
                       f"at a time, p50 of {args.repeats}; a scattered hand-off is one region "
                       "per block. fixed_us: the smallest hand-off's latency beyond its bytes; "
                       "region_us: the largest hand-off scattered against contiguous, per "
-                      "extra region."]}
+                      "extra region; n/s: within the noise of the two medians."]}
 
 
 def describe(device: str) -> str:
@@ -240,7 +249,8 @@ async def bench(transport: str, device: str, layout: Any, pool: int, tokens: lis
                     times.append(reply[1])
                 p50 = sorted(times)[len(times) // 2]
                 rows.append(Row(transport, mode, t, nblocks * layout.block_bytes, repeats,
-                                p50 * 1e3, nblocks * layout.block_bytes / p50 / 1e9))
+                                p50 * 1e3, nblocks * layout.block_bytes / p50 / 1e9,
+                                iqr_ms(times)))
                 print(f"  {_fmt(rows[-1])}", flush=True)
         conn.send(("stop",))
         proc.join(30)
@@ -351,14 +361,34 @@ def summarize(rows: list[Row], copy: dict[str, float], tokens: list[int],
         whole = mine[("contiguous", max(tokens))]
         regions = -(-max(tokens) // block_size)  # scattered: one per block
         if regions > 1:
-            summary[f"{transport}_region_us"] = \
-                (big.p50_ms - whole.p50_ms) * 1e3 / (regions - 1)
+            summary[f"{transport}_region_us"] = region_us(big, whole, regions)
         if transport in TARGETS:
             summary[f"{transport}_target_met"] = big.gbps / copy["gbps"] >= TARGETS[transport]
         if transport in FIXED_TARGETS_US:
             summary[f"{transport}_fixed_target_met"] = \
                 summary[f"{transport}_fixed_us"] <= FIXED_TARGETS_US[transport]
     return summary
+
+
+def iqr_ms(times: list[float]) -> float:
+    """Interquartile range of hand-off times in seconds, in ms (0 under 2 samples)."""
+    if len(times) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) * 1e3
+
+
+def region_us(scattered: Row, contiguous: Row, regions: int) -> float | None:
+    """µs one more region costs: the scattered hand-off's excess over the contiguous one
+    per extra region; None (not significant) when the excess is within twice the noise
+    of the difference of the two medians (each median's standard error taken from its
+    interquartile range: sigma ~ IQR / 1.349, se ~ 1.253 sigma / sqrt(n))."""
+    excess = scattered.p50_ms - contiguous.p50_ms
+    se = [1.253 * r.iqr_ms / 1.349 / max(r.handoffs, 1) ** 0.5
+          for r in (scattered, contiguous)]
+    if excess <= 2 * (se[0] ** 2 + se[1] ** 2) ** 0.5:
+        return None
+    return excess * 1e3 / (regions - 1)
 
 
 def _fmt(r: Row) -> str:
@@ -378,4 +408,6 @@ def report(rows: list[Row], copy: dict[str, float], summary: dict[str, Any],
         print(f"cuda_ipc's block copy kernel in-process, scattered: "
               f"{copy['block_copy_gbps']:.1f} GB/s")
     for key, value in summary.items():
-        print(f"{key:<22} {value:.3f}" if isinstance(value, float) else f"{key:<22} {value}")
+        text = "n/s (within noise)" if value is None else \
+            f"{value:.3f}" if isinstance(value, float) else str(value)
+        print(f"{key:<22} {text}")

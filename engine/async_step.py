@@ -251,7 +251,7 @@ class AsyncSteps:
                 e.kv.cache_blocks(req, end)
             if tok is not None:
                 req.append_token(tok, lp)
-                sched.fair.charge_output(req)
                 got_token.append(req)
+        sched.fair.charge_outputs(got_token)
         return e._step_outputs(SchedulerOutput(live), sampled, got_token, step.done,
                                step.producers)

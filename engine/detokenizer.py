@@ -19,6 +19,9 @@ class IncrementalDetokenizer:
     until it is known not to be, so a stream never shows text past a stop.
     """
 
+    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stop", "_hold",
+                 "_include", "_skip", "text", "_emitted", "stopped", "stop_str")
+
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
                  include_stop: bool = False) -> None:
@@ -43,58 +46,23 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             if self.stopped:
                 break
-            self._ids.append(tid)
-            self._step()
+            self.add_one(tid)
 
-    @staticmethod
-    def add_newest(detoks: Sequence[IncrementalDetokenizer],
-                   token_ids: Sequence[int]) -> None:
-        """`detoks[i].add([token_ids[i]])` for every i, with one tokenizer call per
-        skip_special_tokens value instead of two calls per detokenizer (a decode step:
-        each request's one new token). They share one tokenizer."""
-        live = []
-        for d, t in zip(detoks, token_ids, strict=True):
-            if not d.stopped:
-                d._ids.append(t)
-                live.append(d)
-        if not live:
-            return
-        tok = live[0]._tok
-        skips = {d._skip for d in live}
-        for skip in skips:
-            group = live if len(skips) == 1 else [d for d in live if d._skip == skip]
-            # (see _pending) the joining context, mostly one id: a memory hit
-            prefixes = tok.decode_batch([d._ids[d._prefix_offset:d._read_offset]
-                                         for d in group], skip)
-            fulls = tok.decode_batch([d._ids[d._prefix_offset:] for d in group], skip)
-            for d, prefix, full in zip(group, prefixes, fulls, strict=True):
-                d._apply(prefix, full)
-
-    def skip(self, token_ids: Sequence[int]) -> None:
-        """Adds tokens whose text an earlier stream of this request already showed
-        (fail-over): the text holds them (stop strings see it whole), and what a stream
-        would have returned by now is marked returned, so the next delta continues
-        exactly where that stream left off."""
-        self.add(token_ids)
-        self.take_delta()
-
-    def _step(self) -> None:
-        prefix, full = self._pending()
-        self._apply(self._tok.decode(prefix, self._skip), self._tok.decode(full, self._skip))
-
-    def _pending(self) -> tuple[list[int], list[int]]:
-        """The ids to decode for the newest token: (the joining context, it and the
-        tokens after it)."""
-        return (self._ids[self._prefix_offset:self._read_offset],
-                self._ids[self._prefix_offset:])
-
-    def _apply(self, prefix: str, full: str) -> None:
-        """Takes the decoded `_pending` ids: new text, offsets, stop strings."""
+    def add_one(self, token_id: int) -> None:
+        """Appends one output token (the caller checks `stopped` first): a decode step's
+        work per request, so the joining context, mostly the one id before it, is a
+        memory hit (Tokenizer.piece) and the new text one short decode."""
+        ids = self._ids
+        ids.append(token_id)
+        p, r = self._prefix_offset, self._read_offset
+        tok, skip = self._tok, self._skip
+        prefix = tok.piece(ids[p], skip) if r - p == 1 else tok.decode(ids[p:r], skip)
+        full = tok.decode(ids[p:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for more bytes
         start = len(self.text)
         self.text += full[len(prefix):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = r, len(ids)
         if self._stop:
             # Search only where a stop string could newly end.
             lo = max(0, start - max(len(s) for s in self._stop) + 1)
@@ -103,6 +71,14 @@ class IncrementalDetokenizer:
                 i, s = min(hits)
                 self.text = self.text[:i + len(s) if self._include else i]
                 self.stopped, self.stop_str = True, s
+
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Adds tokens whose text an earlier stream of this request already showed
+        (fail-over): the text holds them (stop strings see it whole), and what a stream
+        would have returned by now is marked returned, so the next delta continues
+        exactly where that stream left off."""
+        self.add(token_ids)
+        self.take_delta()
 
     def take_delta(self, final: bool = False) -> str:
         """The text not yet returned that may be shown now (all of it when final)."""

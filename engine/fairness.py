@@ -14,8 +14,10 @@ two backlogged tenants holds.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from engine.request import Request
 
@@ -75,6 +77,16 @@ class FairShare:
     def charge_output(self, req: Request, num_tokens: int = 1) -> None:
         self._served(req.tenant).output_tokens += num_tokens
         self._add(req, num_tokens * self.output_cost)
+
+    def charge_outputs(self, reqs: Sequence[Request]) -> None:
+        """`charge_output(req)` for each of `reqs` (a step's token each), in order: the
+        same counters, one call per step."""
+        counters, cost = self.counters, self.output_cost
+        for req in reqs:
+            t = req.tenant
+            counters[t] = counters.get(t, 0.0) + cost / req.policy.weight
+        for t, n in Counter(map(attrgetter("tenant"), reqs)).items():
+            self._served(t).output_tokens += n
 
     def preempted(self, req: Request) -> None:
         self._served(req.tenant).preemptions += 1

@@ -179,7 +179,7 @@ class LLMEngine:
             child.num_cached_tokens = parent.num_cached_tokens
             child.first_token_time = parent.first_token_time
             child.append_token(tok, lp)
-            status = self.outputs.check_stop(child)
+            status = self.outputs.check(child)
             if status is not None:  # done already: its KV is never needed
                 child.status = status
                 outs += self.outputs.emit(child, final=True)
@@ -245,10 +245,10 @@ class LLMEngine:
                 req.forks.remove(child)
                 self.scheduler.add_request(child)
             outs += self._fork(req, drawn)
-        status = self.outputs.check_stop(req)
-        if status is not None:
-            self._finish(request_id, status)
-        return outs + self.outputs.emit(req, final=status is not None)
+        got, ended = self.outputs.take_tokens([req])
+        for r, status in ended:
+            self._finish(r.request_id, status)
+        return outs + got
 
     def set_strategies(self, strategies: StrategySet) -> None:
         """Scheduling strategies for every request, from the next step on."""
@@ -336,17 +336,16 @@ class LLMEngine:
         stops end requests, producers report KV progress (`producers`: the step may
         have some)."""
         now = time.monotonic()
-        outputs = []
-        self.outputs.detokenize(got_token)
+        outputs: list[RequestOutput] = []
         for req in got_token:
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.forks:  # before its own stop check: they fork off its blocks
                 outputs += self._fork(req, [sampled[c.request_id] for c in req.forks])
-            status = self.outputs.stop_status(req)
-            if status is not None:
-                self._finish(req.request_id, status)
-            outputs += self.outputs.emit(req, final=status is not None)
+        got, ended = self.outputs.take_tokens(got_token)
+        outputs += got
+        for req, status in ended:
+            self._finish(req.request_id, status)
         for s in out.scheduled if producers else ():  # their KV progress, chunks too
             if s.request.hold_kv and s.request not in got_token:
                 outputs += self.outputs.emit(s.request, final=False)

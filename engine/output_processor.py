@@ -1,7 +1,12 @@
 """Requests to RequestOutputs, as vLLM v1's OutputProcessor: incremental
 detokenization, the stop checks (EOS, stop ids and strings, the grammar, length) and
 parallel samples (n / best_of, engine/parallel.py), whose outputs are held or merged
-per group."""
+per group.
+
+A decode step's work per request is one pass (`take_tokens`): its newest token into
+its text, its stop checks, and an output only if it emits one this step (FINAL_ONLY
+requests emit at their end). What a request's checks need is fixed when it is added
+(`_Track`), so a step reads no sampling parameters."""
 
 from __future__ import annotations
 
@@ -17,13 +22,24 @@ from engine.sampling_params import RequestOutputKind
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY  # (per request)
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+_STOPPED, _LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 
 
 @dataclass(slots=True)
 class _Track:
+    """A followed request and what its steps need of it."""
+
+    req: Request
     detok: IncrementalDetokenizer
-    sent_tokens: int = 0
+    sent_tokens: int  # output tokens its outputs have carried
+    stop_ids: frozenset[int]  # its EOS ids (unless ignore_eos) and stop_token_ids
+    max_output: int  # output tokens that end it: max_tokens, or what max_model_len leaves
+    delta: bool  # DELTA outputs (else CUMULATIVE or FINAL_ONLY: everything so far)
+    every_step: bool  # it has an output every step it gets a token, not only its last
+    logprobs: bool
+    prompt_logprobs: bool
+    group: SampleGroup | None
 
 
 class OutputProcessor:
@@ -39,112 +55,140 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         """Starts following `req` and, for n / best_of > 1, the samples in its group
         (they wait in `req.forks`)."""
-        self._track(req)
         if req.sampling_params.num_samples == 1:
+            self._track(req, None)
             return
         group = SampleGroup.of(req)
         for m in group.members:
             self.groups[m.request_id] = group
-            if m is not req:
-                self._track(m)
+            self._track(m, group)
 
-    def _track(self, req: Request) -> None:
+    def _track(self, req: Request, group: SampleGroup | None) -> None:
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
                                        p.skip_special_tokens, p.include_stop_str_in_output)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
-        self._tracks[req.request_id] = _Track(detok, sent_tokens=req.num_output_tokens)
+        every_step = (p.output_kind is not _FINAL_ONLY or req.hold_kv) \
+            and not (group is not None and group.hold)  # (held: until the ranking)
+        self._tracks[req.request_id] = _Track(
+            req, detok, req.num_output_tokens,
+            frozenset(req.eos_token_ids) | frozenset(p.stop_token_ids),
+            min(p.max_tokens, self.max_model_len - req.num_prompt_tokens),
+            p.output_kind is _DELTA, every_step, p.logprobs is not None,
+            p.prompt_logprobs is not None, group)
 
-    def check_stop(self, req: Request) -> RequestStatus | None:
-        """Takes `req`'s newest token; the status it ends the request with, if any."""
-        self.detokenize([req])
-        return self.stop_status(req)
+    def take_tokens(self, reqs: Sequence[Request],
+                    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
+        """Takes each request's newest token (appended to it): its text, its stop
+        checks, its output if it has one now. Returns the outputs and the requests the
+        token ended, with their status (the caller finishes them in the scheduler;
+        their final outputs are among the outputs already)."""
+        outputs: list[RequestOutput] = []
+        ended: list[tuple[Request, RequestStatus]] = []
+        tracks = self._tracks
+        for req in reqs:
+            tr = tracks[req.request_id]
+            status = self._check(tr)
+            if status is not None:
+                ended.append((req, status))
+                outputs += self._emit(tr, status)
+            elif tr.every_step:
+                if tr.group is None:
+                    outputs.append(self._output(tr, None))
+                else:
+                    outputs += tr.group.add(self._output(tr, None))
+        return outputs, ended
 
-    def detokenize(self, reqs: Sequence[Request]) -> None:
-        """Takes each request's newest token into its text (one tokenizer call for them
-        all); `stop_status` then says whether it ends the request."""
-        IncrementalDetokenizer.add_newest([self._tracks[r.request_id].detok for r in reqs],
-                                          [r.output_token_ids[-1] for r in reqs])
+    def check(self, req: Request) -> RequestStatus | None:
+        """Takes `req`'s newest token into its text; the status it ends `req` with, if
+        any (its output: `emit`)."""
+        return self._check(self._tracks[req.request_id])
 
-    def stop_status(self, req: Request) -> RequestStatus | None:
-        """The status `req` ends with after its newest token (`detokenize`d), if any."""
-        track = self._tracks[req.request_id]
+    def _check(self, tr: _Track) -> RequestStatus | None:
+        req, detok = tr.req, tr.detok
         tok = req.output_token_ids[-1]
-        if track.detok.stopped:
-            req.stop_reason = track.detok.stop_str
-            return RequestStatus.FINISHED_STOPPED
-        p = req.sampling_params
-        if tok in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if tok in p.stop_token_ids:
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
+        if not detok.stopped:
+            detok.add_one(tok)
+        if detok.stopped:  # (or already by resumed tokens' text)
+            req.stop_reason = detok.stop_str
+            return _STOPPED
+        if tok in tr.stop_ids:
+            if tok not in req.eos_token_ids:
+                req.stop_reason = tok
+            return _STOPPED
         if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
             if not req.grammar.advance(req.output_token_ids):
                 log.warning("request %s: token %s is outside its grammar; ending it",
                             req.request_id, req.grammar.rejected)
                 return RequestStatus.FINISHED_ERROR
             if req.grammar.terminated:
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+                return _STOPPED
+        if len(req.output_token_ids) >= tr.max_output:
+            return _LENGTH
         return None
 
     def emit(self, req: Request, final: bool) -> list[RequestOutput]:
-        """`req`'s output to deliver (none, or several, for a sample group's member)."""
-        if not final and not req.hold_kv \
-                and req.sampling_params.output_kind is _FINAL_ONLY:
-            return []  # the final output's delta is then everything
-        group = self.groups.get(req.request_id)
-        if group is None:
-            return [self.finish(req) if final else self._output(req, final=False)]
-        if not final and group.hold:
-            return []  # text and tokens accumulate until the ranking
-        outs = group.add(self.finish(req) if final else self._output(req, False))
+        """`req`'s output to deliver outside `take_tokens` (after `check`, a producer's KV
+        progress, the end of an aborted sample): none, or several for a sample group's
+        member. Final: it ends with `req.status`."""
+        tr = self._tracks[req.request_id]
         if final:
-            del self.groups[req.request_id]
-        return outs
+            return self._emit(tr, req.status)
+        if not tr.every_step:
+            return []
+        out = self._output(tr, None)
+        return [out] if tr.group is None else tr.group.add(out)
 
     def finish(self, req: Request) -> RequestOutput:
-        """`req`'s last output; it is followed no more."""
-        out = self._output(req, final=True)
+        """`req`'s last output, ended with `req.status`; it is followed no more."""
+        return self._final(self._tracks[req.request_id], req.status)
+
+    def _emit(self, tr: _Track, status: RequestStatus) -> list[RequestOutput]:
+        out = self._final(tr, status)
+        group = tr.group
+        if group is None:
+            return [out]
+        del self.groups[tr.req.request_id]
+        return group.add(out)
+
+    def _final(self, tr: _Track, status: RequestStatus) -> RequestOutput:
+        req = tr.req
+        out = self._output(tr, status)
         del self._tracks[req.request_id]
         if req.grammar is not None and req.grammar.rejected is not None:
             out.error = f"token {req.grammar.rejected} is outside the request's grammar"
         return out
 
-    def _output(self, req: Request, final: bool) -> RequestOutput:
-        """What `req` has produced since its last output (and all of it, as its
-        `output_kind` asks): copies of the whole output only for CUMULATIVE."""
-        track = self._tracks[req.request_id]
-        new_ids = req.output_token_ids[track.sent_tokens:]
-        track.sent_tokens = req.num_output_tokens
-        new_text = track.detok.take_delta(final)
-        p = req.sampling_params
+    def _output(self, tr: _Track, status: RequestStatus | None) -> RequestOutput:
+        """What the request has produced since its last output, ending it with `status`
+        if given (and all of it, as its output kind asks). Only CUMULATIVE copies the
+        whole output, and only while the request runs: a final output holds the
+        request's own lists (nothing is appended to them any more)."""
+        req = tr.req
+        ids = req.output_token_ids
+        n = len(ids)
+        final = status is not None
+        new_ids = ids if final and tr.sent_tokens == 0 else ids[tr.sent_tokens:]
+        tr.sent_tokens = n
+        new_text = tr.detok.take_delta(final)
         logprobs = None
-        if p.output_kind is _DELTA:
+        if tr.delta:
             token_ids, text = new_ids, new_text
-            if p.logprobs is not None:  # the newest ones (resumed tokens have none)
-                logprobs = req.logprobs[max(0, len(req.logprobs) - len(new_ids)):]
+            if tr.logprobs:  # the newest ones (resumed tokens have none)
+                lps = req.logprobs
+                logprobs = lps[max(0, len(lps) - len(new_ids)):]
         else:
-            token_ids, text = list(req.output_token_ids), track.detok.text
-            if p.logprobs is not None:
-                logprobs = list(req.logprobs)
+            token_ids, text = ids if final else list(ids), tr.detok.text
+            if tr.logprobs:
+                logprobs = req.logprobs if final else list(req.logprobs)
+        # Positional: keywords cost a decode step ~1 µs per request (outputs.py's order).
         out = RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=token_ids, text=text, new_token_ids=new_ids, new_text=new_text,
-            num_output_tokens=req.num_output_tokens,
-            num_cached_tokens=req.num_cached_tokens or 0,
-            first_token_time=req.first_token_time, scheduled_time=req.scheduled_time,
-            logprobs=logprobs, index=req.index, cumulative_logprob=req.cumulative_logprob,
-            num_computed_tokens=req.num_computed_tokens)
-        # The rest only where set: a keyword costs as much as a field (every step, each
-        # request).
-        if final:
-            out.finished, out.finish_reason = True, req.status.value
-            out.stop_reason = req.stop_reason
-        if p.prompt_logprobs is not None:
-            out.prompt_logprobs = req.prompt_logprobs
+            req.request_id, req.prompt_token_ids, token_ids, text, new_ids, new_text, n,
+            final, status.value if status is not None else None,
+            req.stop_reason if final else None,
+            req.num_cached_tokens or 0, None, req.first_token_time, req.scheduled_time,
+            logprobs, req.index, req.cumulative_logprob,
+            req.prompt_logprobs if tr.prompt_logprobs else None, req.num_computed_tokens)
         if req.hold_kv:
             out.block_ids = self.block_ids(req.request_id)
         return out

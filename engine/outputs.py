@@ -17,6 +17,9 @@ class RequestOutput:
     `SamplingParams.output_kind` says (engine/sampling_params.py). `finish_reason` is
     set on the last update: "stop" (EOS, stop token or stop string), "length", "abort"
     or "error" (then `error` says why).
+
+    The engine builds it with positional arguments up to `num_computed_tokens`
+    (engine/output_processor.py `_output`): a new field goes after them, or there too.
     """
 
     request_id: str

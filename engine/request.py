@@ -30,7 +30,7 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort", "error")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """All tokens (prompt + output) and how many of them have KV in the cache.
 

@@ -377,8 +377,8 @@ class Scheduler:
             self.kv.cache_blocks(req, req.num_computed_tokens)
             if tok is not None:
                 req.append_token(tok, lp)
-                self.fair.charge_output(req)
                 got_token.append(req)
+        self.fair.charge_outputs(got_token)
         return got_token
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:

@@ -63,8 +63,7 @@ class Tokenizer:
             self._tok.token_to_id(t.content)
             for t in self._tok.get_added_tokens_decoder().values() if t.special}
         self._template: Any = None
-        # decode([id]) per skip_special_tokens value: a pure function of the id, and every
-        # decode step asks for one per request (the detokenizer's joining context).
+        # decode([id]) per skip_special_tokens value (`piece`): a pure function of the id.
         self._pieces: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -77,30 +76,19 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """A long list is decoded with the GIL released (`decode_batch`; a lone `decode`
         holds it: 600k ids ~0.1 s); a short one, the common case, the direct way."""
-        ids = list(token_ids)
-        if len(ids) < _LONG_DECODE:
-            return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
-        return str(self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
+        if len(token_ids) < _LONG_DECODE:  # (positional: a keyword costs the call ~10%)
+            return str(self._tok.decode(token_ids, skip_special_tokens))
+        return str(self._tok.decode_batch([list(token_ids)],
+                                          skip_special_tokens=skip_special_tokens)[0])
 
-    def decode_batch(self, seqs: Sequence[Sequence[int]],
-                     skip_special_tokens: bool = True) -> list[str]:
-        """`decode` of each of `seqs` (a step's newest tokens with their joining context);
-        single ids from memory after their first decode. One `decode` call each: on one
-        thread the tokenizer's own `decode_batch` costs more than its calls one by one."""
+    def piece(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """`decode([token_id])`, from memory after its first decode: the detokenizer's
+        joining context, one per request in every decode step."""
         pieces = self._pieces[skip_special_tokens]
-        decode = self._tok.decode
-        out: list[str] = []
-        for s in seqs:
-            if len(s) == 1:
-                t = pieces.get(s[0])
-                if t is None:
-                    t = pieces[s[0]] = decode(s, skip_special_tokens=skip_special_tokens)
-            elif len(s) < _LONG_DECODE:
-                t = decode(s, skip_special_tokens=skip_special_tokens)
-            else:
-                t = self.decode(s, skip_special_tokens)
-            out.append(t)
-        return out
+        t = pieces.get(token_id)
+        if t is None:
+            t = pieces[token_id] = self.decode([token_id], skip_special_tokens)
+        return t
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'

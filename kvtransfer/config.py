@@ -26,6 +26,9 @@ HOST_UCX_OPTIONS: tuple[tuple[str, str], ...] = (
 CUDA_UCX_OPTIONS: tuple[tuple[str, str], ...] = (("RNDV_THRESH", "8192"),)
 
 
+INLINE_COPY_BYTES = 1 << 20  # `TransferConfig.inline_copy_bytes`'s default
+
+
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Settings shared by the sender and receiver of one transport.
@@ -34,8 +37,9 @@ class TransferConfig:
     lease_s: how long a receiver keeps destination blocks waiting (vLLM: 30 s).
     io_timeout_s: deadline of every single network call (connect, send, reply).
     liveness_timeout_s: a peer silent for this long (no frame, not even a
-        heartbeat every heartbeat_s) is declared unavailable. Both it and io_timeout_s
-        (an in-place grant's ttl past the newest answered PING) exceed heartbeat_s.
+        heartbeat every heartbeat_s) is declared unavailable; it exceeds heartbeat_s,
+        and io_timeout_s (an in-place grant's ttl past the newest answered PING) is
+        at least twice heartbeat_s.
     copy_budget_s: how long past a grant's start bound a copy the sender started may
         still write (`grants.COPY_BUDGET_S`, the default); the receiver reuses a revoked
         grant's cells only past the bound, this budget and a margin. Sender and receiver
@@ -65,6 +69,9 @@ class TransferConfig:
     # more is split, so that several copies run at once (into a receiver on this node,
     # one process_vm_writev stream tops out at ~4.3 GB/s here, two reach ~7).
     ucx_lanes: int = 2
+    # cuda_ipc on host caches: a chunk of at most this many bytes is copied on the
+    # sender's event loop, a larger one on the host mover's copy thread (`HostMover`)
+    inline_copy_bytes: int = INLINE_COPY_BYTES
     # Testing: seeded faults the tcp sender injects on its WRITE frames (None: off).
     faults: FaultSpec | None = None
 
@@ -79,12 +86,15 @@ class TransferConfig:
                 raise ValueError(f"{name} must be positive")
         if self.liveness_timeout_s <= self.heartbeat_s:
             raise ValueError("liveness_timeout_s must exceed heartbeat_s")
-        if self.io_timeout_s <= self.heartbeat_s:
-            # an in-place grant holds io_timeout_s past the newest PING answered: one
-            # no longer than the time between PINGs lapses while they are answered
-            raise ValueError("io_timeout_s must exceed heartbeat_s")
+        if self.io_timeout_s < 2 * self.heartbeat_s:
+            # an in-place grant holds io_timeout_s past the newest PING answered: it
+            # must outlast the time between PINGs plus a PING's round trip, which on a
+            # loaded host can take most of another interval
+            raise ValueError("io_timeout_s must be at least twice heartbeat_s")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
+        if self.inline_copy_bytes < 0:
+            raise ValueError("inline_copy_bytes must be >= 0")
         if not 1 <= self.ucx_lanes <= 8:
             raise ValueError("ucx_lanes must be in [1, 8]")
         if self.socket_buffer_bytes < 65536:

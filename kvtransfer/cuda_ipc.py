@@ -54,6 +54,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvtransfer import region_rows as rr
+from kvtransfer.config import INLINE_COPY_BYTES, TransferConfig
 from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver
@@ -64,8 +65,6 @@ from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
 
 _IOV_MAX = 1024
-# A host copy up to this size runs on the sender's event loop (`HostMover`): ~0.1-0.3 ms
-INLINE_COPY_BYTES = 1 << 20
 
 
 def boot_id() -> str:
@@ -304,8 +303,8 @@ class HostMover:
     stream): `copy` returns at once with the copy's future, which the sender's deferred
     notice waits on (`InPlaceSender`). A copy of at most `inline_bytes` with none queued
     before it runs on the caller's thread instead and `copy` returns None, its bytes in
-    place: the hop to the copy thread and the wake-up back (~0.1 ms each on a loaded
-    host) cost more than such a copy."""
+    place: the hop to the copy thread and the wake-up back cost more than such a copy
+    (`bench transfer --handoffs` measures the hand-off's fixed cost)."""
 
     kind = "host"
 
@@ -389,8 +388,8 @@ class HostMover:
         held.clear()
 
 
-def mover_for(kv: RegisteredKV) -> Mover:
-    return CudaMover() if kv.is_cuda else HostMover()
+def mover_for(kv: RegisteredKV, config: TransferConfig) -> Mover:
+    return CudaMover() if kv.is_cuda else HostMover(config.inline_copy_bytes)
 
 
 class CudaIpcReceiver(InPlaceReceiver):
@@ -403,7 +402,7 @@ class CudaIpcReceiver(InPlaceReceiver):
 
     async def start(self) -> None:
         assert self.kv is not None, "register() the KV cache first"
-        self._mover = mover_for(self.kv)
+        self._mover = mover_for(self.kv, self.config)
         self._exported = {"boot_id": boot_id()}
         await super().start()
 
@@ -429,7 +428,7 @@ class CudaIpcSender(InPlaceSender):
         if refusal is not None:
             raise ProtocolError(refusal)
         if self._mover is None:
-            self._mover = mover_for(self.kv)
+            self._mover = mover_for(self.kv, self.config)
         peer.state = self._mover.open(peer.welcome["cuda_ipc"], self.kv)
         await asyncio.to_thread(self._mover.prepare, self.kv)
 

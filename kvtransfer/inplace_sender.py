@@ -17,6 +17,7 @@ from kvtransfer import grants, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import (
     KVTransferError,
+    PeerUnavailable,
     ProtocolError,
     TransferCancelled,
     TransferTimeout,
@@ -43,6 +44,9 @@ class _Held:
     granted: asyncio.Future[None]
     ttl: float = 0.0
     revoked: bool = False
+    # peer.vouched when the REVOKE came: the receiver's bound no longer moves with PINGs
+    # after it, so the sender's stops moving too
+    vouched_at_revoke: float | None = None
     settled: bool = False  # the transfer's verdict came
     inflight: int = 0  # writes past taking their cells, notice not sent (nor dropped)
     asking: asyncio.Lock = field(default_factory=asyncio.Lock)  # a RESERVE in flight
@@ -114,7 +118,7 @@ class InPlaceSender(SenderBase):
                 raise
             grants.add(held.cells, want)
             # granted: we are a writer of the transfer, whose verdict comes to us unasked
-            self._outgoing(peer, xfer_id, generation).answered = True
+            self._answered(peer, xfer_id, generation)
             if first:
                 held.granted.set_result(None)
         return held
@@ -180,6 +184,11 @@ class InPlaceSender(SenderBase):
             if time.monotonic() >= _reuse_bound(peer, held, self.config.copy_budget_s):
                 raise TransferTimeout(f"{xfer_id}: {self.name} copy outlived its grant")
             await self._send_frame(peer, notice)
+        except PeerUnavailable as e:
+            # a copy that faulted on the peer's memory (on this loop, or done on its
+            # thread) fails the peer as `_flush` does for one it waited for
+            self._fail_peer(peer, e)
+            raise
         finally:
             if deferred:
                 pass
@@ -210,6 +219,7 @@ class InPlaceSender(SenderBase):
             self._answer(peer, req)
             return
         held.revoked = True  # no copy starts from now on
+        held.vouched_at_revoke = peer.vouched
         if not held.inflight:
             self._answer(peer, req)
             self._drop(peer, held)
@@ -318,8 +328,11 @@ def _parts(rows: np.ndarray) -> list[np.ndarray]:
 
 
 def _reuse_bound(peer: Peer, held: _Held, copy_budget_s: float) -> float:
-    """Past this the receiver may reuse the grant's cells (`TransferConfig.copy_budget_s`)."""
-    return peer.vouched + held.ttl + copy_budget_s
+    """Past this the receiver may reuse the grant's cells (`TransferConfig.copy_budget_s`):
+    the window PINGs keep moving, frozen once the grant is revoked (the receiver counts
+    its bound from the last frame before its REVOKE, which is no earlier)."""
+    vouched = peer.vouched if held.vouched_at_revoke is None else held.vouched_at_revoke
+    return vouched + held.ttl + copy_budget_s
 
 
 @dataclass(slots=True)

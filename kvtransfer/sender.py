@@ -316,6 +316,14 @@ class SenderBase:
         pass
 
     # ----- internals ----------------------------------------------------------------
+    def _answered(self, peer: Peer, xfer_id: str, generation: int) -> None:
+        """The transfer's verdict will come unasked (no FINISH to send). Marks its entry
+        only if it still has one: a cancel or finish that removed it while the frame or
+        grant was on its way ended it, and re-creating it would leak it."""
+        out = peer.outgoing.get(xfer_id)
+        if out is not None and out.generation == generation:
+            out.answered = True
+
     def _outgoing(self, peer: Peer, xfer_id: str, generation: int) -> _Outgoing:
         out = peer.outgoing.get(xfer_id)
         if out is None or out.generation != generation:

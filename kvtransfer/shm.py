@@ -18,7 +18,7 @@ import torch
 from engine.rank_segments import reserve
 from kvtransfer import region_rows as rr
 from kvtransfer.copy_kernel import staged_regions
-from kvtransfer.errors import TransferTimeout
+from kvtransfer.errors import PeerUnavailable, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
@@ -155,7 +155,9 @@ class ShmSender(InPlaceSender):
                 caches.append(torch.frombuffer(maps[-1], dtype=torch.uint8).view(
                     torch_dtype(layout)).view(layout.tensor_shape(nbytes // layout.block_bytes)))
         except BaseException:
-            del caches  # the views first: a mapping with live exports cannot close
+            # torch.frombuffer takes no buffer export: the mappings close under the views,
+            # which must not be used after (they are dropped here, unused)
+            del caches
             for m in maps:
                 with contextlib.suppress(BufferError):
                     m.close()
@@ -168,6 +170,10 @@ class ShmSender(InPlaceSender):
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
+        if peer.state is None:  # disconnected while the source was being readied
+            raise PeerUnavailable("shm peer disconnected before the copy")
+        # No await from here to the return: _on_disconnected runs on this loop, so it
+        # cannot unmap the segments while this copy writes through them.
         _, caches, layout, views = peer.state
         total = caches[0].shape[0]
         # A CUDA cache's regions come over to the host a batch of blocks at a time
@@ -236,7 +242,11 @@ class ShmSender(InPlaceSender):
         if peer.state is not None:
             maps, caches, _, views = peer.state
             peer.state = None
-            for view in views:  # the views first: a mapping with live exports cannot close
+            # torch.frombuffer takes no buffer export, so the mappings close with the
+            # cache tensors still alive: a write through one would fault. Nothing keeps
+            # them past this point: peer.state is None, which `_copy` checks after its
+            # last await, and the byte views are released (using one raises ValueError).
+            for view in views:
                 view.release()
             del caches, views
             for mapping in maps:

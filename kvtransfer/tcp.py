@@ -192,7 +192,7 @@ class TcpSender(SenderBase):
             if await self._send_write(peer, wire.pack_frame(Frame.WRITE, meta,
                                                             int(part.sum())), pieces):
                 # every WRITE frame is answered with the transfer's RESULT: no FINISH
-                self._outgoing(peer, xfer_id, generation).answered = True
+                self._answered(peer, xfer_id, generation)
 
     def _payload(self, pairs: list[tuple[Region, Region]], rows: np.ndarray,
                  sizes: np.ndarray, checksum: bool, staged: Iterator[object] | None,

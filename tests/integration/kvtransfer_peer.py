@@ -23,6 +23,7 @@ of a copy that ends meanwhile.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import json
 import mmap
@@ -172,6 +173,12 @@ def run_forked(spec: str, out: Any, err: Any) -> None:
         conn.close()
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - fd 1, for the process's life
     run(json.loads(spec))
+    # multiprocessing ends the child with os._exit: run the teardown an interpreter's
+    # exit would (atexit handlers, then finalizers), so a crash in it shows in the exit
+    # code
+    atexit._run_exitfuncs()
+    gc.collect()
+    sys.stdout.flush()
 
 
 def main() -> None:

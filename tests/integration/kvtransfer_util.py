@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer import KVLayout, TransferConfig, make_receiver, make_sender
+from kvtransfer import KVLayout, TransferConfig, make_receiver, make_sender, wire
 from tests.factories import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,9 +37,9 @@ LAYOUT_MLA = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=8, d
 
 
 def fast_config(transport: str, **kw: Any) -> TransferConfig:
-    # The lease outlasts a peer process's start-up on a loaded 2-core box (its torch
-    # import alone took over 10 s while other test processes ran, 2026-12-03): a test
-    # that is about a lease sets its own.
+    # The lease outlasts a peer process's start-up on a loaded 2-core box (a fresh
+    # interpreter's torch import alone can take over 10 s while other test processes
+    # run): a test that is about a lease sets its own.
     base: dict[str, Any] = dict(transport=transport, token=TOKEN, io_timeout_s=5.0,
                                 heartbeat_s=0.2, liveness_timeout_s=1.5, lease_s=60.0)
     base.update(kw)
@@ -64,11 +64,13 @@ SPAWNED_PIDS: set[int] = set()
 
 @functools.cache
 def _forkserver() -> Any:
-    """The multiprocessing context whose server imported the peer (torch, the transports)
-    once for this test process: a peer forked from it starts in ~0.1 s, not the seconds
-    of a fresh interpreter's imports."""
+    """The multiprocessing context whose server imported the peer (torch, kvtransfer and
+    its tcp, shm and cuda_ipc transports; ucxx loads in the peer that uses it) once for
+    this test process: a peer forked from it starts in ~0.1 s, not the seconds of a
+    fresh interpreter's imports."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.integration.kvtransfer_peer"])
+    ctx.set_forkserver_preload(["tests.integration.kvtransfer_peer", "kvtransfer.tcp",
+                                "kvtransfer.shm", "kvtransfer.cuda_ipc"])
     return ctx
 
 
@@ -79,6 +81,8 @@ class _Forked:
     def __init__(self, proc: Any, stdout: asyncio.StreamReader, pipe: Any) -> None:
         self.proc, self.stdout, self._pipe = proc, stdout, pipe
         self.pid: int = proc.pid
+        self._code: int | None = None  # kept: a closed Process has no exitcode
+        self._closed = False
 
     @classmethod
     async def start(cls, spec: dict[str, Any]) -> _Forked:
@@ -91,44 +95,68 @@ class _Forked:
         proc = ctx.Process(target=run_forked, args=(json.dumps(spec), writer, err),
                            daemon=True)
         try:
-            await asyncio.to_thread(proc.start)  # the first one starts the server
+            try:
+                await asyncio.to_thread(proc.start)  # the first one starts the server
+            finally:
+                writer.close()  # the child's copy is the only writer: EOF when it exits
+                err.close()
+            stdout = asyncio.StreamReader()
+            pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stdout),
+                os.fdopen(os.dup(reader.fileno()), "rb", buffering=0))
+        except BaseException:
+            if proc.pid is not None:
+                proc.kill()
+                await asyncio.to_thread(proc.join, 10)
+            proc.close()
+            raise
         finally:
-            writer.close()  # the child's copy is the only writer: EOF when it exits
-            err.close()
-        stdout = asyncio.StreamReader()
-        pipe, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stdout),
-            os.fdopen(os.dup(reader.fileno()), "rb", buffering=0))
-        reader.close()
+            reader.close()
         return cls(proc, stdout, pipe)
 
     @property
     def returncode(self) -> int | None:
-        code: int | None = self.proc.exitcode
-        return code
+        if self._code is None:
+            self._code = self.proc.exitcode
+        return self._code
 
     async def wait(self) -> int:
-        while self.proc.exitcode is None:
+        """Its exit code, once it exited and what it wrote reached `stdout` (the pipe
+        read to EOF; lines not read yet stay readable). Closes the Process then."""
+        while self.returncode is None:
             await asyncio.sleep(0.02)
-        self._pipe.close()
-        return int(self.proc.exitcode)
+        if self._code is not None and not self._closed:
+            self._closed = True
+            # the pipe transport closes itself at EOF, after the last bytes went to
+            # `stdout`; a grandchild holding the write end keeps it open: bounded
+            with contextlib.suppress(TimeoutError):
+                async with wire.deadline(10.0):
+                    while not self._pipe.is_closing():
+                        await asyncio.sleep(0.01)
+            self._pipe.close()
+            self.proc.close()
+        return int(self._code)
 
     def kill(self) -> None:
-        self.proc.kill()
+        if self.returncode is None:
+            self.proc.kill()
 
 
 class PeerProcess:
     """The other process; lines are JSON objects read with a deadline. A host peer is
-    forked from the forkserver (`_forkserver`); one on a GPU, or with an environment
-    of its own, is a fresh interpreter."""
+    forked from the forkserver (`_forkserver`); one on a GPU, with an environment of
+    its own, or asked `fresh`, is a fresh interpreter (its exit code covers the
+    interpreter's teardown)."""
 
-    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None,
+                 fresh: bool = False) -> None:
         self.proc: Any = None  # asyncio.subprocess.Process or _Forked
         self.spec = spec
         self.env = env or {}
+        self.fresh = fresh
 
     async def start(self) -> PeerProcess:
-        if not self.env and self.spec.get("device", "cpu") == "cpu":
+        if not self.fresh and not self.env and self.spec.get("device", "cpu") == "cpu":
             self.proc = await _Forked.start(self.spec)
         else:
             self.proc = await asyncio.create_subprocess_exec(
@@ -207,9 +235,17 @@ async def connected(config: TransferConfig, layout: KVLayout, dst_blocks: int, s
 
 async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:
     """Returns once `condition()` holds, looking every 10 ms; TimeoutError past `timeout`."""
-    async with asyncio.timeout(timeout):
+    async with wire.deadline(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def stop_heartbeat(peer: Any) -> None:
+    """Cancels the sender's heartbeat to `peer` (`SenderBase.connect`'s second task): no
+    PING from now on, the connection otherwise intact."""
+    heartbeat = peer.tasks[1]
+    assert heartbeat.get_coro().__qualname__.endswith("._heartbeat"), peer.tasks
+    heartbeat.cancel()
 
 
 def open_sockets(ignore_listening: bool = False) -> int:

@@ -14,6 +14,7 @@ UCX worker makes no progress), and every wait is on an observed state, bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from typing import Any
@@ -24,9 +25,16 @@ import torch
 from kvtransfer import PeerUnavailable, Region, TransferCancelled, TransferTimeout, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.inplace import _GRANT_MARGIN_S
+from kvtransfer.inplace_sender import _reuse_bound
 from kvtransfer.memory import wait_ready
 from kvtransfer.wire import Frame
-from tests.integration.kvtransfer_util import LAYOUT_F32, connected, fast_config, until
+from tests.integration.kvtransfer_util import (
+    LAYOUT_F32,
+    connected,
+    fast_config,
+    stop_heartbeat,
+    until,
+)
 from tests.integration.test_kvtransfer_revoke import IN_PLACE, STALE, Gate
 from tests.integration.test_kvtransfer_transports import NO_UCX, no_leaks  # noqa: F401
 
@@ -70,7 +78,7 @@ def test_answered_pings_hold_a_grant_past_its_ttl(transport: str,
             await asyncio.wait_for(landed, 5)
             for src, dst in ((0, 5), (1, 9)):
                 assert torch.equal(r.kv.tensor[dst], s.kv.tensor[src])
-            peer.tasks[1].cancel()  # the heartbeat: the window stays where it is
+            stop_heartbeat(peer)  # the window stays where it is
             waiting = r.expect("y", [Region(7)], 1)
             await s.begin(peer, [Region(7)], "y", 1)
             await until(lambda: time.monotonic() > peer.vouched + TTL)
@@ -108,7 +116,7 @@ def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(
             assert bound >= before + BOUND
             with pytest.raises(TransferCancelled):
                 await asyncio.wait_for(landed, BOUND + 2)
-            assert bound - 1e-3 <= released[0] < bound + 0.5
+            assert bound - 1e-3 <= released[0] < bound + 1.5  # slack: a loaded box
             assert conn.last_rx > before and conn.id in r._conns, "PINGs went on"
             r.kv.tensor[5].zero_()  # reused
             gate.event.set()
@@ -130,6 +138,39 @@ def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", IN_PLACE)
+def test_a_revoked_grants_bound_on_the_sender_stops_moving_with_pings(
+        transport: str, no_leaks: None) -> None:  # noqa: F811
+    """After a REVOKE the receiver's bound no longer moves; nor does the sender's (the
+    one a late copy is judged by), while PINGs go on answered."""
+    gate = Gate()
+
+    async def main() -> None:
+        async with connected(config(transport), LAYOUT_F32, 16, 8, seed=28) as (r, s, peer):
+            landed = r.expect("x", [Region(5)], 1, lease_s=60.0)
+            await s.begin(peer, [Region(5)], "x", 1)
+            held = peer.grants[("x", 1)]
+            write = asyncio.create_task(s.write(peer, [Region(0)], [Region(5)], "x", 1,
+                                                ready=gate, timeout_s=30.0))
+            await until(lambda: held.inflight == 1)
+            assert r.cancel("x")
+            await until(lambda: held.revoked)
+            at = peer.vouched
+            await until(lambda: peer.vouched > at)  # a PING answered after the REVOKE
+            assert _reuse_bound(peer, held, BUDGET) <= at + held.ttl + BUDGET
+            gate.event.set()
+            with contextlib.suppress(TransferCancelled, TransferTimeout):
+                await asyncio.wait_for(write, 10)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(landed, BOUND + 5)
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.event.set()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["silent", "gone"])
 def test_a_silent_sender_and_a_gone_one_are_let_go_at_the_same_bound(
         how: str, no_leaks: None) -> None:  # noqa: F811
@@ -137,21 +178,21 @@ def test_a_silent_sender_and_a_gone_one_are_let_go_at_the_same_bound(
     liveness check drops it) or goes (its socket shut): either way the transfer fails
     and the cells are reused at the bound past its last frame, not before, not later."""
     async def main() -> None:
-        cfg = config("shm", liveness_timeout_s=0.5)
+        cfg = config("shm", liveness_timeout_s=1.2)
         async with connected(cfg, LAYOUT_F32, 16, 8, seed=23) as (r, s, peer):
             landed = r.expect("x", [Region(5)], 1, lease_s=60.0)
             released = done_at(landed)
             await s.begin(peer, [Region(5)], "x", 1)
             (conn,) = r._conns.values()
             if how == "silent":
-                peer.tasks[1].cancel()  # the heartbeat: no PING from now on
+                stop_heartbeat(peer)  # no PING from now on
             else:
                 peer.sock.shutdown(socket.SHUT_RDWR)
             with pytest.raises(PeerUnavailable):
                 await asyncio.wait_for(landed, cfg.liveness_timeout_s + BOUND + 2)
             assert not r._conns
             last = conn.last_rx  # the connection's last frame
-            assert last + BOUND - 1e-3 <= released[0] < last + BOUND + 0.5
+            assert last + BOUND - 1e-3 <= released[0] < last + BOUND + 1.5
             r.expect("x", [Region(5)], 2)  # the cells are free
             r.cancel("x")
 
@@ -236,7 +277,7 @@ def test_a_late_copy_of_an_old_grant_fails_only_its_own_transfer(
         async with connected(cfg, LAYOUT_F32, 16, 8, seed=25) as (r, s, peer):
             landed = r.expect("x", [Region(5)], 1, lease_s=60.0)
             await s.begin(peer, [Region(5)], "x", 1)
-            peer.tasks[1].cancel()  # the heartbeat
+            stop_heartbeat(peer)
             copy = s._copy
 
             async def running(*args: Any) -> Any:
@@ -335,7 +376,8 @@ def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused(
                 stopped = time.monotonic()
                 remote = peer.state
                 assert remote.closed and not remote.eps and not remote.issuing
-                assert stopped < deadline + BUDGET + _GRANT_MARGIN_S
+                # the receiver's bound is the guarantee; this one has slack for a loaded box
+                assert stopped < deadline + BUDGET + _GRANT_MARGIN_S + 1.0
                 assert not peer.alive
                 with pytest.raises(TransferCancelled):
                     await asyncio.wait_for(landed, BOUND + 2)
@@ -349,7 +391,7 @@ def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused(
 @NO_UCX
 @UCX_STALL_ABORTS
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="puts already sent when the sender closes its "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="puts already sent when the sender closes its "
                    "endpoints land once the receiver's worker progresses (RMA over TCP)")
 def test_ucx_puts_stopped_past_their_budget_never_land(no_leaks: None) -> None:  # noqa: F811
     """The gap the docs name: puts over RMA emulated on TCP that were sent before the
@@ -370,7 +412,9 @@ def test_ucx_puts_stopped_past_their_budget_never_land(no_leaks: None) -> None: 
                 r.kv.tensor.zero_()  # reused
             finally:
                 _resume(r)
-            await asyncio.sleep(1.0)  # a worker that progresses lands what it holds at once
+            # a worker that progresses lands what it holds at once: look until it does
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: bool(r.kv.tensor.any()), timeout=10.0)
             assert not r.kv.tensor.any(), "stopped puts landed in reused cells"
 
     asyncio.run(main())

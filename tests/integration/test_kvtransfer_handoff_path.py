@@ -7,13 +7,16 @@ mover copies a small chunk on the sender's loop and a large one on its copy thre
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 
-from kvtransfer import Region, TransferCancelled
+from kvtransfer import PeerUnavailable, Region, TransferCancelled, wire
 from kvtransfer.cuda_ipc import INLINE_COPY_BYTES, HostMover
 from kvtransfer.memory import FutureReady
 from tests.integration.kvtransfer_util import (
@@ -114,7 +117,9 @@ def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish(
 def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
         no_leaks: None, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Writes of a few regions and of many make no byte view of the mapped segment;
-    disconnect closes the mappings (no export left holding them)."""
+    disconnect lets the views go (releasing them) before it closes the mappings, and a
+    copy whose source became ready after the disconnect raises PeerUnavailable instead
+    of writing through an unmapped segment."""
     import kvtransfer.shm as shm
 
     async def main() -> None:
@@ -143,8 +148,18 @@ def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
                 got = receiver.kv.tensor[dst].view(torch.uint8)
                 assert torch.equal(got, sender.kv.tensor[src].view(torch.uint8))
             assert made == [0]
+            views = peer.state[3]
+            source = concurrent.futures.Future[None]()
+            pending = asyncio.create_task(sender._copy(
+                peer, [(Region(0), Region(0))], time.monotonic() + 30, FutureReady(source)))
+            await asyncio.sleep(0)  # the copy waits for its source
             await sender.disconnect(peer)
-            assert all(m.closed for m in maps)
+            source.set_result(None)
+            with pytest.raises(PeerUnavailable):
+                await asyncio.wait_for(pending, 5)
+            assert peer.state is None and all(m.closed for m in maps)
+            with pytest.raises(ValueError):  # released: a write raises, it cannot fault
+                views[0][0:1] = b"x"
         finally:
             await sender.close()
             await receiver.close()
@@ -163,13 +178,15 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
     src = RegisteredKV(torch.arange(16 * layout.block_bytes // 2, dtype=torch.int16)
                        .view(torch.bfloat16).view(layout.tensor_shape(16)), layout)
     dst = RegisteredKV(torch.zeros(layout.tensor_shape(16), dtype=torch.bfloat16), layout)
-    mover = HostMover(inline_bytes=2 * layout.block_bytes)
     assert HostMover().inline_bytes == INLINE_COPY_BYTES
+    mover = HostMover(inline_bytes=2 * layout.block_bytes)
     there = mover.open(mover.export(dst), src)
     far = 1e18  # the grant's start bound: not reached
 
     def landed(pairs: list[tuple[int, int]]) -> bool:
         return all(torch.equal(dst.tensor[d], src.tensor[s]) for s, d in pairs)
+
+    gate = threading.Event()
 
     async def main() -> None:
         small = await mover.copy(src, there, [(Region(1, num_blocks=2), Region(5, num_blocks=2))],
@@ -180,7 +197,6 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
         assert isinstance(large, FutureReady)
         large.synchronize()
         assert landed([(3, 8), (4, 9), (5, 10)])
-        gate = threading.Event()
         blocker = mover._pool.submit(gate.wait, 10)
         mover._last = blocker  # a copy queued on the thread, not done
         queued = await mover.copy(src, there, [(Region(0), Region(0))], far, None)
@@ -188,6 +204,81 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
         gate.set()
         queued.synchronize()
         assert landed([(0, 0)])
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()  # a failed check leaves no copy thread waiting on it
         mover.close([])
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(
+        transport: str, no_leaks: None) -> None:  # noqa: F811
+    """A cancel that lands while a WRITE waits for its source (tcp) or a begin waits for
+    its GRANT (shm) ends the transfer: the frame's answer re-creates no entry for it."""
+
+    async def main() -> None:
+        config = fast_config(transport)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=7)
+        try:
+            peer = await sender.connect(receiver.address())
+            dst = [Region(d) for d in DST]
+            landed = receiver.expect("gone", dst, 1)
+            if transport == "tcp":
+                source = concurrent.futures.Future[None]()
+                pending = asyncio.create_task(sender.write(
+                    peer, [Region(s) for s in SRC], dst, "gone", 1, ready=FutureReady(source)))
+            else:
+                pending = asyncio.create_task(sender.begin(peer, dst, "gone", 1))
+            async with wire.deadline(5):  # the write waits for its source, the begin for
+                await asyncio.sleep(0)    # a GRANT
+                while transport == "shm" and not peer.replies:
+                    await asyncio.sleep(0.001)
+            assert "gone" in peer.outgoing
+            await sender.cancel(peer, "gone", 1)
+            if transport == "tcp":
+                source.set_result(None)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(pending, 5)
+            with contextlib.suppress(TransferCancelled):
+                await asyncio.wait_for(landed, 5)  # the receiver fenced it
+            assert "gone" not in peer.outgoing
+        finally:
+            await sender.close()
+            await receiver.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(
+        inline: bool, no_leaks: None) -> None:  # noqa: F811
+    """process_vm_writev into memory the receiver no longer has (here: an address
+    nothing maps) fails the peer, whether the copy ran on the sender's loop (a small
+    chunk) or on the mover's thread."""
+
+    async def main() -> None:
+        config = fast_config("cuda_ipc", inline_copy_bytes=INLINE_COPY_BYTES if inline else 0)
+        receiver = await start_receiver(config, LAYOUT_BF16, 16)
+        sender = start_sender(config, LAYOUT_BF16, 8, seed=8)
+        try:
+            peer = await sender.connect(receiver.address())
+            pid, _, blocks = peer.state
+            peer.state = (pid, 4096, blocks)  # the zero page's neighbour: never mapped
+            dst = [Region(d) for d in DST]
+            landed = receiver.expect("fault", dst, 1)
+            await sender.begin(peer, dst, "fault", 1)
+            with contextlib.suppress(PeerUnavailable):  # inline: raised by the write
+                await sender.write(peer, [Region(s) for s in SRC], dst, "fault", 1)
+            with pytest.raises(PeerUnavailable):
+                await sender.finish(peer, "fault", 1, timeout_s=5)
+            assert isinstance(peer.error, PeerUnavailable)
+            assert "process_vm_writev" in str(peer.error)
+            landed.cancel()
+        finally:
+            await sender.close()
+            await receiver.close()
 
     asyncio.run(main())

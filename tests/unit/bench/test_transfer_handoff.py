@@ -46,6 +46,22 @@ def test_region_cost_is_the_scattered_excess_per_extra_region() -> None:
     assert "shm_region_us" not in summarize(rows[:2], {"gbps": 50.0}, [16], block_size=16)
 
 
+def test_a_region_cost_within_the_noise_is_reported_not_significant() -> None:
+    """An excess of the scattered median over the contiguous one within twice the noise
+    of their difference (or below zero) is None, not a cost (negative or not)."""
+    def noisy(mode: str, tokens: int, ms: float, iqr: float) -> Row:
+        nbytes = tokens // 16 * MIB
+        return Row("tcp", mode, tokens, nbytes, 32, ms, nbytes / ms / 1e6, iqr)
+
+    small = [noisy("contiguous", 16, 0.3, 0.0), noisy("scattered", 16, 0.3, 0.0)]
+    cases = [(10.0, 9.7, 0.0), (10.0, 10.2, 1.0), (10.0, 12.55, 1.0)]
+    got = [summarize(small + [noisy("contiguous", 4096, c, iqr),
+                              noisy("scattered", 4096, sc, iqr)],
+                     {"gbps": 50.0}, [16, 4096])["tcp_region_us"] for c, sc, iqr in cases]
+    assert got[:2] == [None, None]
+    assert got[2] == pytest.approx(2.55e3 / 255)
+
+
 def test_the_page_table_has_a_row_per_transport_and_mode() -> None:
     args = argparse.Namespace(device="cpu", handoffs=True, handoff_tokens="16,4096",
                               handoff_transports=None, layout=None, repeats=8)

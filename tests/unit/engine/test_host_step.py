@@ -1,7 +1,7 @@
 """The per-step host work done for the whole batch at once gives what the per-request
 path gives: block tables gathered from the persistent batch's rows (cut to the chunk,
-following allocations and frees), and a step's newest tokens detokenized in one
-tokenizer call."""
+following allocations and frees), and a step's newest tokens detokenized with their
+joining context from memory."""
 
 from __future__ import annotations
 
@@ -54,41 +54,43 @@ def test_block_tables_cut_to_the_chunk_and_follow_allocations() -> None:
     kv.check_integrity()
 
 
-def test_batched_detokenization_equals_token_by_token() -> None:
+def test_detokenization_with_remembered_pieces_equals_decoding_afresh() -> None:
     with tempfile.TemporaryDirectory() as d:
         vocab = write_tokenizer(d)
-        tok = Tokenizer(d)
+        warm, cold = Tokenizer(d), Tokenizer(d)
     rng = random.Random(0)
     # Multi-byte characters, special tokens (ids 0..), stop strings that match mid-way.
     stops = [(), ("e",), ("th", "xyz"), ()]
     outputs = [[rng.randrange(vocab) for _ in range(40)] for _ in range(8)]
-    def make(i: int) -> IncrementalDetokenizer:
+
+    def make(tok: Tokenizer, i: int) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(tok, [20, 21, 22], stops[i % 4],
                                       skip_special_tokens=i % 3 != 0, include_stop=i % 2 == 1)
-    one = [make(i) for i in range(8)]
-    batched = [make(i) for i in range(8)]
+    fresh = [make(cold, i) for i in range(8)]
+    remembered = [make(warm, i) for i in range(8)]
     for step in range(40):
-        for d, out in zip(one, outputs, strict=True):
-            d.add([out[step]])
-        IncrementalDetokenizer.add_newest(batched, [out[step] for out in outputs])
-        assert [d.take_delta() for d in batched] == [d.take_delta() for d in one]
-    assert [(d.text, d.stopped, d.stop_str) for d in batched] == \
-        [(d.text, d.stopped, d.stop_str) for d in one]
-    assert any(d.stopped for d in one) and not all(d.stopped for d in one)
-    assert any(any(tok.is_special(t) for t in out) for out in outputs)
+        for a, b, out in zip(fresh, remembered, outputs, strict=True):
+            cold._pieces = ({}, {})  # every joining context decoded afresh
+            if not a.stopped:
+                a.add_one(out[step])
+            if not b.stopped:
+                b.add_one(out[step])
+        assert [d.take_delta() for d in remembered] == [d.take_delta() for d in fresh]
+    assert [(d.text, d.stopped, d.stop_str) for d in remembered] == \
+        [(d.text, d.stopped, d.stop_str) for d in fresh]
+    assert any(d.stopped for d in fresh) and not all(d.stopped for d in fresh)
+    assert any(any(warm.is_special(t) for t in out) for out in outputs)
+    assert warm._pieces[True] and warm._pieces[False]
 
 
-def test_decode_batch_equals_decode_and_remembers_single_ids() -> None:
+def test_piece_equals_decode_and_is_remembered_per_skip_value() -> None:
     with tempfile.TemporaryDirectory() as d:
         vocab = write_tokenizer(d)
         tok = Tokenizer(d)
-    rng = random.Random(1)
-    seqs = [[rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 5]))]
-            for _ in range(300)]
-    seqs += [[0], [1], [0, 1]]  # special tokens
+    ids = [0, 1, *random.Random(1).sample(range(vocab), 200)]  # special tokens first
     for skip in (True, False):
-        want = [tok.decode(s, skip) for s in seqs]
-        assert tok.decode_batch(seqs, skip) == want
-        assert tok.decode_batch(seqs, skip) == want  # single ids now remembered
-    assert tok.decode_batch([[0]], True) != tok.decode_batch([[0]], False)
-    assert tok.decode_batch([]) == []
+        want = [tok.decode([t], skip) for t in ids]
+        assert [tok.piece(t, skip) for t in ids] == want
+        assert [tok.piece(t, skip) for t in ids] == want  # now from memory
+        assert set(tok._pieces[skip]) == set(ids)
+    assert tok.piece(0, True) != tok.piece(0, False)

@@ -110,6 +110,23 @@ def test_stop_string_cuts_every_kind_alike(engine: LLMEngine) -> None:
         == got[RequestOutputKind.CUMULATIVE]
 
 
+def test_outputs_are_not_changed_by_later_steps(engine: LLMEngine) -> None:
+    """Each output keeps what it carried when it was delivered (CUMULATIVE copies a
+    running request's lists; final outputs of every kind hold the finished request's)."""
+    for kind in RequestOutputKind:
+        for key, outs in run(engine, kind).items():
+            ids, text, n, _, lps = whole(outs, kind)
+            for o in outs:
+                assert len(o.new_token_ids) <= o.num_output_tokens, (kind, key)
+                if kind is not RequestOutputKind.DELTA:
+                    assert len(o.token_ids) == o.num_output_tokens, (kind, key)
+                    assert o.logprobs is None or len(o.logprobs) == \
+                        o.num_output_tokens - (n - len(ids)), (kind, key)
+            if kind is RequestOutputKind.CUMULATIVE:
+                assert [len(o.token_ids) for o in outs] == [o.num_output_tokens for o in outs]
+                assert outs[-1].text == "".join(o.new_text for o in outs) or key[0] == "resumed"
+
+
 def test_output_kind_is_validated() -> None:
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta").validate()  # type: ignore[arg-type]

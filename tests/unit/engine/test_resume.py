@@ -73,6 +73,10 @@ def test_stop_string_across_the_cut(engine: LLMEngine) -> None:
         head, head_text, _ = stream(engine, params, stop_after=cut)
         tail, tail_text, reason = stream(engine, params, resume=head)
         assert (head + tail, head_text + tail_text, reason) == (ref_toks, ref_text, "stop")
+    # Resumed tokens whose text holds the stop string already: the first new token
+    # ends the request, and its stream shows no more text.
+    tail, tail_text, reason = stream(engine, params, resume=ref_toks)
+    assert (len(tail), tail_text, reason) == (1, "", "stop")
 
 
 def test_resume_is_validated(engine: LLMEngine) -> None:

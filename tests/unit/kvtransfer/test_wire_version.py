@@ -44,10 +44,12 @@ def test_a_sender_refuses_a_receiver_of_another_version_before_saying_anything()
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("theirs", [None, 1, 3, wire.PROTOCOL_VERSION + 1])
+@pytest.mark.parametrize("theirs", [None, 1, 3, wire.PROTOCOL_VERSION - 1,
+                                    wire.PROTOCOL_VERSION + 1])
 def test_a_receiver_refuses_a_sender_of_another_version(theirs: int | None) -> None:
     """Version 3 is the per-chunk RESERVE/GRANT protocol: its WRITTEN names no regions
-    and it knows no REVOKE, so a version 3 peer is refused, not misread."""
+    and it knows no REVOKE, so a version 3 peer is refused, not misread; the version
+    just before this one (whose tcp writers still send FINISH) is refused too."""
     async def main() -> None:
         config = fast_config("tcp")
         receiver = await start_receiver(config, LAYOUT_F32, 4)
