@@ -9,6 +9,16 @@ class ClusterError(RuntimeError):
     """A child failed to start or become ready; the message names it and its log."""
 
 
+class PortTakenError(ClusterError):
+    """A child could not bind a port the launcher chose for it: another process on the
+    machine bound it between the choice and the child's bind (seconds later, once the
+    child has started)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class CrashLoopError(ClusterError):
     """A child kept exiting after restarts (more than the policy allows in its window);
     the launcher gives up and stops the whole cluster."""

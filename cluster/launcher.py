@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import secrets
@@ -29,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.errors import ClusterError, CrashLoopError
+from cluster.errors import ClusterError, CrashLoopError, PortTakenError
 from cluster.gateways import (
     admin_key,
     consecutive_ports,
@@ -48,9 +49,12 @@ __all__ = ["Child", "ClusterError", "ClusterSpec", "CrashLoopError", "LocalClust
            "RestartPolicy", "free_port"]
 
 
+log = logging.getLogger(__name__)
 _RANDOM = random.SystemRandom()  # (not the module's generator, which tests may seed)
 _HANDED: set[int] = set()  # the ports this process handed out
 _LOWEST_PORT = 10000
+_PORT_TAKEN = "Address already in use"  # what a child (and redis-server) logs then
+_START_TRIES = 3
 
 
 def _ephemeral_start() -> int:
@@ -135,9 +139,7 @@ class LocalCluster:
         # them, like the cluster token; /debug/workers, which readiness reads, needs it.
         self.admin_key = admin_key(spec.gateway_args, env_admin_key())
         self.admin_key_path = os.path.join(self.log_dir, "admin_key")  # 0600, for operators
-        self.http_ports = consecutive_ports(spec.host, spec.http_port, spec.num_gateways)
-        self.grpc_ports = consecutive_ports(spec.host, spec.grpc_port, spec.num_gateways)
-        self.http_port, self.grpc_port = self.http_ports[0], self.grpc_ports[0]
+        self._choose_gateway_ports()
 
     # -- children ------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], grpc_address: str | None = None) -> Child:
@@ -204,7 +206,30 @@ class LocalCluster:
         return child
 
     def start(self) -> None:
-        """Starts everything and waits until all are ready; stops all on failure."""
+        """Starts everything and waits until all are ready; stops all on failure. A
+        start that lost a port (PortTakenError, for a port the launcher chose) stops
+        and starts again on fresh ports, at most `_START_TRIES` times in all."""
+        for attempt in range(1, _START_TRIES + 1):
+            try:
+                self._start_once()
+                return
+            except PortTakenError as e:
+                chosen = not is_gateway(e.name) or not (self.spec.http_port or
+                                                        self.spec.grpc_port)
+                if not chosen or attempt == _START_TRIES:
+                    raise
+                log.warning("%s could not bind its port (taken since it was chosen); "
+                            "starting the cluster again on fresh ports", e.name)
+                self.children.clear()
+                self._choose_gateway_ports()
+
+    def _choose_gateway_ports(self) -> None:
+        spec = self.spec
+        self.http_ports = consecutive_ports(spec.host, spec.http_port, spec.num_gateways)
+        self.grpc_ports = consecutive_ports(spec.host, spec.grpc_port, spec.num_gateways)
+        self.http_port, self.grpc_port = self.http_ports[0], self.grpc_ports[0]
+
+    def _start_once(self) -> None:
         try:
             write_private(self.admin_key_path, self.admin_key)
             self.start_redis()
@@ -225,6 +250,10 @@ class LocalCluster:
     def check_alive(self) -> None:
         for c in self.children:
             if c.proc.poll() is not None:
+                tail = c.log_tail()
+                if _PORT_TAKEN in tail and not c.restarts:
+                    raise PortTakenError(c.name, f"{c.name} could not bind its port; its "
+                                         f"log ({c.log_path}) ends:\n{tail}")
                 raise ClusterError(f"{c.name} exited with code {c.proc.returncode}; its log "
                                    f"({c.log_path}) ends:\n{c.log_tail()}")
 

@@ -1,16 +1,17 @@
 """Several gateways on one local cluster (real processes, a real redis-server): each one
 serves on its own consecutive ports and sees every worker; `/debug/workers` is an admin
 route (401 without the key, 403 with a wrong one) and the key never shows on a command
-line; scheduling strategies stored through one gateway reach the other; a frozen
-(SIGSTOPped) worker leaves routing on both gateways within the load heartbeat window,
-its streams resume on the other worker token-identical, and it comes back after
-SIGCONT."""
+line; a start that lost a port it chose starts again on fresh ones; scheduling
+strategies stored through one gateway reach the other; a frozen (SIGSTOPped) worker
+leaves routing on both gateways within the load heartbeat window, its streams resume on
+the other worker token-identical, and it comes back after SIGCONT."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from cluster import launcher
 from cluster.gateways import debug_workers, is_gateway, routable_addresses
 from cluster.launcher import Child, ClusterSpec, LocalCluster
+from cluster.launcher import free_port as real_free_port
 from tests.factories import tiny_model_dir
 from tests.integration.serving_util import call_http, wait_for
 
@@ -40,8 +43,26 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
                                     "--faults", "seed=1,rpc.delay=1,delay=0.04"),
                        gateway_args=("--failover-wait", "5"), ready_timeout_s=150,
                        log_dir=str(tmp / "logs"))
-    with LocalCluster(spec) as c:
+    # The start loses its first chosen port (redis-server's) to another process, as on a
+    # busy machine between the choice and the child's bind: it starts again on fresh ones.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        chosen: list[int] = []
+
+        def free_port(host: str = "127.0.0.1") -> int:
+            chosen.append(taken if not chosen else real_free_port(host))
+            return chosen[-1]
+        c = LocalCluster(spec)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(launcher, "free_port", free_port)
+            c.start()
+    c.lost_port = taken  # type: ignore[attr-defined]
+    try:
         yield c
+    finally:
+        c.stop()
 
 
 def gateways(cluster: LocalCluster) -> list[Child]:
@@ -54,6 +75,11 @@ def complete(port: int) -> list[str]:
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"
     return list(choice["logprobs"]["tokens"])
+
+
+def test_a_start_that_lost_a_port_started_again_on_fresh_ports(cluster: LocalCluster) -> None:
+    assert cluster.redis_url and not cluster.redis_url.endswith(f":{cluster.lost_port}")  # type: ignore[attr-defined]
+    assert all(c.proc.poll() is None for c in cluster.children)
 
 
 def test_each_gateway_serves_on_consecutive_ports(cluster: LocalCluster) -> None:
