@@ -66,7 +66,8 @@ class OutputProcessor:
     def _track(self, req: Request, group: SampleGroup | None) -> None:
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens, p.include_stop_str_in_output)
+                                       p.skip_special_tokens, p.include_stop_str_in_output,
+                                       p.min_tokens)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
         every_step = (p.output_kind is not _FINAL_ONLY or req.hold_kv) \
             and not (group is not None and group.hold)  # (held: until the ranking)
