@@ -34,6 +34,7 @@ class _Track:
     detok: IncrementalDetokenizer
     sent_tokens: int  # output tokens its outputs have carried
     stop_ids: frozenset[int]  # its EOS ids (unless ignore_eos) and stop_token_ids
+    include_stop: bool  # a stop token's or string's text ends the output text
     max_output: int  # output tokens that end it: max_tokens, or what max_model_len leaves
     delta: bool  # DELTA outputs (else CUMULATIVE or FINAL_ONLY: everything so far)
     every_step: bool  # it has an output every step it gets a token, not only its last
@@ -74,6 +75,7 @@ class OutputProcessor:
         self._tracks[req.request_id] = _Track(
             req, detok, req.num_output_tokens,
             frozenset(req.eos_token_ids) | frozenset(p.stop_token_ids),
+            p.include_stop_str_in_output,
             min(p.max_tokens, self.max_model_len - req.num_prompt_tokens),
             p.output_kind is _DELTA, every_step, p.logprobs is not None,
             p.prompt_logprobs is not None, group)
@@ -108,14 +110,19 @@ class OutputProcessor:
     def _check(self, tr: _Track) -> RequestStatus | None:
         req, detok = tr.req, tr.detok
         tok = req.output_token_ids[-1]
-        if not detok.stopped:
-            detok.add_one(tok)
-        if detok.stopped:  # (or already by resumed tokens' text)
+        if detok.stopped:  # by resumed tokens' text
             req.stop_reason = detok.stop_str
             return _STOPPED
-        if tok in tr.stop_ids:
-            if tok not in req.eos_token_ids:
-                req.stop_reason = tok
+        if tok in tr.stop_ids:  # its text is left out unless include_stop_str_in_output
+            req.stop_reason = None if tok in req.eos_token_ids else tok
+            if tr.include_stop:  # (as vLLM, a stop string in its text wins)
+                detok.add_one(tok)
+                if detok.stopped:
+                    req.stop_reason = detok.stop_str
+            return _STOPPED
+        detok.add_one(tok)
+        if detok.stopped:
+            req.stop_reason = detok.stop_str
             return _STOPPED
         if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
             if not req.grammar.advance(req.output_token_ids):

@@ -67,3 +67,27 @@ def test_first_listed_stop_string_wins(engine: LLMEngine, plain: RequestOutput) 
     assert (out.text, out.stop_reason) == ("a", "r")
     out = run(engine, replace(BASE, stop=["a", "r"]))[-1]
     assert (out.text, out.stop_reason) == ("", "a")
+
+
+def test_stop_token_text_is_left_out(engine: LLMEngine, plain: RequestOutput) -> None:
+    """vLLM v1 leaves the text of the token that stopped a request (a stop_token_ids
+    hit or EOS) out of its text unless include_stop_str_in_output; its id stays in
+    token_ids. EOS is drawn here by a logit bias (after min_tokens), its text shown
+    (skip_special_tokens=False) unless it stopped the request."""
+    out = run(engine, replace(BASE, stop_token_ids=[47]))[-1]
+    assert out.token_ids == plain.token_ids[:3] and out.text == "arar"
+    assert (out.finish_reason, out.stop_reason) == ("stop", 47)
+    out = run(engine, replace(BASE, stop_token_ids=[47], include_stop_str_in_output=True))[-1]
+    assert out.token_ids == plain.token_ids[:3] and out.text == "ararK"
+    eos = engine.tokenizer.eos_token_id
+    assert eos is not None
+    forced = replace(BASE, ignore_eos=False, min_tokens=2, logit_bias={eos: 100.0},
+                     skip_special_tokens=False)
+    out = run(engine, forced)[-1]
+    assert out.token_ids == [*plain.token_ids[:2], eos] and out.text == "arar"
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    out = run(engine, replace(forced, include_stop_str_in_output=True))[-1]
+    assert out.text == "arar" + engine.tokenizer.decode([eos], False)
+    out = run(engine, replace(forced, ignore_eos=True, min_tokens=0, max_tokens=2))[-1]
+    assert out.token_ids == [eos, eos] and out.finish_reason == "length"  # not a stop
+    assert out.text == engine.tokenizer.decode([eos, eos], False)
