@@ -94,3 +94,8 @@ class IncrementalDetokenizer:
         self._emitted = end
         return out
 
+    @property
+    def shown(self) -> str:
+        """The text returned so far: a running request's cumulative text, without
+        what is held back (vLLM trims the stop-string buffer alike)."""
+        return self.text[:self._emitted]

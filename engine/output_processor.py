@@ -186,7 +186,7 @@ class OutputProcessor:
                 lps = req.logprobs
                 logprobs = lps[max(0, len(lps) - len(new_ids)):]
         else:
-            token_ids, text = ids if final else list(ids), tr.detok.text
+            token_ids, text = ids if final else list(ids), tr.detok.shown
             if tr.logprobs:
                 logprobs = req.logprobs if final else list(req.logprobs)
         # Positional: keywords cost a decode step ~1 µs per request (outputs.py's order).

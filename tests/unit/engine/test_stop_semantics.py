@@ -8,13 +8,14 @@ differ)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 import pytest
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.factories import tiny_model_dir
 
 PROMPT = [(7 * j) % 200 + 5 for j in range(13)]
@@ -91,3 +92,15 @@ def test_stop_token_text_is_left_out(engine: LLMEngine, plain: RequestOutput) ->
     out = run(engine, replace(forced, ignore_eos=True, min_tokens=0, max_tokens=2))[-1]
     assert out.token_ids == [eos, eos] and out.finish_reason == "length"  # not a stop
     assert out.text == engine.tokenizer.decode([eos, eos], False)
+
+
+def test_running_cumulative_text_holds_back_like_delta(engine: LLMEngine) -> None:
+    """vLLM v1 trims the held-back stop-string buffer from a running request's text,
+    cumulative as delta (`output_text[:-stop_buffer_length]`): no output shows text
+    a later one takes back (stop "rK": "a", "ara", "ara"; never "arar")."""
+    outs = run(engine, replace(BASE, stop=["rK"], output_kind=RequestOutputKind.CUMULATIVE))
+    texts = [o.text for o in outs]
+    assert texts[-1] == "ara" and outs[-1].stop_reason == "rK"
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+    deltas = run(engine, replace(BASE, stop=["rK"], output_kind=RequestOutputKind.DELTA))
+    assert list(accumulate(o.new_text for o in deltas)) == texts
