@@ -48,6 +48,7 @@ class OutputProcessor:
                  block_ids: Callable[[str], list[int]]) -> None:
         """`block_ids`: a request's KV block ids (reported for producers, hold_kv)."""
         self.tokenizer = tokenizer
+        self._eos = tokenizer.eos_token_id
         self.max_model_len = max_model_len
         self.block_ids = block_ids
         self._tracks: dict[str, _Track] = {}
@@ -114,7 +115,9 @@ class OutputProcessor:
             req.stop_reason = detok.stop_str
             return _STOPPED
         if tok in tr.stop_ids:  # its text is left out unless include_stop_str_in_output
-            req.stop_reason = None if tok in req.eos_token_ids else tok
+            # The tokenizer's EOS gives no stop reason; the model's other EOS ids (its
+            # config's list) are stop tokens to vLLM (`_all_stop_token_ids`): their id.
+            req.stop_reason = None if tok == self._eos and tok in req.eos_token_ids else tok
             if tr.include_stop:  # (as vLLM, a stop string in its text wins)
                 detok.add_one(tok)
                 if detok.stopped:

@@ -7,8 +7,12 @@ differ)."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from dataclasses import replace
 from itertools import accumulate
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +108,29 @@ def test_running_cumulative_text_holds_back_like_delta(engine: LLMEngine) -> Non
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
     deltas = run(engine, replace(BASE, stop=["rK"], output_kind=RequestOutputKind.DELTA))
     assert list(accumulate(o.new_text for o in deltas)) == texts
+
+
+def test_eos_reasons(engine: LLMEngine, plain: RequestOutput, tmp_path: Path) -> None:
+    """vLLM v1's check_stop tests EOS and stop_token_ids before the length: EOS as
+    the max_tokens-th token ends the request "stop" (no stop reason). The model's EOS
+    ids other than the tokenizer's (a config.json list) are stop tokens to vLLM: the
+    stop reason is the id, and their text is left out."""
+    eos = engine.tokenizer.eos_token_id
+    assert eos is not None
+    forced = replace(BASE, ignore_eos=False, min_tokens=2, max_tokens=3,
+                     logit_bias={eos: 100.0})
+    out = run(engine, forced)[-1]
+    assert out.token_ids == [*plain.token_ids[:2], eos]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    src = tiny_model_dir("llama")
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["eos_token_id"] = [eos, 47]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    two = LLM(str(tmp_path), block_size=4, num_blocks=64).engine
+    out = run(two, replace(BASE, ignore_eos=False))[-1]
+    assert out.token_ids == plain.token_ids[:3] and out.text == "arar"
+    assert (out.finish_reason, out.stop_reason) == ("stop", 47)
+    out = run(two, replace(forced, max_tokens=8))[-1]
+    assert out.token_ids == [*plain.token_ids[:2], eos] and out.stop_reason is None
