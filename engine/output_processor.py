@@ -172,9 +172,10 @@ class OutputProcessor:
 
     def _output(self, tr: _Track, status: RequestStatus | None) -> RequestOutput:
         """What the request has produced since its last output, ending it with `status`
-        if given (and all of it, as its output kind asks). Only CUMULATIVE copies the
-        whole output, and only while the request runs: a final output holds the
-        request's own lists (nothing is appended to them any more)."""
+        if given (and all of it, as its output kind asks). A running request's
+        non-DELTA output (CUMULATIVE, or FINAL_ONLY's progress for a hold_kv producer)
+        copies the whole output; a final one holds the request's own lists (nothing is
+        appended to them any more)."""
         req = tr.req
         ids = req.output_token_ids
         n = len(ids)
