@@ -20,13 +20,16 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stop", "_hold",
-                 "_include", "_skip", "text", "_emitted", "stopped", "stop_str")
+                 "_include", "_skip", "_min", "_count", "text", "_emitted", "stopped",
+                 "stop_str")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         """`include_stop`: the text ends with the matched stop string (vLLM's
-        include_stop_str_in_output); nothing is held back then, as in vLLM."""
+        include_stop_str_in_output); nothing is held back then, as in vLLM.
+        `min_tokens`: stop strings are searched only from the output token after the
+        first `min_tokens` on (a match may begin in their text), as vLLM v1."""
         self._tok = tokenizer
         # A few prompt tokens give the first output token its joining context.
         self._ids: list[int] = list(prompt_tail)
@@ -36,6 +39,8 @@ class IncrementalDetokenizer:
         self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
         self._include = include_stop
         self._skip = skip_special_tokens
+        self._min = min_tokens
+        self._count = 0  # output tokens taken, with or without their text
         self.text = ""  # full output text so far (the stop string cut unless included)
         self._emitted = 0  # chars of self.text already returned
         self.stopped = False
@@ -52,6 +57,7 @@ class IncrementalDetokenizer:
         """Appends one output token (the caller checks `stopped` first): a decode step's
         work per request, so the joining context, mostly the one id before it, is a
         memory hit (Tokenizer.piece) and the new text one short decode."""
+        self._count += 1
         ids = self._ids
         ids.append(token_id)
         p, r = self._prefix_offset, self._read_offset
@@ -63,14 +69,14 @@ class IncrementalDetokenizer:
         start = len(self.text)
         self.text += full[len(prefix):]
         self._prefix_offset, self._read_offset = r, len(ids)
-        if self._stop:
-            # Search only where a stop string could newly end.
-            lo = max(0, start - max(len(s) for s in self._stop) + 1)
-            hits = [(i, s) for s in self._stop if (i := self.text.find(s, lo)) >= 0]
-            if hits:
-                i, s = min(hits)
-                self.text = self.text[:i + len(s) if self._include else i]
-                self.stopped, self.stop_str = True, s
+        if self._stop and self._count > self._min:
+            # Search only where each stop string could newly end.
+            text = self.text
+            for s in self._stop:
+                if (i := text.find(s, max(0, start - len(s) + 1))) >= 0:
+                    self.text = text[:i + len(s) if self._include else i]
+                    self.stopped, self.stop_str = True, s
+                    return
 
     def skip(self, token_ids: Sequence[int]) -> None:
         """Adds tokens whose text an earlier stream of this request already showed
@@ -88,3 +94,8 @@ class IncrementalDetokenizer:
         self._emitted = end
         return out
 
+    @property
+    def shown(self) -> str:
+        """The text returned so far: a running request's cumulative text, without
+        what is held back (vLLM trims the stop-string buffer alike)."""
+        return self.text[:self._emitted]

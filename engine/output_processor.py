@@ -34,6 +34,7 @@ class _Track:
     detok: IncrementalDetokenizer
     sent_tokens: int  # output tokens its outputs have carried
     stop_ids: frozenset[int]  # its EOS ids (unless ignore_eos) and stop_token_ids
+    include_stop: bool  # a stop token's or string's text ends the output text
     max_output: int  # output tokens that end it: max_tokens, or what max_model_len leaves
     delta: bool  # DELTA outputs (else CUMULATIVE or FINAL_ONLY: everything so far)
     every_step: bool  # it has an output every step it gets a token, not only its last
@@ -47,6 +48,7 @@ class OutputProcessor:
                  block_ids: Callable[[str], list[int]]) -> None:
         """`block_ids`: a request's KV block ids (reported for producers, hold_kv)."""
         self.tokenizer = tokenizer
+        self._eos = tokenizer.eos_token_id
         self.max_model_len = max_model_len
         self.block_ids = block_ids
         self._tracks: dict[str, _Track] = {}
@@ -66,13 +68,15 @@ class OutputProcessor:
     def _track(self, req: Request, group: SampleGroup | None) -> None:
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens, p.include_stop_str_in_output)
+                                       p.skip_special_tokens, p.include_stop_str_in_output,
+                                       p.min_tokens)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
         every_step = (p.output_kind is not _FINAL_ONLY or req.hold_kv) \
             and not (group is not None and group.hold)  # (held: until the ranking)
         self._tracks[req.request_id] = _Track(
             req, detok, req.num_output_tokens,
             frozenset(req.eos_token_ids) | frozenset(p.stop_token_ids),
+            p.include_stop_str_in_output,
             min(p.max_tokens, self.max_model_len - req.num_prompt_tokens),
             p.output_kind is _DELTA, every_step, p.logprobs is not None,
             p.prompt_logprobs is not None, group)
@@ -107,14 +111,21 @@ class OutputProcessor:
     def _check(self, tr: _Track) -> RequestStatus | None:
         req, detok = tr.req, tr.detok
         tok = req.output_token_ids[-1]
-        if not detok.stopped:
-            detok.add_one(tok)
-        if detok.stopped:  # (or already by resumed tokens' text)
+        if detok.stopped:  # by resumed tokens' text
             req.stop_reason = detok.stop_str
             return _STOPPED
-        if tok in tr.stop_ids:
-            if tok not in req.eos_token_ids:
-                req.stop_reason = tok
+        if tok in tr.stop_ids:  # its text is left out unless include_stop_str_in_output
+            # The tokenizer's EOS gives no stop reason; the model's other EOS ids (its
+            # config's list) are stop tokens to vLLM (`_all_stop_token_ids`): their id.
+            req.stop_reason = None if tok == self._eos and tok in req.eos_token_ids else tok
+            if tr.include_stop:  # (as vLLM, a stop string in its text wins)
+                detok.add_one(tok)
+                if detok.stopped:
+                    req.stop_reason = detok.stop_str
+            return _STOPPED
+        detok.add_one(tok)
+        if detok.stopped:
+            req.stop_reason = detok.stop_str
             return _STOPPED
         if req.grammar is not None:  # the matcher takes the new tokens; complete: stop
             if not req.grammar.advance(req.output_token_ids):
@@ -161,9 +172,10 @@ class OutputProcessor:
 
     def _output(self, tr: _Track, status: RequestStatus | None) -> RequestOutput:
         """What the request has produced since its last output, ending it with `status`
-        if given (and all of it, as its output kind asks). Only CUMULATIVE copies the
-        whole output, and only while the request runs: a final output holds the
-        request's own lists (nothing is appended to them any more)."""
+        if given (and all of it, as its output kind asks). A running request's
+        non-DELTA output (CUMULATIVE, or FINAL_ONLY's progress for a hold_kv producer)
+        copies the whole output; a final one holds the request's own lists (nothing is
+        appended to them any more)."""
         req = tr.req
         ids = req.output_token_ids
         n = len(ids)
@@ -178,7 +190,7 @@ class OutputProcessor:
                 lps = req.logprobs
                 logprobs = lps[max(0, len(lps) - len(new_ids)):]
         else:
-            token_ids, text = ids if final else list(ids), tr.detok.text
+            token_ids, text = ids if final else list(ids), tr.detok.shown
             if tr.logprobs:
                 logprobs = req.logprobs if final else list(req.logprobs)
         # Positional: keywords cost a decode step ~1 µs per request (outputs.py's order).

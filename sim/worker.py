@@ -198,7 +198,8 @@ class SimWorker(DecodeWindows):
         return None
 
     def stop_reason(self, req: Request, max_tokens: int) -> RequestStatus | None:
-        """OutputProcessor.check_stop for ignore_eos requests."""
+        """The output processor's stop checks (OutputProcessor.take_tokens) for
+        ignore_eos requests: only the length ends them."""
         if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

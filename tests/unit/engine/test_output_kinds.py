@@ -130,3 +130,36 @@ def test_outputs_are_not_changed_by_later_steps(engine: LLMEngine) -> None:
 def test_output_kind_is_validated() -> None:
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta").validate()  # type: ignore[arg-type]
+
+
+# `_output`'s positional RequestOutput call: each field and the expression it is given.
+CALL = [("request_id", "req.request_id"), ("prompt_token_ids", "req.prompt_token_ids"),
+        ("token_ids", "token_ids"), ("text", "text"), ("new_token_ids", "new_ids"),
+        ("new_text", "new_text"), ("num_output_tokens", "n"), ("finished", "final"),
+        ("finish_reason", "status.value if status is not None else None"),
+        ("stop_reason", "req.stop_reason if final else None"),
+        ("num_cached_tokens", "req.num_cached_tokens or 0"), ("error", "None"),
+        ("first_token_time", "req.first_token_time"),
+        ("scheduled_time", "req.scheduled_time"), ("logprobs", "logprobs"),
+        ("index", "req.index"), ("cumulative_logprob", "req.cumulative_logprob"),
+        ("prompt_logprobs", "req.prompt_logprobs if tr.prompt_logprobs else None"),
+        ("num_computed_tokens", "req.num_computed_tokens")]
+
+
+def test_positional_output_matches_the_field_order() -> None:
+    """The output processor builds RequestOutput positionally: its arguments, in
+    order, are the dataclass's fields in order (a swap of two same-typed fields on
+    either side fails here)."""
+    import ast
+    import inspect
+    import textwrap
+    from dataclasses import fields
+
+    from engine.output_processor import OutputProcessor
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(OutputProcessor._output)))
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)
+             and isinstance(c.func, ast.Name) and c.func.id == "RequestOutput"]
+    assert len(calls) == 1 and not calls[0].keywords
+    assert [ast.unparse(a) for a in calls[0].args] == [e for _, e in CALL]
+    assert [f.name for f in fields(RequestOutput)][:len(CALL)] == [f for f, _ in CALL]
