@@ -87,7 +87,8 @@ def test_stops_found_a_step_late_change_nothing():
         assert st.num_free_blocks == st.num_blocks
     assert got[True] == got[False]
     reasons = {(s[2], s[3] is None, isinstance(s[3], str)) for s in got[True]}
-    assert ("stop", True, False) in reasons  # EOS
+    # EOS: the id set above is not the tokenizer's, so (as vLLM) it is its stop reason
+    assert any(s[2] == "stop" and s[3] == eos for s in got[True][0::4])
     assert ("stop", False, True) in reasons  # a stop string
     assert ("stop", False, False) in reasons  # a stop token id
     assert ("length", True, False) in reasons
