@@ -203,6 +203,31 @@ def coalesce(src: Sequence[Region], dst: Sequence[Region],
     return out
 
 
+def single_block(r: Region) -> bool:
+    """A whole block of rank 0, every head (what a hand-off of whole blocks is made of)."""
+    return (r.num_blocks == 1 and r.layer_start == 0 and r.layer_end is None
+            and r.rank == 0 and r.head_start == 0 and r.head_end is None)
+
+
+def coalesce_blocks(src: Sequence[Region], dst: Sequence[Region],
+                     ) -> list[tuple[Region, Region]]:
+    """`coalesce` of single whole blocks, on their ids: blocks consecutive on both
+    sides become one region (the others stay the caller's objects)."""
+    out: list[tuple[Region, Region]] = []
+    run = 0  # blocks in the run that ends at out[-1]
+    next_s = next_d = -1
+    for s, d in zip(src, dst, strict=True):
+        if s.block_id == next_s and d.block_id == next_d:
+            run += 1
+            ps, pd = out[-1]
+            out[-1] = (Region(ps.block_id, num_blocks=run), Region(pd.block_id, num_blocks=run))
+        else:
+            run = 1
+            out.append((s, d))
+        next_s, next_d = s.block_id + 1, d.block_id + 1
+    return out
+
+
 def _whole(r: Region, layout: KVLayout) -> bool:
     return r.layers(layout) == (0, layout.num_layers)
 

@@ -29,7 +29,7 @@ from kvtransfer.errors import (
     VersionMismatch,
     error_from_kind,
 )
-from kvtransfer.layout import KVLayout, Region, coalesce, rank_pairs
+from kvtransfer.layout import KVLayout, Region, coalesce, coalesce_blocks, rank_pairs, single_block
 from kvtransfer.memory import Ready, RegisteredKV
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.wire import Frame
@@ -270,8 +270,8 @@ class SenderBase:
         assert self.kv is not None
         layout = self.kv.layout
         if self.kv.tp == 1 and dst_tp == 1 and len(src_regions) == len(dst_regions) \
-                and all(map(_single_block, src_regions)) and all(map(_single_block, dst_regions)):
-            pairs = _coalesce_blocks(src_regions, dst_regions)
+                and all(map(single_block, src_regions)) and all(map(single_block, dst_regions)):
+            pairs = coalesce_blocks(src_regions, dst_regions)
             first = min(s.block_id for s, _ in pairs)
             last = max(s.block_id + s.num_blocks for s, _ in pairs)
             if first < 0 or last > self.kv.num_blocks:
@@ -431,27 +431,3 @@ class SenderBase:
         with contextlib.suppress(OSError):
             peer.sock.shutdown(socket.SHUT_RDWR)
 
-
-def _single_block(r: Region) -> bool:
-    """A whole block of rank 0, every head (what a hand-off of whole blocks is made of)."""
-    return (r.num_blocks == 1 and r.layer_start == 0 and r.layer_end is None
-            and r.rank == 0 and r.head_start == 0 and r.head_end is None)
-
-
-def _coalesce_blocks(src: Sequence[Region], dst: Sequence[Region],
-                     ) -> list[tuple[Region, Region]]:
-    """`layout.coalesce` of single whole blocks, on their ids: blocks consecutive on both
-    sides become one region (the others stay the caller's objects)."""
-    out: list[tuple[Region, Region]] = []
-    run = 0  # blocks in the run that ends at out[-1]
-    next_s = next_d = -1
-    for s, d in zip(src, dst, strict=True):
-        if s.block_id == next_s and d.block_id == next_d:
-            run += 1
-            ps, pd = out[-1]
-            out[-1] = (Region(ps.block_id, num_blocks=run), Region(pd.block_id, num_blocks=run))
-        else:
-            run = 1
-            out.append((s, d))
-        next_s, next_d = s.block_id + 1, d.block_id + 1
-    return out

@@ -14,8 +14,8 @@ from kvtransfer import KVLayout, Region, coalesce
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import ProtocolError
 from kvtransfer.fencing import TransferTable
+from kvtransfer.layout import coalesce_blocks
 from kvtransfer.metrics import TransferMetrics
-from kvtransfer.sender import _coalesce_blocks
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 BLOCKS = 64
@@ -115,7 +115,7 @@ def test_block_coalescing_matches_coalesce() -> None:
             if rng.random() < 0.4:
                 src[i], dst[i] = src[i - 1] + 1, dst[i - 1] + 1
         s, d = [Region(b) for b in src], [Region(b) for b in dst]
-        assert _coalesce_blocks(s, d) == coalesce(s, d, LAYOUT)
+        assert coalesce_blocks(s, d) == coalesce(s, d, LAYOUT)
 
 
 def run(coro_fn) -> None:  # type: ignore[no-untyped-def]
