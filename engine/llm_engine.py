@@ -15,7 +15,7 @@ import torch
 
 from engine.async_step import AsyncSteps
 from engine.block_hash import BlockHash, make_extra_key
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, stop_eos_ids
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
 from engine.offload import KVOffload, OffloadConnector, RankGatheredOffload
@@ -80,7 +80,10 @@ class LLMEngine:
         eos = self.model_config.eos_token_ids
         if not eos and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
-        self.eos_token_ids = eos
+        # Every id that ends generation as EOS, the tokenizer's first (engine/config.py
+        # stop_eos_ids); a request ignoring EOS still has them held back by min_tokens.
+        self.eos_token_ids = stop_eos_ids(config.model_dir, self.model_config.eos_token_ids,
+                                          self.tokenizer.eos_token_id)
         self.last_step_tokens = 0
         self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
                                             eos)
@@ -140,7 +143,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, resume_token_ids)
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
-                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                      eos_token_ids=self.eos_token_ids,
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
                       labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:

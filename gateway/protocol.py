@@ -83,8 +83,9 @@ class ModelContext:
             else tool_call_parser
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        eos = self.tokenizer.eos_token_id
         self.defaults = load_generation_defaults(generation_config, model_dir,
-                                                 cfg.eos_token_ids)
+                                                 () if eos is None else (eos,))
 
     def observe_worker_limit(self, max_model_len: int) -> None:
         """A worker serves at most `max_model_len` tokens (its --max-model-len): the
