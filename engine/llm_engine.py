@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.strategies import StrategySet
 from engine.structured import StructuredOutputs
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, bad_word_ids
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class LLMEngine:
                                f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
+            bad_word_ids(self.tokenizer, params.bad_words)  # each must have tokens
             if params.structured is not None:  # compiled (and cached) before any work
                 self.structured.compile(params.structured)
         except ValueError as e:
@@ -144,6 +145,7 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
                       eos_token_ids=self.eos_token_ids,
+                      bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words),
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
                       labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:

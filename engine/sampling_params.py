@@ -92,6 +92,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
+    # vLLM's: only these ids are drawn (None: any); no bad word's tokens complete it
+    # (engine/token_masks.py).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:
@@ -102,6 +106,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = None
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     @property
     def num_samples(self) -> int:
@@ -155,6 +162,14 @@ class SamplingParams:
                 raise ValueError(f"logit_bias holds {t!r}, not a token id of this model")
             if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise ValueError("allowed_token_ids is not allowed to be empty")
+            if not all(isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in allowed):
+                raise ValueError("allowed_token_ids contains out-of-vocab token id")
+        if not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words cannot contain an empty string")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, bad_word_ids
 from gateway.body import body_object, get_field
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.generation_config import load_generation_defaults
@@ -160,6 +160,7 @@ def finish_input(ctx: ModelContext, model: str, ids: list[int], params: Sampling
             "max_tokens" if max_tokens_given else "prompt")
     try:
         params.validate(ctx.vocab_size)
+        bad_word_ids(ctx.tokenizer, params.bad_words)  # each must have tokens
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     return GenerateInput(model=model, prompt_token_ids=ids, params=params, **kw)

@@ -106,6 +106,14 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise InvalidRequest("`stop_token_ids` must be a list of integers", "stop_token_ids")
     ignore_eos = get_field(body, "ignore_eos", bool, False)
+    allowed = get_field(body, "allowed_token_ids", list, None)
+    if allowed is not None and not all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in allowed):
+        raise InvalidRequest("`allowed_token_ids` must be a list of integers",
+                             "allowed_token_ids")
+    bad_words = get_field(body, "bad_words", list, None) or []
+    if not all(isinstance(w, str) for w in bad_words):
+        raise InvalidRequest("`bad_words` must be a list of strings", "bad_words")
     # Accepted no-ops (gateway/params.py), still typed as vLLM types them.
     get_field(body, "length_penalty", (int, float), 1.0)
     get_field(body, "spaces_between_special_tokens", bool, True)
@@ -120,6 +128,7 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
         stop=_stop(body), stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
+        allowed_token_ids=allowed, bad_words=bad_words,
         **_classic(body, chat))
     if params.min_tokens and max_tokens is not None and params.min_tokens > max_tokens:
         raise InvalidRequest(f"`min_tokens` ({params.min_tokens}) must not exceed max_tokens "

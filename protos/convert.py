@@ -19,7 +19,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         n=p.n, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
         min_tokens=p.min_tokens, min_p=p.min_p,
-        include_stop_str_in_output=p.include_stop_str_in_output)
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words)
     if p.seed is not None:
         msg.seed = p.seed
     if p.structured is not None:
@@ -52,6 +53,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
         min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        allowed_token_ids=list(msg.allowed_token_ids) or None, bad_words=list(msg.bad_words),
         structured=structured_from_proto(msg.structured))
 
 

@@ -1,0 +1,50 @@
+"""vLLM's sampling extras the gateway takes as vLLM does: allowed_token_ids and
+bad_words (vllm/entrypoints/openai/protocol.py) reach the workers' SamplingParams on
+both endpoints and the gRPC wire; bad values get vLLM's 400s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.protocol import ModelContext, parse_chat, parse_completion
+from protos.convert import sampling_from_proto, sampling_to_proto
+from tests.factories import tiny_model_dir
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def ctx() -> ModelContext:
+    return ModelContext(tiny_model_dir("llama"), "tiny")
+
+
+def _both(ctx: ModelContext, extra: dict[str, Any]) -> list[Any]:
+    return [parse_completion({"prompt": "hi"} | extra, ctx)[0].params,
+            parse_chat({"messages": MSGS} | extra, ctx).params]
+
+
+def test_allowed_token_ids_and_bad_words_pass_through(ctx: ModelContext) -> None:
+    for p in _both(ctx, {"allowed_token_ids": [47, 116], "bad_words": ["arar", "K"]}):
+        assert p.allowed_token_ids == [47, 116] and p.bad_words == ["arar", "K"]
+        assert sampling_from_proto(sampling_to_proto(p)) == p
+    for p in _both(ctx, {"allowed_token_ids": None, "bad_words": []}):
+        assert p.allowed_token_ids is None and p.bad_words == []
+        assert sampling_from_proto(sampling_to_proto(p)) == p
+
+
+@pytest.mark.parametrize("extra,words", [
+    ({"allowed_token_ids": []}, "empty"),
+    ({"allowed_token_ids": [10**6]}, "out-of-vocab"),
+    ({"allowed_token_ids": ["a"]}, "integers"),
+    ({"bad_words": [""]}, "empty string"),
+    ({"bad_words": [" "]}, "at least one token"),
+    ({"bad_words": "K"}, "array"),
+])
+def test_bad_values_are_400(ctx: ModelContext, extra: dict[str, Any], words: str) -> None:
+    for parse in (lambda: parse_completion({"prompt": "hi"} | extra, ctx),
+                  lambda: parse_chat({"messages": MSGS} | extra, ctx)):
+        with pytest.raises(InvalidRequest, match=words):
+            parse()
