@@ -137,27 +137,34 @@ def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> 
 def finish_input(ctx: ModelContext, model: str, ids: list[int], params: SamplingParams,
                  max_tokens_given: bool, default_max: int | None = None,
                  **kw: Any) -> GenerateInput:
-    """Context-length and vocabulary checks once the prompt is tokenized. Without
-    max_tokens: `default_max` (completions' 16), else the rest of the context; the
-    model's generation config (max_new_tokens) caps either, as in vLLM."""
+    """Context-length and vocabulary checks once the prompt is tokenized, as vLLM's
+    serving_engine._validate_input. Without max_tokens: `default_max` (completions'
+    16, which must fit), else the rest of the context (chat: the prompt must leave
+    one token); the model's generation config (max_new_tokens) caps either after the
+    check, as vLLM's get_max_tokens."""
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not 0 <= t < ctx.vocab_size for t in ids):
         raise InvalidRequest(f"the prompt holds token ids outside [0, {ctx.vocab_size})",
                              "prompt")
+    limit = ctx.max_model_len
     if not max_tokens_given:
-        params.max_tokens = max(1, min(ctx.max_model_len - len(ids),
-                                       default_max or ctx.max_model_len))
-    cap = ctx.defaults.sampling.get("max_tokens")
-    if cap is not None:
-        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
+        if default_max is None and len(ids) >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(ids)} input tokens. Please reduce the length of the "
+                "input messages.", "prompt")
+        params.max_tokens = default_max or limit - len(ids)
     total = len(ids) + params.max_tokens
-    if total > ctx.max_model_len:
+    if total > limit:
         raise InvalidRequest(
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+            f"This model's maximum context length is {limit} tokens. However, "
             f"you requested {total} tokens ({len(ids)} in the messages, {params.max_tokens} "
             f"in the completion). Please reduce the length of the messages or completion.",
             "max_tokens" if max_tokens_given else "prompt")
+    cap = ctx.defaults.sampling.get("max_tokens")
+    if cap is not None:
+        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
     try:
         params.validate(ctx.vocab_size)
         bad_word_ids(ctx.tokenizer, params.bad_words)  # each must have tokens

@@ -28,9 +28,11 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
 
 
 def test_missing_max_tokens_is_vllms_default(ctx: ModelContext) -> None:
-    # Completions: 16 (fewer when the context has less room); chat: the rest of it.
+    # Completions: 16, which must fit as a given max_tokens must (vLLM's
+    # build_tok_params: max_output_tokens=self.max_tokens); chat: the rest of it.
     assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 16
-    assert parse_completion({"prompt": [1] * 250}, ctx)[0].params.max_tokens == 6
+    with pytest.raises(InvalidRequest, match="250 in the messages, 16 in the completion"):
+        parse_completion({"prompt": [1] * 250}, ctx)
     chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx)
     assert chat.params.max_tokens == 256 - len(chat.prompt_token_ids)
 

@@ -48,3 +48,28 @@ def test_bad_values_are_400(ctx: ModelContext, extra: dict[str, Any], words: str
                   lambda: parse_chat({"messages": MSGS} | extra, ctx)):
         with pytest.raises(InvalidRequest, match=words):
             parse()
+
+
+def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
+    """vLLM's 400s (serving_engine._validate_input): a chat prompt that leaves no room,
+    without max_tokens, is named alone, never with a completion length the request did
+    not ask for; /v1/completions' default max_tokens (16) must fit as a given one must."""
+    limit = ctx.max_model_len
+    with pytest.raises(InvalidRequest) as e:
+        parse_chat({"messages": [{"role": "user", "content": "hi " * limit}]}, ctx)
+    msg = e.value.message
+    assert msg.startswith(f"This model's maximum context length is {limit} tokens. "
+                          "However, your request has ")
+    assert msg.endswith(" input tokens. Please reduce the length of the input messages.")
+    assert e.value.param == "prompt"
+    ids = [5] * (limit - 5)
+    with pytest.raises(InvalidRequest, match=rf"you requested {limit + 11} tokens "
+                                             rf"\({limit - 5} in the messages, 16 in the "
+                                             r"completion\)") as e:
+        parse_completion({"prompt": ids}, ctx)
+    assert e.value.param == "prompt"
+    with pytest.raises(InvalidRequest, match=r"\(1023 in the messages, 3 in the completion\)"):
+        parse_completion({"prompt": [5] * 1023, "max_tokens": 3}, ctx)
+    assert parse_completion({"prompt": [5] * (limit - 16)}, ctx)[0].params.max_tokens == 16
+    assert parse_chat({"messages": MSGS}, ctx).params.max_tokens == \
+        limit - len(parse_chat({"messages": MSGS}, ctx).prompt_token_ids)
