@@ -61,7 +61,7 @@ def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None
     ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"3": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": "high"}}, "logit_bias"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "stop": 5}, "stop"),

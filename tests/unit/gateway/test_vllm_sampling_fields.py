@@ -50,6 +50,15 @@ def test_bad_values_are_400(ctx: ModelContext, extra: dict[str, Any], words: str
             parse()
 
 
+def test_logit_bias_is_clamped_to_100(ctx: ModelContext) -> None:
+    """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100] (the OpenAI
+    range) rather than refusing it; a key that is no token id is still a 400."""
+    for p in _both(ctx, {"logit_bias": {"47": 150, "5": -1e9, "6": 2.5}}):
+        assert p.logit_bias == {47: 100.0, 5: -100.0, 6: 2.5}
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        parse_completion({"prompt": "hi", "logit_bias": {"x": 1}}, ctx)
+
+
 def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
     """vLLM's 400s (serving_engine._validate_input): a chat prompt that leaves no room,
     without max_tokens, is named alone, never with a completion length the request did
