@@ -23,6 +23,7 @@ from gateway.openai_format import (
     StopReason,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs_json,
     usage,
 )
 from gateway.protocol import GenerateInput
@@ -112,7 +113,8 @@ class Choices:
         # Chat with tools: each choice's text is read for tool calls (gateway/tools.py).
         tools = inps[0].tools if b.chat else None
         self.tools = [ChatOutput(tools) for _ in self.choices] if tools is not None else []
-        self._decode = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        self._decode = self._text = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        self.prompt_lps: list[list[Logprobs] | None] = [None] * len(inps)
         if inps[0].tokens_as_ids:  # vLLM's return_tokens_as_token_ids
             self._decode = lambda t: f"token_id:{t}"  # type: ignore[assignment]
 
@@ -132,6 +134,8 @@ class Choices:
         c.stop_reason = stop_reason(r)
         text, ids = r.text, list(r.token_ids)
         lps: list[Logprobs | None] = list(logprobs_from_proto(list(r.logprobs)))
+        if len(r.prompt_logprobs) and self.prompt_lps[prompt] is None:
+            self.prompt_lps[prompt] = logprobs_from_proto(list(r.prompt_logprobs))
         if inp.echo_only:
             text, ids, lps = "", [], []
         first, generated = not c.started and not c.output_ids, ids
@@ -140,7 +144,7 @@ class Choices:
         c.output_chars += len(text)
         if inp.echo and not c.started and (ids or inp.echo_only):
             prompt_lps: list[Logprobs | None] = [None]
-            prompt_lps += logprobs_from_proto(list(r.prompt_logprobs))
+            prompt_lps += self.prompt_lps[prompt] or []
             text, ids, lps = inp.prompt_text + text, inp.prompt_token_ids + ids, prompt_lps + lps
         c.started = c.started or bool(ids)
         c.text.append(text)
@@ -203,14 +207,26 @@ class Choices:
                                      logprobs=None if k is None else self._logprobs(
                                          c.token_ids, c.logprobs, k, 0),
                                      stop_reason=c.stop_reason))
+            if not self.b.chat:
+                out[-1]["prompt_logprobs"] = self._prompt_logprobs(i // self.n)
             if self.inps[0].return_token_ids:
                 out[-1]["token_ids"] = c.output_ids
                 if not self.b.chat:
                     out[-1]["prompt_token_ids"] = self.inps[i // self.n].prompt_token_ids
         full = self.b.full_choices(out, *self.usage())
+        if self.b.chat and self.inps[0].params.prompt_logprobs is not None:
+            full["prompt_logprobs"] = self._prompt_logprobs(0)
         if self.inps[0].return_token_ids and self.b.chat:
             full["prompt_token_ids"] = self.inps[0].prompt_token_ids
         return full
+
+    def _prompt_logprobs(self, prompt: int) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of prompt `prompt`, when the request asked for them."""
+        k = self.inps[prompt].params.prompt_logprobs
+        lps = self.prompt_lps[prompt]
+        if k is None or lps is None:
+            return None
+        return prompt_logprobs_json(self._text, lps, k)
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached tokens) over every prompt and sample."""

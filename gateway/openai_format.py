@@ -146,6 +146,24 @@ def chat_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
         for tok, lp in zip(token_ids, lps, strict=True)]}
 
 
+def prompt_logprobs_json(decode: Callable[[int], str], lps: Sequence[Logprobs], k: int,
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token
+    {id: {logprob, rank, decoded_token}}, the prompt token first (its rank among all
+    tokens, a RankedLogprobs') and the top k ranked 1..k (a prompt token among them
+    takes its place there, as in vLLM's dict); -inf as -9999."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in lps:
+        items = list(lp.items())
+        # The top k: after the prompt token, unless it is one of them (then k entries).
+        top = items[1:] if len(items) > k else sorted(items, key=lambda kv: -kv[1])
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        own = getattr(lp, "rank", None)
+        out.append({str(t): {"logprob": _lp(v), "rank": ranks.get(t, own),
+                             "decoded_token": decode(t)} for t, v in items})
+    return out
+
+
 def model_list(name: str, max_model_len: int, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": name, "object": "model", "created": created, "owned_by": "splitserve",

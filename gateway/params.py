@@ -36,7 +36,6 @@ def _not(*defaults: Any) -> Callable[[Any], bool]:
 # Both endpoints: vLLM's sampling extras we do not implement.
 _SAMPLING: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _truthy,
-    "prompt_logprobs": _given,  # completions: echo + logprobs returns them
     "logits_processors": _given,
     "kv_transfer_params": _given, "vllm_xargs": _given,
     "prompt_embeds": _given,
@@ -67,7 +66,7 @@ _COMMON = {
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
     "return_token_ids", "truncate_prompt_tokens", "return_tokens_as_token_ids",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "prompt_logprobs",
     "request_id",  # the request's id when no x-request-id header names one (gateway/http_server.py)
     # No-ops in vLLM for us, accepted as it accepts them: length_penalty only weighs
     # beam search (refused above); spaces_between_special_tokens only reaches vLLM's

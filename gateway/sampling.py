@@ -58,6 +58,25 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's prompt_logprobs: -1 (the whole vocabulary) or k, at most its default
+    max_logprobs (20); not with streaming (above 0)."""
+    k = get_field(body, "prompt_logprobs", int, None)
+    if k is None:
+        return None
+    if body.get("stream") and (k > 0 or k == -1):
+        raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.",
+                             "prompt_logprobs")
+    if k < -1:
+        raise InvalidRequest("`prompt_logprobs` must be a positive value or -1.",
+                             "prompt_logprobs")
+    if k == -1 or k > MAX_LOGPROBS:
+        asked = "the whole vocabulary" if k == -1 else k
+        raise InvalidRequest(f"Requested prompt logprobs of {asked}, which is greater than "
+                             f"max allowed: {MAX_LOGPROBS}", "prompt_logprobs")
+    return k
+
+
 def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """n, best_of, logprobs, penalties, logit_bias, min_tokens as SamplingParams fields."""
     n = _count(body, "n", 1, MAX_SAMPLES)
@@ -78,9 +97,11 @@ def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     else:
         logprobs = _count(body, "logprobs", 0, MAX_LOGPROBS)
     min_tokens = _count(body, "min_tokens", 0, 2**31 - 1) or 0
+    prompt_logprobs = _prompt_logprobs(body)
+    if prompt_logprobs is None and not chat and get_field(body, "echo", bool, False):
+        prompt_logprobs = logprobs  # vLLM's to_sampling_params: echo shows them
     return {"n": n or 1, "best_of": best_of, "logprobs": logprobs,
-            "prompt_logprobs": logprobs if not chat and get_field(body, "echo", bool, False)
-            else None,
+            "prompt_logprobs": prompt_logprobs,
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
             "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0),

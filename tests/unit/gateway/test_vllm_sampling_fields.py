@@ -1,6 +1,7 @@
-"""vLLM's sampling extras the gateway takes as vLLM does: allowed_token_ids and
-bad_words (vllm/entrypoints/openai/protocol.py) reach the workers' SamplingParams on
-both endpoints and the gRPC wire; bad values get vLLM's 400s."""
+"""vLLM's request fields as the gateway takes them (vllm/entrypoints/openai/protocol.py,
+serving_engine.py): allowed_token_ids, bad_words and prompt_logprobs reach the workers'
+SamplingParams on both endpoints and the gRPC wire, prompt logprobs come back in vLLM's
+shape, logit_bias is clamped, the context-length 400s; bad values get vLLM's 400s."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from typing import Any
 
 import pytest
 
+from gateway.choices import Choices
 from gateway.errors import InvalidRequest
+from gateway.openai_format import ResponseBuilder
 from gateway.protocol import ModelContext, parse_chat, parse_completion
+from protos import splitserve_pb2 as pb
 from protos.convert import sampling_from_proto, sampling_to_proto
 from tests.factories import tiny_model_dir
 
@@ -82,3 +86,52 @@ def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
     assert parse_completion({"prompt": [5] * (limit - 16)}, ctx)[0].params.max_tokens == 16
     assert parse_chat({"messages": MSGS}, ctx).params.max_tokens == \
         limit - len(parse_chat({"messages": MSGS}, ctx).prompt_token_ids)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_prompt_logprobs(ctx: ModelContext, chat: bool) -> None:
+    """vLLM's prompt_logprobs (protocol.py, serving_completion/serving_chat): per prompt
+    token, null for the first, else {token id: {logprob, rank, decoded_token}}: the
+    prompt token first with its rank among all tokens, then the top k ranked 1..k; -inf
+    as -9999. On each completions choice, at the top of a chat response."""
+    body: dict[str, Any] = {"max_tokens": 2, "prompt_logprobs": 1}
+    inp = parse_chat(body | {"messages": MSGS}, ctx) if chat else \
+        parse_completion(body | {"prompt": "hi there"}, ctx)[0]
+    assert inp.params.prompt_logprobs == 1 and inp.params.logprobs is None
+    ids = inp.prompt_token_ids
+    top = pb.TopLogprob(token_id=7, logprob=-0.5)
+    plp = [pb.TokenLogprob(token_id=t, logprob=-2.0 if i else float("-inf"), rank=3 + i,
+                           top=[top]) for i, t in enumerate(ids[1:])]
+    choices = Choices([inp], ResponseBuilder("tiny", chat=chat),
+                      lambda t: ctx.tokenizer.decode(t, False))
+    choices.add(0, pb.WorkerGenerateResponse(token_ids=[5, 6], text="ab", finish_reason="length",
+                                             num_output_tokens=2, prompt_logprobs=plp))
+    full = choices.full()
+    got = full["prompt_logprobs"] if chat else full["choices"][0]["prompt_logprobs"]
+    seven = {"logprob": -0.5, "rank": 1, "decoded_token": ctx.tokenizer.decode([7], False)}
+    assert got[0] is None and len(got) == len(ids)
+    for i, (t, entry) in enumerate(zip(ids[1:], got[1:], strict=True)):
+        assert list(entry) == [str(t), "7"]
+        assert entry[str(t)] == {"logprob": -2.0 if i else -9999.0, "rank": 3 + i,
+                                 "decoded_token": ctx.tokenizer.decode([t], False)}
+        assert entry["7"] == seven
+
+
+def test_prompt_logprobs_values(ctx: ModelContext) -> None:
+    """Echo with logprobs asks for the prompt's (vLLM's to_sampling_params); an explicit
+    prompt_logprobs wins; streaming refuses it (above 0); vLLM's range."""
+    echo = parse_completion({"prompt": "hi", "echo": True, "logprobs": 2}, ctx)[0].params
+    assert echo.prompt_logprobs == 2
+    given = parse_completion({"prompt": "hi", "echo": True, "logprobs": 2,
+                              "prompt_logprobs": 0}, ctx)[0].params
+    assert given.prompt_logprobs == 0
+    assert parse_completion({"prompt": "hi", "stream": True, "prompt_logprobs": 0},
+                            ctx)[0].params.prompt_logprobs == 0
+    for extra, words in (({"stream": True, "prompt_logprobs": 1}, "stream=True"),
+                         ({"prompt_logprobs": -2}, "positive value or -1"),
+                         ({"prompt_logprobs": 21}, "greater than max allowed: 20"),
+                         ({"prompt_logprobs": -1}, "greater than max allowed: 20")):
+        with pytest.raises(InvalidRequest, match=words):
+            parse_completion({"prompt": "hi"} | extra, ctx)
+        with pytest.raises(InvalidRequest, match=words):
+            parse_chat({"messages": MSGS} | extra, ctx)
