@@ -159,6 +159,14 @@ class Choices:
             out["prompt_token_ids"] = self.inps[index // self.n].prompt_token_ids
         return self._with_usage(out)
 
+    def echo_chunks(self) -> list[dict[str, Any]]:
+        """Chat `echo`: after the role chunks, each choice's echoed content (vLLM's)."""
+        echo = self.inps[0].chat_echo
+        if not (self.b.chat and echo):
+            return []
+        return [self._with_usage(self.b.chunk(echo, None, index=i))
+                for i in range(len(self.choices))]
+
     def chunk(self, d: Delta) -> dict[str, Any] | None:
         """The SSE chunk for a delta (None: nothing to show)."""
         finish = self.choices[d.choice].finish_reason
@@ -203,6 +211,8 @@ class Choices:
             finish, calls = c.finish_reason, None
             if self.tools:
                 text, calls, finish = self.tools[i].message(text or "", finish)
+            if self.inps[0].chat_echo:
+                text = self.inps[0].chat_echo + (text or "")
             out.append(self.b.choice(text, finish, index=i, tool_calls=calls,
                                      logprobs=None if k is None else self._logprobs(
                                          c.token_ids, c.logprobs, k, 0),

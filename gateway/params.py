@@ -54,7 +54,7 @@ REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
         # The deprecated forms of `tools` / `tool_choice`.
         "functions": _given, "function_call": _given,
         # vLLM's chat extras.
-        "echo": _truthy, "documents": _given,
+        "documents": _given,
         "chat_template": _given,
         "mm_processor_kwargs": _given,
     },
@@ -84,7 +84,7 @@ IMPLEMENTED: dict[str, set[str]] = {
                        "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
                        "safety_identifier", "prompt_cache_key", "include_reasoning",
                        "chat_template_kwargs", "continue_final_message",
-                       "add_special_tokens"},
+                       "add_special_tokens", "echo"},
 }
 
 

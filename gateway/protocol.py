@@ -49,6 +49,8 @@ class GenerateInput:
     echo: bool = False
     echo_only: bool = False
     prompt_text: str = ""
+    # chat `echo`: the last message's content, shown before the reply (vLLM's rule).
+    chat_echo: str = ""
     tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
     # Where the first token's time went, in seconds (gateway/core.py fills it):
     # queue, route, worker_queue, prefill, kv_transfer, total.
@@ -276,7 +278,18 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
                                        chat=True, defaults=ctx.defaults)
     params.structured = structured_from_body(body, forced_structure(tools))
-    return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+    return finish_input(ctx, model, ids, params, given, tools=tools,
+                        chat_echo=_chat_echo(body, messages), **_stream_flags(body))
+
+
+def _chat_echo(body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the last message's content when its role is the reply's (the
+    assistant's with add_generation_prompt, else the last message's own), else ""."""
+    if not get_field(body, "echo", bool, False):
+        return ""
+    role = "assistant" if get_field(body, "add_generation_prompt", bool, True) \
+        else messages[-1]["role"]
+    return str(messages[-1]["content"] or "") if messages[-1]["role"] == role else ""
 
 
 def chat_prompt(body: dict[str, Any], ctx: ModelContext, messages: list[dict[str, Any]],

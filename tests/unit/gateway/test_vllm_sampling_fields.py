@@ -135,3 +135,26 @@ def test_prompt_logprobs_values(ctx: ModelContext) -> None:
             parse_completion({"prompt": "hi"} | extra, ctx)
         with pytest.raises(InvalidRequest, match=words):
             parse_chat({"messages": MSGS} | extra, ctx)
+
+
+def test_chat_echo(ctx: ModelContext) -> None:
+    """vLLM's chat `echo` (serving_chat.py): the last message's content goes before the
+    reply when its role is the reply's (the assistant's with add_generation_prompt,
+    else the last message's own); streamed, one content chunk per choice after the
+    role chunks."""
+    b = ResponseBuilder("tiny", chat=True)
+    gen = pb.WorkerGenerateResponse(token_ids=[5], text=" there", finish_reason="length",
+                                    num_output_tokens=1)
+    cases = (({"messages": MSGS, "echo": True}, ""),  # the reply's role is the assistant's
+             ({"messages": MSGS, "echo": True, "add_generation_prompt": False}, "hi"),
+             ({"messages": [*MSGS, {"role": "assistant", "content": "Sure,"}], "echo": True,
+               "add_generation_prompt": False, "continue_final_message": True}, "Sure,"),
+             ({"messages": MSGS, "add_generation_prompt": False}, ""))
+    for body, echoed in cases:
+        inp = parse_chat(body, ctx)
+        choices = Choices([inp], b, lambda t: ctx.tokenizer.decode(t, False))
+        choices.add(0, gen)
+        assert choices.full()["choices"][0]["message"]["content"] == echoed + " there"
+        chunks = choices.echo_chunks()
+        assert [c["choices"][0]["delta"] for c in chunks] == \
+            ([{"content": echoed}] if echoed else [])
