@@ -105,6 +105,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = None
+        # vLLM's seeds are any int64, -1 meaning none; the sampler's are [0, 2**63).
+        if self.seed == -1:
+            self.seed = None
+        elif isinstance(self.seed, int) and -2**63 <= self.seed < 0:
+            self.seed += 2**63
         self.logit_bias = dict(self.logit_bias or {})
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.allowed_token_ids is not None:

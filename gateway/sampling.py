@@ -146,7 +146,7 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
         top_k=None if top_k in (None, -1, 0) else top_k,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", bool, False),
-        seed=get_field(body, "seed", int, None),
+        seed=_count(body, "seed", -2**63, 2**63 - 1),  # any int64, as vLLM
         stop=_stop(body), stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),

@@ -66,7 +66,7 @@ def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": ["a", 1]}, "stop"),
-    ({"prompt": "x", "seed": -1}, None),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"),
     ({"prompt": 5}, "prompt"),

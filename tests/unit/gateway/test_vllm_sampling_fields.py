@@ -158,3 +158,18 @@ def test_chat_echo(ctx: ModelContext) -> None:
         chunks = choices.echo_chunks()
         assert [c["choices"][0]["delta"] for c in chunks] == \
             ([{"content": echoed}] if echoed else [])
+
+
+def test_any_int64_seed(ctx: ModelContext) -> None:
+    """vLLM takes any 64-bit seed (protocol.py: ge/le of torch.long), -1 meaning none
+    (SamplingParams.__post_init__); a negative seed is as reproducible as any other."""
+    assert parse_completion({"prompt": "hi", "seed": -1}, ctx)[0].params.seed is None
+    for seed in (-5, -2**63, 2**63 - 1, 0):
+        p = parse_completion({"prompt": "hi", "seed": seed}, ctx)[0].params
+        assert p.seed is not None and 0 <= p.seed < 2**63
+        assert p.seed == parse_chat({"messages": MSGS, "seed": seed}, ctx).params.seed
+    assert parse_completion({"prompt": "hi", "seed": -5}, ctx)[0].params.seed != \
+        parse_completion({"prompt": "hi", "seed": 5}, ctx)[0].params.seed
+    for seed in (2**63, -2**63 - 1):
+        with pytest.raises(InvalidRequest, match="seed"):
+            parse_completion({"prompt": "hi", "seed": seed}, ctx)
