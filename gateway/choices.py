@@ -157,14 +157,14 @@ class Choices:
         out = self.b.chunk("", None, first=True, index=index)
         if self.inps[0].return_token_ids:  # vLLM: the chat stream's first chunk has them
             out["prompt_token_ids"] = self.inps[index // self.n].prompt_token_ids
-        return self._with_usage(out)
+        return self._with_usage(out, index, 0)
 
     def echo_chunks(self) -> list[dict[str, Any]]:
         """Chat `echo`: after the role chunks, each choice's echoed content (vLLM's)."""
         echo = self.inps[0].chat_echo
         if not (self.b.chat and echo):
             return []
-        return [self._with_usage(self.b.chunk(echo, None, index=i))
+        return [self._with_usage(self.b.chunk(echo, None, index=i), i, 0)
                 for i in range(len(self.choices))]
 
     def chunk(self, d: Delta) -> dict[str, Any] | None:
@@ -188,12 +188,17 @@ class Choices:
             choice["token_ids"] = d.generated
             if not self.b.chat and d.first:
                 choice["prompt_token_ids"] = self.inps[d.choice // self.n].prompt_token_ids
-        return self._with_usage(out)
+        return self._with_usage(out, d.choice)
 
-    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """stream_options.continuous_usage_stats: the usage so far on every chunk."""
+    def _with_usage(self, chunk: dict[str, Any], index: int,
+                    completion: int | None = None) -> dict[str, Any]:
+        """stream_options.continuous_usage_stats: on every chunk, the usage of its choice
+        `index` so far (its prompt; `completion` or its tokens), as vLLM's."""
         if self.inps[0].continuous_usage:
-            chunk["usage"] = usage(*self.usage())
+            prompt = index // self.n
+            done = self.choices[index].num_output_tokens if completion is None else completion
+            chunk["usage"] = usage(len(self.inps[prompt].prompt_token_ids), done,
+                                   self.cached[prompt])
         return chunk
 
     def _logprobs(self, ids: list[int], lps: list[Logprobs | None], k: int, offset: int,

@@ -173,3 +173,27 @@ def test_any_int64_seed(ctx: ModelContext) -> None:
     for seed in (2**63, -2**63 - 1):
         with pytest.raises(InvalidRequest, match="seed"):
             parse_completion({"prompt": "hi", "seed": seed}, ctx)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_continuous_usage_is_per_choice(ctx: ModelContext, chat: bool) -> None:
+    """vLLM's continuous_usage_stats: each chunk's usage is its own choice's (its prompt,
+    its tokens so far; 0 on the role chunks), the closing usage chunk the sum."""
+    body: dict[str, Any] = {"max_tokens": 4, "n": 2, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}
+    inp = parse_chat(body | {"messages": MSGS}, ctx) if chat else \
+        parse_completion(body | {"prompt": "hi there"}, ctx)[0]
+    n_prompt = len(inp.prompt_token_ids)
+    choices = Choices([inp], ResponseBuilder("tiny", chat=chat),
+                      lambda t: ctx.tokenizer.decode(t, False))
+    first = choices.add(0, pb.WorkerGenerateResponse(index=0, token_ids=[5, 6], text="ab",
+                                                     num_output_tokens=2))
+    if chat:
+        assert [choices.opening(i)["usage"]["completion_tokens"] for i in (0, 1)] == [0, 0]
+    other = choices.add(0, pb.WorkerGenerateResponse(index=1, token_ids=[7], text="c",
+                                                     num_output_tokens=1))
+    for d, want in ((first, 2), (other, 1)):
+        u = choices.chunk(d)["usage"]
+        assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == \
+            (n_prompt, want, n_prompt + want)
+    assert choices.usage()[:2] == (n_prompt, 3)
