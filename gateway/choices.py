@@ -204,7 +204,8 @@ class Choices:
     def _logprobs(self, ids: list[int], lps: list[Logprobs | None], k: int, offset: int,
                   ) -> dict[str, Any]:
         if self.b.chat:
-            return chat_logprobs(self._decode, ids, [lp for lp in lps if lp is not None], k)
+            return chat_logprobs(self._decode, ids, [lp for lp in lps if lp is not None], k,
+                                 self._text)
         return completion_logprobs(self._decode, ids, lps, k, offset)
 
     def full(self) -> dict[str, Any]:

@@ -133,15 +133,21 @@ def completion_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
 
 
 def chat_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
-                  lps: Sequence[Logprobs], k: int) -> dict[str, Any]:
+                  lps: Sequence[Logprobs], k: int,
+                  text: Callable[[int], str] | None = None) -> dict[str, Any]:
     """/v1/chat/completions `logprobs`: {"content": [{token, logprob, bytes,
-    top_logprobs: the dict's first k entries}]}."""
-    def entry(t: int, v: float) -> dict[str, Any]:
-        text = decode(t)
-        return {"token": text, "logprob": _lp(v),
-                "bytes": list(text.encode("utf-8", errors="replace"))}
+    top_logprobs: the dict's first k entries}]}. `decode` names a token, `text` is its
+    text (they differ under return_tokens_as_token_ids): as vLLM, a chosen token's
+    bytes are its text's, a top entry's its name's."""
+    text = text or decode
 
-    return {"content": [entry(tok, lp[tok]) | {"top_logprobs": [
+    def entry(t: int, v: float, raw: str | None = None) -> dict[str, Any]:
+        name = decode(t)
+        return {"token": name, "logprob": _lp(v),
+                "bytes": list((name if raw is None else raw).encode("utf-8",
+                                                                    errors="replace"))}
+
+    return {"content": [entry(tok, lp[tok], text(tok)) | {"top_logprobs": [
         entry(t, v) for i, (t, v) in enumerate(lp.items()) if i < k]}
         for tok, lp in zip(token_ids, lps, strict=True)]}
 
