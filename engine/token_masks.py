@@ -32,15 +32,15 @@ def apply_token_masks(logits: torch.Tensor, requests: Sequence[Request],
     """A copy of `logits` [B, V] with -inf where a row may not draw the token. `pending`:
     the step in flight (async scheduling), holding rows' placeholder tokens."""
     vocab = logits.shape[1]
-    barred = torch.zeros(logits.shape, dtype=torch.bool)
+    allowed_rows: list[tuple[int, list[int]]] = []
+    barred: list[tuple[int, int]] = []  # (row, token)
     # Bad words of 2+ tokens: (row, last token, prefix the output must end with); a
     # prefix entry -1 - j is the placeholder token of pending row j.
     checks: list[tuple[int, int, list[int]]] = []
     for i, r in enumerate(requests):
         allowed = r.sampling_params.allowed_token_ids
         if allowed:
-            barred[i] = True
-            barred[i, allowed] = False
+            allowed_rows.append((i, allowed))
         if not r.bad_words_token_ids:
             continue
         past = r.output_token_ids
@@ -52,14 +52,22 @@ def apply_token_masks(logits: torch.Tensor, requests: Sequence[Request],
         for word in r.bad_words_token_ids:
             if len(word) > len(past) + 1:
                 continue
-            if len(word) == 1:
-                barred[i, word[0]] = True
-            elif all(a >= 0 for a in past[1 - len(word):]):  # known: compare here
-                if past[1 - len(word):] == word[:-1]:
-                    barred[i, word[-1]] = True
+            tail = past[1 - len(word):] if len(word) > 1 else []
+            if all(a >= 0 for a in tail):  # known: compare here
+                if tail == word[:-1]:
+                    barred.append((i, word[-1]))
             else:
-                checks.append((i, word[-1], [*past[1 - len(word):], *word[:-1]]))
-    out = logits.masked_fill(to_device(barred), float("-inf"))
+                checks.append((i, word[-1], [*tail, *word[:-1]]))
+    out = logits.clone()
+    if allowed_rows:  # dense only for these rows
+        keep = torch.zeros((len(allowed_rows), vocab), dtype=torch.bool)
+        for j, (_, ids) in enumerate(allowed_rows):
+            keep[j, ids] = True
+        rows = to_device(torch.tensor([i for i, _ in allowed_rows]))
+        out[rows] = out[rows].masked_fill(~to_device(keep), float("-inf"))
+    if barred:
+        cells = to_device(torch.tensor(barred))
+        out[cells[:, 0], cells[:, 1]] = float("-inf")
     if checks:
         assert pending is not None
         out = _device_checks(out, checks, pending, vocab, to_device)
