@@ -149,8 +149,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:  # also rejects NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+        if not 0.0 < self.repetition_penalty < float("inf"):  # vLLM's: finite, above 0
+            raise ValueError(f"repetition_penalty must be a finite number above 0, got "
                              f"{self.repetition_penalty}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")

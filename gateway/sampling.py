@@ -58,6 +58,15 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     return out
 
 
+def _repetition_penalty(body: dict[str, Any]) -> float:
+    """vLLM's: finite and above 0, no upper bound."""
+    v = float(get_field(body, "repetition_penalty", (int, float), 1.0))
+    if not 0.0 < v < float("inf"):  # also rejects NaN
+        raise InvalidRequest(f"`repetition_penalty` must be a finite number above 0, got {v}",
+                             "repetition_penalty")
+    return v
+
+
 def _prompt_logprobs(body: dict[str, Any]) -> int | None:
     """vLLM's prompt_logprobs: -1 (the whole vocabulary) or k, at most its default
     max_logprobs (20); not with streaming (above 0)."""
@@ -104,7 +113,7 @@ def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
             "prompt_logprobs": prompt_logprobs,
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0),
+            "repetition_penalty": _repetition_penalty(body),
             "logit_bias": _logit_bias(body), "min_tokens": min_tokens}
 
 

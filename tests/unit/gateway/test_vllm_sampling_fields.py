@@ -197,3 +197,14 @@ def test_continuous_usage_is_per_choice(ctx: ModelContext, chat: bool) -> None:
         assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == \
             (n_prompt, want, n_prompt + want)
     assert choices.usage()[:2] == (n_prompt, 3)
+
+
+def test_repetition_penalty_above_two(ctx: ModelContext) -> None:
+    """vLLM's _verify_args wants a finite repetition_penalty above 0, no upper bound."""
+    for value in (2.5, 10):
+        for p in _both(ctx, {"repetition_penalty": value}):
+            assert p.repetition_penalty == value
+            p.validate(ctx.vocab_size)
+    for value in (0, -1, 1e400):
+        with pytest.raises(InvalidRequest, match="repetition_penalty"):
+            parse_completion({"prompt": "hi", "repetition_penalty": value}, ctx)
