@@ -118,9 +118,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
 
-def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> list[int]:
+def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int],
+                    text: str | None = None) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the context
-    length)."""
+    length). `text`: the prompt `ids` encode with the tokenizer's special tokens, which
+    stay, as in the tokenizer call vLLM truncates with (transformers' left truncation:
+    the text's last tokens fill what they leave)."""
     k = get_field(body, "truncate_prompt_tokens", int, None)
     if k is None:
         return ids
@@ -133,6 +136,15 @@ def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> 
         raise InvalidRequest(f"truncate_prompt_tokens value ({k}) is greater than "
                              f"max_model_len ({ctx.max_model_len}). Please, select a smaller "
                              "truncation size.", "truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids
+    if text is not None:
+        content = ctx.tokenizer.encode(text, add_special_tokens=False)
+        added = len(ids) - len(content)  # the tokenizer's own, around the text's
+        at = next((s for s in range(added + 1) if ids[s:s + len(content)] == content), None)
+        if at is not None and 0 < k - added:
+            keep = k - added
+            return ids[:at] + content[len(content) - keep:] + ids[at + len(content):]
     return ids[-k:]
 
 
@@ -229,10 +241,11 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
     for prompt in prompts:
         if isinstance(prompt, str):
             ids, text = ctx.tokenizer.encode(prompt, add_special_tokens=special), prompt
+            ids = truncate_prompt(body, ctx, ids, prompt if special else None)
         else:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
-        ids = truncate_prompt(body, ctx, ids)
+            ids = truncate_prompt(body, ctx, ids)
         out.append(finish_input(ctx, model, ids, replace(params), given,
                                 COMPLETION_MAX_TOKENS, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))

@@ -208,3 +208,24 @@ def test_repetition_penalty_above_two(ctx: ModelContext) -> None:
     for value in (0, -1, 1e400):
         with pytest.raises(InvalidRequest, match="repetition_penalty"):
             parse_completion({"prompt": "hi", "repetition_penalty": value}, ctx)
+
+
+def test_truncate_prompt_tokens_keeps_the_tokenizers_special_tokens(ctx: ModelContext) -> None:
+    """vLLM truncates a text prompt in the tokenizer call (truncation=True, max_length=k,
+    left side): the tokens the tokenizer adds (BOS) stay, the text's last tokens fill
+    the rest, as transformers' tokenizer gives them. Token-id prompts: their last k."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir("llama"), truncation_side="left")
+    text = "hello world foo bar baz"
+    for k in (2, 3, 7):
+        want = hf(text, truncation=True, max_length=k).input_ids
+        got = parse_completion({"prompt": text, "truncate_prompt_tokens": k}, ctx)[0]
+        assert got.prompt_token_ids == want and want[0] == hf.bos_token_id
+        plain = parse_completion({"prompt": text, "truncate_prompt_tokens": k,
+                                  "add_special_tokens": False}, ctx)[0]
+        assert plain.prompt_token_ids == hf(text, truncation=True, max_length=k,
+                                            add_special_tokens=False).input_ids
+    ids = hf(text).input_ids
+    assert parse_completion({"prompt": ids, "truncate_prompt_tokens": 3},
+                            ctx)[0].prompt_token_ids == ids[-3:]
