@@ -77,16 +77,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.kv.block_ids)
         self.pins = Pins(self.kv.pool)  # blocks peers fetch from here (pin_cached)
-        eos = self.model_config.eos_token_ids
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = (self.tokenizer.eos_token_id,)
         # Every id that ends generation as EOS, the tokenizer's first (engine/config.py
         # stop_eos_ids); a request ignoring EOS still has them held back by min_tokens.
         self.eos_token_ids = stop_eos_ids(config.model_dir, self.model_config.eos_token_ids,
                                           self.tokenizer.eos_token_id)
         self.last_step_tokens = 0
-        self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
-                                            eos)
+        # A completed grammar ends on the tokenizer's EOS alone, as vLLM's xgrammar backend
+        # (TokenizerInfo.from_huggingface); the model's list without one.
+        tok_eos = self.tokenizer.eos_token_id
+        self.structured = StructuredOutputs(
+            config.model_dir, self.model_config.vocab_size,
+            self.model_config.eos_token_ids if tok_eos is None else (tok_eos,))
         self.async_steps = AsyncSteps(self) if config.async_scheduling else None
 
     def _rank_offload(self, offload: KVOffload) -> KVOffload:

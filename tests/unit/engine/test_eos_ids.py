@@ -88,3 +88,15 @@ def test_min_tokens_masks_every_eos_id_even_with_ignore_eos(tmp_path: Path) -> N
     assert THIRD not in out.token_ids[:3]
     ignoring = run(eng, replace(BASE, ignore_eos=True))
     assert ignoring.token_ids[:3] == [302, 302, THIRD] and ignoring.finish_reason == "length"
+
+
+def test_a_grammar_ends_on_the_tokenizers_eos(tmp_path: Path) -> None:
+    """vLLM's xgrammar backend (TokenizerInfo.from_huggingface) lets a completed grammar
+    end only on the tokenizer's EOS, not on the generation config's other EOS ids: a
+    choice of "ar" ends [302, EOS] even when the other id (47) is made likelier."""
+    from engine.sampling_params import StructuredOutput
+
+    eng = engine(tmp_path, [EOS, THIRD], [EOS, THIRD])
+    choice = StructuredOutput("choice", choices=("ar",))
+    out = run(eng, replace(BASE, structured=choice, logit_bias={THIRD: 50.0}))
+    assert out.token_ids == [302, EOS] and (out.finish_reason, out.stop_reason) == ("stop", None)
