@@ -246,8 +246,11 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
             ids = truncate_prompt(body, ctx, ids)
-        out.append(finish_input(ctx, model, ids, replace(params), given,
-                                COMPLETION_MAX_TOKENS, echo=echo,
+        # vLLM's default is 16 when the field is absent; an explicit null leaves it None:
+        # the rest of the context.
+        default = None if "max_tokens" in body and body["max_tokens"] is None \
+            else COMPLETION_MAX_TOKENS
+        out.append(finish_input(ctx, model, ids, replace(params), given, default, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))
     return out
 

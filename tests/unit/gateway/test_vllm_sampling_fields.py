@@ -84,6 +84,10 @@ def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
     with pytest.raises(InvalidRequest, match=r"\(1023 in the messages, 3 in the completion\)"):
         parse_completion({"prompt": [5] * 1023, "max_tokens": 3}, ctx)
     assert parse_completion({"prompt": [5] * (limit - 16)}, ctx)[0].params.max_tokens == 16
+    # An explicit null is no default of 16 to vLLM (CompletionRequest.max_tokens: None):
+    # the rest of the context, as on chat.
+    assert parse_completion({"prompt": [5] * 10, "max_tokens": None},
+                            ctx)[0].params.max_tokens == limit - 10
     assert parse_chat({"messages": MSGS}, ctx).params.max_tokens == \
         limit - len(parse_chat({"messages": MSGS}, ctx).prompt_token_ids)
 
