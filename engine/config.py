@@ -203,6 +203,27 @@ class ModelConfig:
                        moe_intermediate_size=self.moe_intermediate_size // tp)
 
 
+def stop_eos_ids(model_dir: str, config_eos: tuple[int, ...],
+                 tokenizer_eos: int | None) -> tuple[int, ...]:
+    """The ids that end generation as EOS, as vLLM v1 has them (sampling_params.py
+    update_from_generation_config): the tokenizer's EOS first, then the generation
+    config's list, which is generation_config.json's `eos_token_id` when the file
+    exists (transformers' GenerationConfig.from_pretrained) and config.json's
+    (`config_eos`) only when it does not."""
+    path = os.path.join(model_dir, "generation_config.json")
+    gen: tuple[int, ...] = config_eos
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise ModelDirError(f"cannot read {path}: {e}") from e
+        ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        gen = tuple(int(t) for t in ids if isinstance(t, int) and not isinstance(t, bool))
+    first = () if tokenizer_eos is None else (tokenizer_eos,)
+    return tuple(dict.fromkeys(first + gen))
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16

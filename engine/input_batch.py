@@ -47,11 +47,12 @@ from engine.scheduler import ScheduledRequest
 
 def plain_greedy(r: Request) -> bool:
     """Greedy with nothing that changes the logits (grammar, penalties, logit_bias,
-    min_tokens): the row is the argmax of its raw logits."""
+    min_tokens, allowed_token_ids, bad words): the row is the argmax of its raw logits."""
     p = r.sampling_params
     return p.temperature == 0.0 and r.grammar is None and not p.logit_bias \
         and not p.min_tokens and p.presence_penalty == 0.0 \
-        and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 \
+        and p.allowed_token_ids is None and not r.bad_words_token_ids
 
 
 # Per-slot flags (bits): the request samples plain greedy (no logprobs, nothing that

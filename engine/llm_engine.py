@@ -15,7 +15,7 @@ import torch
 
 from engine.async_step import AsyncSteps
 from engine.block_hash import BlockHash, make_extra_key
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, stop_eos_ids
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model_runner import ModelRunner
 from engine.offload import KVOffload, OffloadConnector, RankGatheredOffload
@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.strategies import StrategySet
 from engine.structured import StructuredOutputs
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, bad_word_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,17 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len, self.kv.block_ids)
         self.pins = Pins(self.kv.pool)  # blocks peers fetch from here (pin_cached)
-        eos = self.model_config.eos_token_ids
-        if not eos and self.tokenizer.eos_token_id is not None:
-            eos = (self.tokenizer.eos_token_id,)
-        self.eos_token_ids = eos
+        # Every id that ends generation as EOS, the tokenizer's first (engine/config.py
+        # stop_eos_ids); a request ignoring EOS still has them held back by min_tokens.
+        self.eos_token_ids = stop_eos_ids(config.model_dir, self.model_config.eos_token_ids,
+                                          self.tokenizer.eos_token_id)
         self.last_step_tokens = 0
-        self.structured = StructuredOutputs(config.model_dir, self.model_config.vocab_size,
-                                            eos)
+        # A completed grammar ends on the tokenizer's EOS alone, as vLLM's xgrammar backend
+        # (TokenizerInfo.from_huggingface); the model's list without one.
+        tok_eos = self.tokenizer.eos_token_id
+        self.structured = StructuredOutputs(
+            config.model_dir, self.model_config.vocab_size,
+            self.model_config.eos_token_ids if tok_eos is None else (tok_eos,))
         self.async_steps = AsyncSteps(self) if config.async_scheduling else None
 
     def _rank_offload(self, offload: KVOffload) -> KVOffload:
@@ -116,6 +120,7 @@ class LLMEngine:
                                f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
+            bad_word_ids(self.tokenizer, params.bad_words)  # each must have tokens
             if params.structured is not None:  # compiled (and cached) before any work
                 self.structured.compile(params.structured)
         except ValueError as e:
@@ -140,7 +145,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, resume_token_ids)
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
-                      eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+                      eos_token_ids=self.eos_token_ids,
+                      bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words),
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
                       labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:

@@ -36,6 +36,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.kv_scales import calibrating, make_kv_scales
 from engine.kv_sizing import kv_block_bytes, kv_cache_dtype, kv_cache_shape, num_kv_blocks
 from engine.models.loader import TORCH_DTYPES, load_model
+from engine.outputs import RankedLogprobs
 from engine.rank_segments import RankSegment
 from engine.request import Request
 from engine.runner_graphs import (
@@ -362,9 +363,11 @@ class ModelRunner(KVStaging):
         ids = torch.tensor(targets, device=logits.device)
         _, lps = token_logprobs(logits, ids, [r.sampling_params.prompt_logprobs
                                               for r in owners])
-        for r, lp in zip(owners, lps, strict=True):
+        logp = logits.log_softmax(dim=-1)
+        ranks = (logp >= logp.gather(1, ids.unsqueeze(1))).sum(dim=1).tolist()
+        for r, lp, rank in zip(owners, lps, ranks, strict=True):
             assert lp is not None
-            r.prompt_logprobs.append(lp)
+            r.prompt_logprobs.append(RankedLogprobs(lp, rank))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """KV block copies (source, destination), e.g. a forked sample's partial block."""

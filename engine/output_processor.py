@@ -34,6 +34,7 @@ class _Track:
     detok: IncrementalDetokenizer
     sent_tokens: int  # output tokens its outputs have carried
     stop_ids: frozenset[int]  # its EOS ids (unless ignore_eos) and stop_token_ids
+    eos: int | None  # the tokenizer's EOS unless ignore_eos: it ends with no stop reason
     include_stop: bool  # a stop token's or string's text ends the output text
     max_output: int  # output tokens that end it: max_tokens, or what max_model_len leaves
     delta: bool  # DELTA outputs (else CUMULATIVE or FINAL_ONLY: everything so far)
@@ -75,7 +76,8 @@ class OutputProcessor:
             and not (group is not None and group.hold)  # (held: until the ranking)
         self._tracks[req.request_id] = _Track(
             req, detok, req.num_output_tokens,
-            frozenset(req.eos_token_ids) | frozenset(p.stop_token_ids),
+            frozenset(() if p.ignore_eos else req.eos_token_ids) | frozenset(p.stop_token_ids),
+            None if p.ignore_eos else self._eos,
             p.include_stop_str_in_output,
             min(p.max_tokens, self.max_model_len - req.num_prompt_tokens),
             p.output_kind is _DELTA, every_step, p.logprobs is not None,
@@ -115,9 +117,9 @@ class OutputProcessor:
             req.stop_reason = detok.stop_str
             return _STOPPED
         if tok in tr.stop_ids:  # its text is left out unless include_stop_str_in_output
-            # The tokenizer's EOS gives no stop reason; the model's other EOS ids (its
-            # config's list) are stop tokens to vLLM (`_all_stop_token_ids`): their id.
-            req.stop_reason = None if tok == self._eos and tok in req.eos_token_ids else tok
+            # The tokenizer's EOS gives no stop reason (vLLM's check_stop tests it first);
+            # the generation config's other EOS ids are stop tokens to vLLM: their id.
+            req.stop_reason = None if tok == tr.eos else tok
             if tr.include_stop:  # (as vLLM, a stop string in its text wins)
                 detok.add_one(tok)
                 if detok.stopped:

@@ -7,6 +7,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class RankedLogprobs(dict[int, float]):
+    """A prompt position's logprobs: the prompt token's first, then the top k, best
+    first; `rank` is the prompt token's 1-based rank among all tokens (those at least as
+    likely, vLLM's Logprob.rank)."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, items: Mapping[int, float], rank: int) -> None:
+        super().__init__(items)
+        self.rank = rank
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One update for a request.

@@ -31,6 +31,7 @@ def make_forks(parent: Request) -> list[Request]:
         params = replace(p, seed=None if p.seed is None else (p.seed + i) % 2**63)
         forks.append(Request(f"{parent.request_id}#{i}", list(parent.prompt_token_ids), params,
                              extra_key=parent.extra_key, eos_token_ids=parent.eos_token_ids,
+                             bad_words_token_ids=parent.bad_words_token_ids,
                              priority=parent.priority, arrival_time=parent.arrival_time,
                              index=i, tenant=parent.tenant, labels=parent.labels,
                              client_id=parent.client_id,

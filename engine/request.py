@@ -42,7 +42,11 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     extra_key: bytes = b""
+    # The model's EOS ids (engine/config.py stop_eos_ids), ignore_eos or not: they end it
+    # unless it ignores EOS, and min_tokens holds them back either way.
     eos_token_ids: tuple[int, ...] = ()
+    # Its bad words as token sequences (engine/token_masks.py bad_word_ids).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING

@@ -27,6 +27,7 @@ from engine.input_batch import plain_greedy
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured import apply_grammar_masks
+from engine.token_masks import apply_token_masks, has_token_masks
 
 Logprobs = dict[int, float]  # token id -> log-probability
 
@@ -197,13 +198,15 @@ class Sampler:
             apply_grammar_masks(logits, requests)
         penalties = any(has_penalty(p) for p in params)
         edits = self._logit_edits(requests)
+        processed = logits
+        if any(has_token_masks(r) for r in requests):  # a copy: logprobs stay raw
+            processed = apply_token_masks(logits, requests, pending, self._to_device)
         if not penalties and edits is None and all(p.greedy for p in params):
-            ids = logits.argmax(dim=-1)
+            ids = processed.argmax(dim=-1)
             return DeviceTokens(ids, ks, _pack(logits, ids, ks))
         rows = self._rows(requests, logits.shape[1])
-        processed = logits
         if edits is not None:  # logit_bias, min_tokens: before penalties, as vLLM
-            processed = logits.index_put((edits[0], edits[1]), edits[2], accumulate=True)
+            processed = processed.index_put((edits[0], edits[1]), edits[2], accumulate=True)
         if penalties:
             tokens = self._history(requests, logits.shape[1], pending)
             processed = apply_penalties(processed, tokens, rows.prompt_len, rows.presence,

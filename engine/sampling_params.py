@@ -92,6 +92,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
+    # vLLM's: only these ids are drawn (None: any); no bad word's tokens complete it
+    # (engine/token_masks.py).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:
@@ -101,7 +105,15 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = None
+        # vLLM's seeds are any int64, -1 meaning none; the sampler's are [0, 2**63).
+        if self.seed == -1:
+            self.seed = None
+        elif isinstance(self.seed, int) and -2**63 <= self.seed < 0:
+            self.seed += 2**63
         self.logit_bias = dict(self.logit_bias or {})
+        self.bad_words = list(dict.fromkeys(self.bad_words or []))
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     @property
     def num_samples(self) -> int:
@@ -137,8 +149,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:  # also rejects NaN
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+        if not 0.0 < self.repetition_penalty < float("inf"):  # vLLM's: finite, above 0
+            raise ValueError(f"repetition_penalty must be a finite number above 0, got "
                              f"{self.repetition_penalty}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n!r}")
@@ -155,6 +167,14 @@ class SamplingParams:
                 raise ValueError(f"logit_bias holds {t!r}, not a token id of this model")
             if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not allowed:
+                raise ValueError("allowed_token_ids is not allowed to be empty")
+            if not all(isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in allowed):
+                raise ValueError("allowed_token_ids contains out-of-vocab token id")
+        if not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words cannot contain an empty string")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

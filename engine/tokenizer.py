@@ -134,3 +134,20 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools,
                                                     template_kwargs),
                            add_special_tokens=False)
+
+
+def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """Each word's token ids as it starts the text and, when that is a different word
+    of as many tokens, after a space (vLLM's rule). Raises ValueError for a word that
+    tokenizes to nothing."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entries must tokenize to at least one token, "
+                             f"got {word!r}")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

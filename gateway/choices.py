@@ -23,6 +23,7 @@ from gateway.openai_format import (
     StopReason,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs_json,
     usage,
 )
 from gateway.protocol import GenerateInput
@@ -112,7 +113,8 @@ class Choices:
         # Chat with tools: each choice's text is read for tool calls (gateway/tools.py).
         tools = inps[0].tools if b.chat else None
         self.tools = [ChatOutput(tools) for _ in self.choices] if tools is not None else []
-        self._decode = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        self._decode = self._text = lru_cache(maxsize=4096)(lambda t: decode([t]))
+        self.prompt_lps: list[list[Logprobs] | None] = [None] * len(inps)
         if inps[0].tokens_as_ids:  # vLLM's return_tokens_as_token_ids
             self._decode = lambda t: f"token_id:{t}"  # type: ignore[assignment]
 
@@ -132,6 +134,8 @@ class Choices:
         c.stop_reason = stop_reason(r)
         text, ids = r.text, list(r.token_ids)
         lps: list[Logprobs | None] = list(logprobs_from_proto(list(r.logprobs)))
+        if len(r.prompt_logprobs) and self.prompt_lps[prompt] is None:
+            self.prompt_lps[prompt] = logprobs_from_proto(list(r.prompt_logprobs))
         if inp.echo_only:
             text, ids, lps = "", [], []
         first, generated = not c.started and not c.output_ids, ids
@@ -140,7 +144,7 @@ class Choices:
         c.output_chars += len(text)
         if inp.echo and not c.started and (ids or inp.echo_only):
             prompt_lps: list[Logprobs | None] = [None]
-            prompt_lps += logprobs_from_proto(list(r.prompt_logprobs))
+            prompt_lps += self.prompt_lps[prompt] or []
             text, ids, lps = inp.prompt_text + text, inp.prompt_token_ids + ids, prompt_lps + lps
         c.started = c.started or bool(ids)
         c.text.append(text)
@@ -153,7 +157,15 @@ class Choices:
         out = self.b.chunk("", None, first=True, index=index)
         if self.inps[0].return_token_ids:  # vLLM: the chat stream's first chunk has them
             out["prompt_token_ids"] = self.inps[index // self.n].prompt_token_ids
-        return self._with_usage(out)
+        return self._with_usage(out, index, 0)
+
+    def echo_chunks(self) -> list[dict[str, Any]]:
+        """Chat `echo`: after the role chunks, each choice's echoed content (vLLM's)."""
+        echo = self.inps[0].chat_echo
+        if not (self.b.chat and echo):
+            return []
+        return [self._with_usage(self.b.chunk(echo, None, index=i), i, 0)
+                for i in range(len(self.choices))]
 
     def chunk(self, d: Delta) -> dict[str, Any] | None:
         """The SSE chunk for a delta (None: nothing to show)."""
@@ -176,18 +188,24 @@ class Choices:
             choice["token_ids"] = d.generated
             if not self.b.chat and d.first:
                 choice["prompt_token_ids"] = self.inps[d.choice // self.n].prompt_token_ids
-        return self._with_usage(out)
+        return self._with_usage(out, d.choice)
 
-    def _with_usage(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """stream_options.continuous_usage_stats: the usage so far on every chunk."""
+    def _with_usage(self, chunk: dict[str, Any], index: int,
+                    completion: int | None = None) -> dict[str, Any]:
+        """stream_options.continuous_usage_stats: on every chunk, the usage of its choice
+        `index` so far (its prompt; `completion` or its tokens), as vLLM's."""
         if self.inps[0].continuous_usage:
-            chunk["usage"] = usage(*self.usage())
+            prompt = index // self.n
+            done = self.choices[index].num_output_tokens if completion is None else completion
+            chunk["usage"] = usage(len(self.inps[prompt].prompt_token_ids), done,
+                                   self.cached[prompt])
         return chunk
 
     def _logprobs(self, ids: list[int], lps: list[Logprobs | None], k: int, offset: int,
                   ) -> dict[str, Any]:
         if self.b.chat:
-            return chat_logprobs(self._decode, ids, [lp for lp in lps if lp is not None], k)
+            return chat_logprobs(self._decode, ids, [lp for lp in lps if lp is not None], k,
+                                 self._text)
         return completion_logprobs(self._decode, ids, lps, k, offset)
 
     def full(self) -> dict[str, Any]:
@@ -199,18 +217,32 @@ class Choices:
             finish, calls = c.finish_reason, None
             if self.tools:
                 text, calls, finish = self.tools[i].message(text or "", finish)
+            if self.inps[0].chat_echo:
+                text = self.inps[0].chat_echo + (text or "")
             out.append(self.b.choice(text, finish, index=i, tool_calls=calls,
                                      logprobs=None if k is None else self._logprobs(
                                          c.token_ids, c.logprobs, k, 0),
                                      stop_reason=c.stop_reason))
+            if not self.b.chat:
+                out[-1]["prompt_logprobs"] = self._prompt_logprobs(i // self.n)
             if self.inps[0].return_token_ids:
                 out[-1]["token_ids"] = c.output_ids
                 if not self.b.chat:
                     out[-1]["prompt_token_ids"] = self.inps[i // self.n].prompt_token_ids
         full = self.b.full_choices(out, *self.usage())
+        if self.b.chat and self.inps[0].params.prompt_logprobs is not None:
+            full["prompt_logprobs"] = self._prompt_logprobs(0)
         if self.inps[0].return_token_ids and self.b.chat:
             full["prompt_token_ids"] = self.inps[0].prompt_token_ids
         return full
+
+    def _prompt_logprobs(self, prompt: int) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's `prompt_logprobs` of prompt `prompt`, when the request asked for them."""
+        k = self.inps[prompt].params.prompt_logprobs
+        lps = self.prompt_lps[prompt]
+        if k is None or lps is None:
+            return None
+        return prompt_logprobs_json(self._text, lps, k)
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, cached tokens) over every prompt and sample."""

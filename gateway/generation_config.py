@@ -5,8 +5,9 @@
 directory holding a generation_config.json. Sampling defaults fill the fields a request
 leaves unset (temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as
 max_tokens); as with transformers' `to_diff_dict`, a value equal to transformers' own
-default is no override (so a file's `top_k: 50` changes nothing). EOS ids beyond the
-model's end generation as stop tokens unless the request sets `ignore_eos`.
+default is no override (so a file's `top_k: 50` changes nothing). Its EOS ids other than
+the tokenizer's end generation as stop tokens (their id the stop reason) unless the
+request sets `ignore_eos`, as vLLM's update_from_generation_config.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def _read(path: str) -> dict[str, Any]:
 
 def load_generation_defaults(source: str, model_dir: str,
                              model_eos: tuple[int, ...]) -> GenerationDefaults:
-    """Raises ValueError for a `source` directory without a readable
+    """`model_eos`: the tokenizer's EOS id (none or one), which stops as EOS and is no
+    stop token. Raises ValueError for a `source` directory without a readable
     generation_config.json; "auto" / "vllm" without the file: no defaults."""
     if source in ("auto", "vllm"):
         path = os.path.join(model_dir, "generation_config.json")

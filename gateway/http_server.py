@@ -169,6 +169,8 @@ async def _generate(request: web.Request, inps: list[GenerateInput],
                     if b.chat:  # every choice opens with the assistant role
                         for i in range(len(choices.choices)):
                             await resp.write(sse(choices.opening(i)))
+                        for echo in choices.echo_chunks():  # then its echo, if asked
+                            await resp.write(sse(echo))
                 chunk = choices.chunk(delta)
                 if chunk is not None:
                     await resp.write(sse(chunk))

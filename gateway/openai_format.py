@@ -133,17 +133,41 @@ def completion_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
 
 
 def chat_logprobs(decode: Callable[[int], str], token_ids: Sequence[int],
-                  lps: Sequence[Logprobs], k: int) -> dict[str, Any]:
+                  lps: Sequence[Logprobs], k: int,
+                  text: Callable[[int], str] | None = None) -> dict[str, Any]:
     """/v1/chat/completions `logprobs`: {"content": [{token, logprob, bytes,
-    top_logprobs: the dict's first k entries}]}."""
-    def entry(t: int, v: float) -> dict[str, Any]:
-        text = decode(t)
-        return {"token": text, "logprob": _lp(v),
-                "bytes": list(text.encode("utf-8", errors="replace"))}
+    top_logprobs: the dict's first k entries}]}. `decode` names a token, `text` is its
+    text (they differ under return_tokens_as_token_ids): as vLLM, a chosen token's
+    bytes are its text's, a top entry's its name's."""
+    text = text or decode
 
-    return {"content": [entry(tok, lp[tok]) | {"top_logprobs": [
+    def entry(t: int, v: float, raw: str | None = None) -> dict[str, Any]:
+        name = decode(t)
+        return {"token": name, "logprob": _lp(v),
+                "bytes": list((name if raw is None else raw).encode("utf-8",
+                                                                    errors="replace"))}
+
+    return {"content": [entry(tok, lp[tok], text(tok)) | {"top_logprobs": [
         entry(t, v) for i, (t, v) in enumerate(lp.items()) if i < k]}
         for tok, lp in zip(token_ids, lps, strict=True)]}
+
+
+def prompt_logprobs_json(decode: Callable[[int], str], lps: Sequence[Logprobs], k: int,
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token
+    {id: {logprob, rank, decoded_token}}, the prompt token first (its rank among all
+    tokens, a RankedLogprobs') and the top k ranked 1..k (a prompt token among them
+    takes its place there, as in vLLM's dict); -inf as -9999."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in lps:
+        items = list(lp.items())
+        # The top k: after the prompt token, unless it is one of them (then k entries).
+        top = items[1:] if len(items) > k else sorted(items, key=lambda kv: -kv[1])
+        ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+        own = getattr(lp, "rank", None)
+        out.append({str(t): {"logprob": _lp(v), "rank": ranks.get(t, own),
+                             "decoded_token": decode(t)} for t, v in items})
+    return out
 
 
 def model_list(name: str, max_model_len: int, created: int) -> dict[str, Any]:

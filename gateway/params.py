@@ -36,8 +36,6 @@ def _not(*defaults: Any) -> Callable[[Any], bool]:
 # Both endpoints: vLLM's sampling extras we do not implement.
 _SAMPLING: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _truthy,
-    "allowed_token_ids": _given, "bad_words": _truthy,
-    "prompt_logprobs": _given,  # completions: echo + logprobs returns them
     "logits_processors": _given,
     "kv_transfer_params": _given, "vllm_xargs": _given,
     "prompt_embeds": _given,
@@ -56,7 +54,7 @@ REFUSED: dict[str, dict[str, Callable[[Any], bool]]] = {
         # The deprecated forms of `tools` / `tool_choice`.
         "functions": _given, "function_call": _given,
         # vLLM's chat extras.
-        "echo": _truthy, "documents": _given,
+        "documents": _given,
         "chat_template": _given,
         "mm_processor_kwargs": _given,
     },
@@ -68,6 +66,7 @@ _COMMON = {
     "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
     "user", "priority", "cache_salt", "metadata", "min_p", "include_stop_str_in_output",
     "return_token_ids", "truncate_prompt_tokens", "return_tokens_as_token_ids",
+    "allowed_token_ids", "bad_words", "prompt_logprobs",
     "request_id",  # the request's id when no x-request-id header names one (gateway/http_server.py)
     # No-ops in vLLM for us, accepted as it accepts them: length_penalty only weighs
     # beam search (refused above); spaces_between_special_tokens only reaches vLLM's
@@ -85,7 +84,7 @@ IMPLEMENTED: dict[str, set[str]] = {
                        "add_generation_prompt", "tools", "tool_choice", "parallel_tool_calls",
                        "safety_identifier", "prompt_cache_key", "include_reasoning",
                        "chat_template_kwargs", "continue_final_message",
-                       "add_special_tokens"},
+                       "add_special_tokens", "echo"},
 }
 
 

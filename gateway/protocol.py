@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from engine.config import ModelConfig
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, bad_word_ids
 from gateway.body import body_object, get_field
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.generation_config import load_generation_defaults
@@ -49,6 +49,8 @@ class GenerateInput:
     echo: bool = False
     echo_only: bool = False
     prompt_text: str = ""
+    # chat `echo`: the last message's content, shown before the reply (vLLM's rule).
+    chat_echo: str = ""
     tools: ToolChoice | None = None  # chat: how to read tool calls out of the output
     # Where the first token's time went, in seconds (gateway/core.py fills it):
     # queue, route, worker_queue, prefill, kv_transfer, total.
@@ -83,8 +85,9 @@ class ModelContext:
             else tool_call_parser
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
+        eos = self.tokenizer.eos_token_id
         self.defaults = load_generation_defaults(generation_config, model_dir,
-                                                 cfg.eos_token_ids)
+                                                 () if eos is None else (eos,))
 
     def observe_worker_limit(self, max_model_len: int) -> None:
         """A worker serves at most `max_model_len` tokens (its --max-model-len): the
@@ -115,9 +118,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 COMPLETION_MAX_TOKENS = 16  # vLLM's /v1/completions default
 
 
-def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> list[int]:
+def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int],
+                    text: str | None = None) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: keep the prompt's last k tokens (-1: the context
-    length)."""
+    length). `text`: the prompt `ids` encode with the tokenizer's special tokens, which
+    stay, as in the tokenizer call vLLM truncates with (transformers' left truncation:
+    the text's last tokens fill what they leave)."""
     k = get_field(body, "truncate_prompt_tokens", int, None)
     if k is None:
         return ids
@@ -130,35 +136,52 @@ def truncate_prompt(body: dict[str, Any], ctx: ModelContext, ids: list[int]) -> 
         raise InvalidRequest(f"truncate_prompt_tokens value ({k}) is greater than "
                              f"max_model_len ({ctx.max_model_len}). Please, select a smaller "
                              "truncation size.", "truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids
+    if text is not None:
+        content = ctx.tokenizer.encode(text, add_special_tokens=False)
+        added = len(ids) - len(content)  # the tokenizer's own, around the text's
+        at = next((s for s in range(added + 1) if ids[s:s + len(content)] == content), None)
+        if at is not None and 0 < k - added:
+            keep = k - added
+            return ids[:at] + content[len(content) - keep:] + ids[at + len(content):]
     return ids[-k:]
 
 
 def finish_input(ctx: ModelContext, model: str, ids: list[int], params: SamplingParams,
                  max_tokens_given: bool, default_max: int | None = None,
                  **kw: Any) -> GenerateInput:
-    """Context-length and vocabulary checks once the prompt is tokenized. Without
-    max_tokens: `default_max` (completions' 16), else the rest of the context; the
-    model's generation config (max_new_tokens) caps either, as in vLLM."""
+    """Context-length and vocabulary checks once the prompt is tokenized, as vLLM's
+    serving_engine._validate_input. Without max_tokens: `default_max` (completions'
+    16, which must fit), else the rest of the context (chat: the prompt must leave
+    one token); the model's generation config (max_new_tokens) caps either after the
+    check, as vLLM's get_max_tokens."""
     if not ids:
         raise InvalidRequest("the prompt is empty", "prompt")
     if any(not 0 <= t < ctx.vocab_size for t in ids):
         raise InvalidRequest(f"the prompt holds token ids outside [0, {ctx.vocab_size})",
                              "prompt")
+    limit = ctx.max_model_len
     if not max_tokens_given:
-        params.max_tokens = max(1, min(ctx.max_model_len - len(ids),
-                                       default_max or ctx.max_model_len))
-    cap = ctx.defaults.sampling.get("max_tokens")
-    if cap is not None:
-        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
+        if default_max is None and len(ids) >= limit:
+            raise InvalidRequest(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {len(ids)} input tokens. Please reduce the length of the "
+                "input messages.", "prompt")
+        params.max_tokens = default_max or limit - len(ids)
     total = len(ids) + params.max_tokens
-    if total > ctx.max_model_len:
+    if total > limit:
         raise InvalidRequest(
-            f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+            f"This model's maximum context length is {limit} tokens. However, "
             f"you requested {total} tokens ({len(ids)} in the messages, {params.max_tokens} "
             f"in the completion). Please reduce the length of the messages or completion.",
             "max_tokens" if max_tokens_given else "prompt")
+    cap = ctx.defaults.sampling.get("max_tokens")
+    if cap is not None:
+        params.max_tokens = max(1, min(params.max_tokens, int(cap)))
     try:
         params.validate(ctx.vocab_size)
+        bad_word_ids(ctx.tokenizer, params.bad_words)  # each must have tokens
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     return GenerateInput(model=model, prompt_token_ids=ids, params=params, **kw)
@@ -218,12 +241,16 @@ def parse_completion(body: Any, ctx: ModelContext) -> list[GenerateInput]:
     for prompt in prompts:
         if isinstance(prompt, str):
             ids, text = ctx.tokenizer.encode(prompt, add_special_tokens=special), prompt
+            ids = truncate_prompt(body, ctx, ids, prompt if special else None)
         else:
             ids, text = list(prompt), ctx.tokenizer.decode(prompt, skip_special_tokens=False) \
                 if echo else ""
-        ids = truncate_prompt(body, ctx, ids)
-        out.append(finish_input(ctx, model, ids, replace(params), given,
-                                COMPLETION_MAX_TOKENS, echo=echo,
+            ids = truncate_prompt(body, ctx, ids)
+        # vLLM's default is 16 when the field is absent; an explicit null leaves it None:
+        # the rest of the context.
+        default = None if "max_tokens" in body and body["max_tokens"] is None \
+            else COMPLETION_MAX_TOKENS
+        out.append(finish_input(ctx, model, ids, replace(params), given, default, echo=echo,
                                 echo_only=echo_only, prompt_text=text, **flags))
     return out
 
@@ -267,7 +294,18 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerateInput:
     params, given = sampling_from_body(body, ("max_completion_tokens", "max_tokens"),
                                        chat=True, defaults=ctx.defaults)
     params.structured = structured_from_body(body, forced_structure(tools))
-    return finish_input(ctx, model, ids, params, given, tools=tools, **_stream_flags(body))
+    return finish_input(ctx, model, ids, params, given, tools=tools,
+                        chat_echo=_chat_echo(body, messages), **_stream_flags(body))
+
+
+def _chat_echo(body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the last message's content when its role is the reply's (the
+    assistant's with add_generation_prompt, else the last message's own), else ""."""
+    if not get_field(body, "echo", bool, False):
+        return ""
+    role = "assistant" if get_field(body, "add_generation_prompt", bool, True) \
+        else messages[-1]["role"]
+    return str(messages[-1]["content"] or "") if messages[-1]["role"] == role else ""
 
 
 def chat_prompt(body: dict[str, Any], ctx: ModelContext, messages: list[dict[str, Any]],

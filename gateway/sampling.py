@@ -42,7 +42,8 @@ def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    """OpenAI's {"token id": bias} (keys are strings in JSON), biases in [-100, 100]."""
+    """OpenAI's {"token id": bias} (keys are strings in JSON), each bias clamped to
+    [-100, 100] as vLLM's SamplingParams.from_optional does."""
     out = {}
     for k, v in (get_field(body, "logit_bias", dict, None) or {}).items():
         try:
@@ -50,11 +51,39 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         except ValueError:
             raise InvalidRequest(f"`logit_bias` keys must be token ids, got {k!r}",
                                  "logit_bias") from None
-        if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-            raise InvalidRequest(f"`logit_bias` values must be numbers in [-100, 100], got "
-                                 f"{v!r}", "logit_bias")
-        out[tok] = float(v)
+        if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
+            raise InvalidRequest(f"`logit_bias` values must be numbers, got {v!r}",
+                                 "logit_bias")
+        out[tok] = min(100.0, max(-100.0, float(v)))
     return out
+
+
+def _repetition_penalty(body: dict[str, Any]) -> float:
+    """vLLM's: finite and above 0, no upper bound."""
+    v = float(get_field(body, "repetition_penalty", (int, float), 1.0))
+    if not 0.0 < v < float("inf"):  # also rejects NaN
+        raise InvalidRequest(f"`repetition_penalty` must be a finite number above 0, got {v}",
+                             "repetition_penalty")
+    return v
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's prompt_logprobs: -1 (the whole vocabulary) or k, at most its default
+    max_logprobs (20); not with streaming (above 0)."""
+    k = get_field(body, "prompt_logprobs", int, None)
+    if k is None:
+        return None
+    if body.get("stream") and (k > 0 or k == -1):
+        raise InvalidRequest("`prompt_logprobs` are not available when `stream=True`.",
+                             "prompt_logprobs")
+    if k < -1:
+        raise InvalidRequest("`prompt_logprobs` must be a positive value or -1.",
+                             "prompt_logprobs")
+    if k == -1 or k > MAX_LOGPROBS:
+        asked = "the whole vocabulary" if k == -1 else k
+        raise InvalidRequest(f"Requested prompt logprobs of {asked}, which is greater than "
+                             f"max allowed: {MAX_LOGPROBS}", "prompt_logprobs")
+    return k
 
 
 def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -77,12 +106,14 @@ def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     else:
         logprobs = _count(body, "logprobs", 0, MAX_LOGPROBS)
     min_tokens = _count(body, "min_tokens", 0, 2**31 - 1) or 0
+    prompt_logprobs = _prompt_logprobs(body)
+    if prompt_logprobs is None and not chat and get_field(body, "echo", bool, False):
+        prompt_logprobs = logprobs  # vLLM's to_sampling_params: echo shows them
     return {"n": n or 1, "best_of": best_of, "logprobs": logprobs,
-            "prompt_logprobs": logprobs if not chat and get_field(body, "echo", bool, False)
-            else None,
+            "prompt_logprobs": prompt_logprobs,
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            "repetition_penalty": _number(body, "repetition_penalty", 1.0, 1e-6, 2.0),
+            "repetition_penalty": _repetition_penalty(body),
             "logit_bias": _logit_bias(body), "min_tokens": min_tokens}
 
 
@@ -106,6 +137,14 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise InvalidRequest("`stop_token_ids` must be a list of integers", "stop_token_ids")
     ignore_eos = get_field(body, "ignore_eos", bool, False)
+    allowed = get_field(body, "allowed_token_ids", list, None)
+    if allowed is not None and not all(isinstance(t, int) and not isinstance(t, bool)
+                                       for t in allowed):
+        raise InvalidRequest("`allowed_token_ids` must be a list of integers",
+                             "allowed_token_ids")
+    bad_words = get_field(body, "bad_words", list, None) or []
+    if not all(isinstance(w, str) for w in bad_words):
+        raise InvalidRequest("`bad_words` must be a list of strings", "bad_words")
     # Accepted no-ops (gateway/params.py), still typed as vLLM types them.
     get_field(body, "length_penalty", (int, float), 1.0)
     get_field(body, "spaces_between_special_tokens", bool, True)
@@ -116,10 +155,11 @@ def sampling_from_body(body: dict[str, Any], max_tokens_keys: tuple[str, ...],
         top_k=None if top_k in (None, -1, 0) else top_k,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         include_stop_str_in_output=get_field(body, "include_stop_str_in_output", bool, False),
-        seed=get_field(body, "seed", int, None),
+        seed=_count(body, "seed", -2**63, 2**63 - 1),  # any int64, as vLLM
         stop=_stop(body), stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         skip_special_tokens=get_field(body, "skip_special_tokens", bool, True),
+        allowed_token_ids=allowed, bad_words=bad_words,
         **_classic(body, chat))
     if params.min_tokens and max_tokens is not None and params.min_tokens > max_tokens:
         raise InvalidRequest(f"`min_tokens` ({params.min_tokens}) must not exceed max_tokens "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.outputs import RankedLogprobs
 from engine.sampling_params import SamplingParams, StructuredOutput
 from protos import splitserve_pb2 as pb
 
@@ -19,7 +20,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         n=p.n, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
         min_tokens=p.min_tokens, min_p=p.min_p,
-        include_stop_str_in_output=p.include_stop_str_in_output)
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        allowed_token_ids=p.allowed_token_ids or [], bad_words=p.bad_words)
     if p.seed is not None:
         msg.seed = p.seed
     if p.structured is not None:
@@ -52,6 +54,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias), min_tokens=msg.min_tokens,
         min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         include_stop_str_in_output=msg.include_stop_str_in_output,
+        allowed_token_ids=list(msg.allowed_token_ids) or None, bad_words=list(msg.bad_words),
         structured=structured_from_proto(msg.structured))
 
 
@@ -60,19 +63,27 @@ Logprobs = dict[int, float]  # token id -> logprob; the chosen token first (engi
 
 def logprobs_to_proto(lps: list[Logprobs], chosen: list[int], k: int,
                       ) -> list[pb.TokenLogprob]:
-    """One TokenLogprob per position: the chosen token's logprob, its rank when it is
-    among the top `k` (else 0: not known), and the top `k`, best first."""
+    """One TokenLogprob per position: the chosen token's logprob, its rank (a prompt
+    position's RankedLogprobs carries it; else its place among the top `k`, 0 when not
+    among them: not known), and the top `k`, best first."""
     out = []
     for lp, tok in zip(lps, chosen, strict=True):
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
-        rank = next((i + 1 for i, (t, _) in enumerate(top) if t == tok), 0)
+        rank = lp.rank if isinstance(lp, RankedLogprobs) else \
+            next((i + 1 for i, (t, _) in enumerate(top) if t == tok), 0)
         out.append(pb.TokenLogprob(token_id=tok, logprob=lp[tok], rank=rank, top=[
             pb.TopLogprob(token_id=t, logprob=v) for t, v in top]))
     return out
 
 
 def logprobs_from_proto(msgs: list[pb.TokenLogprob]) -> list[Logprobs]:
-    return [{m.token_id: m.logprob} | {t.token_id: t.logprob for t in m.top} for m in msgs]
+    """The chosen token first, then the top k; a position whose rank is known is a
+    RankedLogprobs."""
+    out: list[Logprobs] = []
+    for m in msgs:
+        lp = {m.token_id: m.logprob} | {t.token_id: t.logprob for t in m.top}
+        out.append(RankedLogprobs(lp, m.rank) if m.rank else lp)
+    return out
 
 
 def structured_to_proto(s: StructuredOutput) -> pb.StructuredOutput:

@@ -57,3 +57,20 @@ def test_penalties_grammars_and_forks_on_cuda_equal_sync(enforce_eager: bool) ->
         st = llm.engine.stats()
         assert st.num_free_blocks == st.num_blocks and st.num_preemptions > 0
     assert got[True] == got[False]
+
+
+def test_token_masks_on_cuda_equal_sync() -> None:
+    """allowed_token_ids and bad words (a prefix ending in the in-flight token compared
+    on the device) under async scheduling on CUDA: the synchronous tokens."""
+    prompts = make_prompts(8)
+    params = [SamplingParams(max_tokens=10, temperature=0 if i % 2 else 0.8, seed=i,
+                             ignore_eos=True, bad_words=["arar", "K"] if i % 3 else [],
+                             allowed_token_ids=list(range(40, 400)) if i % 4 == 1 else None)
+              for i in range(len(prompts))]
+    got = {}
+    for on in (False, True):
+        llm = LLM(tiny_model_dir("llama"), dtype="float32", device="cuda", block_size=4,
+                  num_blocks=40, max_num_batched_tokens=32, async_scheduling=on)
+        got[on] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.engine.check_integrity()
+    assert got[True] == got[False]

@@ -252,6 +252,10 @@ def test_samples_logprobs_and_echo_through_remote_prefill(tcp_cluster, offline) 
         want = [lp[t] for lp, t in zip(o.prompt_logprobs + o.logprobs,
                                        o.prompt_token_ids[1:] + o.token_ids)]
         assert all(abs(a - b) < 1e-4 for a, b in zip(got[1:], want)), logs(cluster)
+        # vLLM's prompt_logprobs: the prompt token's rank came through the hand-off.
+        ranks = [e[str(t)]["rank"] for e, t in zip(c["prompt_logprobs"][1:],
+                                                    o.prompt_token_ids[1:], strict=True)]
+        assert ranks == [getattr(lp, "rank", None) for lp in o.prompt_logprobs]
     assert metric(metrics, "splitserve:remote_prefill_total", outcome="ok") == remote + 3
     wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
 

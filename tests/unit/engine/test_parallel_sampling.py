@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.outputs import RankedLogprobs
 from engine.sampling_params import SamplingParams
 from tests.factories import hf_model, tiny_model_dir
 
@@ -41,6 +42,8 @@ def test_prompt_and_sampled_logprobs_equal_transformers(llm: LLM, hf) -> None:
         tok = PROMPT[pos + 1]
         assert next(iter(lp)) == tok
         assert set(lp) - {tok} <= set(row.topk(2).indices.tolist())
+        # vLLM's rank: the prompt token's place among all tokens (those at least as likely)
+        assert isinstance(lp, RankedLogprobs) and lp.rank == int((row >= row[tok]).sum())
         for t, v in lp.items():
             assert abs(v - row[t].item()) < 1e-4
     assert out.logprobs is not None and len(out.logprobs) == 5

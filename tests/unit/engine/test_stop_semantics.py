@@ -113,7 +113,7 @@ def test_running_cumulative_text_holds_back_like_delta(engine: LLMEngine) -> Non
 def test_eos_reasons(engine: LLMEngine, plain: RequestOutput, tmp_path: Path) -> None:
     """vLLM v1's check_stop tests EOS and stop_token_ids before the length: EOS as
     the max_tokens-th token ends the request "stop" (no stop reason). The model's EOS
-    ids other than the tokenizer's (a config.json list) are stop tokens to vLLM: the
+    ids other than the tokenizer's (generation_config.json's list) are stop tokens to vLLM: the
     stop reason is the id, and their text is left out."""
     eos = engine.tokenizer.eos_token_id
     assert eos is not None
@@ -125,9 +125,10 @@ def test_eos_reasons(engine: LLMEngine, plain: RequestOutput, tmp_path: Path) ->
     src = tiny_model_dir("llama")
     for name in os.listdir(src):
         shutil.copy(os.path.join(src, name), tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["eos_token_id"] = [eos, 47]
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("config.json", "generation_config.json"):  # vLLM reads the latter's
+        cfg = json.loads((tmp_path / name).read_text())
+        cfg["eos_token_id"] = [eos, 47]
+        (tmp_path / name).write_text(json.dumps(cfg))
     two = LLM(str(tmp_path), block_size=4, num_blocks=64).engine
     out = run(two, replace(BASE, ignore_eos=False))[-1]
     assert out.token_ids == plain.token_ids[:3] and out.text == "arar"

@@ -91,3 +91,20 @@ def test_the_grpc_front_takes_the_same_defaults_as_http(tmp_path) -> None:
     assert (given.temperature, given.top_p, given.top_k, given.min_p,
             given.repetition_penalty, given.max_tokens, given.stop_token_ids) == \
         (0.0, 1.0, None, 0.0, 1.0, 3, [])
+
+
+def test_the_tokenizers_eos_is_no_stop_token(tmp_path) -> None:
+    """vLLM's update_from_generation_config leaves the tokenizer's EOS (4 here) out of
+    stop_token_ids (it ends a request as EOS, with no stop reason) and adds the
+    generation config's other ids, whatever config.json names (Llama-3-Instruct's
+    shape: config.json 47, generation_config.json [47, 4])."""
+    out = _model_dir(tmp_path, {"eos_token_id": [47, 4]})
+    cfg_path = os.path.join(out, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["eos_token_id"] = 47
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    ctx = ModelContext(out, "tiny")
+    assert ctx.tokenizer.eos_token_id == 4
+    assert parse_completion({"prompt": "hello"}, ctx)[0].params.stop_token_ids == [47]

@@ -28,9 +28,11 @@ def test_completion_defaults_and_fields(ctx: ModelContext) -> None:
 
 
 def test_missing_max_tokens_is_vllms_default(ctx: ModelContext) -> None:
-    # Completions: 16 (fewer when the context has less room); chat: the rest of it.
+    # Completions: 16, which must fit as a given max_tokens must (vLLM's
+    # build_tok_params: max_output_tokens=self.max_tokens); chat: the rest of it.
     assert parse_completion({"prompt": [1, 2, 3]}, ctx)[0].params.max_tokens == 16
-    assert parse_completion({"prompt": [1] * 250}, ctx)[0].params.max_tokens == 6
+    with pytest.raises(InvalidRequest, match="250 in the messages, 16 in the completion"):
+        parse_completion({"prompt": [1] * 250}, ctx)
     chat = parse_chat({"messages": [{"role": "user", "content": "hi"}]}, ctx)
     assert chat.params.max_tokens == 256 - len(chat.prompt_token_ids)
 
@@ -59,12 +61,12 @@ def test_chat_uses_template_and_max_completion_tokens(ctx: ModelContext) -> None
     ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"3": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": "high"}}, "logit_bias"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "stop": 5}, "stop"),
     ({"prompt": "x", "stop": ["a", 1]}, "stop"),
-    ({"prompt": "x", "seed": -1}, None),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"),
     ({"prompt": 5}, "prompt"),
