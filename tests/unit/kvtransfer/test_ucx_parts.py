@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.ucp_rma import _ALIGN, _SPLIT_MIN, _parts
+from kvtransfer.ucx_puts import _ALIGN, _SPLIT_MIN, _parts
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, _SPLIT_MIN - 1])
@@ -27,7 +27,7 @@ def test_parts_tile_the_region_page_aligned(lanes: int, nbytes: int) -> None:
 
 
 def test_plan_lanes_splits_large_and_balances_small() -> None:
-    from kvtransfer.ucp_rma import plan_lanes
+    from kvtransfer.ucx_puts import plan_lanes
 
     big = 4 * _SPLIT_MIN
     items = [(0, big, 10 * big)] + [(big + i * 4096, 4096, i * 8192) for i in range(6)]
