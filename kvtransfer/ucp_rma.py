@@ -1,5 +1,5 @@
-"""UCP's one-sided RMA (memory registration, remote keys, get, flush) for ucxx workers,
-and how one batch of puts is dealt over a sender's lanes (`plan_lanes`).
+"""UCP's one-sided RMA (memory registration, remote keys, put, get, flush) for ucxx
+workers; what the puts of a write are, and which lane issues each, is `ucx_puts`.
 
 ucxx 0.52's Python API has no RMA: `ucxx._lib.libucxx` binds tag, stream and active
 messages, and its C++ library has `MemoryHandle`, `RemoteKey` and `Endpoint::memGet` /
@@ -26,16 +26,12 @@ import os
 import threading
 from typing import Any
 
-import numpy as np
-
 from kvtransfer.errors import PeerUnavailable
 
 _PARAM_ADDRESS, _PARAM_LENGTH, _PARAM_MEMTYPE = 1, 2, 16
 _OP_CALLBACK, _OP_USER_DATA, _OP_MEMTYPE, _OP_MEMH = 2, 4, 64, 256
 _MEMTYPE_HOST, _MEMTYPE_CUDA = 0, 1
 _ERR_LAST = -100  # UCS_ERR_LAST: pointers in [-100, -1] encode an error status
-_SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
-_ALIGN = 4096
 
 
 class _MemMapParams(ctypes.Structure):
@@ -172,41 +168,6 @@ def _status_of(ptr: int | None) -> int | None:
         return 0
     signed = ptr - (1 << 64) if ptr >= 1 << 63 else ptr
     return signed if _ERR_LAST <= signed < 0 else None
-
-
-def _parts(nbytes: int, lanes: int) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each lane's part of a region: page-aligned, near-equal."""
-    if lanes == 1 or nbytes < _SPLIT_MIN:
-        return [(0, nbytes)]
-    step = -(-nbytes // lanes // _ALIGN) * _ALIGN
-    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
-
-
-def plan_lanes(items: Any, lanes: int) -> list[np.ndarray]:
-    """Deal (local address, nbytes, remote address) items (rows of an int64 array, or
-    tuples) to `lanes` arrays of the same rows: items of `_SPLIT_MIN` bytes or more
-    split across every lane, the rest in consecutive stretches that even out the
-    lanes' bytes (neighbouring runs stay on one lane, in order)."""
-    rows = np.asarray(items, dtype=np.int64).reshape(-1, 3)
-    if lanes == 1:
-        return [rows]
-    big = rows[:, 1] >= _SPLIT_MIN
-    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(lanes)]
-    load = np.zeros(lanes, dtype=np.int64)
-    for local, nbytes, remote in rows[big].tolist():
-        for i, (off, n) in enumerate(_parts(nbytes, lanes)):
-            plan[i].append((local + off, n, remote + off))
-            load[i] += n
-    small = rows[~big]
-    # Each lane takes small items until it reaches the even share of all bytes:
-    # | lane 0's room | lane 1's room | ... |, an item going where its first byte falls.
-    share = (int(load.sum()) + int(small[:, 1].sum())) / lanes
-    bounds = np.cumsum(np.maximum(share - load, 0))
-    starts = np.cumsum(small[:, 1]) - small[:, 1]
-    lane_of = np.minimum(np.searchsorted(bounds, starts, side="right"), lanes - 1)
-    cuts = np.searchsorted(lane_of, np.arange(1, lanes))
-    return [np.concatenate([np.array(p, dtype=np.int64).reshape(-1, 3), part])
-            for p, part in zip(plan, np.split(small, cuts), strict=True)]
 
 
 class Batch:

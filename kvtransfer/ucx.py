@@ -19,7 +19,8 @@ Between TP sizes a region arrives as per-rank head slices, one strided run per
 cost more than their bytes, so the slices a destination rank takes of a region are
 packed on the host into a registered bounce buffer as that rank's blocks and put as
 one range each (`kvtransfer/bounce.py`); on a device cache they go run by run
-(`memory.byte_runs`).
+(`memory.byte_runs`). The rows a write puts, (local address, nbytes, remote address)
+by rank pair, are `ucx_puts.put_rows`.
 
 ucxx has no Python RMA API (see `kvtransfer/ucp_rma.py`), so puts and flushes go to
 libucp through ctypes on ucxx's handles; ucxx still owns contexts, workers, progress
@@ -29,7 +30,7 @@ Lanes: the sender runs `config.ucx_lanes` UCX workers, each a `ucx_lanes.Lane` w
 its own progress thread, endpoint and remote key, and issues each lane's puts from its
 own thread (ctypes drops the GIL). A region of 1 MiB or more is cut into page-aligned
 parts across lanes; smaller ones go in consecutive stretches that even out the lanes'
-bytes (`ucp_rma.plan_lanes`).
+bytes (`ucx_puts.plan_lanes`).
 
 Same node: every endpoint runs with UCX's peer error handling, so a receiver's death is
 an error status, never an abort of the sender; UCX then has no `cma` for RMA (see
@@ -59,21 +60,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvtransfer import bounce
-from kvtransfer import region_rows as rr
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.host_copy import HostCopy, identity
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
 from kvtransfer.layout import KVLayout, Region, rank_layout
-from kvtransfer.memory import Ready, byte_runs, device_ready, region_view, wait_ready
+from kvtransfer.memory import Ready, device_ready, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
-from kvtransfer.ucp_rma import Batch, Flushes, Ucp, plan_lanes
+from kvtransfer.ucp_rma import Batch, Flushes, Ucp
 from kvtransfer.ucx_lanes import Lane, close_endpoint, close_lanes
+from kvtransfer.ucx_puts import plan_lanes, put_rows
 
 log = logging.getLogger(__name__)
 _BOUNCE_BYTES = 16 << 20  # head slices packed per put batch (two such buffers)
@@ -227,7 +227,7 @@ class UcxSender(InPlaceSender):
         # numpy view, so its slices go run by run).
         packed, pairs = ([], pairs) if kv.is_cuda else \
             bounce.tiles(pairs, kv.rank_layout, there, _BOUNCE_BYTES)
-        groups = self._items(remote, pairs)
+        groups = put_rows(kv, pairs, remote.bases, remote.nbytes)
         left = deadline - time.monotonic()
         if left <= 0:
             raise TransferTimeout("ucx grant expired before the puts")
@@ -315,43 +315,6 @@ class UcxSender(InPlaceSender):
             self._packers.add(remote.packer)
         await remote.packer.put(self.kv, tiles, there, remote.bases, put, self._ucp,
                                [lane.context.handle for lane in self._lanes], owner=remote)
-
-    def _items(self, remote: _Remote, pairs: list[tuple[Region, Region]],
-               ) -> dict[tuple[int, int], np.ndarray]:
-        """The puts of `pairs` by (source rank, destination rank): rows of (local
-        address, nbytes, remote address), one per byte run (a head slice: one per
-        token, neighbours contiguous on both sides merged)."""
-        assert self.kv is not None
-        kv = self.kv
-        layout = rank_layout(kv.layout, len(remote.bases))
-        if not pairs:
-            return {}
-        src_rows = rr.rows_of((s for s, _ in pairs), kv.rank_layout)
-        dst_rows = rr.rows_of((d for _, d in pairs), layout)
-        flat = rr.whole_heads(src_rows, kv.rank_layout) & rr.whole_heads(dst_rows, layout)
-        if flat.all():  # byte ranges on both sides: every row computed at once
-            starts = np.array([int(t.data_ptr()) for t in kv.tensors], dtype=np.int64)
-            remote_bases = np.array(remote.bases, dtype=np.int64)
-            rows = np.stack([starts[src_rows[:, rr.RANK]]
-                             + rr.offsets(src_rows, kv.rank_layout),
-                             rr.nbytes(src_rows, kv.rank_layout),
-                             remote_bases[dst_rows[:, rr.RANK]] + rr.offsets(dst_rows, layout)],
-                            axis=1)
-            keys = src_rows[:, rr.RANK] * len(remote.bases) + dst_rows[:, rr.RANK]
-            return {(int(k) // len(remote.bases), int(k) % len(remote.bases)):
-                    rows[keys == k] for k in np.unique(keys)}
-        there = torch.empty(layout.tensor_shape(remote.nbytes // layout.block_bytes),
-                            dtype=kv.tensor.dtype, device="meta")  # strides only
-        parts: dict[tuple[int, int], list[np.ndarray]] = {}
-        for src, dst in pairs:
-            # byte runs count from the storage's start, as the receiver's bases do
-            local = kv.tensors[src.rank].untyped_storage().data_ptr()
-            runs = byte_runs(kv.tensor_of(src), region_view(there, dst, layout))
-            # columns (source, destination, nbytes) -> (local, nbytes, remote)
-            runs = runs[:, [0, 2, 1]] + np.array([local, 0, remote.bases[dst.rank]],
-                                                 dtype=np.int64)
-            parts.setdefault((src.rank, dst.rank), []).append(runs)
-        return {key: np.concatenate(runs) for key, runs in parts.items()}
 
     async def _run(self, remote: _Remote, op: str, plan: Sequence[Any],
                    scratch: bool = False, src_rank: int = 0, dst_rank: int = 0,

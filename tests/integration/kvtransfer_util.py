@@ -6,17 +6,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.util
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from kvtransfer import KVLayout, TransferConfig, make_receiver, make_sender, wire
@@ -34,6 +37,18 @@ LAYOUT_FP8 = KVLayout(num_layers=4, num_kv_heads=2, head_dim=16, block_size=8,
 # the same bytes per block as LAYOUT_F32, so only the layout's name tells them apart.
 LAYOUT_MLA = KVLayout(num_layers=4, num_kv_heads=1, head_dim=64, block_size=8, dtype="float32",
                       name="mla_latent_v1")
+
+NO_UCX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                            reason="ucxx not installed")
+TRANSPORTS = [
+    "tcp",
+    "shm",
+    "cuda_ipc",  # host caches here: the same protocol with the host mover
+    pytest.param("ucx", marks=NO_UCX),
+]
+# The in-place writers (`kvtransfer/inplace.py`): a grant, revocable
+IN_PLACE = ["shm", "cuda_ipc", pytest.param("ucx", marks=NO_UCX)]
+STALE = "splitserve:kv_transfer_stale_writes_dropped_total"
 
 
 def fast_config(transport: str, **kw: Any) -> TransferConfig:
@@ -220,17 +235,97 @@ def start_sender(config: TransferConfig, layout: KVLayout, num_blocks: int, seed
 
 
 @contextlib.asynccontextmanager
+async def receiving(config: TransferConfig, layout: KVLayout,
+                    num_blocks: int) -> AsyncIterator[Any]:
+    """A started receiver of `num_blocks`, closed on the way out."""
+    receiver = await start_receiver(config, layout, num_blocks)
+    try:
+        yield receiver
+    finally:
+        await receiver.close()
+
+
+@contextlib.asynccontextmanager
+async def sender_child(config: TransferConfig, layout: KVLayout, dst_blocks: int,
+                       src_blocks: int, plan: list[dict[str, Any]], fresh: bool = False,
+                       **extra: Any) -> AsyncIterator[tuple[Any, PeerProcess]]:
+    """A started receiver of `dst_blocks` here and a sender process of `src_blocks`
+    (seed 1234) that will run `plan` into it: (receiver, peer), the peer not started yet
+    (the test expects its transfers first); `fresh` and `extra` as for `PeerProcess` and
+    `spec`. The peer is killed and the receiver closed on the way out."""
+    async with receiving(config, layout, dst_blocks) as receiver:
+        peer = PeerProcess(spec("sender", config, layout, src_blocks, plan,
+                                address=receiver.address(), **extra), fresh=fresh)
+        try:
+            yield receiver, peer
+        finally:
+            await peer.aclose()
+
+
+async def plan_lands(receiver: Any, peer: PeerProcess, plan: list[dict[str, Any]],
+                     futures: list[Any], src_blocks: int) -> None:
+    """Starts `peer` (a sender of `sender_child`), and checks that every transfer of
+    `plan` (all in flight at once on the sender) succeeded on both sides, the sender
+    exited cleanly, and the receiver's cache holds the plan's blocks bit-exact and
+    nothing else; `futures`: the receiver's expectations of them."""
+    await peer.start()
+    assert (await peer.line())["ready"]
+    sender_side = await peer.lines(len(plan))
+    await asyncio.wait_for(asyncio.gather(*futures), 30)
+    assert all(r["ok"] for r in sender_side), sender_side
+    assert await peer.wait() == 0
+    check_bit_exact(receiver.kv.tensor, make_kv(KVLayout(**peer.spec["layout"]), src_blocks,
+                                                peer.spec["seed"]), plan)
+    receiver.table.check_integrity()
+
+
+def check_bit_exact(kv: torch.Tensor, src: torch.Tensor, plan: list[dict[str, Any]]) -> None:
+    """Every write of `plan` (its "src" and "dst" regions as lists) landed bit for bit,
+    and no byte outside them."""
+    touched = torch.zeros(kv.shape[:2], dtype=torch.bool)
+    for t in plan:
+        for src_regions, dst_regions in zip(t["src"], t["dst"], strict=True):
+            for s, d in zip(src_regions, dst_regions, strict=True):
+                ls, le = (s[1], s[2]) if len(s) > 1 else (0, kv.shape[1])
+                got = kv[d[0], ls:le].view(torch.uint8) if kv.dtype != torch.bfloat16 \
+                    else kv[d[0], ls:le].view(torch.int16)
+                want = src[s[0], ls:le].view(got.dtype)
+                assert torch.equal(got, want), f"{t['xfer']}: block {d[0]} differs"
+                touched[d[0], ls:le] = True
+    assert not kv[~touched].any(), "bytes landed outside the destination regions"
+
+
+class Gate:
+    """A chunk's `Ready` (as torch.cuda.Event has it) that the test opens; opened on
+    leaving its `with` too, so a failed check leaves no copy thread waiting on it."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def query(self) -> bool:
+        return self.event.is_set()
+
+    def synchronize(self) -> None:
+        self.event.wait(10)
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.event.set()
+
+
+@contextlib.asynccontextmanager
 async def connected(config: TransferConfig, layout: KVLayout, dst_blocks: int, src_blocks: int,
                     seed: int) -> AsyncIterator[tuple[Any, Any, Any]]:
     """A started receiver of `dst_blocks` and a sender of `src_blocks` (seeded) connected
     to it: (receiver, sender, peer); both closed on the way out."""
-    receiver = await start_receiver(config, layout, dst_blocks)
-    sender = start_sender(config, layout, src_blocks, seed)
-    try:
-        yield receiver, sender, await sender.connect(receiver.address())
-    finally:
-        await sender.close()
-        await receiver.close()
+    async with receiving(config, layout, dst_blocks) as receiver:
+        sender = start_sender(config, layout, src_blocks, seed)
+        try:
+            yield receiver, sender, await sender.connect(receiver.address())
+        finally:
+            await sender.close()
 
 
 async def until(condition: Callable[[], Any], timeout: float = 5.0) -> None:

@@ -45,12 +45,8 @@ def cluster(tmp_path_factory):
                       "--max-waiting-per-worker", "1", "--admission-queue", "2",
                       "--strategies-poll", "0.2"),
         log_dir=str(logs))
-    c = LocalCluster(spec)
-    c.start()
-    try:
+    with LocalCluster(spec) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def _complete(port: int, headers: dict[str, str], max_tokens: int = 8,

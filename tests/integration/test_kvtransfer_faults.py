@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import os
 import signal
 import time
@@ -24,36 +23,33 @@ from kvtransfer import (
 )
 from tests.integration.kvtransfer_util import (
     LAYOUT_F32,
+    NO_UCX,
+    TRANSPORTS,
     PeerProcess,
     connected,
     fast_config,
+    sender_child,
     spec,
     start_receiver,
     start_sender,
 )
-from tests.integration.test_kvtransfer_transports import TRANSPORTS, no_leaks  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 TWO_WRITES = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9]]],
                "checksum": True}]
 
 
 async def _with_sender_child(transport: str, plan: list[dict[str, Any]], body: Any,
-                             lease_s: float = 60.0, config_kw: dict[str, Any] | None = None,
-                             **extra: Any) -> None:
-    config = fast_config(transport, lease_s=lease_s, **(config_kw or {}))
-    receiver = await start_receiver(config, LAYOUT_F32, 16)
-    peer = PeerProcess(spec("sender", config, LAYOUT_F32, 4, plan,
-                            address=receiver.address(), **extra))
-    try:
+                             config_kw: dict[str, Any] | None = None, **extra: Any) -> None:
+    config = fast_config(transport, **(config_kw or {}))
+    async with sender_child(config, LAYOUT_F32, 16, 4, plan, **extra) as (receiver, peer):
         await body(receiver, peer)
-    finally:
-        await peer.aclose()
-        await receiver.close()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_sender_killed_mid_transfer(transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_sender_killed_mid_transfer(transport: str) -> None:
     async def body(receiver: Any, peer: PeerProcess) -> None:
         future = receiver.expect("r1", [Region(5), Region(9)], 1)
         await peer.start()
@@ -73,7 +69,7 @@ def test_sender_killed_mid_transfer(transport: str, no_leaks: None) -> None:  # 
 
 
 @pytest.mark.timeout(60)
-def test_hung_sender_hits_the_lease(no_leaks: None) -> None:  # noqa: F811
+def test_hung_sender_hits_the_lease() -> None:
     async def body(receiver: Any, peer: PeerProcess) -> None:
         future = receiver.expect("r1", [Region(5), Region(9)], 1, lease_s=1.0)
         await peer.start()
@@ -91,7 +87,7 @@ def test_hung_sender_hits_the_lease(no_leaks: None) -> None:  # noqa: F811
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["killed", "hung"])
-def test_receiver_killed_or_hung(transport: str, fault: str, no_leaks: None) -> None:  # noqa: F811
+def test_receiver_killed_or_hung(transport: str, fault: str) -> None:
     async def main() -> None:
         config = fast_config(transport)
         plan = [{"xfer": "r1", "gen": 1, "dst": [[0], [1], [2], [3]]}]
@@ -119,7 +115,7 @@ def test_receiver_killed_or_hung(transport: str, fault: str, no_leaks: None) -> 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_corrupted_payload_fails_checksum(transport: str) -> None:
     async def body(receiver: Any, peer: PeerProcess) -> None:
         future = receiver.expect("r1", [Region(5), Region(9)], 1)
         await peer.start()
@@ -137,7 +133,7 @@ def test_corrupted_payload_fails_checksum(transport: str, no_leaks: None) -> Non
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_late_write_after_abort_is_dropped(transport: str) -> None:
     """A sender writes into a transfer the receiver fenced and whose blocks it reused
     under a new generation: its write is dropped (counted), its verdict is the fence's,
     and nothing lands. (Both sides in this process: the fence is the receiver's alone.)"""
@@ -162,8 +158,8 @@ def test_late_write_after_abort_is_dropped(transport: str, no_leaks: None) -> No
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
-def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # noqa: F811
+@NO_UCX
+def test_ucx_remote_key_only_after_the_token_proof() -> None:
     """The receiver's remote keys (one per rank cache) open its caches to RMA puts: a
     peer without the cluster token gets REFUSE and no key; one with it gets the keys in
     WELCOME."""
@@ -200,9 +196,8 @@ def test_ucx_remote_key_only_after_the_token_proof(no_leaks: None) -> None:  # n
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
-def test_ucx_receiver_killed_during_the_copy(tmp_path: Any,
-                                             no_leaks: None) -> None:  # noqa: F811
+@NO_UCX
+def test_ucx_receiver_killed_during_the_copy(tmp_path: Any) -> None:
     """A ucx receiver on this node SIGKILLed while a 128 MiB write's copy runs (its first
     bytes landed, its last not: the receiver watches its cache and kills itself): the
     hand-off fails with PeerUnavailable (the write, or its verdict when the copy's last
@@ -266,8 +261,8 @@ def test_ucx_receiver_killed_during_the_copy(tmp_path: Any,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
-def test_ucx_set_up_past_its_deadline_is_a_typed_error(no_leaks: None) -> None:  # noqa: F811
+@NO_UCX
+def test_ucx_set_up_past_its_deadline_is_a_typed_error() -> None:
     """The receiver's UCX worker makes no progress, so the wire-up of the sender's lanes
     (a small get, RMA over TCP here) never completes: connect raises PeerUnavailable
     within io_timeout_s, not a bare TimeoutError; the sender's lanes, opened before the

@@ -29,15 +29,18 @@ from kvtransfer.inplace_sender import _reuse_bound
 from kvtransfer.memory import wait_ready
 from kvtransfer.wire import Frame
 from tests.integration.kvtransfer_util import (
+    IN_PLACE,
     LAYOUT_F32,
+    NO_UCX,
+    STALE,
+    Gate,
     connected,
     fast_config,
     stop_heartbeat,
     until,
 )
-from tests.integration.test_kvtransfer_revoke import IN_PLACE, STALE, Gate
-from tests.integration.test_kvtransfer_transports import NO_UCX, no_leaks  # noqa: F401
 
+pytestmark = pytest.mark.usefixtures("no_leaks")
 TTL, BUDGET = 0.8, 0.3  # the receiver's io_timeout_s (the grant's ttl) and copy budget
 BOUND = TTL + BUDGET + _GRANT_MARGIN_S  # past the last frame: a revoked grant's cells go
 
@@ -61,8 +64,7 @@ def the_grant(receiver: Any) -> Any:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_answered_pings_hold_a_grant_past_its_ttl(transport: str,
-                                                  no_leaks: None) -> None:  # noqa: F811
+def test_answered_pings_hold_a_grant_past_its_ttl(transport: str) -> None:
     """A write past the GRANT's ttl copies: each answered PING extends the sender's
     window; without them the copy is refused."""
     async def main() -> None:
@@ -92,14 +94,11 @@ def test_answered_pings_hold_a_grant_past_its_ttl(transport: str,
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(
-        transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(transport: str) -> None:
     """The sender keeps answering PINGs but its chunk's forward outlives the grant: the
     REVOKE goes unanswered (a write in flight), the receiver reuses the cells at the
     bound counted from the last frame before it (not held while PINGs arrive), and the
     copy, once its forward is done, is refused: nothing lands in the reused cells."""
-    gate = Gate()
-
     async def main() -> None:
         async with connected(config(transport), LAYOUT_F32, 16, 8, seed=22) as (r, s, peer):
             landed = r.expect("x", [Region(5), Region(9)], 1, lease_s=60.0)
@@ -131,20 +130,15 @@ def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(
             assert torch.equal(r.kv.tensor[5], s.kv.tensor[2])
             r.table.check_integrity()
 
-    try:
+    with Gate() as gate:
         asyncio.run(main())
-    finally:
-        gate.event.set()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_a_revoked_grants_bound_on_the_sender_stops_moving_with_pings(
-        transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_a_revoked_grants_bound_on_the_sender_stops_moving_with_pings(transport: str) -> None:
     """After a REVOKE the receiver's bound no longer moves; nor does the sender's (the
     one a late copy is judged by), while PINGs go on answered."""
-    gate = Gate()
-
     async def main() -> None:
         async with connected(config(transport), LAYOUT_F32, 16, 8, seed=28) as (r, s, peer):
             landed = r.expect("x", [Region(5)], 1, lease_s=60.0)
@@ -164,16 +158,13 @@ def test_a_revoked_grants_bound_on_the_sender_stops_moving_with_pings(
             with contextlib.suppress(TransferCancelled):
                 await asyncio.wait_for(landed, BOUND + 5)
 
-    try:
+    with Gate() as gate:
         asyncio.run(main())
-    finally:
-        gate.event.set()
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["silent", "gone"])
-def test_a_silent_sender_and_a_gone_one_are_let_go_at_the_same_bound(
-        how: str, no_leaks: None) -> None:  # noqa: F811
+def test_a_silent_sender_and_a_gone_one_are_let_go_at_the_same_bound(how: str) -> None:
     """A granted sender stops sending (alive, its heartbeat stopped: the receiver's
     liveness check drops it) or goes (its socket shut): either way the transfer fails
     and the cells are reused at the bound past its last frame, not before, not later."""
@@ -201,13 +192,10 @@ def test_a_silent_sender_and_a_gone_one_are_let_go_at_the_same_bound(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_late_frames_of_an_old_grant_leave_a_reused_id_alone(
-        transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_late_frames_of_an_old_grant_leave_a_reused_id_alone(transport: str) -> None:
     """Transfer x gen 1 is revoked with a write in flight and let go at its bound;
     x gen 2 reuses the id and the cells. The old write's late REVOKED, a late WRITTEN
     of the old grant and a late REVOKE of it change nothing of gen 2, which lands."""
-    gate = Gate()
-
     async def main() -> None:
         async with connected(config(transport), LAYOUT_F32, 16, 8, seed=24) as (r, s, peer):
             landed = r.expect("x", [Region(5), Region(9)], 1, lease_s=60.0)
@@ -256,20 +244,15 @@ def test_late_frames_of_an_old_grant_leave_a_reused_id_alone(
             assert peer.alive and not r._grants
             r.table.check_integrity()
 
-    try:
+    with Gate() as gate:
         asyncio.run(main())
-    finally:
-        gate.event.set()
 
 
 @pytest.mark.timeout(60)
-def test_a_late_copy_of_an_old_grant_fails_only_its_own_transfer(
-        no_leaks: None) -> None:  # noqa: F811
+def test_a_late_copy_of_an_old_grant_fails_only_its_own_transfer() -> None:
     """A copy of x gen 1 completes past its grant's bound (as a device copy queued
     before it would: its notice deferred) while x gen 2, reusing the id, is being
     granted: the late copy fails gen 1 only; gen 2 writes and lands."""
-    device_copy = Gate()  # the old copy's completion: a CUDA event here, opened late
-
     async def main() -> None:
         # liveness: the sender goes silent (no PONG moves its window on), the
         # receiver keeps it
@@ -304,10 +287,8 @@ def test_a_late_copy_of_an_old_grant_fails_only_its_own_transfer(
             await asyncio.wait_for(again, 5)
             assert torch.equal(r.kv.tensor[5], s.kv.tensor[1])
 
-    try:
+    with Gate() as device_copy:  # the old copy's completion: a CUDA event here, opened late
         asyncio.run(main())
-    finally:
-        device_copy.event.set()
 
 
 async def _stall_ucx_puts(r: Any, s: Any, peer: Any, n: int) -> tuple[Any, list[float]]:
@@ -350,8 +331,7 @@ UCX_STALL_ABORTS = pytest.mark.skip(reason="UCX 1.21 aborts closing endpoints wi
 @NO_UCX
 @UCX_STALL_ABORTS
 @pytest.mark.timeout(60)
-def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused(
-        no_leaks: None) -> None:  # noqa: F811
+def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused() -> None:
     """The puts run past the copy budget: the sender fails the peer and closes its
     endpoints by the copy's deadline + the budget + the receiver's margin; the receiver,
     its REVOKE unanswered, reuses the cells only at last_rx + ttl + the budget + the
@@ -393,7 +373,7 @@ def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused(
 @pytest.mark.timeout(60)
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="puts already sent when the sender closes its "
                    "endpoints land once the receiver's worker progresses (RMA over TCP)")
-def test_ucx_puts_stopped_past_their_budget_never_land(no_leaks: None) -> None:  # noqa: F811
+def test_ucx_puts_stopped_past_their_budget_never_land() -> None:
     """The gap the docs name: puts over RMA emulated on TCP that were sent before the
     sender closed its endpoints sit in the receiver's socket; once its UCX worker
     progresses again, past the cells' reuse, they land there."""

@@ -6,6 +6,7 @@ without breaking the connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -13,20 +14,20 @@ import torch
 from kvtransfer import KVLayout, KVTransferError, ProtocolError, Region, TransferCancelled
 from kvtransfer.wire import MAX_META
 from tests.integration.kvtransfer_util import (
+    IN_PLACE,
     LAYOUT_F32,
+    connected,
     fast_config,
-    start_receiver,
-    start_sender,
+    until,
 )
-from tests.integration.test_kvtransfer_revoke import IN_PLACE
-from tests.integration.test_kvtransfer_transports import no_leaks  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=1, dtype="float32")
 
 
 @pytest.mark.timeout(120)
-def test_a_destination_larger_than_a_frame_is_granted_in_parts(
-        no_leaks: None) -> None:  # noqa: F811
+def test_a_destination_larger_than_a_frame_is_granted_in_parts() -> None:
     """Every other block of 40,000: 20,000 rows that no coalescing joins, ~1.5 MB of
     packed rows in one RESERVE (over `MAX_META`); a second transfer on the same
     connection completes too."""
@@ -35,11 +36,8 @@ def test_a_destination_larger_than_a_frame_is_granted_in_parts(
     assert len(dst) * 56 * 4 // 3 > MAX_META
 
     async def main() -> None:
-        config = fast_config("shm")
-        receiver = await start_receiver(config, TINY, blocks)
-        sender = start_sender(config, TINY, 64, seed=5)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("shm"), TINY, blocks, 64,
+                             seed=5) as (receiver, sender, peer):
             landed = receiver.expect("big", dst, 1)
             await sender.begin(peer, dst, "big", 1)
             for i in range(0, len(dst), 4096):
@@ -55,23 +53,16 @@ def test_a_destination_larger_than_a_frame_is_granted_in_parts(
             await sender.write(peer, [Region(0)], [Region(1)], "small", 1)
             await sender.finish(peer, "small", 1)
             await asyncio.wait_for(again, 5)
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_writes_outside_the_begun_cells_extend_the_grant(transport: str,
-                                                         no_leaks: None) -> None:  # noqa: F811
+def test_writes_outside_the_begun_cells_extend_the_grant(transport: str) -> None:
     async def main() -> None:
-        config = fast_config(transport)
-        receiver = await start_receiver(config, LAYOUT_F32, 16)
-        sender = start_sender(config, LAYOUT_F32, 8, seed=7)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config(transport), LAYOUT_F32, 16, 8,
+                             seed=7) as (receiver, sender, peer):
             # no begin at all: each write asks for its own cells
             landed = receiver.expect("a", [Region(3), Region(9), Region(4)], 1)
             await sender.write(peer, [Region(0)], [Region(3)], "a", 1)
@@ -104,25 +95,18 @@ def test_writes_outside_the_begun_cells_extend_the_grant(transport: str,
             with pytest.raises(TransferCancelled):
                 await asyncio.wait_for(landed, 5)
             assert peer.alive
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
-def test_a_second_grant_of_a_transfer_is_refused_not_dropped(
-        no_leaks: None) -> None:  # noqa: F811
+def test_a_second_grant_of_a_transfer_is_refused_not_dropped() -> None:
     """A begin retried after its timeout asks again under a new request: the receiver
     cannot tell the two grants' writes apart, so it fails the transfer and refuses the
     second (typed), keeping the connection."""
     async def main() -> None:
-        config = fast_config("shm")
-        receiver = await start_receiver(config, LAYOUT_F32, 16)
-        sender = start_sender(config, LAYOUT_F32, 8, seed=9)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("shm"), LAYOUT_F32, 16, 8,
+                             seed=9) as (receiver, sender, peer):
             landed = receiver.expect("x", [Region(2), Region(3)], 1)
             await sender.begin(peer, [Region(2), Region(3)], "x", 1)
             peer.grants.clear()  # as a begin that timed out after the RESERVE went out
@@ -135,40 +119,33 @@ def test_a_second_grant_of_a_transfer_is_refused_not_dropped(
             await sender.write(peer, [Region(0)], [Region(5)], "y", 1)
             await sender.finish(peer, "y", 1)
             await asyncio.wait_for(again, 5)
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
-def test_a_revoke_not_sent_in_time_drops_the_connection(no_leaks: None) -> None:  # noqa: F811
+def test_a_revoke_not_sent_in_time_drops_the_connection() -> None:
     """The REVOKE cannot go out (the connection's send lock held past io_timeout_s): the
     receiver drops the connection, so no PING extends the sender's window, and lets the
     cells go within the grant's bound after that."""
     async def main() -> None:
         config = fast_config("shm", io_timeout_s=0.5, copy_budget_s=0.5)
-        receiver = await start_receiver(config, LAYOUT_F32, 16)
-        sender = start_sender(config, LAYOUT_F32, 8, seed=11)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(config, LAYOUT_F32, 16, 8, seed=11) as (receiver, sender, peer):
             landed = receiver.expect("x", [Region(2), Region(3)], 1, lease_s=60.0)
             await sender.begin(peer, [Region(2), Region(3)], "x", 1)
             (conn,) = receiver._conns.values()
             async with conn.send_lock:  # as a frame stuck on a full socket
                 t0 = asyncio.get_running_loop().time()
                 receiver.cancel("x", "client cancelled")
-                await asyncio.sleep(config.io_timeout_s + 0.3)
+                with contextlib.suppress(TimeoutError):
+                    await until(lambda: not receiver._conns, config.io_timeout_s + 0.3)
                 assert not receiver._conns, "the connection outlived its REVOKE"
             with pytest.raises(KVTransferError):
                 await asyncio.wait_for(landed, 2 * config.io_timeout_s + config.copy_budget_s + 1)
             assert asyncio.get_running_loop().time() - t0 < \
                 2 * config.io_timeout_s + config.copy_budget_s + 1
-            await asyncio.sleep(0.2)
+            with contextlib.suppress(TimeoutError):
+                await until(lambda: not peer.alive, 0.2)
             assert not peer.alive
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())

@@ -21,11 +21,11 @@ from kvtransfer.cuda_ipc import INLINE_COPY_BYTES, HostMover
 from kvtransfer.memory import FutureReady
 from tests.integration.kvtransfer_util import (
     LAYOUT_BF16,
+    connected,
     fast_config,
-    start_receiver,
-    start_sender,
 )
-from tests.integration.test_kvtransfer_transports import no_leaks  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 SRC, DST = [1, 2, 3], [9, 4, 12]
 
@@ -49,18 +49,14 @@ def _spied(receiver: Any) -> tuple[list[str], list[int]]:
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm", "cuda_ipc"])
-def test_a_hand_off_is_answered_by_the_frame_that_ends_it(
-        transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_a_hand_off_is_answered_by_the_frame_that_ends_it(transport: str) -> None:
     """The verdict goes out from the receiving frame loop (no task spawned for it); no
     FINISH crosses the wire (tcp: its WRITE frames are answered; in-place: the grant
     makes the sender a writer); the blocks land bit-exact."""
 
     async def main() -> None:
-        config = fast_config(transport)
-        receiver = await start_receiver(config, LAYOUT_BF16, 16)
-        sender = start_sender(config, LAYOUT_BF16, 8, seed=4)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config(transport), LAYOUT_BF16, 16, 8,
+                             seed=4) as (receiver, sender, peer):
             spawned, finishes = _spied(receiver)
             for i in range(3):
                 landed = receiver.expect(f"x{i}", [Region(d) for d in DST], 1)
@@ -73,25 +69,18 @@ def test_a_hand_off_is_answered_by_the_frame_that_ends_it(
             assert "ReceiverBase._send_quietly" not in spawned
             got = receiver.kv.tensor[DST].view(torch.uint8)
             assert torch.equal(got, sender.kv.tensor[SRC].view(torch.uint8))
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
-def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish(
-        no_leaks: None) -> None:  # noqa: F811
+def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish() -> None:
     """A WRITE frame the receiver drops (its transfer cancelled there) is answered with
     the verdict, as a FINISH would be: the sender's finish raises TransferCancelled
     rather than waiting out its deadline."""
 
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, LAYOUT_BF16, 16)
-        sender = start_sender(config, LAYOUT_BF16, 8, seed=4)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("tcp"), LAYOUT_BF16, 16, 8,
+                             seed=4) as (receiver, sender, peer):
             _, finishes = _spied(receiver)
             failed = receiver.expect("gone", [Region(d) for d in DST], 1)
             assert receiver.cancel("gone", "client went away")
@@ -107,15 +96,12 @@ def test_a_tcp_write_into_a_fenced_transfer_is_answered_without_finish(
             await sender.write(peer, [Region(0)], [Region(0)], "next", 1)
             await sender.finish(peer, "next", 1, timeout_s=5)
             await asyncio.wait_for(landed, 5)
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
-        no_leaks: None, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Writes of a few regions and of many make no byte view of the mapped segment;
     disconnect lets the views go (releasing them) before it closes the mappings, and a
     copy whose source became ready after the disconnect raises PeerUnavailable instead
@@ -123,11 +109,8 @@ def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
     import kvtransfer.shm as shm
 
     async def main() -> None:
-        config = fast_config("shm")
-        receiver = await start_receiver(config, LAYOUT_BF16, 64)
-        sender = start_sender(config, LAYOUT_BF16, 32, seed=6)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("shm"), LAYOUT_BF16, 64, 32,
+                             seed=6) as (receiver, sender, peer):
             maps = peer.state[0]
             made = [0]
             host_bytes = shm.host_bytes
@@ -160,15 +143,11 @@ def test_shm_writes_copy_through_views_made_once_and_let_go_at_disconnect(
             assert peer.state is None and all(m.closed for m in maps)
             with pytest.raises(ValueError):  # released: a write raises, it cannot fault
                 views[0][0:1] = b"x"
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
-def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its_thread(
-        ) -> None:
+def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its_thread() -> None:
     """A chunk of at most `inline_bytes` with no copy queued lands before `copy` returns
     (None: nothing to wait for); a larger one, or one behind a queued copy, goes to the
     copy thread, in order (a FutureReady)."""
@@ -213,17 +192,13 @@ def test_host_mover_copies_a_small_chunk_inline_and_a_large_or_queued_one_on_its
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(
-        transport: str, no_leaks: None) -> None:  # noqa: F811
+def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(transport: str) -> None:
     """A cancel that lands while a WRITE waits for its source (tcp) or a begin waits for
     its GRANT (shm) ends the transfer: the frame's answer re-creates no entry for it."""
 
     async def main() -> None:
-        config = fast_config(transport)
-        receiver = await start_receiver(config, LAYOUT_BF16, 16)
-        sender = start_sender(config, LAYOUT_BF16, 8, seed=7)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config(transport), LAYOUT_BF16, 16, 8,
+                             seed=7) as (receiver, sender, peer):
             dst = [Region(d) for d in DST]
             landed = receiver.expect("gone", dst, 1)
             if transport == "tcp":
@@ -245,26 +220,19 @@ def test_a_transfer_cancelled_while_its_frame_is_on_the_way_leaves_no_entry(
             with contextlib.suppress(TransferCancelled):
                 await asyncio.wait_for(landed, 5)  # the receiver fenced it
             assert "gone" not in peer.outgoing
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.parametrize("inline", [True, False])
-def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(
-        inline: bool, no_leaks: None) -> None:  # noqa: F811
+def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(inline: bool) -> None:
     """process_vm_writev into memory the receiver no longer has (here: an address
     nothing maps) fails the peer, whether the copy ran on the sender's loop (a small
     chunk) or on the mover's thread."""
 
     async def main() -> None:
-        config = fast_config("cuda_ipc", inline_copy_bytes=INLINE_COPY_BYTES if inline else 0)
-        receiver = await start_receiver(config, LAYOUT_BF16, 16)
-        sender = start_sender(config, LAYOUT_BF16, 8, seed=8)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("cuda_ipc", inline_copy_bytes=INLINE_COPY_BYTES if inline else 0), LAYOUT_BF16, 16, 8,
+                             seed=8) as (receiver, sender, peer):
             pid, _, blocks = peer.state
             peer.state = (pid, 4096, blocks)  # the zero page's neighbour: never mapped
             dst = [Region(d) for d in DST]
@@ -277,8 +245,5 @@ def test_a_host_copy_that_faults_fails_the_peer_inline_or_on_its_thread(
             assert isinstance(peer.error, PeerUnavailable)
             assert "process_vm_writev" in str(peer.error)
             landed.cancel()
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())

@@ -6,8 +6,6 @@ counted; the blocks are expected again afterwards."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import threading
 import time
 
 import pytest
@@ -15,57 +13,38 @@ import torch
 
 from kvtransfer import Region, TransferCancelled, TransferTimeout
 from tests.integration.kvtransfer_util import (
+    IN_PLACE,
     LAYOUT_BF16,
     LAYOUT_F32,
-    PeerProcess,
+    STALE,
+    Gate,
+    connected,
     fast_config,
-    spec,
-    start_receiver,
-    start_sender,
+    sender_child,
+    until,
 )
-from tests.integration.test_kvtransfer_transports import no_leaks  # noqa: F401
 
-IN_PLACE = ["shm", "cuda_ipc", pytest.param("ucx", marks=pytest.mark.skipif(
-    importlib.util.find_spec("ucxx") is None, reason="ucxx not installed"))]
-STALE = "splitserve:kv_transfer_stale_writes_dropped_total"
-
-
-class Gate:
-    """A chunk's `Ready` (as torch.cuda.Event has it) that the test opens."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-
-    def query(self) -> bool:
-        return self.event.is_set()
-
-    def synchronize(self) -> None:
-        self.event.wait(10)
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
 @pytest.mark.parametrize("fails_by", ["cancel", "lease"])
-def test_a_revoke_with_a_write_in_flight_waits_for_it(transport: str, fails_by: str,
-                                                      no_leaks: None) -> None:  # noqa: F811
+def test_a_revoke_with_a_write_in_flight_waits_for_it(transport: str, fails_by: str) -> None:
     async def main() -> None:
         config = fast_config(transport)
-        receiver = await start_receiver(config, LAYOUT_BF16, 8)
-        sender = start_sender(config, LAYOUT_BF16, 4, seed=3)
-        landed = receiver.expect("x", [Region(5), Region(2), Region(6)], 1,
-                                 lease_s=0.6 if fails_by == "lease" else None)
-        gate = Gate()
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(config, LAYOUT_BF16, 8, 4, seed=3) as (receiver, sender, peer):
+            landed = receiver.expect("x", [Region(5), Region(2), Region(6)], 1,
+                                     lease_s=0.6 if fails_by == "lease" else None)
             await sender.begin(peer, [Region(5), Region(2), Region(6)], "x", 1)
             await sender.write(peer, [Region(0)], [Region(5)], "x", 1)
             # the second chunk has its cells, and waits for its forward
             write = asyncio.create_task(sender.write(peer, [Region(1)], [Region(2)], "x", 1,
                                                      ready=gate))
-            await asyncio.sleep(0.2)
+            await until(lambda: peer.grants[("x", 1)].inflight == 1)
             if fails_by == "cancel":
                 assert receiver.cancel("x", "client cancelled")
-            await asyncio.sleep(0.7)  # (past the lease)
+            await asyncio.sleep(0.9)  # (well past the lease)
             assert not landed.done(), "the cells were let go with a write in flight"
             assert receiver.metrics.value(STALE) == 0
             gate.event.set()
@@ -92,18 +71,14 @@ def test_a_revoke_with_a_write_in_flight_waits_for_it(transport: str, fails_by: 
             for s, d in ((2, 5), (3, 2)):
                 assert torch.equal(receiver.kv.tensor[d].view(torch.int16),
                                    src[s].view(torch.int16))
-        finally:
-            gate.event.set()
-            await sender.close()
-            await receiver.close()
 
-    asyncio.run(main())
+    with Gate() as gate:
+        asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
-def test_a_sender_that_never_answers_is_bounded(transport: str,
-                                                no_leaks: None) -> None:  # noqa: F811
+def test_a_sender_that_never_answers_is_bounded(transport: str) -> None:
     """The sender holds its grant and stops (SIGSTOP) after its first chunk: the
     transfer is cancelled, the REVOKE goes unanswered, and the blocks are freed once the
     grant's bound (io_timeout_s + the copy budget + a margin past the sender's last
@@ -114,10 +89,8 @@ def test_a_sender_that_never_answers_is_bounded(transport: str,
     plan = [{"xfer": "r1", "gen": 1, "src": [[[0]], [[1]]], "dst": [[[5]], [[9]]]}]
 
     async def main() -> None:
-        receiver = await start_receiver(config, LAYOUT_F32, 16)
-        peer = PeerProcess(spec("sender", config, LAYOUT_F32, 4, plan,
-                                address=receiver.address(), stop_after_first_write=True))
-        try:
+        async with sender_child(config, LAYOUT_F32, 16, 4, plan,
+                                stop_after_first_write=True) as (receiver, peer):
             future = receiver.expect("r1", [Region(5), Region(9)], 1, lease_s=60.0)
             await peer.start()
             assert (await peer.line())["ready"]
@@ -134,8 +107,5 @@ def test_a_sender_that_never_answers_is_bounded(transport: str,
             receiver.table.check_integrity()
             receiver.expect("r1", [Region(5), Region(9)], 2)  # the blocks are free again
             receiver.cancel("r1")
-        finally:
-            await peer.aclose()
-            await receiver.close()
 
     asyncio.run(main())

@@ -15,15 +15,9 @@ import torch
 from kvtransfer import KVLayout, KVTransferError, PeerUnavailable, ProtocolError, Region, wire
 from kvtransfer import region_rows as rr
 from kvtransfer.tcp_frames import FRAME_ROWS, WriteHead
-from tests.integration.kvtransfer_util import (
-    PeerProcess,
-    fast_config,
-    make_kv,
-    spec,
-    start_receiver,
-    start_sender,
-)
-from tests.integration.test_kvtransfer_transports import check_bit_exact, no_leaks  # noqa: F401
+from tests.integration.kvtransfer_util import connected, fast_config, plan_lands, sender_child
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 # 64-byte blocks: a write of more than FRAME_ROWS scattered blocks stays small
 TINY = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, block_size=2, dtype="float32")
@@ -45,7 +39,7 @@ def counting_writes(receiver: Any) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-def test_many_scattered_regions_land_byte_exact_in_bounded_frames(no_leaks: None) -> None:  # noqa: F811
+def test_many_scattered_regions_land_byte_exact_in_bounded_frames() -> None:
     """Thousands of scattered blocks per write (a few adjacent, some descending), with
     and without checksums, from another process: one frame per FRAME_ROWS regions."""
     rng = random.Random(11)
@@ -61,24 +55,12 @@ def test_many_scattered_regions_land_byte_exact_in_bounded_frames(no_leaks: None
     n = sizes[0]
 
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, TINY, POOL)
-        frames = counting_writes(receiver)
-        futures = [receiver.expect(t["xfer"], [Region(*d) for d in t["dst"][0]], 1)
-                   for t in plan]
-        peer = await PeerProcess(spec("sender", config, TINY, n, plan,
-                                      address=receiver.address())).start()
-        try:
-            assert (await peer.line())["ready"]
-            assert all(r["ok"] for r in await peer.lines(len(plan)))
-            await asyncio.wait_for(asyncio.gather(*futures), 30)
-            assert await peer.wait() == 0
-            check_bit_exact(receiver.kv.tensor, make_kv(TINY, n, 1234), plan)
+        async with sender_child(fast_config("tcp"), TINY, POOL, n, plan) as (receiver, peer):
+            frames = counting_writes(receiver)
+            futures = [receiver.expect(t["xfer"], [Region(*d) for d in t["dst"][0]], 1)
+                       for t in plan]
+            await plan_lands(receiver, peer, plan, futures, n)
             assert sorted(frames) == [300, 600, FRAME_ROWS]
-            receiver.table.check_integrity()
-        finally:
-            await peer.aclose()
-            await receiver.close()
 
     asyncio.run(main())
 
@@ -110,18 +92,14 @@ BAD_TABLES = {  # the transfer expects blocks 2, 3, 5 under generation 2
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", sorted(BAD_TABLES))
-def test_a_bad_row_table_fails_the_transfer_and_lands_nothing(case: str,
-                                                              no_leaks: None) -> None:  # noqa: F811
+def test_a_bad_row_table_fails_the_transfer_and_lands_nothing(case: str) -> None:
     """Fails the transfer (ProtocolError), discards the payload: not a byte lands, even of
     the table's good rows; the connection goes on, and its next transfer lands."""
     regions, message = BAD_TABLES[case]
 
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, LAYOUT, 16)
-        sender = start_sender(config, LAYOUT, 16, seed=5)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("tcp"), LAYOUT, 16, 16,
+                             seed=5) as (receiver, sender, peer):
             bad = receiver.expect("bad", [Region(2), Region(3), Region(5)], 2)
             await send_frame(peer, "bad", 2, regions)
             with pytest.raises(ProtocolError, match=message):
@@ -135,21 +113,15 @@ def test_a_bad_row_table_fails_the_transfer_and_lands_nothing(case: str,
             assert torch.equal(receiver.kv.tensor[[7, 9]], sender.kv.tensor[[0, 1]])
             assert not receiver.kv.tensor[[2, 3, 5]].any()
             receiver.table.check_integrity()
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
-def test_a_stale_generation_is_dropped_and_the_transfer_goes_on(no_leaks: None) -> None:  # noqa: F811
+def test_a_stale_generation_is_dropped_and_the_transfer_goes_on() -> None:
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, LAYOUT, 16)
-        sender = start_sender(config, LAYOUT, 16, seed=5)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("tcp"), LAYOUT, 16, 16,
+                             seed=5) as (receiver, sender, peer):
             live = receiver.expect("x", [Region(2), Region(3)], 2)
             await send_frame(peer, "x", 1, [Region(2), Region(3)])  # an older generation
             await send_frame(peer, "y", 1, [Region(2)])  # a transfer nobody expects
@@ -159,25 +131,18 @@ def test_a_stale_generation_is_dropped_and_the_transfer_goes_on(no_leaks: None) 
             m = receiver.metrics
             assert m.value("splitserve:kv_transfer_stale_writes_dropped_total") == 2
             assert torch.equal(receiver.kv.tensor[[2, 3]], sender.kv.tensor[[4, 6]])
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("delta", [-BLOCK, 1, BLOCK])
-def test_a_payload_that_is_not_the_rows_total_ends_the_connection(delta: int,
-                                                                  no_leaks: None) -> None:  # noqa: F811
+def test_a_payload_that_is_not_the_rows_total_ends_the_connection(delta: int) -> None:
     """The frame's framing disagrees with its own table: nothing lands, the transfer
     fails (ProtocolError), the connection is closed (its stream cannot be trusted)."""
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, LAYOUT, 16)
-        sender = start_sender(config, LAYOUT, 16, seed=5)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("tcp"), LAYOUT, 16, 16,
+                             seed=5) as (receiver, sender, peer):
             xfer = receiver.expect("x", [Region(2), Region(3)], 1)
             await send_frame(peer, "x", 1, [Region(2), Region(3)], 2 * BLOCK + delta)
             with pytest.raises(ProtocolError, match="payload of"):
@@ -188,9 +153,6 @@ def test_a_payload_that_is_not_the_rows_total_ends_the_connection(delta: int,
                     await sender.write(peer, [Region(0)], [Region(5)], "z", 1)
                     await asyncio.sleep(0.05)
             assert not receiver.kv.tensor.any()
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())
 
@@ -200,16 +162,12 @@ BIG = KVLayout(num_layers=2, num_kv_heads=2, head_dim=128, block_size=64, dtype=
 
 
 @pytest.mark.timeout(60)
-def test_a_write_cancelled_mid_frame_leaves_the_connection_usable(no_leaks: None) -> None:  # noqa: F811
+def test_a_write_cancelled_mid_frame_leaves_the_connection_usable() -> None:
     """A Prefill's deadline or a client gone cancels its write while a frame is on the
     wire: the frame still goes whole, so the next transfer on the same connection lands
     (a half-sent frame would make the receiver read its frames as payload)."""
     async def main() -> None:
-        config = fast_config("tcp")
-        receiver = await start_receiver(config, BIG, 132)
-        sender = start_sender(config, BIG, 132, seed=5)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("tcp"), BIG, 132, 132, seed=5) as (receiver, sender, peer):
             dst = [Region(2 * i) for i in range(64)]
             gone = receiver.expect("gone", dst, 1)
             write = asyncio.create_task(
@@ -231,8 +189,5 @@ def test_a_write_cancelled_mid_frame_leaves_the_connection_usable(no_leaks: None
             assert torch.equal(receiver.kv.tensor[[129, 131]], sender.kv.tensor[[7, 9]])
             assert peer.alive
             receiver.table.check_integrity()
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())

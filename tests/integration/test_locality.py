@@ -48,12 +48,8 @@ def cluster(tmp_path_factory, spare_redis):
     spec = ClusterSpec(model_dir=tiny_model_dir("llama"), num_colocated=2,
                        worker_args=WORKER_ARGS, ready_timeout_s=150, log_dir=str(logs),
                        gateway_args=("--routing", str(profile), "--admin-key", ADMIN))
-    c = LocalCluster(spec)
-    c.start()
-    try:
+    with LocalCluster(spec) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def model_name(cluster) -> str:

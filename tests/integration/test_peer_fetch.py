@@ -5,6 +5,8 @@ holder's cache over kvtransfer (FetchKV) instead of computing them."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import redis
 
@@ -15,8 +17,18 @@ from tests.factories import tiny_model_dir
 from tests.integration.serving_util import call_http, load_report, metric, wait_for
 
 NUM_BLOCKS = 96
+PROMPT = tuple((7 * j) % 480 + 3 for j in range(100))  # 6 full blocks of 16 + 4 tokens
 PROFILE = ("routing:\n  scorers: [{name: queue, weight: 1.0}]\n  picker: round_robin\n"
            "  decider: {name: threshold, threshold: 100000}\n  peer_fetch: {min_blocks: 2}\n")
+
+
+@functools.cache
+def offline_text(arch: str, kv_dtype: str, calculated: bool) -> str:
+    """The offline engine's greedy text of PROMPT: one per model and cache, whatever the
+    transport and TP sizes of the cluster it is checked against."""
+    return LLM(tiny_model_dir(arch), num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype,
+               calculate_kv_scales=calculated).generate(
+        [list(PROMPT)], SamplingParams(max_tokens=10, temperature=0))[0].text
 
 
 @pytest.mark.parametrize("transport,arch,tp,kv_dtype", [
@@ -48,10 +60,7 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
                                     "--kv-cache-dtype", kv_dtype, *flags), placement=placement,
                        gateway_args=("--routing", str(tmp_path / "routing.yaml")),
                        ready_timeout_s=150, log_dir=str(tmp_path / "logs"))
-    prompt = [(7 * j) % 480 + 3 for j in range(100)]  # 6 full blocks of 16 + 4 tokens
-    ref = LLM(model, num_blocks=NUM_BLOCKS, cache_dtype=kv_dtype,
-              calculate_kv_scales=calculated).generate(
-        [prompt], SamplingParams(max_tokens=10, temperature=0))[0]
+    prompt, want = list(PROMPT), offline_text(arch, kv_dtype, calculated)
     with LocalCluster(spec) as cluster:
         name = model.rstrip("/").rsplit("/", 1)[-1]
         body = {"model": name, "prompt": prompt, "max_tokens": 10, "temperature": 0}
@@ -62,7 +71,7 @@ def test_second_decode_pulls_the_prefix_from_the_first(tmp_path, transport, arch
         status, second, _ = call_http(cluster.http_port, "POST", "/v1/completions", body)
         assert status == 200
         # Same greedy text; the 6 full blocks came from the peer, not from compute.
-        assert first["choices"][0]["text"] == second["choices"][0]["text"] == ref.text
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] == want
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 96
         decodes = [c for c in cluster.children if c.name.startswith("decode")]
         ports = {c.name: int(c.extra["metrics_port"]) for c in decodes}

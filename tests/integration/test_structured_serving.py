@@ -57,10 +57,8 @@ def cluster(tmp_path_factory):
                        worker_args=("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "64"),
                        gateway_args=("--routing", str(profile)), ready_timeout_s=150,
                        log_dir=str(tmp / "logs"))
-    c = LocalCluster(spec)
-    c.start()
-    yield c
-    c.stop()
+    with LocalCluster(spec) as c:
+        yield c
 
 
 def child(cluster: LocalCluster, name: str):

@@ -15,7 +15,13 @@ import torch
 
 from kvtransfer import PeerUnavailable, ProtocolError, Region
 from kvtransfer.scatter_copy import scatter_copy
-from tests.integration.kvtransfer_util import LAYOUT_BF16, fast_config, start_receiver, start_sender
+from tests.integration.kvtransfer_util import (
+    LAYOUT_BF16,
+    connected,
+    fast_config,
+    start_receiver,
+    start_sender,
+)
 
 
 @pytest.mark.parametrize("word", [1, 2, 8])
@@ -156,11 +162,8 @@ def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
     import os
 
     async def main() -> None:
-        config = fast_config("cuda_ipc")
-        receiver = await start_receiver(config, LAYOUT_BF16, 32)
-        sender = start_sender(config, LAYOUT_BF16, 16, seed=3)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config("cuda_ipc"), LAYOUT_BF16, 32, 16,
+                             seed=3) as (receiver, sender, peer):
             sender._mover.inline_bytes = 0
             src, dst = list(range(16)), random.Random(5).sample(range(32), 16)
             landed = receiver.expect("x", [Region(d) for d in dst], 1)
@@ -178,8 +181,5 @@ def test_chunk_writes_return_before_their_copies_and_land_in_order() -> None:
             with pytest.raises(PeerUnavailable, match="process_vm_writev"):
                 await sender.write(peer, [Region(1)], [Region(0)], "y", 1)
                 await sender.finish(peer, "y")  # where the write deferred its notice
-        finally:
-            await sender.close()
-            await receiver.close()
 
     asyncio.run(main())

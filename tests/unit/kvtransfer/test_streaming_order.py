@@ -7,8 +7,6 @@ overlaps chunk c+1's forward (tests/gpu/test_cuda_transfer.py)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import threading
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from kvtransfer import Region
 from tests.factories import tiny_model_dir
-from tests.integration.kvtransfer_util import LAYOUT_BF16, fast_config, start_receiver, start_sender
+from tests.integration.kvtransfer_util import LAYOUT_BF16, TRANSPORTS, Gate, connected, fast_config
 
 
 class _StepMark:
@@ -62,42 +60,24 @@ def test_each_chunk_carries_the_mark_of_the_step_that_computed_it() -> None:
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm", "cuda_ipc", pytest.param(
-    "ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
-                                    reason="ucxx not installed"))])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_write_moves_nothing_before_its_chunk_is_ready(transport: str) -> None:
-    gate = threading.Event()
-
-    class ChunkReady:  # the `Ready` protocol, as torch.cuda.Event has it
-        def query(self) -> bool:
-            return gate.is_set()
-
-        def synchronize(self) -> None:
-            gate.wait(10)
-
     async def main() -> None:
-        config = fast_config(transport)
-        receiver = await start_receiver(config, LAYOUT_BF16, 8)
-        sender = start_sender(config, LAYOUT_BF16, 4, seed=3)
-        future = receiver.expect("x", [Region(5), Region(2)], 1)
-        try:
-            peer = await sender.connect(receiver.address())
+        async with connected(fast_config(transport), LAYOUT_BF16, 8, 4,
+                             seed=3) as (receiver, sender, peer):
+            future = receiver.expect("x", [Region(5), Region(2)], 1)
             write = asyncio.create_task(sender.write(
-                peer, [Region(1), Region(3)], [Region(5), Region(2)], "x", 1,
-                ready=ChunkReady()))
+                peer, [Region(1), Region(3)], [Region(5), Region(2)], "x", 1, ready=gate))
             await asyncio.sleep(0.3)
             dst = receiver.kv.tensor
             assert not write.done() and not dst.any(), "bytes moved before the chunk was ready"
-            gate.set()
+            gate.event.set()
             await asyncio.wait_for(write, 5)
             await sender.finish(peer, "x")
             await asyncio.wait_for(future, 5)
             src = sender.kv.tensor
             for s, d in ((1, 5), (3, 2)):
                 assert torch.equal(dst[d].view(torch.int16), src[s].view(torch.int16))
-        finally:
-            gate.set()
-            await sender.close()
-            await receiver.close()
 
-    asyncio.run(main())
+    with Gate() as gate:
+        asyncio.run(main())
