@@ -14,7 +14,7 @@
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-profile engine untuned tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile engine async small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -22,7 +22,7 @@ T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-540}
 T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-180} T_MIXED=${T_MIXED:-360}
-T_PROFILE=${T_PROFILE:-300}
+T_PROFILE=${T_PROFILE:-300} T_ASYNC=${T_ASYNC:-150} T_SMALL=${T_SMALL:-150} T_FP8=${T_FP8:-200}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -58,7 +58,20 @@ step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device
 # calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
-# 1b. the attention kernels untuned (--attention-tuning off), to set against step 1's
+# 1a. async scheduling (--async-scheduling: the host prepares step n+1 while the GPU runs
+# step n): a, b, c, d on $SHAPE, to set against step 1's
+step async "$T_ASYNC" python3 -m cluster.cli bench engine --device cuda \
+  --model-shape "$SHAPE" --workloads a,b,c,d --skip-hf --async-scheduling --json "$OUT/async.json"
+# 1b. a small model, where per-step host time is what limits: workload c on the
+# Qwen3-0.6B shape, synchronous then async scheduling
+step small "$T_SMALL" bash -c "for a in '' --async-scheduling; do python3 -m cluster.cli \
+  bench engine --device cuda --model-shape qwen3-0.6b --workloads c --skip-hf \$a \
+  --json $OUT/small\${a:+_async}.json || exit 1; done"
+# 1c. the FP8 KV cache (--kv-cache-dtype fp8, e4m3, scales 1.0): a, b, c, d on $SHAPE
+# beside step 1's bf16 cache
+step fp8 "$T_FP8" python3 -m cluster.cli bench engine --device cuda --model-shape "$SHAPE" \
+  --workloads a,b,c,d --skip-hf --kv-cache-dtype fp8 --json "$OUT/fp8.json"
+# 1d. the attention kernels untuned (--attention-tuning off), to set against step 1's
 # (tuned at start-up; its log and engine.json's attention_tables have the chosen tables):
 # c and e's decode steps, and d's 8k prefill (its compute_frac, the prefill tiles'
 # 8192-token entry in step 1), in engine.json vs untuned.json

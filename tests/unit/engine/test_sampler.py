@@ -291,7 +291,7 @@ def test_presence_penalty_steers_greedy_away_from_a_repeated_token():
 
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("presence_penalty", math.nan),
-    ("repetition_penalty", 0.0), ("repetition_penalty", 2.5), ("frequency_penalty", "1"),
+    ("repetition_penalty", 0.0), ("repetition_penalty", math.inf), ("frequency_penalty", "1"),
 ])
 def test_bad_penalties_name_the_field(field: str, value: object):
     with pytest.raises(ValueError, match=field):
