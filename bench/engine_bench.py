@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_kv_cache_dtype_argument(p)
     add_parallel_arguments(p)
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our engine schedules step n+1 while step n runs (engine flag)")
     p.add_argument("--json", default=None, help="write results here")
     add_shape_arguments(p)

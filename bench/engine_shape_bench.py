@@ -207,7 +207,7 @@ def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[W
                attention_tuning=getattr(args, "attention_tuning", "auto"),
                gpu_memory_utilization=args.gpu_memory_utilization,
                **cache_dtype_kwargs(args),
-               async_scheduling=getattr(args, "async_scheduling", False),
+               async_scheduling=getattr(args, "async_scheduling", None),
                **parallel_kwargs(args), **kw)
 
 
@@ -352,6 +352,7 @@ def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: li
             "graph_replays": {"decode": getattr(engine.runner.graphs, "replays", 0),
                               "mixed": getattr(engine.runner.mixed_graphs, "replays", 0)},
             "attention_tuning": cfg.tunes_attention,
+            "async_scheduling": cfg.schedules_async,
             # the launch configurations chosen at start-up ("" where untuned)
             "attention_tables": {k: t.describe() for k in ("decode", "prefill")
                                  if (t := getattr(engine.runner.attention, f"{k}_table",

@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--attention-backend", choices=["torch", "triton"], default=None)
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--max-graph-tokens", type=int, default=512)
-    e.add_argument("--async-scheduling", action="store_true")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     add_kv_cache_dtype_argument(p)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     h = p.add_argument_group("KV hand-off")

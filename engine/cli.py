@@ -145,9 +145,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: mixed and prefill steps of at most this many tokens replay "
                         "CUDA graphs captured per token-count bucket; larger ones run "
                         "eagerly (0: no graphs for them; decode-only steps keep theirs)")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step n+1 while the device runs step n; sampled ids "
-                        "reach the host one step later (outputs unchanged)")
+                        "reach the host one step later (outputs unchanged). Default: on "
+                        "for CUDA, off on CPU (as vLLM)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's memory the engine may use (weights, "
                         "activations, graphs and the KV pool)")
@@ -234,7 +235,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_tuning=getattr(args, "attention_tuning", "auto"),
         enforce_eager=getattr(args, "enforce_eager", False),
         max_graph_tokens=getattr(args, "max_graph_tokens", 512),
-        async_scheduling=getattr(args, "async_scheduling", False),
+        async_scheduling=getattr(args, "async_scheduling", None),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                           kv_cache_memory_bytes=getattr(args, "kv_cache_memory", None),
                           gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),

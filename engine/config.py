@@ -327,7 +327,9 @@ class EngineConfig:
     kv_staging: bool = False
     # The host schedules and lays out step n+1 while the device runs step n, feeding
     # step n's sampled ids (kept on the device) as its inputs (engine/async_step.py).
-    async_scheduling: bool = False
+    # None: on for CUDA, off on CPU, as vLLM (where CPU torch runs each step before the
+    # host goes on, there is nothing to overlap).
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -364,6 +366,14 @@ class EngineConfig:
         """Whether the model runner tunes the attention kernels at start-up."""
         return (self.attention_tuning == "auto" and self.backend == "triton"
                 and self.device.startswith("cuda"))
+
+    @property
+    def schedules_async(self) -> bool:
+        """Whether the engine runs async scheduling (`async_scheduling`, or the device's
+        default)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
 
     @property
     def fp8_kv(self) -> bool:

@@ -88,7 +88,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(
             config.model_dir, self.model_config.vocab_size,
             self.model_config.eos_token_ids if tok_eos is None else (tok_eos,))
-        self.async_steps = AsyncSteps(self) if config.async_scheduling else None
+        self.async_steps = AsyncSteps(self) if config.schedules_async else None
 
     def _rank_offload(self, offload: KVOffload) -> KVOffload:
         """The tiers' view of a tensor-parallel pool: every rank's cache directly where

@@ -45,7 +45,7 @@ from engine.attention.triton_decode import DecodeTile
 logger = logging.getLogger(__name__)
 
 TUNING_MODES = ("auto", "off")
-BUDGET_S = 10.0
+BUDGET_S = 30.0
 DECODE_SHARE = 0.6
 REPS = 3
 # decode's axes
@@ -231,8 +231,13 @@ def tune_decode_table(batches: Sequence[int], contexts: Sequence[int], base: Dec
                       time_fn: TimeFn, budget_s: float = BUDGET_S,
                       clock: Callable[[], float] = time.perf_counter
                       ) -> TileTable[DecodeTile]:
-    """Decode's table over every (batch, context) point."""
-    points = [(b, c) for b in batches for c in contexts]
+    """Decode's table over every (batch, context) point, the largest batches and
+    longest contexts first: the steps that take the most time (a throughput run's),
+    and the ones a budget cut short on a cold Triton cache would otherwise leave
+    untuned (the first point's search compiles most candidates; later points mostly
+    time compiled ones)."""
+    points = [(b, c) for b in sorted(batches, reverse=True)
+              for c in sorted(contexts, reverse=True)]
     return tune_table("decode", (batches, contexts), points, base, DecodeTile(),
                       DECODE_ROUNDS, time_fn, budget_s, clock)
 

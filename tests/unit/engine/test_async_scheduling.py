@@ -330,8 +330,13 @@ def test_cli_flag():
     add_engine_arguments(p)
     assert engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cpu",
                                                  "--async-scheduling"])).async_scheduling
-    assert not engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cpu"])
-                                       ).async_scheduling
+    config = engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cpu"]))
+    assert config.async_scheduling is None and not config.schedules_async
+    # vLLM's default: on for CUDA unless --no-async-scheduling
+    assert engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cuda"])
+                                   ).schedules_async
+    assert not engine_config_from_args(p.parse_args(["--model", "/m", "--device", "cuda",
+                                                     "--no-async-scheduling"])).schedules_async
 
 
 def test_tensor_parallel_ranks_get_the_placeholder_ids():
