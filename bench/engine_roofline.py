@@ -242,3 +242,11 @@ def step_summary(steps: list[StepRecord], cost: ModelCost, limits: MachineLimits
             "compute_roofline_ms": sum(comp) / k * 1e3, "roofline_ms": both / k * 1e3,
             "memory_frac": sum(mem) / measured, "compute_frac": sum(comp) / measured,
             "roofline_frac": both / measured}
+
+
+def roofline_label(phase: str, key: str) -> str:
+    """'decode steps, memory roofline'; c's is every step's, memory or compute
+    (whichever bounds the step)."""
+    if phase == "all_steps":
+        return "all steps, each at its memory or compute bound"
+    return f"{phase} steps, {key.removesuffix('_frac')} roofline"

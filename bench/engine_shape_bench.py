@@ -33,6 +33,7 @@ from bench.engine_roofline import (
     StepRecord,
     causal_pairs,
     measure_limits,
+    roofline_label,
     step_summary,
 )
 from engine.cli import cache_dtype_kwargs, parallel_kwargs
@@ -283,7 +284,7 @@ def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
         "summary": {"ours_tok_s": n / ours_s, "hf_tok_s": hf_tok_s,
                     "ratio_hf": (n / ours_s) / hf_tok_s if hf_tok_s else None,
                     "roofline_frac": held[key] if held else None,
-                    "roofline": f"{phase} steps, {key.removesuffix('_frac')} roofline",
+                    "roofline": roofline_label(phase, key),
                     "tok_s_counts": f"{w.kind} tokens"},
         "describe": w.describe(), "requests": len(w.prompts),
         "prompt_tokens": sum(map(len, w.prompts)),

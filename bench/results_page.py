@@ -25,14 +25,17 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
+from bench.engine_roofline import roofline_label
 from bench.report import Report, phase_table
 from bench.results_rows import (
     GPU_DEVICES,
+    GPU_HANDOFF,
     ORDER,
     ROOT,
     clean,
     cpu_machine,
     date_of,
+    engine_runs,
     gpu_name,
     gpu_path,
     headline,
@@ -241,53 +244,89 @@ def _machines(runs: list[tuple[str, str, dict[str, Any]]]) -> str:
 
 
 def _gpu_engine(r: str) -> list[str]:
-    runs = _gpu_runs(r, "engine")
+    runs = [(dev, *run) for dev in GPU_DEVICES for run in engine_runs(r, dev)]
     if not runs:
         return []
     lines = ["### The engine (`bench engine --device cuda`)", "",
              "```bash", "splitserve bench engine --device cuda --model-shape llama3-8b "
-             "--workloads a,b,d --json engine.json", "```", "",
-             "Our engine and transformers' `generate` on the same workloads in one run; "
-             "`roofline` is our steps' share of the GPU's measured limit (memory bandwidth "
-             "for decode, matmul FLOP/s for prefill). " + _machines(runs) + ".", "",
-             "| GPU | workload | ours tok/s | transformers tok/s | ratio | roofline |",
-             "|---|---|---|---|---|---|"]
-    for dev, _, data in runs:
+             "--workloads a,b,c,d --json engine.json", "```", "",
+             "Our engine on the workloads (a: one request, b: 64 at once, c: nano-vllm's "
+             "256 requests of 100-1024 tokens in and out, d: one 8k-token prefill), "
+             "random weights in bfloat16, attention tiles tuned at start-up. `roofline` is "
+             "our steps' share of the GPU's limit measured in the same run (memory "
+             "bandwidth for decode, matmul FLOP/s for prefill, the larger of the two per "
+             "step for c's mixed steps); `transformers` is `generate` on the same "
+             "workload in the same run, where the run has it. `scheduling`: async (the "
+             "default on CUDA) or `--no-async-scheduling`; `KV`: the cache's dtype "
+             "(`--kv-cache-dtype`).", "",
+             "`tuned`: the decode points start-up tuning reached of its grid (up to 8; the "
+             "rest keep the untuned tile: a cold Triton cache compiles every candidate "
+             "first, and the budget can end the search there).", "",
+             "| GPU | shape | KV | scheduling | tuned | workload | ours tok/s | "
+             "transformers tok/s | ratio | roofline | date |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for dev, path, scheduling, data in runs:
+        cfg = data["config"]
+        kv = "fp8" if cfg.get("kv_cache_dtype", "auto") != "auto" else "bf16"
+        table = cfg.get("engine", {}).get("attention_tables", {}).get("decode")
+        tuned = "-" if table is None else str(len([e for e in table.split(";") if e.strip()]))
         for w, s in data["summary"].items():
             hf = f"{s['hf_tok_s']:,.0f}" if s.get("hf_tok_s") else "-"
             ratio = f"{s['ratio_hf']:.2f}x" if s.get("ratio_hf") else "-"
-            lines.append(f"| {dev.upper()} | {w}: {data['workloads'][w]['describe']} "
+            roofline = s["roofline"].replace("all_steps steps, roofline roofline",
+                                             roofline_label("all_steps", ""))
+            lines.append(f"| {dev.upper()} | {cfg.get('model_shape')} | {kv} | {scheduling} "
+                         f"| {tuned} | {w}: {data['workloads'][w]['describe']} "
                          f"({s['tok_s_counts']}) | {s['ours_tok_s']:,.0f} | {hf} | {ratio} | "
-                         f"{s['roofline_frac']:.0%} ({s['roofline']}) |")
-    return lines + [""]
+                         f"{s['roofline_frac']:.0%} ({roofline}) | {date_of(data, path)} |")
+    return lines + ["", "The FP8 cache's roofline counts half the KV bytes, so its share "
+                    "falls wherever its decode kernels run no faster than bf16's.", ""]
 
 
 def _gpu_transfer(r: str) -> list[str]:
     runs = _gpu_runs(r, "transfer")
     if not runs:
         return []
+    handoffs = {dev: (path, data) for dev in GPU_DEVICES
+                if (data := load(path := os.path.join(r, "gpu", GPU_HANDOFF.format(d=dev))))}
     lines = ["### KV hand-off between two processes (`bench transfer --device cuda`)", "",
              "```bash", "splitserve bench transfer --device cuda --json transfer.json", "```",
              "", "Prompt hand-offs of the Llama-3-8B layout (2 MiB per 16-token block), "
              "contiguous and scattered blocks, p50 of 8 per size; the reference is the same "
-             "gather-scatter copy inside one process. " + _machines(runs) + ".", "",
-             "GB/s by prompt length (tokens):", ""]
-    sizes = sorted({row["tokens"] for _, _, data in runs for row in data["rows"]})
+             "gather-scatter copy inside one process. " + _machines(runs) + ".", ""]
+    if handoffs:
+        lines += ["`cuda_ipc` rows and columns come from a run of cuda_ipc alone "
+                  "(`--handoff-transports cuda_ipc`, its own in-process copy as the "
+                  "reference): " + "; ".join(
+                      f"{gpu_name(d, dev)}, {date_of(d, p)} (`gpu/{os.path.basename(p)}`)"
+                      for dev, (p, d) in handoffs.items()) + ".", ""]
+    lines += ["GB/s by prompt length (tokens):", ""]
+
+    def rows(dev: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+        if dev not in handoffs:
+            return list(data["rows"])
+        return ([row for row in data["rows"] if row["transport"] != "cuda_ipc"]
+                + [row for row in handoffs[dev][1]["rows"] if row["transport"] == "cuda_ipc"])
+
+    sizes = sorted({row["tokens"] for dev, _, data in runs for row in rows(dev, data)})
     lines += ["| GPU | transport | blocks | " + " | ".join(map(str, sizes)) + " |",
               "|---|---|---|" + "---|" * len(sizes)]
     for dev, _, data in runs:
         cells: dict[tuple[str, str], dict[int, float]] = {}
-        for row in data["rows"]:
+        for row in rows(dev, data):
             cells.setdefault((row["transport"], row["mode"]), {})[row["tokens"]] = row["gbps"]
-        for (transport, mode), by_size in cells.items():
+        for (transport, mode), by_size in sorted(cells.items()):
             lines.append(f"| {dev.upper()} | {transport} | {mode} | " + " | ".join(
                 f"{by_size[n]:.1f}" if n in by_size else "-" for n in sizes) + " |")
     lines += ["", "| GPU | in-process copy GB/s | cuda_ipc vs copy | cuda_ipc fixed cost | "
               "ucx vs copy | ucx fixed cost |", "|---|---|---|---|---|---|"]
     for dev, _, data in runs:
         s = data["summary"]
-        lines.append(f"| {dev.upper()} | {s['copy_gbps']:,.0f} | {s['cuda_ipc_vs_copy']:.2f}x "
-                     f"| {s['cuda_ipc_fixed_us']:.0f} us | {s['ucx_vs_copy']:.3f}x | "
+        ipc = handoffs[dev][1]["summary"] if dev in handoffs else s
+        copy = (f"{s['copy_gbps']:,.0f}" if dev not in handoffs
+                else f"{s['copy_gbps']:,.0f} (cuda_ipc's run: {ipc['copy_gbps']:,.0f})")
+        lines.append(f"| {dev.upper()} | {copy} | {ipc['cuda_ipc_vs_copy']:.2f}x "
+                     f"| {ipc['cuda_ipc_fixed_us']:.0f} us | {s['ucx_vs_copy']:.3f}x | "
                      f"{s['ucx_fixed_us']:.0f} us |")
     return lines + [""]
 
