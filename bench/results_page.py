@@ -212,7 +212,14 @@ def _profile(r: str) -> list[str]:
              "splitserve bench profile --device cuda --model-shape llama3-8b "
              "--json profile.json --trace-dir traces", "```", "", PROFILE_TEXT, ""]
     runs = _gpu_runs(r, "profile")
-    if not runs:
+    printed = sorted(glob.glob(os.path.join(r, "gpu", "profile-*.txt")))
+    for path in printed:
+        with open(path) as f:
+            lines += [f"### `gpu/{os.path.basename(path)}` (its printed tables)", "", "```",
+                      f.read().rstrip("\n"), "```", ""]
+        if notes := _read(path.removesuffix(".txt") + ".notes.md"):
+            lines += [notes.rstrip("\n"), ""]
+    if not runs and not printed:
         lines += ["No GPU profile has been measured.", ""]
     for dev, path, data in runs:
         lines += [f"### {gpu_name(data, dev)}, {date_of(data, path)} "
@@ -226,6 +233,13 @@ def _profile(r: str) -> list[str]:
                   "and notices per chunk) are the engine's and the transports' own, its µs "
                   "this machine's.", "", *markdown(cpu)]
     return lines
+
+
+def _read(path: str) -> str:
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        return f.read()
 
 
 def _gpu_runs(r: str, kind: str) -> list[tuple[str, str, dict[str, Any]]]:

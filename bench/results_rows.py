@@ -134,12 +134,12 @@ def _row_engine(r: str) -> Row | None:
             continue
         w = data["workloads"]["c"]
         steps, lim = w["ours"]["all_steps"], data["limits"]
-        return (f"`bench engine --device cuda`, llama3-8b shape, {w['describe']} tokens "
+        return (f"`bench engine --device cuda`, llama3-8b shape, {w['requests']} requests "
                 "(nano-vllm's workload)",
-                f"{data['summary']['c']['ours_tok_s']:,.0f} output tok/s "
-                f"({steps['mean_ms']:.1f} ms per step)",
-                f"the same steps' roofline at the run's {lim['bandwidth_GB_s']:,.0f} GB/s "
-                f"and {lim['matmul_TFLOP_s']:.0f} TFLOP/s: {steps['roofline_ms']:.1f} ms",
+                f"{data['summary']['c']['ours_tok_s']:,.0f} output tok/s, "
+                f"{steps['mean_ms']:.1f} ms per step",
+                f"roofline at the run's {lim['bandwidth_GB_s']:,.0f} GB/s, "
+                f"{lim['matmul_TFLOP_s']:.0f} TFLOP/s: {steps['roofline_ms']:.1f} ms",
                 f"{steps['roofline_frac']:.2f}", gpu_name(data, "h200"), date_of(data, path))
     return None
 
