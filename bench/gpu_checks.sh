@@ -4,7 +4,9 @@
 # --engine-json`, then transformers beside us), and the KV hand-off between two processes
 # on the GPU.
 # Every step has its own time limit and its whole log under $OUT, so one that hangs or
-# fails leaves the others' figures. Run from the repository root on the device machine,
+# fails leaves the others' figures; at the end everything under $OUT is packed into
+# $OUT/results.tgz, the only file left there (PACK=0 keeps the files as they are): the
+# device tool brings back a handful of files per run, one archive holds them all. Run from the repository root on the device machine,
 # with .whl/ filled here first by bench/gpu_wheels.sh (carry [".whl"]):
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
@@ -146,3 +148,7 @@ step mixed "$T_MIXED" bash -c "for g in 512 0; do python3 -m cluster.cli bench e
   python3 -m bench.mixed_compare $OUT/mixed_512.json $OUT/mixed_0.json; \
   python3 -m pytest -q -rfEs -p no:cacheprovider tests/gpu/test_mixed_graphs_cuda.py"
 grep "^== " "$OUT/gpu.txt"
+if [ "${PACK:-1}" = 1 ]; then
+  tar czf /tmp/gpu-checks-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete \
+    && mv /tmp/gpu-checks-results.tgz "$OUT/results.tgz"
+fi
