@@ -16,7 +16,7 @@
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-profile engine async small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile profile_a engine async small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -55,6 +55,11 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
 step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device cuda \
   --model-shape $SHAPE --trace-dir $OUT/profile --json $OUT/profile.json && \
   gzip -f $OUT/profile/*.json"
+# 0b. the same over workload a (one request: the batch-1 decode step, where the device's
+# time is the weights' read and every kernel's fixed cost shows); its kernels by device
+# time in the log and profile_a.json
+step profile_a 120 python3 -m cluster.cli bench profile --device cuda --parts engine \
+  --workload a --model-shape "$SHAPE" --trace-dir "$OUT/profile_a" --json "$OUT/profile_a.json"
 # 1. our engine alone on every workload (attention tuned at start-up: d's one 8k-token
 # prefill runs the prefill tiles chosen for 8192-token queries): the step records sim
 # calibrate fits from

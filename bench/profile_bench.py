@@ -41,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", default="bench-results/profile",
                    help="one Chrome trace per profiled part")
     p.add_argument("--seed", type=int, default=0)
-    e = p.add_argument_group("engine (workload c)")
+    e = p.add_argument_group("engine (workload c by default)")
+    e.add_argument("--workload", choices=("a", "b", "c"), default="c",
+                   help="bench engine's workload: a (one request), b (64), c (nano-vllm's "
+                        "256)")
     e.add_argument("--model-shape", type=model_shape_arg, default=None,
                    help="known shape, dummy weights (default: llama3-8b on cuda; on cpu a "
                         "tiny random llama)")
@@ -177,7 +180,8 @@ def _print_table(first: str, columns: tuple[tuple[str, str, str], ...],
 
 
 def print_engine(r: dict[str, Any]) -> None:
-    print(f"engine: workload c, {r['workload']} (+{r['extra_output_tokens']} output tokens "
+    print(f"engine: workload {r.get('workload_name', 'c')}, {r['workload']} "
+          f"(+{r['extra_output_tokens']} output tokens "
           f"each), {r['model']}, {r['dtype']} on {r['device']}; decode batch "
           f"{r['decode_batch']}")
     _print_table("window", ENGINE_COLUMNS, {n: w["summary"] for n, w in r["windows"].items()},
@@ -188,6 +192,10 @@ def print_engine(r: dict[str, Any]) -> None:
         print(f"  {name} phases (host us, median): {phases}; steps {w['kinds']}")
     kernel = next(iter(r["windows"].values()))["kernel"]
     print(f"  medians per step; a kernel is a {kernel}")
+    for name, w in r["windows"].items():
+        print(f"  {name}: kernels by device time (us per step, launches per step)")
+        for k in w.get("top_kernels", []):
+            print(f"    {k['us_per_step']:10.1f} {k['per_step']:6.1f}  {k['name'][:100]}")
 
 
 def print_handoffs(rows: dict[str, Any], layout: Any) -> None:
@@ -209,7 +217,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
     window, means per hand-off of each transport."""
     lines: list[str] = []
     if engine := result.get("engine"):
-        lines += [f"Workload c, {engine['workload']} (+{engine['extra_output_tokens']} output "
+        lines += [f"Workload {engine.get('workload_name', 'c')}, {engine['workload']} "
+                  f"(+{engine['extra_output_tokens']} output "
                   f"tokens each), {engine['model']}, {engine['dtype']}; decode batch "
                   f"{engine['decode_batch']}. Medians per step, µs:", "",
                   "| window | steps | wall | host | device | kernels | launch calls | "
@@ -223,6 +232,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
             lines.append(f"| {name} | {s['steps']} | " + " | ".join(f"{v:,.0f}" for v in cells)
                          + " |")
         lines.append("")
+        for name, w in engine["windows"].items():
+            if w.get("top_kernels"):
+                lines += [f"The {name} window's kernels by device time:", "",
+                          "| kernel | µs per step | launches per step |", "|---|---|---|"]
+                lines += [f"| `{k['name'][:100]}` | {k['us_per_step']:,.1f} | "
+                          f"{k['per_step']:.1f} |" for k in w["top_kernels"]]
+                lines.append("")
     if handoff := result.get("handoff"):
         first = next(iter(handoff.values()))
         lines += [f"Hand-off of {first['tokens']} tokens ({first['blocks']} scattered blocks) "

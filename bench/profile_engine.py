@@ -75,10 +75,12 @@ def profile_window(engine: Any, recorder: Any, steps: int, device: Any,
     prof.export_chrome_trace(trace)
     events = pt.load(trace)
     work = pt.DeviceWork(events)
+    step_ranges = pt.ranges(events, "engine.step")
     per_step = [{**k, **pt.step_figures(events, s, work, PHASE_RANGES)}
-                for k, s in zip(kinds, pt.ranges(events, "engine.step"), strict=True)]
+                for k, s in zip(kinds, step_ranges, strict=True)]
     count = {k: sum(s["kind"] == k for s in per_step) for k in ("prefill", "mixed", "decode")}
     return {"summary": pt.summarize_steps(per_step), "kinds": count, "steps": per_step,
+            "top_kernels": pt.top_kernels(step_ranges, events, work),
             "kernel": "CUDA kernel" if work.cuda else "top-level aten op (CPU)",
             "trace": os.path.abspath(trace)}
 
@@ -104,10 +106,11 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         model_dir = model_dir_for(args, root)
         cfg = ModelConfig.from_model_dir(model_dir)
-        (c,) = make_workloads(["c"], args.scale, cfg.vocab_size, cfg.max_position_embeddings,
-                              args.seed)
+        name = getattr(args, "workload", "c")
+        (c,) = make_workloads([name], args.scale, cfg.vocab_size,
+                              cfg.max_position_embeddings, args.seed)
         extra = 2 + args.mixed_steps + args.decode_steps
-        w = Workload("c", c.prompts, [o + extra for o in c.out_lens], c.temperature)
+        w = Workload(name, c.prompts, [o + extra for o in c.out_lens], c.temperature)
         llm = make_llm(model_dir, device, dtype, [w], args)
         warm_up(llm, w)
         engine = llm.engine
@@ -130,7 +133,8 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         batch = len(engine.scheduler.running)
         del llm, engine, recorder
         _free(device)  # the KV pool's memory back to the device for the hand-off's caches
-    return {"workload": c.describe(), "extra_output_tokens": extra, "decode_batch": batch,
+    return {"workload": c.describe(), "workload_name": name, "extra_output_tokens": extra,
+            "decode_batch": batch,
             "device": str(device),
             "dtype": dtype, "model": args.model_shape or
             f"random llama, hidden {args.hidden_size}, {args.num_layers} layers",

@@ -118,6 +118,23 @@ def step_figures(events: list[Event], step: Event, work: DeviceWork,
             "phases_us": {p: sum(float(e["dur"]) for e in ranges(inside, p)) for p in phases}}
 
 
+def top_kernels(steps: list[Event], events: list[Event], work: DeviceWork,
+                n: int = 12) -> list[dict[str, Any]]:
+    """The `n` kernels (by name) taking the most device time over `steps`: µs and
+    launches per step (CPU: the top-level aten ops and their time)."""
+    time: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for step in steps:
+        kernels = (work.launched_in(step) if work.cuda
+                   else top_level_ops(within(events, step), step.get("tid")))
+        for k in kernels:
+            time[k["name"]] = time.get(k["name"], 0.0) + float(k["dur"])
+            count[k["name"]] = count.get(k["name"], 0) + 1
+    per = max(1, len(steps))
+    return [{"name": name, "us_per_step": t / per, "per_step": count[name] / per}
+            for name, t in sorted(time.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)

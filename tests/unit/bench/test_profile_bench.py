@@ -40,6 +40,12 @@ def test_engine_windows_have_sane_figures(tmp_path, capsys):
             assert s["phases_us"]["engine.schedule"] > 0 and s["phases_us"]["engine.forward"] > 0
         events = pt.load(w["trace"])
         assert len(pt.ranges(events, "engine.step")) == len(w["steps"])
+        # the kernels by time: a share of the steps' device time, the largest first
+        top = w["top_kernels"]
+        times = [k["us_per_step"] for k in top]
+        assert top and times == sorted(times, reverse=True)
+        assert sum(times) <= sum(s["device_us"] for s in w["steps"]) / len(w["steps"]) + 1
+        assert all(k["per_step"] > 0 and k["name"].startswith("aten::") for k in top)
     assert result["summary"]["decode_kernels"] > 0
     text = capsys.readouterr().out
     assert "top-level aten op (CPU)" in text and "decode" in text
