@@ -120,7 +120,7 @@ class LLMEngine:
                                f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
-            bad_word_ids(self.tokenizer, params.bad_words)  # each must have tokens
+            bad_word_ids(self.tokenizer, params.bad_words, vocab)
             if params.structured is not None:  # compiled (and cached) before any work
                 self.structured.compile(params.structured)
         except ValueError as e:
@@ -146,7 +146,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
                       eos_token_ids=self.eos_token_ids,
-                      bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words),
+                      bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words,
+                                                       self.model_config.vocab_size),
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
                       labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:

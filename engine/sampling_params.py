@@ -162,17 +162,23 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens!r}")
-        for t, bias in self.logit_bias.items():
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"logit_bias holds {t!r}, not a token id of this model")
+        # vLLM's SamplingParams.verify: ids index the logits, so each must be below the
+        # model's vocabulary size.
+        if not all(_is_int(t) for t in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)}")
+        outside = [t for t in self.logit_bias if not _in_vocab(t, vocab_size)]
+        if outside:
+            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token "
+                             f"ids. Vocabulary size: {vocab_size}")
+        for bias in self.logit_bias.values():
             if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed:
                 raise ValueError("allowed_token_ids is not allowed to be empty")
-            if not all(isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in allowed):
-                raise ValueError("allowed_token_ids contains out-of-vocab token id")
+            if not all(_is_int(t) and _in_vocab(t, vocab_size) for t in allowed):
+                raise ValueError("allowed_token_ids contains out-of-vocab token id!")
         if not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError("bad_words cannot contain an empty string")
         for s in self.stop:
@@ -186,3 +192,12 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}")
+
+
+def _is_int(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _in_vocab(t: int, vocab_size: int | None) -> bool:
+    """`vocab_size` None: any id a logits row could have (int32)."""
+    return 0 <= t < (2**31 if vocab_size is None else vocab_size)

@@ -57,3 +57,23 @@ def test_bad_words(llm: LLM) -> None:
     assert llm.generate(PROMPT, replace(BASE, bad_words=["uar"]))[0].token_ids == PLAIN
     with pytest.raises(RequestError, match="bad_words"):
         llm.engine.validate(PROMPT, replace(BASE, bad_words=[""]))
+
+
+def test_ids_outside_the_models_vocabulary_are_refused() -> None:
+    """A tokenizer may know tokens the model never draws (here 512 against a vocabulary of
+    400): a bad word that tokenizes to one of them, an allowed id or a logit_bias key at
+    or above the vocabulary size is a RequestError before the request runs (vLLM's
+    SamplingParams.verify and update_from_tokenizer), never an index into the logits."""
+    small = LLM(tiny_model_dir("llama", vocab_pad=-112), block_size=4, num_blocks=64)
+    eng = small.engine
+    assert eng.model_config.vocab_size == 400 < eng.tokenizer.vocab_size
+    assert eng.tokenizer.encode("fox", add_special_tokens=False) == [74, 474]
+    for params, words in ((replace(BASE, bad_words=["fox"]), "specified as bad: \\[474"),
+                          (replace(BASE, allowed_token_ids=[5, 400]), "out-of-vocab"),
+                          (replace(BASE, logit_bias={400: 1.0}), "Vocabulary size: 400")):
+        with pytest.raises(RequestError, match=words):
+            eng.add_request("x", PROMPT, params)
+    out = small.generate(PROMPT, replace(BASE, bad_words=["the"], allowed_token_ids=[5, 399],
+                                         logit_bias={399: 1.0}))[0]
+    assert out.finish_reason == "length" and set(out.token_ids) <= {5, 399}
+    eng.check_integrity()

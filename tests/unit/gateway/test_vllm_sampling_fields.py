@@ -54,6 +54,28 @@ def test_bad_values_are_400(ctx: ModelContext, extra: dict[str, Any], words: str
             parse()
 
 
+def test_ids_outside_the_models_vocabulary_are_400() -> None:
+    """vLLM's SamplingParams.verify and update_from_tokenizer: allowed_token_ids and
+    logit_bias keys index the logits, so each must be below the model's vocabulary size,
+    and so must every token of a bad word. Here the tokenizer knows 512 tokens and the
+    model draws 400: "fox" tokenizes to [74, 474]."""
+    small = ModelContext(tiny_model_dir("llama", vocab_pad=-112), "tiny")
+    assert small.vocab_size == 400 < small.tokenizer.vocab_size
+    for p in _both(small, {"allowed_token_ids": [5, 399], "logit_bias": {"399": 1},
+                           "bad_words": ["the"]}):
+        assert p.allowed_token_ids == [5, 399] and p.logit_bias == {399: 1.0}
+    for extra, words in (
+            ({"allowed_token_ids": [5, 400]}, "allowed_token_ids contains out-of-vocab"),
+            ({"logit_bias": {"400": 1}}, r"token_id\(s\) \[400\] in logit_bias contain "
+                                         "out-of-vocab token ids. Vocabulary size: 400"),
+            ({"bad_words": ["fox"]}, r"The model vocabulary size is 400, but the following "
+                                     r"tokens were specified as bad: \[474, 474\]")):
+        with pytest.raises(InvalidRequest, match=words):
+            parse_completion({"prompt": "hi"} | extra, small)
+        with pytest.raises(InvalidRequest, match=words):
+            parse_chat({"messages": MSGS} | extra, small)
+
+
 def test_logit_bias_is_clamped_to_100(ctx: ModelContext) -> None:
     """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100] (the OpenAI
     range) rather than refusing it; a key that is no token id is still a 400."""
