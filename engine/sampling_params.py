@@ -90,7 +90,8 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
+    # Added to the raw logits; each bias is clamped to [-100, 100] (vLLM's).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
     # vLLM's: only these ids are drawn (None: any); no bad word's tokens complete it
     # (engine/token_masks.py).
@@ -110,7 +111,10 @@ class SamplingParams:
             self.seed = None
         elif isinstance(self.seed, int) and -2**63 <= self.seed < 0:
             self.seed += 2**63
-        self.logit_bias = dict(self.logit_bias or {})
+        # vLLM's SamplingParams.from_optional: each bias clamped to [-100, 100]; what is
+        # no number (NaN included) stays for validate() to refuse.
+        self.logit_bias = {t: min(100.0, max(-100.0, float(b))) if _is_number(b) else b
+                           for t, b in (self.logit_bias or {}).items()}
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -171,8 +175,8 @@ class SamplingParams:
             raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token "
                              f"ids. Vocabulary size: {vocab_size}")
         for bias in self.logit_bias.values():
-            if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            if not _is_number(bias):
+                raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed:
@@ -196,6 +200,10 @@ class SamplingParams:
 
 def _is_int(t: object) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == v  # not NaN
 
 
 def _in_vocab(t: int, vocab_size: int | None) -> bool:

@@ -42,8 +42,8 @@ def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    """OpenAI's {"token id": bias} (keys are strings in JSON), each bias clamped to
-    [-100, 100] as vLLM's SamplingParams.from_optional does."""
+    """OpenAI's {"token id": bias} (keys are strings in JSON); SamplingParams clamps each
+    bias to [-100, 100], as vLLM's SamplingParams.from_optional does."""
     out = {}
     for k, v in (get_field(body, "logit_bias", dict, None) or {}).items():
         try:
@@ -54,7 +54,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
             raise InvalidRequest(f"`logit_bias` values must be numbers, got {v!r}",
                                  "logit_bias")
-        out[tok] = min(100.0, max(-100.0, float(v)))
+        out[tok] = float(v)
     return out
 
 

@@ -64,7 +64,8 @@ def test_no_keys_configured_leaves_the_door_open() -> None:
 
 def test_ids_outside_the_vocabulary_are_invalid_argument() -> None:
     """vLLM's 400s for allowed_token_ids and logit_bias keys outside the model's
-    vocabulary are INVALID_ARGUMENT on gRPC, before any routing."""
+    vocabulary are INVALID_ARGUMENT on gRPC, before any routing; a bias beyond
+    [-100, 100] is clamped, as on HTTP."""
     gw = workerless_gateway()
     vocab = gw.ctx.vocab_size
 
@@ -76,5 +77,6 @@ def test_ids_outside_the_vocabulary_are_invalid_argument() -> None:
         (req(allowed_token_ids=[5, vocab]), None), (req(allowed_token_ids=[-1]), None),
         (req(logit_bias={vocab: 1.0}), None),
         (req(allowed_token_ids=[5, vocab - 1], logit_bias={vocab - 1: 1.0}), None),
+        (req(logit_bias={5: 1e9, 6: float("-inf")}), None),  # clamped to +-100, as HTTP
     ]))
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.UNAVAILABLE]
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.UNAVAILABLE] * 2

@@ -77,12 +77,20 @@ def test_ids_outside_the_models_vocabulary_are_400() -> None:
 
 
 def test_logit_bias_is_clamped_to_100(ctx: ModelContext) -> None:
-    """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100] (the OpenAI
-    range) rather than refusing it; a key that is no token id is still a 400."""
+    """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100], the OpenAI
+    range; a key that is no token id, or a bias that is no number, is a 400. The clamp
+    is SamplingParams' own, so a gRPC request's biases mean what an HTTP request's do."""
     for p in _both(ctx, {"logit_bias": {"47": 150, "5": -1e9, "6": 2.5}}):
         assert p.logit_bias == {47: 100.0, 5: -100.0, 6: 2.5}
-    with pytest.raises(InvalidRequest, match="logit_bias"):
-        parse_completion({"prompt": "hi", "logit_bias": {"x": 1}}, ctx)
+    for bias in ({"x": 1}, {"5": "high"}, {"5": float("nan")}):
+        with pytest.raises(InvalidRequest, match="logit_bias"):
+            parse_completion({"prompt": "hi", "logit_bias": bias}, ctx)
+    wire = pb.SamplingParams(logit_bias={47: 150.0, 5: float("-inf"), 6: 2.5})
+    p = sampling_from_proto(wire)
+    assert p.logit_bias == {47: 100.0, 5: -100.0, 6: 2.5}
+    p.validate(ctx.vocab_size)
+    with pytest.raises(ValueError, match="logit_bias values must be numbers"):
+        sampling_from_proto(pb.SamplingParams(logit_bias={5: float("nan")})).validate()
 
 
 def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
