@@ -194,6 +194,43 @@ def test_chat_echo(ctx: ModelContext) -> None:
             ([{"content": echoed}] if echoed else [])
 
 
+def test_chat_echo_asks_for_the_prompts_logprobs(ctx: ModelContext) -> None:
+    """vLLM's ChatCompletionRequest.to_sampling_params: with `echo` and no
+    prompt_logprobs, the prompt's logprobs are asked for with top_logprobs (0 when
+    unset); an explicit prompt_logprobs wins. The chat response always carries
+    `prompt_logprobs` (ChatCompletionResponse's field), null when none were asked for."""
+    def params(extra: dict[str, Any]) -> Any:
+        return parse_chat({"messages": MSGS} | extra, ctx).params
+
+    assert params({"echo": True}).prompt_logprobs == 0
+    assert params({"echo": True, "stream": True}).prompt_logprobs == 0
+    echoed = params({"echo": True, "logprobs": True, "top_logprobs": 3})
+    assert (echoed.prompt_logprobs, echoed.logprobs) == (3, 3)
+    assert params({"echo": True, "logprobs": True, "top_logprobs": 3,
+                   "prompt_logprobs": 1}).prompt_logprobs == 1
+    assert params({"logprobs": True, "top_logprobs": 3}).prompt_logprobs is None
+    for body, asked in (({"echo": True, "add_generation_prompt": False}, True), ({}, False)):
+        inp = parse_chat({"messages": MSGS} | body, ctx)
+        ids = inp.prompt_token_ids
+        plp = [pb.TokenLogprob(token_id=t, logprob=-1.0, rank=2) for t in ids[1:]]
+        choices = Choices([inp], ResponseBuilder("tiny", chat=True),
+                          lambda t: ctx.tokenizer.decode(t, False))
+        choices.add(0, pb.WorkerGenerateResponse(token_ids=[5], text=" x", num_output_tokens=1,
+                                                 finish_reason="length",
+                                                 prompt_logprobs=plp if asked else []))
+        full = choices.full()
+        assert "prompt_logprobs" in full
+        if not asked:
+            assert full["prompt_logprobs"] is None
+            continue
+        assert full["choices"][0]["message"]["content"] == "hi x"
+        got = full["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        assert [list(e) for e in got[1:]] == [[str(t)] for t in ids[1:]]  # no top tokens
+        assert all(e[str(t)]["logprob"] == -1.0 and e[str(t)]["rank"] == 2
+                   for e, t in zip(got[1:], ids[1:], strict=True))
+
+
 def test_any_int64_seed(ctx: ModelContext) -> None:
     """vLLM takes any 64-bit seed (protocol.py: ge/le of torch.long), -1 meaning none
     (SamplingParams.__post_init__); a negative seed is as reproducible as any other."""
