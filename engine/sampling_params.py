@@ -97,6 +97,10 @@ class SamplingParams:
     # (engine/token_masks.py).
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    # `bad_words` as token sequences, set once per request by LLMEngine.validate (vLLM's
+    # update_from_tokenizer); a copy made with dataclasses.replace starts without them.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False,
+                                                        repr=False, compare=False)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:

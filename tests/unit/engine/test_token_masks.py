@@ -77,3 +77,42 @@ def test_ids_outside_the_models_vocabulary_are_refused() -> None:
                                          logit_bias={399: 1.0}))[0]
     assert out.finish_reason == "length" and set(out.token_ids) <= {5, 399}
     eng.check_integrity()
+
+
+def test_bad_words_are_tokenized_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validated when it arrives and again as it starts, a request's bad words become
+    token ids once (vLLM's update_from_tokenizer, in process_inputs), offline and
+    through AsyncLLM; a copy of the params (dataclasses.replace) is tokenized anew."""
+    import asyncio
+
+    import engine.llm_engine
+    from engine.async_llm import AsyncLLM
+    from engine.llm import make_engine_config
+    from engine.tokenizer import bad_word_ids
+
+    calls: list[list[str]] = []
+
+    def counting(tok, words, vocab):  # type: ignore[no-untyped-def]
+        calls.append(list(words))
+        return bad_word_ids(tok, words, vocab)
+
+    monkeypatch.setattr(engine.llm_engine, "bad_word_ids", counting)
+    params = replace(BASE, bad_words=["arar"])
+    llm = LLM(tiny_model_dir("llama"), block_size=4, num_blocks=64)
+    out = llm.generate(PROMPT, params)[0]
+    assert out.token_ids[:3] == [302, 215, 47] and calls == [["arar"]]
+    llm.generate(PROMPT, replace(params, bad_words=["K"]))
+    assert calls == [["arar"], ["K"]]
+
+    async def run() -> list[int]:
+        alm = AsyncLLM(make_engine_config(tiny_model_dir("llama"), block_size=4,
+                                          num_blocks=64))
+        try:
+            outs = [o async for o in alm.generate("a", PROMPT, replace(BASE, bad_words=["K"]))]
+        finally:
+            alm.shutdown()
+        return outs[-1].token_ids
+
+    calls.clear()
+    ids = asyncio.run(run())
+    assert 47 not in ids and ids[:2] == PLAIN[:2] and calls == [["K"]]
