@@ -1,7 +1,9 @@
 """vLLM's request fields as the gateway takes them (vllm/entrypoints/openai/protocol.py,
-serving_engine.py): allowed_token_ids, bad_words and prompt_logprobs reach the workers'
-SamplingParams on both endpoints and the gRPC wire, prompt logprobs come back in vLLM's
-shape, logit_bias is clamped, the context-length 400s; bad values get vLLM's 400s."""
+serving_engine.py, vllm/sampling_params.py): allowed_token_ids, bad_words and
+prompt_logprobs reach the workers' SamplingParams on both endpoints and the gRPC wire,
+prompt logprobs come back in vLLM's shape (chat `echo` asks for them), logit_bias is
+clamped, token ids outside the model's vocabulary and the context length get vLLM's
+400s, as do other bad values."""
 
 from __future__ import annotations
 
