@@ -179,6 +179,7 @@ class AsyncLLM:
             # per schema); validate below then finds it cached, or raises its error.
             with contextlib.suppress(ValueError):
                 await asyncio.to_thread(self.engine.structured.compile, params.structured)
+        params = replace(params)  # the engine's own, validated once (bad words tokenized)
         self.engine.validate(prompt_token_ids, params, resume_token_ids)
         handoff = self.handoff if kv_params is not None else None
         q: asyncio.Queue[_Item] = asyncio.Queue()
@@ -186,7 +187,7 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._cmds.put(_Add(request_id, list(prompt_token_ids), replace(params), cache_salt,
+        self._cmds.put(_Add(request_id, list(prompt_token_ids), params, cache_salt,
                             priority, remote=handoff is not None, hold_kv=hold_kv,
                             resume=list(resume_token_ids), tenant=tenant,
                             labels=dict(labels or {}), client_id=client_id))

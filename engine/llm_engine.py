@@ -107,7 +107,9 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  resume_token_ids: Sequence[int] = ()) -> None:
-        """Raises RequestError if the request cannot run on this engine."""
+        """Raises RequestError if the request cannot run on this engine. Sets
+        `params.bad_words_token_ids` where unset, so a request's bad words are tokenized
+        once however often it is validated."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -120,7 +122,9 @@ class LLMEngine:
                                f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
-            bad_word_ids(self.tokenizer, params.bad_words)  # each must have tokens
+            if params.bad_words_token_ids is None:
+                params.bad_words_token_ids = bad_word_ids(self.tokenizer, params.bad_words,
+                                                          vocab)
             if params.structured is not None:  # compiled (and cached) before any work
                 self.structured.compile(params.structured)
         except ValueError as e:
@@ -146,7 +150,7 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params,
                       extra_key=make_extra_key(self.model_id, cache_salt),
                       eos_token_ids=self.eos_token_ids,
-                      bad_words_token_ids=bad_word_ids(self.tokenizer, params.bad_words),
+                      bad_words_token_ids=params.bad_words_token_ids or [],
                       priority=priority, hold_kv=hold_kv, tenant=tenant,
                       labels=dict(labels or {}), client_id=client_id)
         if params.structured is not None:

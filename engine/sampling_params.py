@@ -90,12 +90,17 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
-    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
+    # Added to the raw logits; each bias is clamped to [-100, 100] (vLLM's).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were sampled
     # vLLM's: only these ids are drawn (None: any); no bad word's tokens complete it
     # (engine/token_masks.py).
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
+    # `bad_words` as token sequences, set once per request by LLMEngine.validate (vLLM's
+    # update_from_tokenizer); a copy made with dataclasses.replace starts without them.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False,
+                                                        repr=False, compare=False)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:
@@ -110,7 +115,10 @@ class SamplingParams:
             self.seed = None
         elif isinstance(self.seed, int) and -2**63 <= self.seed < 0:
             self.seed += 2**63
-        self.logit_bias = dict(self.logit_bias or {})
+        # vLLM's SamplingParams.from_optional: each bias clamped to [-100, 100]; what is
+        # no number (NaN included) stays for validate() to refuse.
+        self.logit_bias = {t: min(100.0, max(-100.0, float(b))) if _is_number(b) else b
+                           for t, b in (self.logit_bias or {}).items()}
         self.bad_words = list(dict.fromkeys(self.bad_words or []))
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
@@ -162,17 +170,23 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens!r}")
-        for t, bias in self.logit_bias.items():
-            if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"logit_bias holds {t!r}, not a token id of this model")
-            if not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        # vLLM's SamplingParams.verify: ids index the logits, so each must be below the
+        # model's vocabulary size.
+        if not all(_is_int(t) for t in self.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)}")
+        outside = [t for t in self.logit_bias if not _in_vocab(t, vocab_size)]
+        if outside:
+            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token "
+                             f"ids. Vocabulary size: {vocab_size}")
+        for bias in self.logit_bias.values():
+            if not _is_number(bias):
+                raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed:
                 raise ValueError("allowed_token_ids is not allowed to be empty")
-            if not all(isinstance(t, int) and 0 <= t < (vocab_size or 2**31) for t in allowed):
-                raise ValueError("allowed_token_ids contains out-of-vocab token id")
+            if not all(_is_int(t) and _in_vocab(t, vocab_size) for t in allowed):
+                raise ValueError("allowed_token_ids contains out-of-vocab token id!")
         if not all(isinstance(w, str) and w for w in self.bad_words):
             raise ValueError("bad_words cannot contain an empty string")
         for s in self.stop:
@@ -186,3 +200,16 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"{self.output_kind!r}")
+
+
+def _is_int(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == v  # not NaN
+
+
+def _in_vocab(t: int, vocab_size: int | None) -> bool:
+    """`vocab_size` None: any id a logits row could have (int32)."""
+    return 0 <= t < (2**31 if vocab_size is None else vocab_size)

@@ -136,10 +136,12 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
-def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str],
+                 vocab_size: int) -> list[list[int]]:
     """Each word's token ids as it starts the text and, when that is a different word
-    of as many tokens, after a space (vLLM's rule). Raises ValueError for a word that
-    tokenizes to nothing."""
+    of as many tokens, after a space (vLLM's SamplingParams.update_from_tokenizer).
+    Raises ValueError for a word that tokenizes to nothing or to an id outside the
+    model's `vocab_size` (a tokenizer may know more tokens than the model draws)."""
     out: list[list[int]] = []
     for word in words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -150,4 +152,9 @@ def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
+    outside = [t for ids in out for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise ValueError(f"The model vocabulary size is {vocab_size}, but the following tokens "
+                         f"were specified as bad: {outside}. All token id values should be "
+                         f"integers satisfying: 0 <= token_id <= {vocab_size - 1}.")
     return out

@@ -230,7 +230,7 @@ class Choices:
                 if not self.b.chat:
                     out[-1]["prompt_token_ids"] = self.inps[i // self.n].prompt_token_ids
         full = self.b.full_choices(out, *self.usage())
-        if self.b.chat and self.inps[0].params.prompt_logprobs is not None:
+        if self.b.chat:  # vLLM's ChatCompletionResponse: null when not asked for
             full["prompt_logprobs"] = self._prompt_logprobs(0)
         if self.inps[0].return_token_ids and self.b.chat:
             full["prompt_token_ids"] = self.inps[0].prompt_token_ids

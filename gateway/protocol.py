@@ -181,7 +181,7 @@ def finish_input(ctx: ModelContext, model: str, ids: list[int], params: Sampling
         params.max_tokens = max(1, min(params.max_tokens, int(cap)))
     try:
         params.validate(ctx.vocab_size)
-        bad_word_ids(ctx.tokenizer, params.bad_words)  # each must have tokens
+        bad_word_ids(ctx.tokenizer, params.bad_words, ctx.vocab_size)
     except ValueError as e:
         raise InvalidRequest(str(e)) from e
     return GenerateInput(model=model, prompt_token_ids=ids, params=params, **kw)

@@ -42,8 +42,8 @@ def _count(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
-    """OpenAI's {"token id": bias} (keys are strings in JSON), each bias clamped to
-    [-100, 100] as vLLM's SamplingParams.from_optional does."""
+    """OpenAI's {"token id": bias} (keys are strings in JSON); SamplingParams clamps each
+    bias to [-100, 100], as vLLM's SamplingParams.from_optional does."""
     out = {}
     for k, v in (get_field(body, "logit_bias", dict, None) or {}).items():
         try:
@@ -54,7 +54,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         if isinstance(v, bool) or not isinstance(v, int | float) or v != v:
             raise InvalidRequest(f"`logit_bias` values must be numbers, got {v!r}",
                                  "logit_bias")
-        out[tok] = min(100.0, max(-100.0, float(v)))
+        out[tok] = float(v)
     return out
 
 
@@ -94,21 +94,24 @@ def _classic(body: dict[str, Any], chat: bool) -> dict[str, Any]:
         raise InvalidRequest(f"`best_of` must be at least `n` ({n}), got {best_of}", "best_of")
     if best_of is not None and best_of > (n or 1) and body.get("stream"):
         raise InvalidRequest("`best_of` cannot be used with `stream`", "best_of")
+    top = 0
     if chat:
-        top = _count(body, "top_logprobs", 0, MAX_LOGPROBS)
+        top = _count(body, "top_logprobs", 0, MAX_LOGPROBS) or 0
         if not get_field(body, "logprobs", bool, False):
             if top:
                 raise InvalidRequest("`top_logprobs` needs `logprobs` set to true",
                                      "top_logprobs")
             logprobs = None
         else:
-            logprobs = top or 0
+            logprobs = top
     else:
         logprobs = _count(body, "logprobs", 0, MAX_LOGPROBS)
     min_tokens = _count(body, "min_tokens", 0, 2**31 - 1) or 0
     prompt_logprobs = _prompt_logprobs(body)
-    if prompt_logprobs is None and not chat and get_field(body, "echo", bool, False):
-        prompt_logprobs = logprobs  # vLLM's to_sampling_params: echo shows them
+    if prompt_logprobs is None and get_field(body, "echo", bool, False):
+        # vLLM's to_sampling_params: echo asks for the prompt's logprobs, completions'
+        # with its `logprobs` (none without), chat's with `top_logprobs` (0 unset).
+        prompt_logprobs = top if chat else logprobs
     return {"n": n or 1, "best_of": best_of, "logprobs": logprobs,
             "prompt_logprobs": prompt_logprobs,
             "presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),

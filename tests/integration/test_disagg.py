@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -257,6 +258,49 @@ def test_samples_logprobs_and_echo_through_remote_prefill(tcp_cluster, offline) 
                                                     o.prompt_token_ids[1:], strict=True)]
         assert ranks == [getattr(lp, "rank", None) for lp in o.prompt_logprobs]
     assert metric(metrics, "splitserve:remote_prefill_total", outcome="ok") == remote + 3
+    wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
+
+
+def test_token_masks_through_remote_prefill(tcp_cluster, offline) -> None:
+    """allowed_token_ids and bad_words hold on both sides of the hand-off: the prefill
+    worker draws the first token of every sample under them, the decode worker the rest
+    (n = 3 seeded samples forked there), so the outputs are the offline engine's."""
+    from engine.tokenizer import bad_word_ids
+    from tests.integration.serving_util import call_http
+
+    cluster = tcp_cluster
+    port, model = cluster.http_port, os.path.basename(cluster.spec.model_dir)
+    metrics = decode_metrics(cluster)
+    remote = metric(metrics, "splitserve:remote_prefill_total", outcome="ok")
+    prompt = [(23 * j) % 470 + 9 for j in range(40)]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+
+    def complete(extra: dict[str, Any]) -> list[list[int]]:
+        status, r, _ = call_http(port, "POST", "/v1/completions", body | extra)
+        assert status == 200, (r, logs(cluster))
+        return [c["token_ids"] for c in r["choices"]]
+
+    plain = complete({})[0]
+    # The first token (the prefill's) is not allowed: it must come from the allowed ids.
+    allowed = sorted({plain[1], plain[2], 7, 11} - {plain[0]})
+    got = complete({"allowed_token_ids": allowed})[0]
+    ref = offline.generate([prompt], replace(greedy, allowed_token_ids=allowed))[0]
+    assert got == ref.token_ids and set(got) <= set(allowed) and got[0] != plain[0]
+    sampled = {"temperature": 1.0, "seed": 5, "n": 3}
+    free = complete(sampled)
+    tok = offline.tokenizer
+    vocab = offline.engine.model_config.vocab_size
+    # A one-token word that a sample drew first, on the prefill worker.
+    word, first = next((tok.decode([s[0]]), s[0]) for s in free
+                       if [s[0]] in bad_word_ids(tok, [tok.decode([s[0]])], vocab))
+    got_n = complete(sampled | {"bad_words": [word]})
+    ref_n = offline.generate([prompt], replace(greedy, temperature=1.0, seed=5, n=3,
+                                               bad_words=[word]))
+    assert got_n == [o.token_ids for o in ref_n] != free, logs(cluster)
+    assert not any(first in ids for ids in got_n)
+    assert metric(metrics, "splitserve:remote_prefill_total", outcome="ok") == remote + 4
     wait_for(lambda: all_blocks_free(cluster), 10, "every block free on both workers")
 
 

@@ -1,10 +1,12 @@
 """vLLM's sampling fields end to end on the shared cluster (conftest.py), against the
-offline engine: allowed_token_ids, bad_words, prompt_logprobs (vLLM's shape, ranks
-included) and min_tokens holding EOS back under ignore_eos."""
+offline engine: allowed_token_ids, bad_words (n samples too), prompt_logprobs (vLLM's
+shape, ranks included; chat `echo` asks for them) and min_tokens holding EOS back under
+ignore_eos."""
 
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import bad_word_ids
 from tests.integration.serving_util import call_http
 
 PROMPT = "The quick brown fox jumps over"
@@ -38,6 +40,24 @@ def test_allowed_token_ids_and_bad_words(cluster, model, offline) -> None:
     assert status == 400 and r["error"]["param"] is None and "empty" in r["error"]["message"]
 
 
+def test_bad_words_hold_for_every_sample(cluster, model, offline) -> None:
+    """n seeded samples with a bad word: no sample draws it, each is the offline
+    engine's (the samples fork from one prefill, each masked on its own output)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0,
+            "seed": 9, "n": 3, "ignore_eos": True, "return_token_ids": True}
+    free = [c["token_ids"] for c in _completion(cluster.http_port, body)["choices"]]
+    tok, vocab = offline.tokenizer, offline.engine.model_config.vocab_size
+    # A one-token word that one of the samples drew.
+    word, barred = next((tok.decode([t]), t) for s in free for t in s
+                        if [t] in bad_word_ids(tok, [tok.decode([t])], vocab))
+    got = [c["token_ids"] for c in _completion(cluster.http_port,
+                                               body | {"bad_words": [word]})["choices"]]
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=3,
+                                                  ignore_eos=True, bad_words=[word]))
+    assert got == [o.token_ids for o in ref] != free
+    assert not any(barred in ids for ids in got)
+
+
 def test_prompt_logprobs(cluster, model, offline) -> None:
     r = _completion(cluster.http_port, {"model": model, "prompt": PROMPT, "max_tokens": 2,
                                         "temperature": 0, "prompt_logprobs": 2})
@@ -57,6 +77,12 @@ def test_prompt_logprobs(cluster, model, offline) -> None:
         "model": model, "messages": MSGS, "max_tokens": 2, "prompt_logprobs": 0})
     assert status == 200 and r["prompt_logprobs"][0] is None
     assert all(len(e) == 1 and list(e.values())[0]["rank"] >= 1 for e in r["prompt_logprobs"][1:])
+    chat = {"model": model, "messages": MSGS, "max_tokens": 2}
+    status, echoed, _ = call_http(cluster.http_port, "POST", "/v1/chat/completions",
+                                  chat | {"echo": True})
+    assert status == 200 and echoed["prompt_logprobs"] == r["prompt_logprobs"]
+    status, r, _ = call_http(cluster.http_port, "POST", "/v1/chat/completions", chat)
+    assert status == 200 and r["prompt_logprobs"] is None
 
 
 def test_min_tokens_holds_eos_back_under_ignore_eos(cluster, model, offline) -> None:

@@ -57,3 +57,62 @@ def test_bad_words(llm: LLM) -> None:
     assert llm.generate(PROMPT, replace(BASE, bad_words=["uar"]))[0].token_ids == PLAIN
     with pytest.raises(RequestError, match="bad_words"):
         llm.engine.validate(PROMPT, replace(BASE, bad_words=[""]))
+
+
+def test_ids_outside_the_models_vocabulary_are_refused() -> None:
+    """A tokenizer may know tokens the model never draws (here 512 against a vocabulary of
+    400): a bad word that tokenizes to one of them, an allowed id or a logit_bias key at
+    or above the vocabulary size is a RequestError before the request runs (vLLM's
+    SamplingParams.verify and update_from_tokenizer), never an index into the logits."""
+    small = LLM(tiny_model_dir("llama", vocab_pad=-112), block_size=4, num_blocks=64)
+    eng = small.engine
+    assert eng.model_config.vocab_size == 400 < eng.tokenizer.vocab_size
+    assert eng.tokenizer.encode("fox", add_special_tokens=False) == [74, 474]
+    for params, words in ((replace(BASE, bad_words=["fox"]), "specified as bad: \\[474"),
+                          (replace(BASE, allowed_token_ids=[5, 400]), "out-of-vocab"),
+                          (replace(BASE, logit_bias={400: 1.0}), "Vocabulary size: 400")):
+        with pytest.raises(RequestError, match=words):
+            eng.add_request("x", PROMPT, params)
+    out = small.generate(PROMPT, replace(BASE, bad_words=["the"], allowed_token_ids=[5, 399],
+                                         logit_bias={399: 1.0}))[0]
+    assert out.finish_reason == "length" and set(out.token_ids) <= {5, 399}
+    eng.check_integrity()
+
+
+def test_bad_words_are_tokenized_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validated when it arrives and again as it starts, a request's bad words become
+    token ids once (vLLM's update_from_tokenizer, in process_inputs), offline and
+    through AsyncLLM; a copy of the params (dataclasses.replace) is tokenized anew."""
+    import asyncio
+
+    import engine.llm_engine
+    from engine.async_llm import AsyncLLM
+    from engine.llm import make_engine_config
+    from engine.tokenizer import bad_word_ids
+
+    calls: list[list[str]] = []
+
+    def counting(tok, words, vocab):  # type: ignore[no-untyped-def]
+        calls.append(list(words))
+        return bad_word_ids(tok, words, vocab)
+
+    monkeypatch.setattr(engine.llm_engine, "bad_word_ids", counting)
+    params = replace(BASE, bad_words=["arar"])
+    llm = LLM(tiny_model_dir("llama"), block_size=4, num_blocks=64)
+    out = llm.generate(PROMPT, params)[0]
+    assert out.token_ids[:3] == [302, 215, 47] and calls == [["arar"]]
+    llm.generate(PROMPT, replace(params, bad_words=["K"]))
+    assert calls == [["arar"], ["K"]]
+
+    async def run() -> list[int]:
+        alm = AsyncLLM(make_engine_config(tiny_model_dir("llama"), block_size=4,
+                                          num_blocks=64))
+        try:
+            outs = [o async for o in alm.generate("a", PROMPT, replace(BASE, bad_words=["K"]))]
+        finally:
+            alm.shutdown()
+        return outs[-1].token_ids
+
+    calls.clear()
+    ids = asyncio.run(run())
+    assert 47 not in ids and ids[:2] == PLAIN[:2] and calls == [["K"]]

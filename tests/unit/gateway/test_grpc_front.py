@@ -60,3 +60,23 @@ def test_no_keys_configured_leaves_the_door_open() -> None:
     codes = asyncio.run(_codes(workerless_gateway(), [
         (OK, None), (OK, "Bearer anything"), (BAD, None)]))
     assert codes == [grpc.StatusCode.UNAVAILABLE] * 2 + [grpc.StatusCode.INVALID_ARGUMENT]
+
+
+def test_ids_outside_the_vocabulary_are_invalid_argument() -> None:
+    """vLLM's 400s for allowed_token_ids and logit_bias keys outside the model's
+    vocabulary are INVALID_ARGUMENT on gRPC, before any routing; a bias beyond
+    [-100, 100] is clamped, as on HTTP."""
+    gw = workerless_gateway()
+    vocab = gw.ctx.vocab_size
+
+    def req(**sampling: object) -> pb.GenerateRequest:
+        return pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(
+            max_tokens=2, **sampling))
+
+    codes = asyncio.run(_codes(gw, [
+        (req(allowed_token_ids=[5, vocab]), None), (req(allowed_token_ids=[-1]), None),
+        (req(logit_bias={vocab: 1.0}), None),
+        (req(allowed_token_ids=[5, vocab - 1], logit_bias={vocab - 1: 1.0}), None),
+        (req(logit_bias={5: 1e9, 6: float("-inf")}), None),  # clamped to +-100, as HTTP
+    ]))
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.UNAVAILABLE] * 2

@@ -1,7 +1,9 @@
 """vLLM's request fields as the gateway takes them (vllm/entrypoints/openai/protocol.py,
-serving_engine.py): allowed_token_ids, bad_words and prompt_logprobs reach the workers'
-SamplingParams on both endpoints and the gRPC wire, prompt logprobs come back in vLLM's
-shape, logit_bias is clamped, the context-length 400s; bad values get vLLM's 400s."""
+serving_engine.py, vllm/sampling_params.py): allowed_token_ids, bad_words and
+prompt_logprobs reach the workers' SamplingParams on both endpoints and the gRPC wire,
+prompt logprobs come back in vLLM's shape (chat `echo` asks for them), logit_bias is
+clamped, token ids outside the model's vocabulary and the context length get vLLM's
+400s, as do other bad values."""
 
 from __future__ import annotations
 
@@ -54,13 +56,43 @@ def test_bad_values_are_400(ctx: ModelContext, extra: dict[str, Any], words: str
             parse()
 
 
+def test_ids_outside_the_models_vocabulary_are_400() -> None:
+    """vLLM's SamplingParams.verify and update_from_tokenizer: allowed_token_ids and
+    logit_bias keys index the logits, so each must be below the model's vocabulary size,
+    and so must every token of a bad word. Here the tokenizer knows 512 tokens and the
+    model draws 400: "fox" tokenizes to [74, 474]."""
+    small = ModelContext(tiny_model_dir("llama", vocab_pad=-112), "tiny")
+    assert small.vocab_size == 400 < small.tokenizer.vocab_size
+    for p in _both(small, {"allowed_token_ids": [5, 399], "logit_bias": {"399": 1},
+                           "bad_words": ["the"]}):
+        assert p.allowed_token_ids == [5, 399] and p.logit_bias == {399: 1.0}
+    for extra, words in (
+            ({"allowed_token_ids": [5, 400]}, "allowed_token_ids contains out-of-vocab"),
+            ({"logit_bias": {"400": 1}}, r"token_id\(s\) \[400\] in logit_bias contain "
+                                         "out-of-vocab token ids. Vocabulary size: 400"),
+            ({"bad_words": ["fox"]}, r"The model vocabulary size is 400, but the following "
+                                     r"tokens were specified as bad: \[474, 474\]")):
+        with pytest.raises(InvalidRequest, match=words):
+            parse_completion({"prompt": "hi"} | extra, small)
+        with pytest.raises(InvalidRequest, match=words):
+            parse_chat({"messages": MSGS} | extra, small)
+
+
 def test_logit_bias_is_clamped_to_100(ctx: ModelContext) -> None:
-    """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100] (the OpenAI
-    range) rather than refusing it; a key that is no token id is still a 400."""
+    """vLLM's SamplingParams.from_optional clamps each bias to [-100, 100], the OpenAI
+    range; a key that is no token id, or a bias that is no number, is a 400. The clamp
+    is SamplingParams' own, so a gRPC request's biases mean what an HTTP request's do."""
     for p in _both(ctx, {"logit_bias": {"47": 150, "5": -1e9, "6": 2.5}}):
         assert p.logit_bias == {47: 100.0, 5: -100.0, 6: 2.5}
-    with pytest.raises(InvalidRequest, match="logit_bias"):
-        parse_completion({"prompt": "hi", "logit_bias": {"x": 1}}, ctx)
+    for bias in ({"x": 1}, {"5": "high"}, {"5": float("nan")}):
+        with pytest.raises(InvalidRequest, match="logit_bias"):
+            parse_completion({"prompt": "hi", "logit_bias": bias}, ctx)
+    wire = pb.SamplingParams(logit_bias={47: 150.0, 5: float("-inf"), 6: 2.5})
+    p = sampling_from_proto(wire)
+    assert p.logit_bias == {47: 100.0, 5: -100.0, 6: 2.5}
+    p.validate(ctx.vocab_size)
+    with pytest.raises(ValueError, match="logit_bias values must be numbers"):
+        sampling_from_proto(pb.SamplingParams(logit_bias={5: float("nan")})).validate()
 
 
 def test_a_prompt_longer_than_the_context(ctx: ModelContext) -> None:
@@ -162,6 +194,43 @@ def test_chat_echo(ctx: ModelContext) -> None:
         chunks = choices.echo_chunks()
         assert [c["choices"][0]["delta"] for c in chunks] == \
             ([{"content": echoed}] if echoed else [])
+
+
+def test_chat_echo_asks_for_the_prompts_logprobs(ctx: ModelContext) -> None:
+    """vLLM's ChatCompletionRequest.to_sampling_params: with `echo` and no
+    prompt_logprobs, the prompt's logprobs are asked for with top_logprobs (0 when
+    unset); an explicit prompt_logprobs wins. The chat response always carries
+    `prompt_logprobs` (ChatCompletionResponse's field), null when none were asked for."""
+    def params(extra: dict[str, Any]) -> Any:
+        return parse_chat({"messages": MSGS} | extra, ctx).params
+
+    assert params({"echo": True}).prompt_logprobs == 0
+    assert params({"echo": True, "stream": True}).prompt_logprobs == 0
+    echoed = params({"echo": True, "logprobs": True, "top_logprobs": 3})
+    assert (echoed.prompt_logprobs, echoed.logprobs) == (3, 3)
+    assert params({"echo": True, "logprobs": True, "top_logprobs": 3,
+                   "prompt_logprobs": 1}).prompt_logprobs == 1
+    assert params({"logprobs": True, "top_logprobs": 3}).prompt_logprobs is None
+    for body, asked in (({"echo": True, "add_generation_prompt": False}, True), ({}, False)):
+        inp = parse_chat({"messages": MSGS} | body, ctx)
+        ids = inp.prompt_token_ids
+        plp = [pb.TokenLogprob(token_id=t, logprob=-1.0, rank=2) for t in ids[1:]]
+        choices = Choices([inp], ResponseBuilder("tiny", chat=True),
+                          lambda t: ctx.tokenizer.decode(t, False))
+        choices.add(0, pb.WorkerGenerateResponse(token_ids=[5], text=" x", num_output_tokens=1,
+                                                 finish_reason="length",
+                                                 prompt_logprobs=plp if asked else []))
+        full = choices.full()
+        assert "prompt_logprobs" in full
+        if not asked:
+            assert full["prompt_logprobs"] is None
+            continue
+        assert full["choices"][0]["message"]["content"] == "hi x"
+        got = full["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        assert [list(e) for e in got[1:]] == [[str(t)] for t in ids[1:]]  # no top tokens
+        assert all(e[str(t)]["logprob"] == -1.0 and e[str(t)]["rank"] == 2
+                   for e, t in zip(got[1:], ids[1:], strict=True))
 
 
 def test_any_int64_seed(ctx: ModelContext) -> None:
