@@ -108,8 +108,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  resume_token_ids: Sequence[int] = ()) -> None:
         """Raises RequestError if the request cannot run on this engine. Sets
-        `params.bad_words_token_ids` where unset, so a request's bad words are tokenized
-        once however often it is validated."""
+        `params.bad_words_token_ids` unless set for these words and this vocabulary, so
+        a request's bad words are tokenized once however often it is validated."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -122,9 +122,11 @@ class LLMEngine:
                                f"generate under max_tokens={params.max_tokens}")
         try:
             params.validate(vocab)
-            if params.bad_words_token_ids is None:
+            key = (tuple(params.bad_words), vocab)
+            if params.bad_words_key != key:
                 params.bad_words_token_ids = bad_word_ids(self.tokenizer, params.bad_words,
                                                           vocab)
+                params.bad_words_key = key
             if params.structured is not None:  # compiled (and cached) before any work
                 self.structured.compile(params.structured)
         except ValueError as e:

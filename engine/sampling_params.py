@@ -98,9 +98,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     # `bad_words` as token sequences, set once per request by LLMEngine.validate (vLLM's
-    # update_from_tokenizer); a copy made with dataclasses.replace starts without them.
+    # update_from_tokenizer) for the words and vocabulary size in `bad_words_key`: params
+    # whose words changed, or met another model, are tokenized again. A copy made with
+    # dataclasses.replace starts without them.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False,
                                                         repr=False, compare=False)
+    bad_words_key: tuple[tuple[str, ...], int] | None = field(default=None, init=False,
+                                                              repr=False, compare=False)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what outputs carry
 
     def __post_init__(self) -> None:
@@ -181,6 +185,8 @@ class SamplingParams:
         for bias in self.logit_bias.values():
             if not _is_number(bias):
                 raise ValueError(f"logit_bias values must be numbers, got {bias!r}")
+            if not -100.0 <= bias <= 100.0:  # set after construction, past its clamp
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
         allowed = self.allowed_token_ids
         if allowed is not None:
             if not allowed:

@@ -103,6 +103,21 @@ def tiny_model_dir(arch: str = "llama", *, dtype: str = "float32", tie: bool = F
     return out
 
 
+def one_token_word(tokenizer: Any, token_ids: list[int], vocab_size: int) -> tuple[str, int]:
+    """The first of `token_ids` whose text, as a bad word, is that one token again:
+    (its text, its id). Whitespace-only and byte-fallback tokens are passed over."""
+    from engine.tokenizer import bad_word_ids
+
+    for t in token_ids:
+        word = tokenizer.decode([t])
+        try:
+            if bad_word_ids(tokenizer, [word], vocab_size) == [[t]]:
+                return word, t
+        except ValueError:  # the text tokenizes to nothing
+            continue
+    raise AssertionError(f"no one-token word among {token_ids}")
+
+
 def hf_model(model_dir: str) -> Any:
     import torch
     import transformers as tf

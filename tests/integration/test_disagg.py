@@ -27,7 +27,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
-from tests.factories import hf_greedy, hf_model, tiny_model_dir
+from tests.factories import hf_greedy, hf_model, one_token_word, tiny_model_dir
 from tests.integration.disagg_util import (
     NUM_BLOCKS,
     all_blocks_free,
@@ -265,7 +265,6 @@ def test_token_masks_through_remote_prefill(tcp_cluster, offline) -> None:
     """allowed_token_ids and bad_words hold on both sides of the hand-off: the prefill
     worker draws the first token of every sample under them, the decode worker the rest
     (n = 3 seeded samples forked there), so the outputs are the offline engine's."""
-    from engine.tokenizer import bad_word_ids
     from tests.integration.serving_util import call_http
 
     cluster = tcp_cluster
@@ -293,8 +292,7 @@ def test_token_masks_through_remote_prefill(tcp_cluster, offline) -> None:
     tok = offline.tokenizer
     vocab = offline.engine.model_config.vocab_size
     # A one-token word that a sample drew first, on the prefill worker.
-    word, first = next((tok.decode([s[0]]), s[0]) for s in free
-                       if [s[0]] in bad_word_ids(tok, [tok.decode([s[0]])], vocab))
+    word, first = one_token_word(tok, [s[0] for s in free], vocab)
     got_n = complete(sampled | {"bad_words": [word]})
     ref_n = offline.generate([prompt], replace(greedy, temperature=1.0, seed=5, n=3,
                                                bad_words=[word]))

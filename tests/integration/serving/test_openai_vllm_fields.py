@@ -6,7 +6,7 @@ ignore_eos."""
 from __future__ import annotations
 
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import bad_word_ids
+from tests.factories import one_token_word
 from tests.integration.serving_util import call_http
 
 PROMPT = "The quick brown fox jumps over"
@@ -48,8 +48,7 @@ def test_bad_words_hold_for_every_sample(cluster, model, offline) -> None:
     free = [c["token_ids"] for c in _completion(cluster.http_port, body)["choices"]]
     tok, vocab = offline.tokenizer, offline.engine.model_config.vocab_size
     # A one-token word that one of the samples drew.
-    word, barred = next((tok.decode([t]), t) for s in free for t in s
-                        if [t] in bad_word_ids(tok, [tok.decode([t])], vocab))
+    word, barred = one_token_word(tok, [t for s in free for t in s], vocab)
     got = [c["token_ids"] for c in _completion(cluster.http_port,
                                                body | {"bad_words": [word]})["choices"]]
     ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=9, n=3,

@@ -126,3 +126,15 @@ def test_model_dir_errors(tmp_path):
     os.symlink(os.path.join(src, "model.safetensors"), tmp_path / "model.safetensors")
     with pytest.raises(ModelDirError, match="missing"):
         LLM(str(tmp_path))
+
+
+def test_logit_bias_past_its_range_after_construction_is_refused():
+    """Construction clamps each bias to [-100, 100] (vLLM's from_optional); one set on the
+    params afterwards is checked when they are validated, so an infinite bias never
+    reaches a softmax."""
+    params = SamplingParams(logit_bias={5: 1e9})
+    assert params.logit_bias == {5: 100.0}
+    params.validate(512)
+    params.logit_bias = {5: float("inf")}
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        params.validate(512)

@@ -103,6 +103,11 @@ def test_bad_words_are_tokenized_once_per_request(monkeypatch: pytest.MonkeyPatc
     assert out.token_ids[:3] == [302, 215, 47] and calls == [["arar"]]
     llm.generate(PROMPT, replace(params, bad_words=["K"]))
     assert calls == [["arar"], ["K"]]
+    # params whose words changed after validation are tokenized again, never barred
+    # by the old words' ids
+    params.bad_words = ["K"]
+    llm.engine.validate(PROMPT, params)
+    assert calls[-1] == ["K"] and params.bad_words_token_ids == [[47]]
 
     async def run() -> list[int]:
         alm = AsyncLLM(make_engine_config(tiny_model_dir("llama"), block_size=4,

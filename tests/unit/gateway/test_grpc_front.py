@@ -77,6 +77,6 @@ def test_ids_outside_the_vocabulary_are_invalid_argument() -> None:
         (req(allowed_token_ids=[5, vocab]), None), (req(allowed_token_ids=[-1]), None),
         (req(logit_bias={vocab: 1.0}), None),
         (req(allowed_token_ids=[5, vocab - 1], logit_bias={vocab - 1: 1.0}), None),
-        (req(logit_bias={5: 1e9, 6: float("-inf")}), None),  # clamped to +-100, as HTTP
+        (req(logit_bias={5: 1e9, 6: float("-inf")}), None),  # not refused (clamped)
     ]))
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.UNAVAILABLE] * 2
