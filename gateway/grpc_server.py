@@ -78,7 +78,10 @@ class GenerateService(pb_grpc.GenerateServicer):
         if given and params.max_tokens <= 0:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if req.echo and params.prompt_logprobs is None:
-            params.prompt_logprobs = params.logprobs  # as HTTP: echo + logprobs
+            # as HTTP: completions echo with logprobs asks for the prompt's too; chat
+            # echo always does, top_logprobs of them (0: the chosen ids alone)
+            params.prompt_logprobs = (params.logprobs or 0) if which == "chat" \
+                else params.logprobs
         salt = req.cache_salt if req.HasField("cache_salt") else None
         text = (req.prompt if which == "prompt" else ctx.tokenizer.decode(ids, False)) \
             if req.echo else ""

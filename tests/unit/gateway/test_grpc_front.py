@@ -80,3 +80,18 @@ def test_ids_outside_the_vocabulary_are_invalid_argument() -> None:
         (req(logit_bias={5: 1e9, 6: float("-inf")}), None),  # not refused (clamped)
     ]))
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.UNAVAILABLE] * 2
+
+
+def test_echo_asks_for_the_prompts_logprobs_as_http() -> None:
+    """Chat echo asks for the prompt's logprobs always (top `logprobs` of them, 0 unset:
+    vLLM's ChatCompletionRequest.to_sampling_params); completion echo with logprobs."""
+    service = GenerateService(workerless_gateway())
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hello")])
+
+    def prompt_logprobs(**kw: object) -> int | None:
+        return service._input(pb.GenerateRequest(echo=True, **kw)).params.prompt_logprobs
+
+    assert prompt_logprobs(chat=chat) == 0
+    assert prompt_logprobs(chat=chat, sampling=pb.SamplingParams(logprobs=3)) == 3
+    assert prompt_logprobs(prompt="hello") is None
+    assert prompt_logprobs(prompt="hello", sampling=pb.SamplingParams(logprobs=2)) == 2
