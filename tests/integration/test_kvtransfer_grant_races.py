@@ -112,7 +112,7 @@ def test_a_revoked_grant_is_let_go_at_its_bound_while_pings_go_on(transport: str
             assert r.cancel("x", "client cancelled")
             await until(lambda: the_grant(r).timer is not None)
             bound = the_grant(r).timer.when()
-            assert bound >= before + BOUND
+            assert bound >= before + BOUND - 1e-6  # the same sum, up to rounding
             with pytest.raises(TransferCancelled):
                 await asyncio.wait_for(landed, BOUND + 2)
             assert bound - 1e-3 <= released[0] < bound + 1.5  # slack: a loaded box
@@ -350,7 +350,7 @@ def test_ucx_puts_past_their_copy_budget_stop_before_the_cells_are_reused() -> N
                 r.cancel("x")
                 await until(lambda: the_grant(r).timer is not None)
                 bound = the_grant(r).timer.when()
-                assert bound >= before + BOUND
+                assert bound >= before + BOUND - 1e-6  # the same sum, up to rounding
                 with pytest.raises(TransferTimeout):
                     await asyncio.wait_for(write, TTL + BUDGET + 2)
                 stopped = time.monotonic()
