@@ -94,10 +94,9 @@ class TransferTable:
         if generation <= self._fenced.get(xfer_id, -1):
             raise ValueError(f"generation {generation} of {xfer_id!r} was already fenced")
         rows = regions if isinstance(regions, np.ndarray) else rr.rows_of(regions, self.layout)
-        rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
         expected: dict[int, int] = {}
         # per group of rows covering the same cells of each block: dict operations in C
-        for key, blocks in rr.by_slice(rows):
+        for key, blocks in rr.checked_slices(rows, self.layout, self.num_blocks, self.tp):
             mask = slice_mask(self.layout, key)
             taken = next((b for b in blocks if b in self._owner), None) \
                 if not self._owner.keys().isdisjoint(blocks) else None
@@ -157,14 +156,14 @@ class TransferTable:
         if xfer is None:
             return False
         try:
-            rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
+            slices = rr.checked_slices(rows, self.layout, self.num_blocks, self.tp)
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
             return False
         if not len(rows):
             self.fail(xfer_id, ProtocolError(f"a write without regions for {xfer_id!r}"))
             return False
-        for key, blocks in rr.by_slice(rows):
+        for key, blocks in slices:
             if len(set(blocks)) < len(blocks) or \
                     not _claim(xfer, blocks, slice_mask(self.layout, key)):
                 self.fail(xfer_id, ProtocolError(
