@@ -18,8 +18,10 @@ import asyncio
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -92,10 +94,9 @@ class TransferTable:
         if generation <= self._fenced.get(xfer_id, -1):
             raise ValueError(f"generation {generation} of {xfer_id!r} was already fenced")
         rows = regions if isinstance(regions, np.ndarray) else rr.rows_of(regions, self.layout)
-        rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
         expected: dict[int, int] = {}
         # per group of rows covering the same cells of each block: dict operations in C
-        for key, blocks in rr.by_slice(rows):
+        for key, blocks in rr.checked_slices(rows, self.layout, self.num_blocks, self.tp):
             mask = slice_mask(self.layout, key)
             taken = next((b for b in blocks if b in self._owner), None) \
                 if not self._owner.keys().isdisjoint(blocks) else None
@@ -114,7 +115,7 @@ class TransferTable:
             raise ValueError("a transfer needs at least one region")
         loop = asyncio.get_running_loop()
         xfer = _Transfer(generation, loop.create_future(), expected,
-                         remaining=sum(m.bit_count() for m in expected.values()))
+                         remaining=sum(map(int.bit_count, expected.values())))
         xfer.timer = loop.call_later(lease_s, self._expire, xfer_id, generation, lease_s)
         self._live[xfer_id] = xfer
         self._owner.update(dict.fromkeys(expected, xfer_id))
@@ -155,14 +156,14 @@ class TransferTable:
         if xfer is None:
             return False
         try:
-            rr.check_rows(rows, self.layout, self.num_blocks, self.tp)
+            slices = rr.checked_slices(rows, self.layout, self.num_blocks, self.tp)
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
             return False
         if not len(rows):
             self.fail(xfer_id, ProtocolError(f"a write without regions for {xfer_id!r}"))
             return False
-        for key, blocks in rr.by_slice(rows):
+        for key, blocks in slices:
             if len(set(blocks)) < len(blocks) or \
                     not _claim(xfer, blocks, slice_mask(self.layout, key)):
                 self.fail(xfer_id, ProtocolError(
@@ -191,12 +192,17 @@ class TransferTable:
                      region.nbytes(self.layout))
 
     def landed_rows(self, xfer_id: str, rows: np.ndarray, bad: int | None = None,
-                    ends: bool = True) -> None:
+                    ends: bool = True, cells: int | None = None) -> None:
         """`rows` of the write `admit_rows` admitted landed; `bad`: the index of a row
         whose checksum did not match (-> IntegrityError naming it). `ends`: the write
-        is over (an in-place grant lands in parts: only its last part ends it)."""
+        is over (an in-place grant lands in parts: only its last part ends it).
+        `cells`: how many cells the rows cover, where the caller counted them."""
         where = None if bad is None else str(rr.to_regions(rows[bad:bad + 1], self.layout)[0])
-        self._landed(xfer_id, where, *rr.cells_and_bytes(rows, self.layout), ends=ends)
+        if cells is None:
+            cells, nbytes = rr.cells_and_bytes(rows, self.layout)
+        else:
+            nbytes = cells * self.layout.layer_bytes // self.layout.num_kv_heads
+        self._landed(xfer_id, where, cells, nbytes, ends=ends)
 
     def _landed(self, xfer_id: str, corrupt: str | None, cells: int, nbytes: int,
                 ends: bool = True) -> None:
@@ -285,8 +291,7 @@ class TransferTable:
 
     def _resolve(self, xfer_id: str, error: KVTransferError | None) -> None:
         xfer = self._live.pop(xfer_id)
-        for block in xfer.expected:
-            self._owner.pop(block, None)
+        deque(map(self._owner.pop, xfer.expected, repeat(None)), maxlen=0)  # a loop in C
         if xfer.timer is not None:
             xfer.timer.cancel()
         # (a caller may have cancelled the future, e.g. by a wait_for that timed out)

@@ -10,6 +10,8 @@ notice names them (what lands is what was granted, once). Torch-free.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from kvtransfer import region_rows as rr
@@ -30,8 +32,12 @@ COPY_BUDGET_S = 2.0
 
 def cells_of(rows: np.ndarray, layout: KVLayout) -> Cells | None:
     """The cells `rows` cover; None if two rows cover the same cell."""
+    return _cells_of(rr.by_slice(rows), layout)
+
+
+def _cells_of(slices: rr.Slices, layout: KVLayout) -> Cells | None:
     cells: Cells = {}
-    for key, blocks in rr.by_slice(rows):
+    for key, blocks in slices:
         mask = slice_mask(layout, key)
         if not cells and len(set(blocks)) == len(blocks):
             cells = dict.fromkeys(blocks, mask)
@@ -47,32 +53,41 @@ def cells_of(rows: np.ndarray, layout: KVLayout) -> Cells | None:
 def take(cells: Cells, rows: np.ndarray, layout: KVLayout) -> bool:
     """Takes the cells `rows` cover out of `cells` if every one of them is there (and
     no two rows cover the same one); False, leaving `cells` as it was, otherwise."""
-    groups = rr.by_slice(rows)
-    if len(groups) == 1:  # a chunk of whole blocks: one mask, dict operations in C
-        key, blocks = groups[0]
+    return take_slices(cells, rr.by_slice(rows), layout) is not None
+
+
+def take_slices(cells: Cells, slices: rr.Slices, layout: KVLayout) -> int | None:
+    """`take` of rows grouped by `by_slice` (or `checked_slices`): how many cells it
+    took, or None, leaving `cells` as it was."""
+    if len(slices) == 1:  # a chunk of whole blocks: one mask, dict operations in C
+        key, blocks = slices[0]
         mask = slice_mask(layout, key)
         try:
             have = list(map(cells.__getitem__, blocks))
         except KeyError:
-            return False
-        if len(set(blocks)) < len(blocks) or any(h & mask != mask for h in set(have)):
-            return False
-        for b, h in zip(blocks, have, strict=True):
-            if h == mask:
-                del cells[b]
-            else:
-                cells[b] = h & ~mask
-        return True
-    want = cells_of(rows, layout)
+            return None
+        kinds = set(have)
+        if len(set(blocks)) < len(blocks) or any(h & mask != mask for h in kinds):
+            return None
+        if kinds == {mask}:  # the blocks' last open cells (a grant of whole blocks)
+            deque(map(cells.__delitem__, blocks), maxlen=0)
+        else:
+            for b, h in zip(blocks, have, strict=True):
+                if h == mask:
+                    del cells[b]
+                else:
+                    cells[b] = h & ~mask
+        return mask.bit_count() * len(blocks)
+    want = _cells_of(slices, layout)
     if want is None or any(cells.get(b, 0) & m != m for b, m in want.items()):
-        return False
+        return None
     for b, m in want.items():
         left = cells[b] & ~m
         if left:
             cells[b] = left
         else:
             del cells[b]
-    return True
+    return sum(map(int.bit_count, want.values()))
 
 
 def add(cells: Cells, more: Cells) -> None:

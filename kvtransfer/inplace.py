@@ -6,7 +6,7 @@ transfer's cells before any write: the sender holds ONE revocable grant per tran
 asked for once, as soon as it knows the destination (`begin`: when the prefill call
 arrives, its round trip overlapped with the compute), and held until the transfer ends:
 
-    sender -> RESERVE {req, xfer, gen, regions}     every destination cell of the
+    sender -> RESERVE {req, xfer, gen} + regions    every destination cell of the
                                                     transfer (coalesced; in several
                                                     frames of one req if too many);
                                                     receiver admits (fence check), all
@@ -15,7 +15,7 @@ arrives, its round trip overlapped with the compute), and held until the transfe
     per chunk, no waiting:
     sender:   copies the chunk's regions (its cells taken out of the grant first:
               nowhere ungranted, nothing twice)
-    sender -> WRITTEN {req, regions, checksums}     receiver takes the same cells out of
+    sender -> WRITTEN {req, checksums} + regions    receiver takes the same cells out of
                                                     the grant, verifies, marks landed;
                                                     the last one ends the grant
     sender <- RESULT {xfer, gen, ok}                once the transfer resolved: to every
@@ -72,10 +72,10 @@ class InPlaceReceiver(ReceiverBase):
         self._grants: dict[tuple[int, int], _Grant] = {}  # (conn id, req) -> grant
         self._of_xfer: dict[str, set[tuple[int, int]]] = {}  # xfer id -> its grants
 
-    async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
+    async def _on_reserve(self, conn: Conn, msg: dict[str, Any], packed: bytes) -> None:
         xfer_id, gen, req = str(msg["xfer"]), int(msg["gen"]), int(msg["req"])
         try:
-            rows = rr.rows_from_wire(msg["regions"])
+            rows = rr.rows_from_wire(packed)
         except ValueError as e:
             raise ProtocolError(f"{self.name} RESERVE with malformed regions: {e}") from None
         grant = self._grants.get((conn.id, req))
@@ -112,7 +112,7 @@ class InPlaceReceiver(ReceiverBase):
         await self._send(conn, wire.pack_json(Frame.GRANT, {
             "req": req, "ok": False, "kind": kind, "message": message}))
 
-    async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
+    async def _on_written(self, conn: Conn, msg: dict[str, Any], packed: bytes) -> None:
         grant = self._grants.get((conn.id, int(msg["req"])))
         if grant is None or grant.revoked:
             # a copy that was in flight when its grant was revoked: its bytes landed in
@@ -122,18 +122,20 @@ class InPlaceReceiver(ReceiverBase):
                      grant.xfer_id if grant else "?")
             return
         try:
-            rows = rr.rows_from_wire(msg.get("regions"))
+            rows = rr.rows_from_wire(packed)
             checksums: list[int] = msg.get("checksums") or []
             if not len(rows):
                 raise ProtocolError("WRITTEN names no regions")
-            rr.check_rows(rows, self.table.layout, self.table.num_blocks, self.table.tp)
+            slices = rr.checked_slices(rows, self.table.layout, self.table.num_blocks,
+                                       self.table.tp)
             if checksums and len(checksums) != len(rows):
                 raise ProtocolError("WRITTEN carries a checksum per region or none")
         except (ValueError, ProtocolError) as e:
             self.table.fail(grant.xfer_id, e if isinstance(e, ProtocolError) else
                             ProtocolError(f"{grant.xfer_id}: WRITTEN: {e}"))
             raise ProtocolError(f"{self.name} malformed WRITTEN: {e}") from None
-        if not grants.take(grant.cells, rows, self.table.layout):
+        taken = grants.take_slices(grant.cells, slices, self.table.layout)
+        if taken is None:
             # bytes outside the grant or written twice: dropped, the transfer fails
             self.metrics.stale_dropped.inc()
             self.table.fail(grant.xfer_id, ProtocolError(
@@ -148,7 +150,7 @@ class InPlaceReceiver(ReceiverBase):
         ends = not grant.cells
         if ends:
             self._forget(grant)
-        self.table.landed_rows(grant.xfer_id, rows, bad, ends=ends)
+        self.table.landed_rows(grant.xfer_id, rows, bad, ends=ends, cells=taken)
 
     def _on_abort(self, xfer_id: str, writers: set[int]) -> None:
         for key in list(self._of_xfer.get(xfer_id, ())):

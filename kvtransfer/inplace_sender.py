@@ -28,7 +28,7 @@ from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
 
-# rows per RESERVE frame: 8192 rows pack into ~600 KB of base64, under `wire.MAX_META`
+# rows per RESERVE frame: 8192 rows pack into 448 KiB, under `wire.MAX_META`
 _RESERVE_ROWS = 8192
 
 
@@ -137,8 +137,8 @@ class InPlaceSender(SenderBase):
         asked = time.monotonic()
         try:
             await self._send_frame(peer, wire.pack_json(Frame.RESERVE, {
-                "req": held.req, "xfer": held.xfer_id, "gen": held.generation,
-                "regions": rr.pack_rows(rows)}))
+                "req": held.req, "xfer": held.xfer_id, "gen": held.generation},
+                rr.pack_rows(rows)))
             grant = await reply
         finally:
             peer.replies.pop(held.req, None)
@@ -172,8 +172,8 @@ class InPlaceSender(SenderBase):
         try:
             copied = await self._copy(peer, pairs, peer.vouched + held.ttl, ready)
             sums = None if not checksum else await self._checksums(pairs, ready)
-            notice = wire.pack_json(Frame.WRITTEN, {
-                "req": held.req, "regions": rr.pack_rows(rows), "checksums": sums})
+            notice = wire.pack_json(Frame.WRITTEN, {"req": held.req, "checksums": sums},
+                                    rr.pack_rows(rows))
             if copied is not None:
                 if not copied.query():
                     self._defer(peer, _Notice(copied, held, notice))

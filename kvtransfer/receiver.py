@@ -159,10 +159,12 @@ class ReceiverBase:
         lands it; the in-place transports refuse it, their bytes land in place."""
         raise ProtocolError(f"{self.name} bytes land in place; WRITE frames carry none")
 
-    async def _on_reserve(self, conn: Conn, msg: dict[str, Any]) -> None:
+    async def _on_reserve(self, conn: Conn, msg: dict[str, Any], rows: bytes) -> None:
+        """A RESERVE frame: its meta and its payload, the packed rows it asks for."""
         raise ProtocolError(f"{self.name} does not take RESERVE frames")
 
-    async def _on_written(self, conn: Conn, msg: dict[str, Any]) -> None:
+    async def _on_written(self, conn: Conn, msg: dict[str, Any], rows: bytes) -> None:
+        """A WRITTEN frame: its meta and its payload, the packed rows it landed."""
         raise ProtocolError(f"{self.name} does not take WRITTEN frames")
 
     def _on_revoked(self, conn: Conn, msg: dict[str, Any]) -> None:
@@ -268,9 +270,11 @@ class ReceiverBase:
                     self.table.fail(msg["xfer"], TransferCancelled(
                         f"{msg['xfer']}: cancelled by sender ({msg.get('reason', '')})"))
             elif kind is Frame.RESERVE:
-                await self._on_reserve(conn, json.loads(meta))
+                rows = await _read_rows(loop, conn, payload_len)
+                await self._on_reserve(conn, json.loads(meta), rows)
             elif kind is Frame.WRITTEN:
-                await self._on_written(conn, json.loads(meta))
+                rows = await _read_rows(loop, conn, payload_len)
+                await self._on_written(conn, json.loads(meta), rows)
             elif kind is Frame.REVOKED:
                 self._on_revoked(conn, json.loads(meta))
             else:
@@ -336,6 +340,16 @@ class ReceiverBase:
                     log.warning("sender %s silent for %.1fs; closing", conn.peer,
                                 now - conn.last_rx)
                     conn.task.cancel()
+
+
+async def _read_rows(loop: asyncio.AbstractEventLoop, conn: Conn, payload_len: int) -> bytes:
+    """A control frame's payload (packed rows), at most `wire.MAX_META` bytes."""
+    if payload_len > wire.MAX_META:
+        raise ProtocolError(f"a control frame payload of {payload_len} bytes is too large")
+    rows = bytearray(payload_len)
+    if payload_len:
+        await wire.recv_exact(loop, conn.sock, memoryview(rows))
+    return bytes(rows)
 
 
 def _result_frame(xfer_id: str, gen: int, error: KVTransferError | None) -> bytes:

@@ -14,9 +14,8 @@ tests hold them to that); torch-free, like `kvtransfer.layout`.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,10 @@ BLOCK, LAYER_START, LAYER_END, NUM_BLOCKS, RANK, HEAD_START, HEAD_END = range(7)
 SLICE = [LAYER_START, LAYER_END, RANK, HEAD_START, HEAD_END]
 # Up to this many rows, one Region at a time costs less than numpy's per-call overhead
 FEW = 8
+# rows grouped by the cells they cover in each block (`by_slice`): [(slice columns of a
+# row, every block id of the group's rows)]
+Slices = list[tuple[tuple[int, ...], list[int]]]
+Bounds = tuple[list[int], list[int]]  # each column's least and greatest value
 
 
 def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
@@ -36,14 +39,15 @@ def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
     flat = [(r.block_id, r.layer_start, layers if r.layer_end is None else r.layer_end,
              r.num_blocks, r.rank, r.head_start, heads if r.head_end is None else r.head_end)
             for r in regions]
-    return np.array(flat, dtype=np.int64).reshape(-1, 7)
+    # (numpy reads a flat iterator of ints faster than a list of tuples)
+    return np.fromiter(chain.from_iterable(flat), dtype=np.int64,
+                       count=7 * len(flat)).reshape(-1, 7)
 
 
-def pack_rows(rows: np.ndarray) -> str:
-    """`rows` as a frame's JSON carries them (RESERVE, WRITTEN): their little-endian
-    int64 bytes in base64. A scattered chunk's 512 rows pack and parse in ~0.07 ms, as
-    lists of integers in ~0.4 ms."""
-    return base64.b64encode(np.ascontiguousarray(rows, dtype="<i8").tobytes()).decode()
+def pack_rows(rows: np.ndarray) -> bytes:
+    """`rows` as a RESERVE or WRITTEN frame's payload carries them: their little-endian
+    int64 bytes (a scattered chunk's 512 rows: 28 KiB, read back with one `frombuffer`)."""
+    return np.ascontiguousarray(rows, dtype="<i8").tobytes()
 
 
 def coalesce_rows(rows: np.ndarray, layout: KVLayout) -> np.ndarray:
@@ -71,16 +75,12 @@ def one_per_block(rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def rows_from_wire(text: Any) -> np.ndarray:
-    """The rows `pack_rows` packed. ValueError for anything else (not base64 of whole
+def rows_from_wire(raw: Any) -> np.ndarray:
+    """The rows `pack_rows` packed. ValueError for anything else (not bytes of whole
     rows). Every field is an int64 by construction; `check_rows` says whether the rows
     lie in a cache."""
-    if not isinstance(text, str):
-        raise ValueError("regions must be packed rows (base64 text)")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"regions are not base64: {e}") from None
+    if not isinstance(raw, (bytes, bytearray)):
+        raise ValueError("regions must be packed rows (bytes)")
     if len(raw) % (7 * 8):
         raise ValueError("regions must be seven int64 fields each")
     return np.frombuffer(raw, dtype="<i8").reshape(-1, 7).astype(np.int64)
@@ -106,6 +106,8 @@ def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 
                     and (n == 1 or (start == 0 and end == layers))):
                 _raise_outside(np.array([row], dtype=np.int64), layout, total_blocks, tp)
         return
+    if _bounds_hold(_column_bounds(rows), layout, total_blocks, tp):
+        return
     r = rows.T
     ok = ((r[RANK] >= 0) & (r[RANK] < tp) & (r[HEAD_START] >= 0)
           & (r[HEAD_START] < r[HEAD_END]) & (r[HEAD_END] <= layout.num_kv_heads)
@@ -116,6 +118,41 @@ def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 
                                      & (r[LAYER_END] == layout.num_layers))))
     if not ok.all():
         _raise_outside(rows[int(np.argmin(ok))][None], layout, total_blocks, tp)
+
+
+def checked_slices(rows: np.ndarray, layout: KVLayout, total_blocks: int,
+                   tp: int = 1) -> Slices:
+    """`check_rows`, then `by_slice`, with the columns of `rows` reduced once for both
+    where their bounds prove every row in the cache (a scattered chunk's): what a
+    WRITTEN notice needs on its way to the verdict."""
+    if len(rows) > FEW:
+        bounds = _column_bounds(rows)
+        if _bounds_hold(bounds, layout, total_blocks, tp):
+            return _by_slice(rows, bounds)
+    check_rows(rows, layout, total_blocks, tp)
+    return by_slice(rows)
+
+
+def _bounds_hold(bounds: Bounds, layout: KVLayout, total_blocks: int, tp: int) -> bool:
+    """Whether each column's least and greatest value (`_column_bounds`) alone prove
+    every row in the cache: two reductions instead of a dozen elementwise passes.
+    False says nothing; `check_rows` then checks row by row."""
+    lo, hi = bounds
+    layers, heads = layout.num_layers, layout.num_kv_heads
+    return (0 <= lo[RANK] and hi[RANK] < tp and 0 <= lo[HEAD_START]
+            and hi[HEAD_START] < lo[HEAD_END] and hi[HEAD_END] <= heads
+            and 0 <= lo[LAYER_START] and hi[LAYER_START] < lo[LAYER_END]
+            and hi[LAYER_END] <= layers and 1 <= lo[NUM_BLOCKS] and 0 <= lo[BLOCK]
+            and hi[BLOCK] + hi[NUM_BLOCKS] <= total_blocks  # Python ints: no overflow
+            and (hi[NUM_BLOCKS] == 1 or (hi[LAYER_START] == 0 and lo[LAYER_END] == layers)))
+
+
+def _column_bounds(rows: np.ndarray) -> Bounds:
+    """Each column's least and greatest value (rows: at least one). Reduced along the
+    rows of a transposed copy: over seven columns, a reduction along axis 0 runs 2-4x
+    slower."""
+    columns = np.ascontiguousarray(rows.T)
+    return columns.min(axis=1).tolist(), columns.max(axis=1).tolist()
 
 
 def _raise_outside(bad: np.ndarray, layout: KVLayout, total_blocks: int, tp: int) -> None:
@@ -167,7 +204,7 @@ def cell_mask(row: Sequence[int], layout: KVLayout) -> int:
     return mask
 
 
-def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
+def by_slice(rows: np.ndarray) -> Slices:
     """Rows grouped by the cells they cover in each block: [(a row's slice columns,
     every block id of the group's rows, in row order)]. A scattered hand-off of whole
     blocks is one group."""
@@ -176,14 +213,19 @@ def by_slice(rows: np.ndarray) -> list[tuple[tuple[int, ...], list[int]]]:
         for b, ls, le, n, rank, hs, he in rows.tolist():
             few.setdefault((ls, le, rank, hs, he), []).extend(range(b, b + n))
         return list(few.items())
-    keys = rows[:, SLICE]
-    if (keys == keys[0]).all():
-        groups = [(keys[0], rows)]
-    else:
-        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        groups = [(uniq[g], rows[inverse == g]) for g in range(len(uniq))]
-    return [(tuple(key.tolist()), block_ids(part).tolist()) for key, part in groups]
+    return _by_slice(rows, _column_bounds(rows))
+
+
+def _by_slice(rows: np.ndarray, bounds: Bounds) -> Slices:
+    """`by_slice` of more than FEW rows, whose `_column_bounds` are `bounds`."""
+    lo, hi = bounds
+    if all(lo[c] == hi[c] for c in SLICE):  # one group (a scattered hand-off's)
+        blocks = rows[:, BLOCK] if hi[NUM_BLOCKS] == 1 else block_ids(rows)
+        return [(tuple(lo[c] for c in SLICE), blocks.tolist())]
+    uniq, inverse = np.unique(rows[:, SLICE], axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    return [(tuple(uniq[g].tolist()), block_ids(rows[inverse == g]).tolist())
+            for g in range(len(uniq))]
 
 
 def block_ids(rows: np.ndarray) -> np.ndarray:

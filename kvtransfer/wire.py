@@ -65,7 +65,9 @@ else:  # Python 3.10: async_timeout (a dependency of redis's there too)
 #      grant and the sender answers REVOKED once none of its writes is in flight.
 #   5: a tcp receiver answers every WRITE frame with the transfer's RESULT (a dropped
 #      one as a FINISH), so a tcp sender that wrote sends no FINISH.
-PROTOCOL_VERSION = 5
+#   6: RESERVE and WRITTEN carry their regions as the frame's payload (packed rows,
+#      `region_rows.pack_rows`), not as base64 text in their meta.
+PROTOCOL_VERSION = 6
 HEADER = struct.Struct("!BIQ")
 MAX_META = 1 << 20
 
@@ -106,12 +108,15 @@ def nonce() -> bytes:
     return os.urandom(16)
 
 
-def pack_json(kind: Frame, obj: dict[str, Any]) -> bytes:
-    """ValueError for a frame larger than a receiver reads (`MAX_META`)."""
+def pack_json(kind: Frame, obj: dict[str, Any], payload: bytes = b"") -> bytes:
+    """A frame of `obj` and `payload` (a control frame's: RESERVE's and WRITTEN's packed
+    rows). ValueError for a meta or control payload larger than a receiver reads
+    (`MAX_META` each)."""
     meta = json.dumps(obj).encode()
-    if len(meta) > MAX_META:
-        raise ValueError(f"a {kind.name} frame of {len(meta)} bytes (at most {MAX_META})")
-    return HEADER.pack(kind, len(meta), 0) + meta
+    if len(meta) > MAX_META or len(payload) > MAX_META:
+        raise ValueError(f"a {kind.name} frame of {len(meta)} + {len(payload)} bytes "
+                         f"(at most {MAX_META} each)")
+    return HEADER.pack(kind, len(meta), len(payload)) + meta + payload
 
 
 def pack_frame(kind: Frame, meta: bytes = b"", payload_len: int = 0) -> bytes:

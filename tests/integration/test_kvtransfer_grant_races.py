@@ -228,8 +228,8 @@ def test_late_frames_of_an_old_grant_leave_a_reused_id_alone(transport: str) -> 
             untouched()
             stale = r.metrics.value(STALE)
             rows = rr.rows_of([Region(5)], r.table.layout)
-            await s._send_frame(peer, wire.pack_json(Frame.WRITTEN, {
-                "req": old, "regions": rr.pack_rows(rows), "checksums": None}))
+            await s._send_frame(peer, wire.pack_json(
+                Frame.WRITTEN, {"req": old, "checksums": None}, rr.pack_rows(rows)))
             await until(lambda: r.metrics.value(STALE) == stale + 1)
             untouched()
             await r._send(conn, wire.pack_json(Frame.REVOKE, {

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kvtransfer import KVLayout, Region, coalesce
+from kvtransfer import KVLayout, Region, coalesce, grants
 from kvtransfer import region_rows as rr
 from kvtransfer.errors import ProtocolError
 from kvtransfer.fencing import TransferTable
@@ -66,11 +66,13 @@ def test_rows_agree_with_each_region(n: int) -> None:
         assert (rr.rows_from_wire(rr.pack_rows(rows)) == rows).all()
         errors = [e for e in (check_error(r, 2) for r in same) if e is not None]
         if errors:  # the first bad region's own error
-            with pytest.raises(ValueError) as raised:
-                rr.check_rows(rows, LAYOUT, BLOCKS, 2)
-            assert str(raised.value) == errors[0]
+            for check in (rr.check_rows, rr.checked_slices):
+                with pytest.raises(ValueError) as raised:
+                    check(rows, LAYOUT, BLOCKS, 2)
+                assert str(raised.value) == errors[0]
             continue
         rr.check_rows(rows, LAYOUT, BLOCKS, 2)
+        assert rr.checked_slices(rows, LAYOUT, BLOCKS, 2) == rr.by_slice(rows)
         assert rr.nbytes(rows, LAYOUT).tolist() == [r.nbytes(LAYOUT) for r in regions]
         whole = rr.whole_heads(rows, LAYOUT)
         assert whole.tolist() == [r.whole_heads(LAYOUT) for r in regions]
@@ -82,6 +84,17 @@ def test_rows_agree_with_each_region(n: int) -> None:
         grouped = {(b, bit) for key, blocks in rr.by_slice(rows) for b in blocks
                    for bit in range(64) if rr.cell_mask(rr.slice_row(key), LAYOUT) >> bit & 1}
         assert grouped == set().union(*(cells(r, LAYOUT) for r in regions))
+        # take_slices: those cells out of a grant of every cell, counted; none if two
+        # rows cover one cell
+        full = dict.fromkeys(range(BLOCKS), (1 << 64) - 1)
+        grant = dict(full)
+        taken = grants.take_slices(grant, rr.checked_slices(rows, LAYOUT, BLOCKS, 2), LAYOUT)
+        if rr.cells_and_bytes(rows, LAYOUT)[0] > len(grouped):
+            assert taken is None and grant == full
+        else:
+            assert taken == len(grouped)
+            assert grouped == {(b, bit) for b in full for bit in range(64)
+                               if (full[b] & ~grant.get(b, 0)) >> bit & 1}
         checked += 1
     assert checked >= 20  # the all-valid half at least
 
@@ -90,7 +103,7 @@ def test_rows_from_wire_refuses_what_is_not_packed_rows() -> None:
     rows = rr.rows_of([Region(3), Region(1, 1, 2)], LAYOUT)
     packed = rr.pack_rows(rows)
     assert rr.rows_from_wire(packed).tolist() == rows.tolist()
-    for bad in (rows.tolist(), None, 7, packed[:-4] + "!!!!", rr.pack_rows(rows)[:-12]):
+    for bad in (rows.tolist(), None, 7, packed.decode("latin-1"), packed[:-12], packed + b"!"):
         with pytest.raises(ValueError):
             rr.rows_from_wire(bad)
 
@@ -224,12 +237,12 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
 
         r._send = send  # type: ignore[method-assign]
         try:
-            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5, "regions": rr.pack_rows(
-                rr.rows_of([Region(blk) for blk in range(4)], LAYOUT))})
+            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5}, rr.pack_rows(
+                rr.rows_of([Region(blk) for blk in range(4)], LAYOUT)))
             assert r.table._live["x1"].inflight == 1
             with pytest.raises(ProtocolError):
-                await r._on_written(conn, {"req": 5, "checksums": [1, 2],
-                                           "regions": rr.pack_rows(rr.rows_of([Region(0)], LAYOUT))})
+                await r._on_written(conn, {"req": 5, "checksums": [1, 2]},
+                                    rr.pack_rows(rr.rows_of([Region(0)], LAYOUT)))
             await asyncio.sleep(0.05)  # the REVOKE goes out
             assert sent[-1][0] == 14 and json.loads(sent[-1][13:])["req"] == 5  # REVOKE
             r._drop_conn(conn, PeerUnavailable("gone"))
@@ -247,9 +260,46 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
     asyncio.run(main())
 
 
-def test_coalesce_rows_and_one_per_block_cover_the_same_cells() -> None:
-    from kvtransfer import grants
+def test_a_control_frame_naming_too_large_a_payload_ends_its_connection() -> None:
+    """RESERVE and WRITTEN carry their rows as the frame's payload: one that claims more
+    than `wire.MAX_META` bytes is a protocol error before any of it is read (the
+    connection ends, failing what it wrote into), not a buffer of that size."""
+    import socket
 
+    import torch
+
+    from kvtransfer import wire
+    from kvtransfer.config import TransferConfig
+    from kvtransfer.inplace import InPlaceReceiver
+    from kvtransfer.receiver import Conn, ReceiverBase
+
+    class Receiver(InPlaceReceiver):
+        name = "shm"  # the in-place receiver's bookkeeping alone, no segment
+
+    async def main() -> None:
+        r = Receiver(TransferConfig(transport="shm", token="x"))
+        ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(16), dtype=torch.bfloat16),
+                              LAYOUT)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        try:
+            for kind in (wire.Frame.RESERVE, wire.Frame.WRITTEN):
+                meta = json.dumps({"req": 5, "xfer": "x1", "gen": 1, "checksums": None})
+                b.sendall(wire.pack_frame(kind, meta.encode(), wire.MAX_META + 1)
+                          + rr.pack_rows(rr.rows_of([Region(0)], LAYOUT)))
+                with pytest.raises(ProtocolError, match="too large"):
+                    await asyncio.wait_for(r._frame_loop(Conn(7, a, "peer")), 5)
+                a.recv(1 << 16)  # what followed the header was not read
+            assert not r._grants
+        finally:
+            a.close()
+            b.close()
+            await r.close()
+
+    asyncio.run(main())
+
+
+def test_coalesce_rows_and_one_per_block_cover_the_same_cells() -> None:
     regions = [Region(b) for b in (3, 4, 5, 9, 10, 2)] + [Region(11, layer_start=1),
                                                          Region(12, layer_start=1)]
     rows = rr.rows_of(regions, LAYOUT)
