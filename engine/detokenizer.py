@@ -2,7 +2,11 @@
 
 Decoding token by token breaks multi-byte characters and word-piece joins, so we keep
 vLLM's two offsets: text up to `read_offset` has been emitted; decoding from
-`prefix_offset` gives the context the next piece is joined to.
+`prefix_offset` gives the context the next piece is joined to. The tokenizer's own
+stream (`Tokenizer.decode_stream`) runs that same algorithm natively and is the usual
+path; the offsets follow it, so a request continues on them, from the same state, where
+the stream cannot start (its context ends inside a character) or refuses a decode, and
+goes back to a stream started from their state at the next text they return.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ class IncrementalDetokenizer:
     until it is known not to be, so a stream never shows text past a stop.
     """
 
-    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stop", "_hold",
-                 "_include", "_skip", "_min", "_count", "text", "_emitted", "stopped",
-                 "stop_str")
+    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stream", "_stop",
+                 "_hold", "_include", "_skip", "_min", "_count", "text", "_emitted",
+                 "stopped", "stop_str")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
@@ -35,6 +39,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_tail)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream = tokenizer.decode_stream(self._ids, skip_special_tokens)
         self._stop = list(stop)
         self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
         self._include = include_stop
@@ -55,20 +60,30 @@ class IncrementalDetokenizer:
 
     def add_one(self, token_id: int) -> None:
         """Appends one output token (the caller checks `stopped` first): a decode step's
-        work per request, so the joining context, mostly the one id before it, is a
-        memory hit (Tokenizer.piece) and the new text one short decode."""
+        work per request, one native call on the stream."""
         self._count += 1
         ids = self._ids
         ids.append(token_id)
-        p, r = self._prefix_offset, self._read_offset
-        tok, skip = self._tok, self._skip
-        prefix = tok.piece(ids[p], skip) if r - p == 1 else tok.decode(ids[p:r], skip)
-        full = tok.decode(ids[p:], skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        stream = self._stream
+        if stream is not None:
+            try:
+                new = stream(token_id)
+            except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
+                # The stream refuses a window whose decode does not begin with the text
+                # already returned (invalid UTF-8 from byte-fallback tokens, re-decoded
+                # as replacement characters): the offsets take the token as they are.
+                stream = self._stream = None
+                new = self._offsets_text()
+        else:
+            new = self._offsets_text()
+        if new is None:
             return  # an incomplete character: wait for more bytes
+        p = self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if stream is None:  # the stream continues from the offsets' state where it can
+            self._stream = self._tok.decode_stream(ids[p:], self._skip)
         start = len(self.text)
-        self.text += full[len(prefix):]
-        self._prefix_offset, self._read_offset = r, len(ids)
+        self.text += new
         if self._stop and self._count > self._min:
             # Search only where each stop string could newly end.
             text = self.text
@@ -77,6 +92,19 @@ class IncrementalDetokenizer:
                     self.text = text[:i + len(s) if self._include else i]
                     self.stopped, self.stop_str = True, s
                     return
+
+    def _offsets_text(self) -> str | None:
+        """The text the newest id completes, decoded from the offsets; None while its
+        character is incomplete. The joining context, mostly the one id before it, is a
+        memory hit (Tokenizer.piece)."""
+        ids = self._ids
+        p, r = self._prefix_offset, self._read_offset
+        tok, skip = self._tok, self._skip
+        prefix = tok.piece(ids[p], skip) if r - p == 1 else tok.decode(ids[p:r], skip)
+        full = tok.decode(ids[p:], skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        return full[len(prefix):]
 
     def skip(self, token_ids: Sequence[int]) -> None:
         """Adds tokens whose text an earlier stream of this request already showed
