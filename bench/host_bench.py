@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps (medians)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the tokenizer's and model's vocabulary, its words random "
+                   "(bench.engine_bench.widen_tokenizer), e.g. 128256 as Llama 3: "
+                   "detokenization's cost depends on it (default: the default "
+                   "tokenizer's, about 700)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine schedules step n+1 before it reads step n's tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -139,7 +144,7 @@ def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
     from bench.engine_bench import build_model
     from engine.llm import LLM
 
-    model_dir, _ = build_model(root, args.hidden_size, args.num_layers)
+    model_dir, _ = build_model(root, args.hidden_size, args.num_layers, args.vocab_size)
     llm = LLM(model_dir, dtype="float32", block_size=16,
               num_blocks=total_tokens // 16 + 2 * args.batch, max_num_seqs=args.batch,
               max_num_batched_tokens=16384, max_model_len=4096,
