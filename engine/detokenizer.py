@@ -15,17 +15,25 @@ from collections.abc import Sequence
 
 from engine.tokenizer import Tokenizer
 
+# Pieces of text kept before they are joined into one string: a long output copies its
+# text once per this many pieces instead of once per token.
+_JOIN_EVERY = 32
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas.
 
     With stop strings, text that could be the start of a stop string is held back
     until it is known not to be, so a stream never shows text past a stop.
+
+    The text is kept as pieces, joined when it is read whole (`text`, `shown`) and
+    every `_JOIN_EVERY` pieces: a step appends its piece instead of copying a long
+    output's whole text.
     """
 
     __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stream", "_stop",
-                 "_hold", "_include", "_skip", "_min", "_count", "text", "_emitted",
-                 "stopped", "stop_str")
+                 "_hold", "_reach", "_include", "_skip", "_min", "_count", "_parts",
+                 "_size", "_emitted", "stopped", "stop_str")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
@@ -41,13 +49,17 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._stream = tokenizer.decode_stream(self._ids, skip_special_tokens)
         self._stop = list(stop)
-        self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
+        # A stop string ending in new text begins at most `_reach` chars before it.
+        self._reach = max((len(s) for s in self._stop), default=1) - 1
+        self._hold = 0 if include_stop else self._reach
         self._include = include_stop
         self._skip = skip_special_tokens
         self._min = min_tokens
         self._count = 0  # output tokens taken, with or without their text
-        self.text = ""  # full output text so far (the stop string cut unless included)
-        self._emitted = 0  # chars of self.text already returned
+        # The output text so far (the stop string cut unless included), in pieces.
+        self._parts: list[str] = []
+        self._size = 0  # its chars
+        self._emitted = 0  # its chars already returned
         self.stopped = False
         self.stop_str: str | None = None  # the stop string that matched
 
@@ -82,16 +94,40 @@ class IncrementalDetokenizer:
         self._read_offset = len(ids)
         if stream is None:  # the stream continues from the offsets' state where it can
             self._stream = self._tok.decode_stream(ids[p:], self._skip)
-        start = len(self.text)
-        self.text += new
-        if self._stop and self._count > self._min:
-            # Search only where each stop string could newly end.
-            text = self.text
-            for s in self._stop:
-                if (i := text.find(s, max(0, start - len(s) + 1))) >= 0:
-                    self.text = text[:i + len(s) if self._include else i]
-                    self.stopped, self.stop_str = True, s
-                    return
+        if self._stop:
+            if self._count > self._min and self._stops_in(new):
+                return
+        parts = self._parts
+        parts.append(new)
+        self._size += len(new)
+        if len(parts) > _JOIN_EVERY:
+            self._parts = ["".join(parts)]
+
+    def _stops_in(self, new: str) -> bool:
+        """Whether a stop string ends in `new` (the text's next piece); then the text
+        ends at the first listed one's first match, with `new` taken up to there."""
+        before = self._tail(min(self._reach, self._size))
+        context = before + new
+        for s in self._stop:
+            if (i := context.find(s, max(0, len(before) - len(s) + 1))) >= 0:
+                end = self._size - len(before) + i + (len(s) if self._include else 0)
+                self._parts = [("".join(self._parts) + new)[:end]]
+                self._size = end
+                self.stopped, self.stop_str = True, s
+                return True
+        return False
+
+    def _tail(self, n: int) -> str:
+        """The text's last `n` chars (held back, or a step's new text: a few pieces)."""
+        if n <= 0:
+            return ""
+        parts = self._parts
+        i, got = len(parts), 0
+        while got < n:
+            i -= 1
+            got += len(parts[i])
+        last = parts[i] if i == len(parts) - 1 else "".join(parts[i:])
+        return last[got - n:]
 
     def _offsets_text(self) -> str | None:
         """The text the newest id completes, decoded from the offsets; None while its
@@ -116,14 +152,23 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool = False) -> str:
         """The text not yet returned that may be shown now (all of it when final)."""
-        final = final or self.stopped
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
-        out = self.text[self._emitted:end]
-        self._emitted = end
-        return out
+        unreturned = self._size - self._emitted
+        n = unreturned if final or self.stopped else unreturned - self._hold
+        if n <= 0:
+            return ""
+        self._emitted += n
+        return self._tail(unreturned)[:n]
+
+    @property
+    def text(self) -> str:
+        """The output text so far (the stop string cut unless included)."""
+        if len(self._parts) != 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
 
     @property
     def shown(self) -> str:
         """The text returned so far: a running request's cumulative text, without
         what is held back (vLLM trims the stop-string buffer alike)."""
-        return self.text[:self._emitted]
+        text = self.text
+        return text if self._emitted == len(text) else text[:self._emitted]

@@ -177,3 +177,31 @@ def test_a_refused_decode_continues_on_the_offsets(monkeypatch: pytest.MonkeyPat
     reference.add(ids)
     assert det.text == reference.text
     assert det.text.endswith(" the rest follows")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_late_in_a_long_output(tok: Tokenizer, include: bool) -> None:
+    """A stop string spanning tokens, hundreds of pieces into the text (kept in pieces,
+    joined along the way): the text ends at it (with it when included), no delta ever
+    shows text past it, and every cumulative text is the streamed deltas so far."""
+    body = TEXT * 8
+    ids = tok.encode(body + " STOP marker 日本 " + TEXT, add_special_tokens=False)
+    prompt, out = ids[:3], ids[3:]
+    head = tok.decode(prompt)
+    whole = tok.decode(ids)[len(head):]
+    stop = "marker 日本"
+    end = whole.index(stop) + (len(stop) if include else 0)
+    det = IncrementalDetokenizer(tok, prompt, stop=("never there", stop), include_stop=include)
+    deltas: list[str] = []
+    for k, t in enumerate(out):
+        if det.stopped:
+            break
+        det.add_one(t)
+        deltas.append(det.take_delta())
+        if k % 50 == 49:  # (reading the whole text joins its pieces)
+            assert det.shown == "".join(deltas)
+            assert whole[:end].startswith(det.shown)
+    deltas.append(det.take_delta(final=True))
+    assert det.stopped and det.stop_str == stop
+    assert "".join(deltas) == det.text == det.shown == whole[:end]
+    assert len(out) > 300  # many joins of the pieces before the stop
