@@ -51,3 +51,12 @@ def test_widened_tokenizer_decodes_its_new_words_and_encodes_as_before(tmp_path)
     assert all(w.strip() for w in words)
     assert sum(w.startswith(" ") for w in words) > len(words) // 3
     assert any(not w.isascii() for w in words)
+
+
+def test_bench_host_times_from_the_decoded_tokens_asked(tmp_path):
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--batch", "3", "--input-len", "20", "30",
+                 "--output-len", "5", "10", "--steps", "2", "--decoded", "40",
+                 "--json", str(out)]) == 0
+    lo, hi = json.loads(out.read_text())["summary"]["decoded_at_start"]
+    assert 40 <= lo <= hi
