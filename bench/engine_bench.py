@@ -77,11 +77,15 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
-def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
-    """Writes a random Llama with the default tokenizer; returns (dir, vocab size)."""
+def build_model(root: str, hidden: int, layers: int,
+                vocab_size: int | None = None) -> tuple[str, int]:
+    """Writes a random Llama with the default tokenizer (widened to `vocab_size` entries
+    when given: `widen_tokenizer`); returns (dir, vocab size)."""
     from engine.default_model import llama_config, write_random_weights, write_tokenizer
 
     vocab = write_tokenizer(root)
+    if vocab_size is not None:
+        vocab = widen_tokenizer(root, vocab_size)
     heads = max(1, hidden // 64)
     cfg = llama_config(vocab, 0, [4], hidden_size=hidden, intermediate_size=hidden * 3,
                        num_hidden_layers=layers, num_attention_heads=heads,
@@ -90,6 +94,33 @@ def build_model(root: str, hidden: int, layers: int) -> tuple[str, int]:
         json.dump(cfg, f)
     write_random_weights(root, cfg)
     return root, vocab
+
+
+def widen_tokenizer(model_dir: str, vocab_size: int, seed: int = 0) -> int:
+    """Grows the tokenizer.json in `model_dir` to `vocab_size` entries (e.g. Llama 3's
+    128256) with random byte-level words: lowercase letters, one in two after a space, one
+    in ten ending in a 2- to 4-byte character. Work that depends on the vocabulary's size
+    (decoding: its lookups, the pieces a detokenizer remembers) then costs what it does
+    on a real model; encoding never produces the new words (they have no merges).
+    Returns the vocabulary size."""
+    from tokenizers import pre_tokenizers
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    rng = random.Random(seed)
+    wide = "éß中文日本語한국어😀🚀"
+    while len(vocab) < vocab_size:
+        word = " " * (rng.random() < 0.5) + "".join(
+            rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+        if rng.random() < 0.1:
+            word += rng.choice(wide)
+        vocab.setdefault(to_bytes.pre_tokenize_str(word)[0][0], len(vocab))
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return len(vocab)
 
 
 def run_ours(model_dir: str, prompts: list[list[int]], out_lens: list[int],

@@ -2,7 +2,8 @@
 
 A real engine on a tiny random-weight Llama (CPU) runs a batch of decode requests at
 workload c's lengths (prompts and outputs U[100, 1024], nano-vllm's benchmark); once
-every request is past its prefill, `--steps` decode steps are timed. Each phase is timed
+every request has `--decoded` output tokens (past its prefill), `--steps` decode steps
+are timed. Each phase is timed
 (the engine thread's CPU time) around the engine's own calls (the bench wraps them on the one
 engine instance it builds; nothing in the engine changes):
 
@@ -32,11 +33,17 @@ from collections.abc import Callable
 from typing import Any
 
 PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
-WARMUP_TOKENS = 8  # every request's, before timing: all prefills are done
 # CPU time of the engine's thread: time the shared machine gives other processes is not
 # counted. Torch and the tokenizer run on that thread alone (`run`), so it is all the
 # step's work.
 CLOCK = time.thread_time
+
+
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1 (every prefill done)")
+    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,8 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar=("MIN", "MAX"), help="output tokens left when timing starts "
                    "(ignore_eos)")
     p.add_argument("--steps", type=int, default=30, help="timed decode steps (medians)")
+    p.add_argument("--decoded", type=_at_least_one, default=8,
+                   help="output tokens every request has when timing starts (all prefills "
+                   "done): per-token work that grows with the output shows at large values")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the tokenizer's and model's vocabulary, its words random "
+                   "(bench.engine_bench.widen_tokenizer), e.g. 128256 as Llama 3: "
+                   "detokenization's cost depends on it (default: the default "
+                   "tokenizer's, about 700)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine schedules step n+1 before it reads step n's tokens")
     p.add_argument("--seed", type=int, default=0)
@@ -139,7 +154,7 @@ def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
     from bench.engine_bench import build_model
     from engine.llm import LLM
 
-    model_dir, _ = build_model(root, args.hidden_size, args.num_layers)
+    model_dir, _ = build_model(root, args.hidden_size, args.num_layers, args.vocab_size)
     llm = LLM(model_dir, dtype="float32", block_size=16,
               num_blocks=total_tokens // 16 + 2 * args.batch, max_num_seqs=args.batch,
               max_num_batched_tokens=16384, max_model_len=4096,
@@ -160,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [[rng.randrange(10, 250) for _ in range(rng.randint(lo, hi))]
                for _ in range(args.batch)]
     # Each request has its U[MIN, MAX] output tokens still to go when timing starts.
-    extra = WARMUP_TOKENS + 2 * args.steps
+    extra = args.decoded + 2 * args.steps
     outs = [rng.randint(*args.output_len) + extra for _ in range(args.batch)]
     with tempfile.TemporaryDirectory() as root:
         engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
@@ -171,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
                 max_tokens=o, temperature=0, ignore_eos=True,
                 output_kind=RequestOutputKind.DELTA))
         while engine.scheduler.waiting or any(
-                r.num_output_tokens < WARMUP_TOKENS for r in engine.scheduler.running):
+                r.num_output_tokens < args.decoded for r in engine.scheduler.running):
             engine.step()  # prefills, then a few decode steps
+        decoded = [r.num_output_tokens for r in engine.scheduler.running]
         steps = []
         gct = GCTimer()
         timer.active = gct.active = True
@@ -193,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"summary": {"host_us_per_step": host, "host_us_per_request": host / args.batch,
                           "forward_us_per_step": per_step["forward"],
                           "gc_us_per_step_mean": gc_mean, "gc_full_collections": gct.full,
-                          "step_us": per_step["step"]},
+                          "step_us": per_step["step"],
+                          "decoded_at_start": [min(decoded), max(decoded)]},
               "phases_us_per_step": per_step,
               "config": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     print(f"batch {args.batch}: host {host:.0f} us/step ({host / args.batch:.2f} us/request), "

@@ -2,7 +2,11 @@
 
 Decoding token by token breaks multi-byte characters and word-piece joins, so we keep
 vLLM's two offsets: text up to `read_offset` has been emitted; decoding from
-`prefix_offset` gives the context the next piece is joined to.
+`prefix_offset` gives the context the next piece is joined to. The tokenizer's own
+stream (`Tokenizer.decode_stream`) runs that same algorithm natively and is the usual
+path; the offsets follow it, so a request continues on them, from the same state, where
+the stream cannot start (its context ends inside a character) or refuses a decode, and
+goes back to a stream started from their state at the next text they return.
 """
 
 from __future__ import annotations
@@ -11,17 +15,25 @@ from collections.abc import Sequence
 
 from engine.tokenizer import Tokenizer
 
+# Pieces of text kept before they are joined into one string: a long output copies its
+# text once per this many pieces instead of once per token.
+_JOIN_EVERY = 32
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text deltas.
 
     With stop strings, text that could be the start of a stop string is held back
     until it is known not to be, so a stream never shows text past a stop.
+
+    The text is kept as pieces, joined when it is read whole (`text`, `shown`) and
+    every `_JOIN_EVERY` pieces: a step appends its piece instead of copying a long
+    output's whole text.
     """
 
-    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stop", "_hold",
-                 "_include", "_skip", "_min", "_count", "text", "_emitted", "stopped",
-                 "stop_str")
+    __slots__ = ("_tok", "_ids", "_prefix_offset", "_read_offset", "_stream", "_stop",
+                 "_hold", "_reach", "_include", "_skip", "_min", "_count", "_parts",
+                 "_size", "_emitted", "stopped", "stop_str")
 
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
@@ -35,14 +47,19 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_tail)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream = tokenizer.decode_stream(self._ids, skip_special_tokens)
         self._stop = list(stop)
-        self._hold = 0 if include_stop else max((len(s) for s in self._stop), default=1) - 1
+        # A stop string ending in new text begins at most `_reach` chars before it.
+        self._reach = max((len(s) for s in self._stop), default=1) - 1
+        self._hold = 0 if include_stop else self._reach
         self._include = include_stop
         self._skip = skip_special_tokens
         self._min = min_tokens
         self._count = 0  # output tokens taken, with or without their text
-        self.text = ""  # full output text so far (the stop string cut unless included)
-        self._emitted = 0  # chars of self.text already returned
+        # The output text so far (the stop string cut unless included), in pieces.
+        self._parts: list[str] = []
+        self._size = 0  # its chars
+        self._emitted = 0  # its chars already returned
         self.stopped = False
         self.stop_str: str | None = None  # the stop string that matched
 
@@ -55,28 +72,75 @@ class IncrementalDetokenizer:
 
     def add_one(self, token_id: int) -> None:
         """Appends one output token (the caller checks `stopped` first): a decode step's
-        work per request, so the joining context, mostly the one id before it, is a
-        memory hit (Tokenizer.piece) and the new text one short decode."""
+        work per request, one native call on the stream."""
         self._count += 1
         ids = self._ids
         ids.append(token_id)
+        stream = self._stream
+        if stream is not None:
+            try:
+                new = stream(token_id)
+            except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
+                # The stream refuses a window whose decode does not begin with the text
+                # already returned (invalid UTF-8 from byte-fallback tokens, re-decoded
+                # as replacement characters): the offsets take the token as they are.
+                stream = self._stream = None
+                new = self._offsets_text()
+        else:
+            new = self._offsets_text()
+        if new is None:
+            return  # an incomplete character: wait for more bytes
+        p = self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if stream is None:  # the stream continues from the offsets' state where it can
+            self._stream = self._tok.decode_stream(ids[p:], self._skip)
+        if self._stop:
+            if self._count > self._min and self._stops_in(new):
+                return
+        parts = self._parts
+        parts.append(new)
+        self._size += len(new)
+        if len(parts) > _JOIN_EVERY:
+            self._parts = ["".join(parts)]
+
+    def _stops_in(self, new: str) -> bool:
+        """Whether a stop string ends in `new` (the text's next piece); then the text
+        ends at the first listed one's first match, with `new` taken up to there."""
+        before = self._tail(min(self._reach, self._size))
+        context = before + new
+        for s in self._stop:
+            if (i := context.find(s, max(0, len(before) - len(s) + 1))) >= 0:
+                end = self._size - len(before) + i + (len(s) if self._include else 0)
+                self._parts = [("".join(self._parts) + new)[:end]]
+                self._size = end
+                self.stopped, self.stop_str = True, s
+                return True
+        return False
+
+    def _tail(self, n: int) -> str:
+        """The text's last `n` chars (held back, or a step's new text: a few pieces)."""
+        if n <= 0:
+            return ""
+        parts = self._parts
+        i, got = len(parts), 0
+        while got < n:
+            i -= 1
+            got += len(parts[i])
+        last = parts[i] if i == len(parts) - 1 else "".join(parts[i:])
+        return last[got - n:]
+
+    def _offsets_text(self) -> str | None:
+        """The text the newest id completes, decoded from the offsets; None while its
+        character is incomplete. The joining context, mostly the one id before it, is a
+        memory hit (Tokenizer.piece)."""
+        ids = self._ids
         p, r = self._prefix_offset, self._read_offset
         tok, skip = self._tok, self._skip
         prefix = tok.piece(ids[p], skip) if r - p == 1 else tok.decode(ids[p:r], skip)
         full = tok.decode(ids[p:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return  # an incomplete character: wait for more bytes
-        start = len(self.text)
-        self.text += full[len(prefix):]
-        self._prefix_offset, self._read_offset = r, len(ids)
-        if self._stop and self._count > self._min:
-            # Search only where each stop string could newly end.
-            text = self.text
-            for s in self._stop:
-                if (i := text.find(s, max(0, start - len(s) + 1))) >= 0:
-                    self.text = text[:i + len(s) if self._include else i]
-                    self.stopped, self.stop_str = True, s
-                    return
+            return None
+        return full[len(prefix):]
 
     def skip(self, token_ids: Sequence[int]) -> None:
         """Adds tokens whose text an earlier stream of this request already showed
@@ -88,14 +152,23 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool = False) -> str:
         """The text not yet returned that may be shown now (all of it when final)."""
-        final = final or self.stopped
-        end = len(self.text) if final else max(self._emitted, len(self.text) - self._hold)
-        out = self.text[self._emitted:end]
-        self._emitted = end
-        return out
+        unreturned = self._size - self._emitted
+        n = unreturned if final or self.stopped else unreturned - self._hold
+        if n <= 0:
+            return ""
+        self._emitted += n
+        return self._tail(unreturned)[:n]
+
+    @property
+    def text(self) -> str:
+        """The output text so far (the stop string cut unless included)."""
+        if len(self._parts) != 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0]
 
     @property
     def shown(self) -> str:
         """The text returned so far: a running request's cumulative text, without
         what is held back (vLLM trims the stop-string buffer alike)."""
-        return self.text[:self._emitted]
+        text = self.text
+        return text if self._emitted == len(text) else text[:self._emitted]

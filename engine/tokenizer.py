@@ -5,14 +5,16 @@ tokenizes to route).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from engine.config import ModelDirError
 
@@ -89,6 +91,20 @@ class Tokenizer:
         if t is None:
             t = pieces[token_id] = self.decode([token_id], skip_special_tokens)
         return t
+
+    def decode_stream(self, context: Sequence[int], skip_special_tokens: bool = True,
+                      ) -> Callable[[int], str | None] | None:
+        """An incremental decoder continuing `context` (the prompt's last ids): each call
+        takes the next id and returns the text it completes, or None while its character
+        is incomplete; it raises where a longer window's decode does not begin with the
+        text already returned. `tokenizers`' DecodeStream, vLLM's fast detokenizer: a
+        step's two decodes (the joining context and the new text) in one native call.
+        None where `context` ends inside a character: the stream would return the
+        context's own text with the first id."""
+        if self.decode(context, skip_special_tokens).endswith("\ufffd"):
+            return None
+        stream = DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        return functools.partial(stream.step, self._tok)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (e.g. byte-level "Ġthe"), as transformers'

@@ -21,3 +21,42 @@ def test_bench_host_small_batch(tmp_path, capsys):
     assert abs(s["host_us_per_request"] * 6 - s["host_us_per_step"]) < 1e-6
     assert s["step_us"] >= s["forward_us_per_step"]
     assert "batch 6: host" in capsys.readouterr().out
+
+
+def test_bench_host_with_a_wide_vocabulary(tmp_path, capsys):
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--batch", "4", "--input-len", "20", "40",
+                 "--output-len", "10", "20", "--steps", "2", "--vocab-size", "5000",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["vocab_size"] == 5000
+    assert all(result["phases_us_per_step"][k] > 0 for k in PHASES)
+
+
+def test_widened_tokenizer_decodes_its_new_words_and_encodes_as_before(tmp_path):
+    from bench.engine_bench import build_model
+    from engine.tokenizer import Tokenizer
+
+    plain, wide = tmp_path / "plain", tmp_path / "wide"
+    plain.mkdir()
+    wide.mkdir()
+    _, small = build_model(str(plain), 64, 1)
+    assert build_model(str(wide), 64, 1, vocab_size=5000) == (str(wide), 5000)
+    assert json.loads((wide / "config.json").read_text())["vocab_size"] == 5000
+    a, b = Tokenizer(str(plain)), Tokenizer(str(wide))
+    assert b.vocab_size == 5000 > small == a.vocab_size
+    text = "The prefill writes KV blocks; décodé 中文."
+    assert b.encode(text) == a.encode(text)
+    words = [b.decode([i]) for i in range(small, 5000)]
+    assert all(w.strip() for w in words)
+    assert sum(w.startswith(" ") for w in words) > len(words) // 3
+    assert any(not w.isascii() for w in words)
+
+
+def test_bench_host_times_from_the_decoded_tokens_asked(tmp_path):
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--batch", "3", "--input-len", "20", "30",
+                 "--output-len", "5", "10", "--steps", "2", "--decoded", "40",
+                 "--json", str(out)]) == 0
+    lo, hi = json.loads(out.read_text())["summary"]["decoded_at_start"]
+    assert 40 <= lo <= hi
