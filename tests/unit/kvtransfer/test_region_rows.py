@@ -309,3 +309,64 @@ def test_coalesce_rows_and_one_per_block_cover_the_same_cells() -> None:
     split = rr.one_per_block(joined)
     assert np.array_equal(split, rows)
     assert grants.cells_of(joined, LAYOUT) == grants.cells_of(rows, LAYOUT)
+
+
+def one_slice_rows(rng: random.Random, n: int, multi: bool) -> np.ndarray:
+    """`n` valid rows (more than FEW) sharing one slice, random blocks and counts, each
+    block id low enough for the largest count: rows whose column bounds alone prove
+    them in the cache. `multi`: some rows of several blocks (whole layers)."""
+    if multi:
+        key = (0, 4, rng.randrange(2), 0, 2)
+    else:
+        start, first = rng.randrange(4), rng.randrange(2)
+        key = (start, rng.randrange(start + 1, 5), rng.randrange(2), first,
+               rng.randrange(first + 1, 3))
+    most = 3 if multi else 1
+    rows = [(rng.randrange(BLOCKS - most + 1), key[0], key[1], rng.randrange(1, most + 1),
+             *key[2:]) for _ in range(n)]
+    return np.array(rows, dtype=np.int64)
+
+
+# one field of one row just past its limit, beside rows within it: (column, value)
+NUDGES = [(rr.BLOCK, -1), (rr.RANK, -1), (rr.RANK, 2), (rr.HEAD_START, -1),
+          (rr.HEAD_END, 3), (rr.LAYER_START, -1), (rr.LAYER_END, 5), (rr.NUM_BLOCKS, 0)]
+
+
+def test_rows_of_one_slice_are_proven_by_their_bounds_and_one_past_a_limit_is_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shortcut (`_bounds_hold`) is what decides one-slice rows: taken for every valid
+    set, and never for a set with one row nudged past a single limit, whose error is
+    the one `Region.check` gives for that row."""
+    verdicts: list[bool] = []
+    real = rr._bounds_hold
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        verdicts.append(real(*args))
+        return verdicts[-1]
+
+    monkeypatch.setattr(rr, "_bounds_hold", counted)
+    rng = random.Random(11)
+    for trial in range(120):
+        rows = one_slice_rows(rng, rng.randrange(rr.FEW + 1, 60), multi=trial % 2 == 1)
+        del verdicts[:]
+        rr.check_rows(rows, LAYOUT, BLOCKS, 2)
+        assert rr.checked_slices(rows, LAYOUT, BLOCKS, 2) == rr.by_slice(rows)
+        assert verdicts[:2] == [True, True], "valid rows of one slice not proven by bounds"
+        bad = rows.copy()
+        i = rng.randrange(len(bad))
+        if trial % 4 == 1:  # one multi-block row of layers 0..2 of 4 among single blocks
+            bad[:, rr.NUM_BLOCKS], bad[:, rr.LAYER_END] = 1, 2
+            bad[i, rr.NUM_BLOCKS] = 2
+        elif trial % 4 == 3:  # block 62 of 3 blocks beside block 63 of 1, in 64
+            bad[:, rr.NUM_BLOCKS] = 1
+            bad[rng.randrange(len(bad)), rr.BLOCK] = BLOCKS - 1
+            bad[i, rr.BLOCK], bad[i, rr.NUM_BLOCKS] = BLOCKS - 2, 3
+        else:
+            column, value = NUDGES[trial // 2 % len(NUDGES)]
+            bad[i, column] = value
+        want = check_error(rr.to_regions(bad[i:i + 1], LAYOUT)[0], 2)
+        assert want is not None
+        for check in (rr.check_rows, rr.checked_slices):
+            with pytest.raises(ValueError) as raised:
+                check(bad, LAYOUT, BLOCKS, 2)
+            assert str(raised.value) == want
