@@ -97,17 +97,41 @@ def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:
 def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 1) -> None:
     """`Region.check` of every row: ValueError (that of the first bad row) unless all
     lie in `tp` rank caches of `total_blocks` blocks of `layout`."""
-    if len(rows) <= FEW:  # the rule below on plain ints: no Region, no numpy call per row
-        layers, heads = layout.num_layers, layout.num_kv_heads
-        for row in rows.tolist():
-            block, start, end, n, rank, first, last = row
-            if not (0 <= rank < tp and 0 <= first < last <= heads and 0 <= start < end <= layers
-                    and 1 <= n and 0 <= block <= total_blocks - n
-                    and (n == 1 or (start == 0 and end == layers))):
-                _raise_outside(np.array([row], dtype=np.int64), layout, total_blocks, tp)
-        return
-    if _bounds_hold(_column_bounds(rows), layout, total_blocks, tp):
-        return
+    if len(rows) <= FEW:
+        _check_few(rows, layout, total_blocks, tp)
+    elif not _bounds_hold(_column_bounds(rows), layout, total_blocks, tp):
+        _check_each(rows, layout, total_blocks, tp)
+
+
+def checked_slices(rows: np.ndarray, layout: KVLayout, total_blocks: int,
+                   tp: int = 1) -> Slices:
+    """`check_rows`, then `by_slice`, with the columns of `rows` reduced once for both
+    (a scattered chunk's bounds alone prove its rows in the cache): what a WRITTEN
+    notice needs on its way to the verdict."""
+    if len(rows) <= FEW:
+        _check_few(rows, layout, total_blocks, tp)
+        return by_slice(rows)
+    bounds = _column_bounds(rows)
+    if not _bounds_hold(bounds, layout, total_blocks, tp):
+        _check_each(rows, layout, total_blocks, tp)
+    return _by_slice(rows, bounds)
+
+
+def _check_few(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int) -> None:
+    """`check_rows` of at most FEW rows: its rule on plain ints, no Region, no numpy
+    call per row."""
+    layers, heads = layout.num_layers, layout.num_kv_heads
+    for row in rows.tolist():
+        block, start, end, n, rank, first, last = row
+        if not (0 <= rank < tp and 0 <= first < last <= heads and 0 <= start < end <= layers
+                and 1 <= n and 0 <= block <= total_blocks - n
+                and (n == 1 or (start == 0 and end == layers))):
+            _raise_outside(np.array([row], dtype=np.int64), layout, total_blocks, tp)
+
+
+def _check_each(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int) -> None:
+    """`check_rows` row by row, elementwise over the columns: for rows whose bounds
+    (`_bounds_hold`) do not prove them in the cache."""
     r = rows.T
     ok = ((r[RANK] >= 0) & (r[RANK] < tp) & (r[HEAD_START] >= 0)
           & (r[HEAD_START] < r[HEAD_END]) & (r[HEAD_END] <= layout.num_kv_heads)
@@ -120,23 +144,10 @@ def check_rows(rows: np.ndarray, layout: KVLayout, total_blocks: int, tp: int = 
         _raise_outside(rows[int(np.argmin(ok))][None], layout, total_blocks, tp)
 
 
-def checked_slices(rows: np.ndarray, layout: KVLayout, total_blocks: int,
-                   tp: int = 1) -> Slices:
-    """`check_rows`, then `by_slice`, with the columns of `rows` reduced once for both
-    where their bounds prove every row in the cache (a scattered chunk's): what a
-    WRITTEN notice needs on its way to the verdict."""
-    if len(rows) > FEW:
-        bounds = _column_bounds(rows)
-        if _bounds_hold(bounds, layout, total_blocks, tp):
-            return _by_slice(rows, bounds)
-    check_rows(rows, layout, total_blocks, tp)
-    return by_slice(rows)
-
-
 def _bounds_hold(bounds: Bounds, layout: KVLayout, total_blocks: int, tp: int) -> bool:
     """Whether each column's least and greatest value (`_column_bounds`) alone prove
     every row in the cache: two reductions instead of a dozen elementwise passes.
-    False says nothing; `check_rows` then checks row by row."""
+    False says nothing; `_check_each` then checks row by row."""
     lo, hi = bounds
     layers, heads = layout.num_layers, layout.num_kv_heads
     return (0 <= lo[RANK] and hi[RANK] < tp and 0 <= lo[HEAD_START]

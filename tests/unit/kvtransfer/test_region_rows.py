@@ -370,3 +370,18 @@ def test_rows_of_one_slice_are_proven_by_their_bounds_and_one_past_a_limit_is_no
             with pytest.raises(ValueError) as raised:
                 check(bad, LAYOUT, BLOCKS, 2)
             assert str(raised.value) == want
+
+
+def test_rows_checked_one_by_one_are_reduced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Valid rows whose bounds prove nothing (whole-layer rows of several blocks beside
+    partial-layer rows of one): `checked_slices` checks them row by row and groups them
+    with the columns reduced once."""
+    rows = rr.rows_of([Region(b, num_blocks=2) for b in range(0, 20, 2)]
+                      + [Region(b, 1, 3) for b in range(30, 40)], LAYOUT)
+    reduced: list[int] = []
+    real = rr._column_bounds
+    monkeypatch.setattr(rr, "_column_bounds", lambda r: reduced.append(len(r)) or real(r))
+    slices = rr.checked_slices(rows, LAYOUT, BLOCKS, 1)
+    assert reduced == [len(rows)]
+    assert slices == rr.by_slice(rows)
+    assert not rr._bounds_hold(real(rows), LAYOUT, BLOCKS, 1)
