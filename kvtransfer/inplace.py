@@ -72,7 +72,8 @@ class InPlaceReceiver(ReceiverBase):
         self._grants: dict[tuple[int, int], _Grant] = {}  # (conn id, req) -> grant
         self._of_xfer: dict[str, set[tuple[int, int]]] = {}  # xfer id -> its grants
 
-    async def _on_reserve(self, conn: Conn, msg: dict[str, Any], packed: bytes) -> None:
+    async def _on_reserve(self, conn: Conn, msg: dict[str, Any],
+                          packed: bytes | bytearray) -> None:
         xfer_id, gen, req = str(msg["xfer"]), int(msg["gen"]), int(msg["req"])
         try:
             rows = rr.rows_from_wire(packed)
@@ -112,7 +113,8 @@ class InPlaceReceiver(ReceiverBase):
         await self._send(conn, wire.pack_json(Frame.GRANT, {
             "req": req, "ok": False, "kind": kind, "message": message}))
 
-    async def _on_written(self, conn: Conn, msg: dict[str, Any], packed: bytes) -> None:
+    async def _on_written(self, conn: Conn, msg: dict[str, Any],
+                          packed: bytes | bytearray) -> None:
         grant = self._grants.get((conn.id, int(msg["req"])))
         if grant is None or grant.revoked:
             # a copy that was in flight when its grant was revoked: its bytes landed in

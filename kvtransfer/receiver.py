@@ -159,11 +159,13 @@ class ReceiverBase:
         lands it; the in-place transports refuse it, their bytes land in place."""
         raise ProtocolError(f"{self.name} bytes land in place; WRITE frames carry none")
 
-    async def _on_reserve(self, conn: Conn, msg: dict[str, Any], rows: bytes) -> None:
+    async def _on_reserve(self, conn: Conn, msg: dict[str, Any],
+                          rows: bytes | bytearray) -> None:
         """A RESERVE frame: its meta and its payload, the packed rows it asks for."""
         raise ProtocolError(f"{self.name} does not take RESERVE frames")
 
-    async def _on_written(self, conn: Conn, msg: dict[str, Any], rows: bytes) -> None:
+    async def _on_written(self, conn: Conn, msg: dict[str, Any],
+                          rows: bytes | bytearray) -> None:
         """A WRITTEN frame: its meta and its payload, the packed rows it landed."""
         raise ProtocolError(f"{self.name} does not take WRITTEN frames")
 
@@ -342,14 +344,16 @@ class ReceiverBase:
                     conn.task.cancel()
 
 
-async def _read_rows(loop: asyncio.AbstractEventLoop, conn: Conn, payload_len: int) -> bytes:
-    """A control frame's payload (packed rows), at most `wire.MAX_META` bytes."""
+async def _read_rows(loop: asyncio.AbstractEventLoop, conn: Conn,
+                     payload_len: int) -> bytearray:
+    """A control frame's payload (packed rows), at most `wire.MAX_META` bytes, in the
+    buffer it was read into (`region_rows.rows_from_wire` reads it in place)."""
     if payload_len > wire.MAX_META:
         raise ProtocolError(f"a control frame payload of {payload_len} bytes is too large")
     rows = bytearray(payload_len)
     if payload_len:
         await wire.recv_exact(loop, conn.sock, memoryview(rows))
-    return bytes(rows)
+    return rows
 
 
 def _result_frame(xfer_id: str, gen: int, error: KVTransferError | None) -> bytes:

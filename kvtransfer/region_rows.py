@@ -76,14 +76,16 @@ def one_per_block(rows: np.ndarray) -> np.ndarray:
 
 
 def rows_from_wire(raw: Any) -> np.ndarray:
-    """The rows `pack_rows` packed. ValueError for anything else (not bytes of whole
-    rows). Every field is an int64 by construction; `check_rows` says whether the rows
-    lie in a cache."""
+    """The rows `pack_rows` packed, over `raw`'s own memory (not copied: the caller
+    leaves it as it is while it uses them). ValueError for anything else (not bytes of
+    whole rows). Every field is an int64 by construction; `check_rows` says whether the
+    rows lie in a cache."""
     if not isinstance(raw, (bytes, bytearray)):
         raise ValueError("regions must be packed rows (bytes)")
     if len(raw) % (7 * 8):
         raise ValueError("regions must be seven int64 fields each")
-    return np.frombuffer(raw, dtype="<i8").reshape(-1, 7).astype(np.int64)
+    # (int64 is '<i8' on a little-endian host: no copy; a big-endian one converts)
+    return np.frombuffer(raw, dtype="<i8").reshape(-1, 7).astype(np.int64, copy=False)
 
 
 def to_regions(rows: np.ndarray, layout: KVLayout) -> list[Region]:

@@ -103,6 +103,8 @@ def test_rows_from_wire_refuses_what_is_not_packed_rows() -> None:
     rows = rr.rows_of([Region(3), Region(1, 1, 2)], LAYOUT)
     packed = rr.pack_rows(rows)
     assert rr.rows_from_wire(packed).tolist() == rows.tolist()
+    received = bytearray(packed)  # as a receiver reads a payload: read in place
+    assert np.shares_memory(rr.rows_from_wire(received), np.frombuffer(received, np.uint8))
     for bad in (rows.tolist(), None, 7, packed.decode("latin-1"), packed[:-12], packed + b"!"):
         with pytest.raises(ValueError):
             rr.rows_from_wire(bad)
