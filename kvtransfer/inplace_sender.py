@@ -1,5 +1,6 @@
 """The sending side of the in-place writers' protocol (`kvtransfer/inplace.py`): one
-revocable grant per transfer, then per chunk a copy and one WRITTEN notice."""
+revocable grant per transfer, then per chunk a copy and one WRITTEN notice (in several
+frames where its rows exceed one)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
 
-# rows per RESERVE frame: 8192 rows pack into 448 KiB, under `wire.MAX_META`
-_RESERVE_ROWS = 8192
+# rows per RESERVE or WRITTEN frame: 8192 rows pack into 448 KiB of payload, a
+# WRITTEN's checksums (one per row, at most 20 digits each) into ~180 KiB of meta:
+# each under `wire.MAX_META`
+_FRAME_ROWS = 8192
 
 
 @dataclass(slots=True)
@@ -55,7 +58,8 @@ class _Held:
 class InPlaceSender(SenderBase):
     """Holds one grant per transfer (asked for by `begin`; a write into cells it does
     not hold extends it first, by one more RESERVE round trip), copies with the
-    transport's `_copy` and sends one WRITTEN notice per write.
+    transport's `_copy` and sends one WRITTEN notice per write (several frames where
+    its rows exceed one: `_written`).
 
     A copy still running on the device when `_copy` returns (cuda_ipc: an event after
     the chunk's launch) defers its notice: `write()` returns at once and the notice goes
@@ -172,8 +176,7 @@ class InPlaceSender(SenderBase):
         try:
             copied = await self._copy(peer, pairs, peer.vouched + held.ttl, ready)
             sums = None if not checksum else await self._checksums(pairs, ready)
-            notice = wire.pack_json(Frame.WRITTEN, {"req": held.req, "checksums": sums},
-                                    rr.pack_rows(rows))
+            notice = _written(held.req, rows, sums)
             if copied is not None:
                 if not copied.query():
                     self._defer(peer, _Notice(copied, held, notice))
@@ -323,8 +326,21 @@ class InPlaceSender(SenderBase):
 
 
 def _parts(rows: np.ndarray) -> list[np.ndarray]:
-    """`rows` in RESERVE frames a receiver reads (`wire.MAX_META`, as packed rows)."""
-    return [rows[i:i + _RESERVE_ROWS] for i in range(0, max(len(rows), 1), _RESERVE_ROWS)]
+    """`rows` in RESERVE or WRITTEN frames a receiver reads (`wire.MAX_META`)."""
+    return [rows[i:i + _FRAME_ROWS] for i in range(0, max(len(rows), 1), _FRAME_ROWS)]
+
+
+def _written(req: int, rows: np.ndarray, sums: list[int] | None) -> bytes:
+    """The WRITTEN notice of a write of `rows` into grant `req`: one frame per part
+    (`_parts`), each with its rows' checksums, sent together. The receiver takes each
+    part's cells out of the grant as it comes (the grant's last cells end it)."""
+    frames, at = [], 0
+    for part in _parts(rows):
+        frames.append(wire.pack_json(Frame.WRITTEN, {
+            "req": req, "checksums": None if sums is None else sums[at:at + len(part)]},
+            rr.pack_rows(part)))
+        at += len(part)
+    return b"".join(frames)
 
 
 def _reuse_bound(peer: Peer, held: _Held, copy_budget_s: float) -> float:

@@ -57,6 +57,30 @@ def test_a_destination_larger_than_a_frame_is_granted_in_parts() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.timeout(120)
+def test_a_write_larger_than_a_frame_is_noticed_in_parts() -> None:
+    """One write of 20,000 scattered blocks, checksummed: its rows (~1.1 MB packed,
+    over `MAX_META`) and checksums go in several WRITTEN frames of one notice, and the
+    transfer completes with every block in place."""
+    blocks = 40_000
+    dst = [Region(b) for b in range(1, blocks, 2)]
+    assert len(dst) * 56 > MAX_META
+
+    async def main() -> None:
+        async with connected(fast_config("shm", checksum=True), TINY, blocks, 64,
+                             seed=6) as (receiver, sender, peer):
+            landed = receiver.expect("big", dst, 1)
+            await sender.begin(peer, dst, "big", 1)
+            await sender.write(peer, [Region(j % 64) for j in range(len(dst))], dst, "big", 1)
+            await sender.finish(peer, "big", 1)
+            await asyncio.wait_for(landed, 10)
+            src, got = sender.kv.tensor, receiver.kv.tensor
+            for k in (0, 8191, 8192, len(dst) - 1):
+                assert torch.equal(got[dst[k].block_id], src[k % 64])
+
+    asyncio.run(main())
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", IN_PLACE)
 def test_writes_outside_the_begun_cells_extend_the_grant(transport: str) -> None:
