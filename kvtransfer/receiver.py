@@ -33,6 +33,8 @@ from kvtransfer.wire import Frame
 
 log = logging.getLogger(__name__)
 _RESULTS_KEPT = 4096  # outcomes remembered for a FINISH that arrives after completion
+# the frames from a sender that carry a payload (their `payload_len` bytes follow)
+_WITH_PAYLOAD = (Frame.WRITE, Frame.RESERVE, Frame.WRITTEN)
 
 
 class Conn:
@@ -260,6 +262,9 @@ class ReceiverBase:
         while True:
             kind, meta, payload_len = await wire.read_frame(loop, conn.sock)
             conn.last_rx = loop.time()
+            if payload_len and kind not in _WITH_PAYLOAD:  # its bytes would read as frames
+                raise ProtocolError(f"a {kind.name} frame names a payload of {payload_len} "
+                                    "bytes; it carries none")
             if kind is Frame.WRITE:
                 await self._on_write(conn, meta, payload_len)
             elif kind is Frame.PING:

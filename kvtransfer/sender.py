@@ -362,8 +362,11 @@ class SenderBase:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                kind, meta, _ = await wire.read_frame(loop, peer.sock)
+                kind, meta, payload_len = await wire.read_frame(loop, peer.sock)
                 peer.last_rx = loop.time()
+                if payload_len:  # no frame from a receiver carries one
+                    raise ProtocolError(f"a {kind.name} frame names a payload of "
+                                        f"{payload_len} bytes; it carries none")
                 if kind is Frame.RESULT:
                     self._on_result(peer, json.loads(meta))
                 elif kind is Frame.GRANT:
