@@ -147,22 +147,23 @@ class TransferTable:
         return True
 
     def admit_rows(self, xfer_id: str, generation: int, rows: np.ndarray, writer: int,
-                   extend: bool = False) -> bool:
+                   extend: bool = False) -> rr.Slices | None:
         """`admit` of every region of one write at once (`region_rows`), all or none:
-        True claims them all as ONE write in flight until `landed_rows()` (or
-        `released()`); False admits none (stale: counted; unexpected: the transfer fails).
+        claims them all as ONE write in flight until `landed_rows()` (or `released()`)
+        and returns the rows grouped as `region_rows.checked_slices` groups them (never
+        empty); None admits none (stale: counted; unexpected: the transfer fails).
         `extend`: the regions join a write of `writer` admitted before (in flight)."""
         xfer = self._admissible(xfer_id, generation)
         if xfer is None:
-            return False
+            return None
         try:
             slices = rr.checked_slices(rows, self.layout, self.num_blocks, self.tp)
         except ValueError as e:
             self.fail(xfer_id, ProtocolError(str(e)))
-            return False
+            return None
         if not len(rows):
             self.fail(xfer_id, ProtocolError(f"a write without regions for {xfer_id!r}"))
-            return False
+            return None
         for key, blocks in slices:
             if len(set(blocks)) < len(blocks) or \
                     not _claim(xfer, blocks, slice_mask(self.layout, key)):
@@ -170,10 +171,10 @@ class TransferTable:
                     f"regions of blocks {blocks[:8]}... not expected by {xfer_id!r}"
                     if len(blocks) > 8 else
                     f"regions of blocks {blocks} not expected by {xfer_id!r}"))
-                return False
+                return None
         xfer.writers.add(writer)
         xfer.inflight += not extend
-        return True
+        return slices
 
     def _admissible(self, xfer_id: str, generation: int) -> _Transfer | None:
         xfer = self._live.get(xfer_id)

@@ -32,10 +32,11 @@ COPY_BUDGET_S = 2.0
 
 def cells_of(rows: np.ndarray, layout: KVLayout) -> Cells | None:
     """The cells `rows` cover; None if two rows cover the same cell."""
-    return _cells_of(rr.by_slice(rows), layout)
+    return cells_of_slices(rr.by_slice(rows), layout)
 
 
-def _cells_of(slices: rr.Slices, layout: KVLayout) -> Cells | None:
+def cells_of_slices(slices: rr.Slices, layout: KVLayout) -> Cells | None:
+    """`cells_of` of rows grouped by `by_slice` (or `checked_slices`)."""
     cells: Cells = {}
     for key, blocks in slices:
         mask = slice_mask(layout, key)
@@ -78,7 +79,7 @@ def take_slices(cells: Cells, slices: rr.Slices, layout: KVLayout) -> int | None
                 else:
                     cells[b] = h & ~mask
         return mask.bit_count() * len(blocks)
-    want = _cells_of(slices, layout)
+    want = cells_of_slices(slices, layout)
     if want is None or any(cells.get(b, 0) & m != m for b, m in want.items()):
         return None
     for b, m in want.items():

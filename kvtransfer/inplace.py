@@ -93,13 +93,14 @@ class InPlaceReceiver(ReceiverBase):
         # every cell of the transfer (a RESERVE of the same req extends the grant: one
         # too large for a frame, a write outside the cells begun): one write in flight
         # until the grant ends
-        if (grant is not None and grant.revoked) or not self.table.admit_rows(
-                xfer_id, gen, rows, conn.id, extend=grant is not None):
+        slices = None if grant is not None and grant.revoked else self.table.admit_rows(
+            xfer_id, gen, rows, conn.id, extend=grant is not None)
+        if slices is None:
             error = self.table.error_of(xfer_id) or self._results.get((xfer_id, gen))
             await self._refuse(conn, req, error.kind if error is not None else "cancelled",
                                f"{xfer_id} gen {gen} is fenced or not expected")
             return
-        cells = grants.cells_of(rows, self.table.layout)
+        cells = grants.cells_of_slices(slices, self.table.layout)
         assert cells is not None  # admit_rows refuses cells claimed twice
         if grant is None:
             self._grants[(conn.id, req)] = _Grant(conn, req, xfer_id, gen, cells)

@@ -58,7 +58,7 @@ class TcpReceiver(ReceiverBase):
         xfer_id, rows = head.xfer_id, head.rows
         # every row at once, all or none: live, its generation, in bounds, cells expected
         # and unclaimed (a stale table is counted, an unexpected one fails the transfer)
-        if not self.table.admit_rows(xfer_id, head.generation, rows, conn.id):
+        if self.table.admit_rows(xfer_id, head.generation, rows, conn.id) is None:
             await self._discard(conn, payload_len)
             # not a writer of it: the sender, which sends no FINISH, is told the verdict
             await self._on_finish(conn, {"xfer": xfer_id, "gen": head.generation})

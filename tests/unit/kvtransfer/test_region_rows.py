@@ -262,6 +262,46 @@ def test_a_malformed_written_fails_its_transfer_and_frees_its_blocks() -> None:
     asyncio.run(main())
 
 
+def test_a_reserve_groups_its_rows_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RESERVE's rows are checked, claimed and granted on one grouping (their columns
+    reduced once), and the grant holds exactly their cells."""
+    import socket
+
+    import torch
+
+    from kvtransfer.config import TransferConfig
+    from kvtransfer.inplace import InPlaceReceiver
+    from kvtransfer.receiver import Conn, ReceiverBase
+
+    class Receiver(InPlaceReceiver):
+        name = "shm"  # the in-place receiver's bookkeeping alone, no segment
+
+    async def main() -> None:
+        r = Receiver(TransferConfig(transport="shm", token="x"))
+        ReceiverBase.register(r, torch.zeros(LAYOUT.tensor_shape(BLOCKS), dtype=torch.bfloat16),
+                              LAYOUT)
+        dst = [Region(b) for b in range(0, 40, 2)] + [Region(b, 1, 3) for b in range(41, 50)]
+        r.expect("x1", dst, 1)
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        conn = Conn(7, a, "peer")
+        r._conns[7] = conn
+        reduced: list[int] = []
+        real = rr._column_bounds
+        monkeypatch.setattr(rr, "_column_bounds", lambda rows: reduced.append(1) or real(rows))
+        try:
+            rows = rr.rows_of(dst, LAYOUT)
+            await r._on_reserve(conn, {"xfer": "x1", "gen": 1, "req": 5}, rr.pack_rows(rows))
+            assert reduced == [1]
+            assert r._grants[(7, 5)].cells == grants.cells_of(rows, LAYOUT)
+        finally:
+            a.close()
+            b.close()
+            await r.close()
+
+    asyncio.run(main())
+
+
 def test_a_control_frame_naming_too_large_a_payload_ends_its_connection() -> None:
     """RESERVE and WRITTEN carry their rows as the frame's payload: one that claims more
     than `wire.MAX_META` bytes is a protocol error before any of it is read (the
