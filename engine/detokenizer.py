@@ -5,8 +5,15 @@ vLLM's two offsets: text up to `read_offset` has been emitted; decoding from
 `prefix_offset` gives the context the next piece is joined to. The tokenizer's own
 stream (`Tokenizer.decode_stream`) runs that same algorithm natively and is the usual
 path; the offsets follow it, so a request continues on them, from the same state, where
-the stream cannot start (its context ends inside a character) or refuses a decode, and
-goes back to a stream started from their state at the next text they return.
+the stream cannot start (its context's text ends with a replacement character) or
+refuses a decode, and goes back to a stream started from their state at the next text
+they return.
+
+The context comes from the prompt's end as in vLLM's fast detokenizer: the shortest
+suffix of its last `PROMPT_TAIL` ids (4 ids at least) whose text has no replacement
+character, so it does not begin inside a character that byte tokens spell; a prompt
+ending inside a character gives that character's ids to the decoder after its context,
+their text not shown, and the output id that completes the character shows it whole.
 """
 
 from __future__ import annotations
@@ -18,6 +25,45 @@ from engine.tokenizer import Tokenizer
 # Pieces of text kept before they are joined into one string: a long output copies its
 # text once per this many pieces instead of once per token.
 _JOIN_EVERY = 32
+
+# The prompt ids the context is chosen from (the caller passes the prompt's last ones).
+PROMPT_TAIL = 28
+_MIN_CONTEXT, _MAX_CONTEXT = 4, 23
+
+
+def _ends_clean(tokenizer: Tokenizer, ids: list[int], skip: bool) -> bool:
+    """Whether `ids` end on a whole character: the text of one of their last 4 ids (the
+    last character's bytes begin in one of them) has an end, not a replacement
+    character. (The text of all of them may not: byte-fallback tokenizers decode a run
+    of byte tokens that begins inside a character as one replacement character a byte.)
+    Ids without text (skipped special tokens) at the end are not a whole character: the
+    decoder reads past them only with text after them."""
+    for n in range(1, min(len(ids), 4) + 1):
+        text = tokenizer.decode(ids[-n:], skip)
+        if text and not text.endswith("\ufffd"):
+            return True
+    return False
+
+
+def prompt_context(tokenizer: Tokenizer, tail: Sequence[int], skip: bool = True,
+                   ) -> tuple[list[int], list[int]]:
+    """The decoding context from the prompt's last ids, and the ids after it that the
+    decoder holds unread: those of a character the prompt ends inside (one never
+    completed stays there) and ids without text after them. The context is the
+    shortest suffix, from `_MIN_CONTEXT` ids, whose text has no replacement character
+    (ids from the middle of a character, which byte-fallback tokenizers decode with the
+    rest of their run as one replacement character a byte), else all the ids: vLLM's
+    FastIncrementalDetokenizer."""
+    tail = list(tail)
+    end = len(tail)
+    while end and not _ends_clean(tokenizer, tail[:end], skip):
+        end -= 1
+    clean, partial = tail[:end], tail[end:]
+    if end > _MIN_CONTEXT:
+        for n in range(_MIN_CONTEXT, min(end, _MAX_CONTEXT) + 1):
+            if "\ufffd" not in tokenizer.decode(clean[-n:], skip):
+                return clean[-n:], partial
+    return clean, partial
 
 
 class IncrementalDetokenizer:
@@ -38,16 +84,25 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int],
                  stop: Sequence[str] = (), skip_special_tokens: bool = True,
                  include_stop: bool = False, min_tokens: int = 0) -> None:
-        """`include_stop`: the text ends with the matched stop string (vLLM's
+        """`prompt_tail`: the prompt's last `PROMPT_TAIL` ids (or all of a shorter one).
+        `include_stop`: the text ends with the matched stop string (vLLM's
         include_stop_str_in_output); nothing is held back then, as in vLLM.
         `min_tokens`: stop strings are searched only from the output token after the
         first `min_tokens` on (a match may begin in their text), as vLLM v1."""
         self._tok = tokenizer
-        # A few prompt tokens give the first output token its joining context.
-        self._ids: list[int] = list(prompt_tail)
+        # A few prompt tokens give the first output token its joining context; the ids
+        # of a character the prompt ends inside follow it, their text not yet read.
+        context, partial = prompt_context(tokenizer, prompt_tail, skip_special_tokens)
+        self._ids: list[int] = context + partial
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._stream = tokenizer.decode_stream(self._ids, skip_special_tokens)
+        self._read_offset = len(context)
+        self._stream = stream = tokenizer.decode_stream(context, skip_special_tokens)
+        if stream is not None and partial:
+            try:  # (their text is incomplete: the stream returns None)
+                if any(stream(tid) is not None for tid in partial):
+                    self._stream = None
+            except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
+                self._stream = None  # the offsets take over, as in `add_one`
         self._stop = list(stop)
         # A stop string ending in new text begins at most `_reach` chars before it.
         self._reach = max((len(s) for s in self._stop), default=1) - 1
@@ -126,8 +181,8 @@ class IncrementalDetokenizer:
         while got < n:
             i -= 1
             got += len(parts[i])
-        last = parts[i] if i == len(parts) - 1 else "".join(parts[i:])
-        return last[got - n:]
+        # Only the end of `parts[i]` (often the long joined piece) is copied.
+        return parts[i][got - n:] + "".join(parts[i + 1:])
 
     def _offsets_text(self) -> str | None:
         """The text the newest id completes, decoded from the offsets; None while its

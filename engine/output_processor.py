@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import PROMPT_TAIL, IncrementalDetokenizer
 from engine.outputs import RequestOutput
 from engine.parallel import SampleGroup
 from engine.request import Request, RequestStatus
@@ -68,9 +68,9 @@ class OutputProcessor:
 
     def _track(self, req: Request, group: SampleGroup | None) -> None:
         p = req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-6:], p.stop,
-                                       p.skip_special_tokens, p.include_stop_str_in_output,
-                                       p.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids[-PROMPT_TAIL:],
+                                       p.stop, p.skip_special_tokens,
+                                       p.include_stop_str_in_output, p.min_tokens)
         detok.skip(req.output_token_ids)  # resumed tokens: already shown by another worker
         every_step = (p.output_kind is not _FINAL_ONLY or req.hold_kv) \
             and not (group is not None and group.hold)  # (held: until the ranking)

@@ -15,9 +15,10 @@ from collections.abc import Iterator
 import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from engine.default_model import _CORPUS, write_tokenizer
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import PROMPT_TAIL, IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 
 # Characters of 2, 3 and 4 UTF-8 bytes: byte-level tokens split them.
@@ -74,22 +75,117 @@ def stream_all(det: IncrementalDetokenizer, ids: list[int]) -> list[str]:
     return [*deltas, det.take_delta(final=True)]
 
 
+def vllm_text(tok: Tokenizer, prompt: list[int], out: list[int], skip: bool) -> str:
+    """The text vLLM's FastIncrementalDetokenizer (vllm/v1/engine/detokenizer.py) gives
+    `out` after `prompt`: a DecodeStream primed id by id with the prompt's shortest
+    suffix of 4 to 23 ids whose text has no replacement character (else all of it),
+    started afresh where it refuses a decode."""
+    hf = tok._tok
+    suffix = prompt
+    if len(prompt) > 4:
+        for n in range(4, min(len(prompt) + 1, 24)):
+            if "\ufffd" not in hf.decode(prompt[-n:]):
+                suffix = prompt[-n:]
+                break
+    stream = [DecodeStream(skip_special_tokens=skip)]
+
+    def step(t: int) -> str | None:
+        try:
+            return stream[0].step(hf, t)
+        except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            stream[0] = DecodeStream(skip_special_tokens=skip)
+            return stream[0].step(hf, t)
+
+    for t in suffix:
+        step(t)
+    return "".join(step(t) or "" for t in out)
+
+
 def test_text_continues_the_prompt_exactly(tok: Tokenizer) -> None:
     """Prompt and output cut anywhere in real text, through multi-byte characters: the
-    streamed text is what decoding everything adds to the prompt's text."""
+    streamed text is what decoding everything adds to the prompt's text, and for a
+    prompt ending inside a character, that character whole and what follows it, as
+    vLLM's fast detokenizer gives."""
     ids = tok.encode(TEXT, add_special_tokens=False)
     assert any(tok.decode([t]).endswith("\ufffd") for t in ids)  # characters are split
+    inside = 0
     for cut in range(1, len(ids)):
         prompt, out = ids[:cut], ids[cut:]
         for skip in (True, False):
-            det = IncrementalDetokenizer(tok, prompt[-6:], skip_special_tokens=skip)
+            det = IncrementalDetokenizer(tok, prompt[-PROMPT_TAIL:], skip_special_tokens=skip)
             text = "".join(stream_all(det, out))
+            assert text == vllm_text(tok, prompt, out, skip), (cut, skip)
+            assert det._stream is not None
             whole, head = tok.decode(ids, skip), tok.decode(prompt, skip)
             if head.endswith("\ufffd"):  # the prompt ends inside a character
-                continue
-            assert whole.startswith(head)
-            assert text == whole[len(head):], (cut, skip)
-            assert det._stream is not None
+                inside += 1
+                done = next(t for k in range(cut, -1, -1)  # its whole characters' text
+                            if not (t := tok.decode(prompt[:k], skip)).endswith("\ufffd"))
+                assert whole.startswith(done)
+                assert text == whole[len(done):], (cut, skip)  # that character's text too
+            else:
+                assert whole.startswith(head)
+                assert text == whole[len(head):], (cut, skip)
+    assert inside > 0
+
+
+def as_vllm(tok: Tokenizer, cases: list[tuple[list[int], list[int], bool]],
+            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (prompt, output, skip_special_tokens) case's text is vLLM's fast
+    detokenizer's, on the stream and on the offsets alone."""
+    wants = [vllm_text(tok, prompt, out, skip) for prompt, out, skip in cases]
+    for tok_used in (tok, no_stream(tok, monkeypatch)):
+        for (prompt, out, skip), want in zip(cases, wants, strict=True):
+            det = IncrementalDetokenizer(tok_used, prompt[-PROMPT_TAIL:],
+                                         skip_special_tokens=skip)
+            assert "".join(stream_all(det, out)) == want, (prompt, out, skip)
+
+
+def test_prompts_cut_between_characters_of_byte_runs(monkeypatch: pytest.MonkeyPatch,
+                                                     ) -> None:
+    """Byte-fallback tokens spell characters outside the vocabulary; a prompt of such
+    characters, cut between two of them, is continued by the text decoding everything
+    adds to it (a context beginning inside one of them would decode as replacement
+    characters); cut inside one, as vLLM's fast detokenizer gives."""
+    with tempfile.TemporaryDirectory() as d:
+        byte_fallback_tokenizer(d)
+        tok = Tokenizer(d)
+    rng = random.Random(2)
+    chars = "本中語日文字符😀🎉ñéü"
+    cases, between = [], 0
+    for _ in range(12):
+        text = "".join(rng.choice(chars) if rng.random() < 0.8 else rng.choice([" ", "x ", " end"])
+                       for _ in range(rng.randint(4, 14)))
+        ids = tok.encode(text, add_special_tokens=False)
+        whole = tok.decode(ids)
+        for cut in range(1, len(ids)):
+            prompt, out = ids[:cut], ids[cut:]
+            head = tok.decode(prompt)
+            if not head.endswith("\ufffd") and whole.startswith(head):
+                between += 1
+                assert vllm_text(tok, prompt, out, True) == whole[len(head):], (text, cut)
+            cases.append((prompt, out, True))
+    assert 100 < between < len(cases) < 1000
+    as_vllm(tok, cases, monkeypatch)
+
+
+def test_special_tokens_about_the_cut_as_vllm(tok: Tokenizer,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Special tokens between characters, about a cut anywhere (after the start of a
+    character too): the text is vLLM's fast detokenizer's, with them and without."""
+    rng = random.Random(3)
+    special = [t for t in range(tok.vocab_size) if tok.is_special(t)]
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    cases: list[tuple[list[int], list[int], bool]] = []
+    while len(cases) < 300:
+        seq = list(ids)
+        for _ in range(rng.randint(1, 4)):
+            seq.insert(rng.randrange(len(seq)), rng.choice(special))
+        if "\ufffd" in tok.decode(seq, False):  # one went inside a character
+            continue
+        cut = rng.randrange(1, len(seq))
+        cases += [(seq[:cut], seq[cut:], skip) for skip in (True, False)]
+    as_vllm(tok, cases, monkeypatch)
 
 
 def test_random_ids_give_the_text_of_decoding_them_at_once(tok: Tokenizer) -> None:
@@ -147,9 +243,15 @@ def test_stream_and_offsets_show_the_same_deltas(tok: Tokenizer,
         det = IncrementalDetokenizer(offsets_tok, tail, *args)
         assert (stream_all(det, ids), det.text, det.stopped, det.stop_str) == want, \
             (tail, ids, args)
-    # Both ways were taken: prompts ending inside a character, and (with the stream
-    # going back to the offsets' state at their next text) most requests end streamed.
-    assert 0 < ended_on["offsets"] < ended_on["start"] < len(cases)
+    # The stream starts on every byte-level context (one ending inside a character
+    # holds that character's ids unread after it). Byte-fallback contexts of byte
+    # tokens from inside a character, all replacement characters, start on the
+    # offsets, as do decodes the stream refuses, and (with the stream going back to
+    # the offsets' state at their next text) most requests end streamed.
+    if any(str(tok.id_to_token(t)).startswith("<0x") for t in range(vocab)):
+        assert 0 < ended_on["offsets"] < ended_on["start"] < len(cases)
+    else:
+        assert ended_on["start"] == ended_on["offsets"] == 0
     assert any(s[2] for s in streamed) and not all(s[2] for s in streamed)
 
 
