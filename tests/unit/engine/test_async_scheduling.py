@@ -187,9 +187,12 @@ def test_penalties_grammars_and_forks_equal_sync_through_preemption(monkeypatch)
     assert {o.request_id for o in outs} == {o.request_id for o in first.values()}
     structured = [first[i] for i in (4, 5, 6, 7)]
     assert all(o.finish_reason == "stop" for o in structured)
-    assert set(json.loads(structured[0].text)) == {"name", "n"}
-    assert re.fullmatch("[0-9]{2}-[a-z]{2,5}", structured[2].text)
-    assert structured[3].text in ("alpha", "beta gamma", "delta")
+    # the grammar binds the sampled tokens (a random prompt may end inside a character,
+    # whose replacement character then begins the text, as in vLLM's detokenizer)
+    text = [llm.tokenizer.decode(o.token_ids) for o in structured]
+    assert set(json.loads(text[0])) == {"name", "n"}
+    assert re.fullmatch("[0-9]{2}-[a-z]{2,5}", text[2])
+    assert text[3] in ("alpha", "beta gamma", "delta")
     hf = hf_model(model())
     for i in (0, 1, 10):
         p = params[i]
