@@ -16,7 +16,7 @@
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-profile profile_a engine async small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile profile_a engine sync small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -24,7 +24,7 @@ T_ENGINE=${T_ENGINE:-240} T_TESTS=${T_TESTS:-240} T_TRANSFER=${T_TRANSFER:-100}
 T_HF=${T_HF:-150} T_EXP=${T_EXP:-300} T_IPC=${T_IPC:-150} T_LINKS=${T_LINKS:-90}
 T_SIMVAL=${T_SIMVAL:-300} T_MOE=${T_MOE:-300} T_MLA=${T_MLA:-540}
 T_HANDOFF=${T_HANDOFF:-120} T_UNTUNED=${T_UNTUNED:-180} T_MIXED=${T_MIXED:-360}
-T_PROFILE=${T_PROFILE:-300} T_ASYNC=${T_ASYNC:-150} T_SMALL=${T_SMALL:-150} T_FP8=${T_FP8:-200}
+T_PROFILE=${T_PROFILE:-300} T_SYNC=${T_SYNC:-150} T_SMALL=${T_SMALL:-150} T_FP8=${T_FP8:-200}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >> "$OUT/gpu.txt" 2>&1 || echo "wheel install failed"
@@ -58,22 +58,23 @@ step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device
 # 0b. the same over workload a (one request: the batch-1 decode step, where the device's
 # time is the weights' read and every kernel's fixed cost shows); its kernels by device
 # time in the log and profile_a.json
-step profile_a 120 python3 -m cluster.cli bench profile --device cuda --parts engine \
+step profile_a 120 python3 -m cluster.cli bench profile --device cuda --parts engine --no-async-scheduling \
   --workload a --model-shape "$SHAPE" --trace-dir "$OUT/profile_a" --json "$OUT/profile_a.json"
 # 1. our engine alone on every workload (attention tuned at start-up: d's one 8k-token
 # prefill runs the prefill tiles chosen for 8192-token queries): the step records sim
 # calibrate fits from
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
-# 1a. async scheduling (--async-scheduling: the host prepares step n+1 while the GPU runs
-# step n): a, b, c, d on $SHAPE, to set against step 1's
-step async "$T_ASYNC" python3 -m cluster.cli bench engine --device cuda \
-  --model-shape "$SHAPE" --workloads a,b,c,d --skip-hf --async-scheduling --json "$OUT/async.json"
+# 1a. synchronous scheduling (--no-async-scheduling: the host prepares step n+1 only once
+# step n is done; step 1 runs the CUDA default, async): a, b, c, d on $SHAPE, to set
+# against step 1's
+step sync "$T_SYNC" python3 -m cluster.cli bench engine --device cuda \
+  --model-shape "$SHAPE" --workloads a,b,c,d --skip-hf --no-async-scheduling --json "$OUT/sync.json"
 # 1b. a small model, where per-step host time is what limits: workload c on the
 # Qwen3-0.6B shape, synchronous then async scheduling
-step small "$T_SMALL" bash -c "for a in '' --async-scheduling; do python3 -m cluster.cli \
+step small "$T_SMALL" bash -c "for a in --no-async-scheduling --async-scheduling; do python3 -m cluster.cli \
   bench engine --device cuda --model-shape qwen3-0.6b --workloads c --skip-hf \$a \
-  --json $OUT/small\${a:+_async}.json || exit 1; done"
+  --json $OUT/small\${a#--}.json || exit 1; done"
 # 1c. the FP8 KV cache (--kv-cache-dtype fp8, e4m3, scales 1.0): a, b, c, d on $SHAPE
 # beside step 1's bf16 cache
 step fp8 "$T_FP8" python3 -m cluster.cli bench engine --device cuda --model-shape "$SHAPE" \
@@ -87,6 +88,9 @@ step untuned "$T_UNTUNED" python3 -m cluster.cli bench engine --device cuda \
   --json "$OUT/untuned.json"
 # 2. correctness on the GPU: every architecture, graphs on and off, the transports
 step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
+# 2a. async scheduling on the GPU alone: token-identical to synchronous scheduling and to
+# transformers, graphs on and off
+step tests_async "$T_IPC" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider -k async
 # 2b. the two cuda_ipc tests that found their receiver's cache (64 KiB) still allocated
 # when each ran first in a fresh process (in file order both pass): each alone, its
 # failure message listing the allocated blocks with their allocation stacks and the live
