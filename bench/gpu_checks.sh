@@ -60,6 +60,12 @@ step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device
 # time in the log and profile_a.json
 step profile_a 120 python3 -m cluster.cli bench profile --device cuda --parts engine --no-async-scheduling \
   --workload a --model-shape "$SHAPE" --trace-dir "$OUT/profile_a" --json "$OUT/profile_a.json"
+# 0c. both under async scheduling (the CUDA default): whether the device still idles
+# between steps when the host builds step n+1 beside step n; workload c's decode kernels
+# by device time at batch 256
+step profile_async 200 bash -c "for w in a c; do python3 -m cluster.cli bench profile \
+  --device cuda --parts engine --async-scheduling --workload \$w --model-shape $SHAPE \
+  --trace-dir $OUT/profile_async_\$w --json $OUT/profile_async_\$w.json || exit 1; done"
 # 1. our engine alone on every workload (attention tuned at start-up: d's one 8k-token
 # prefill runs the prefill tiles chosen for 8192-token queries): the step records sim
 # calibrate fits from
