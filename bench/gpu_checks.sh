@@ -78,7 +78,8 @@ step sync "$T_SYNC" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads a,b,c,d --skip-hf --no-async-scheduling --json "$OUT/sync.json"
 # 1b. a small model, where per-step host time is what limits: workload c on the
 # Qwen3-0.6B shape, synchronous then async scheduling
-step small "$T_SMALL" bash -c "for a in --no-async-scheduling --async-scheduling; do python3 -m cluster.cli \
+SMALL_MODES=${SMALL_MODES:---no-async-scheduling --async-scheduling}
+step small "$T_SMALL" bash -c "for a in $SMALL_MODES; do python3 -m cluster.cli \
   bench engine --device cuda --model-shape qwen3-0.6b --workloads c --skip-hf \$a \
   --json $OUT/small\${a#--}.json || exit 1; done"
 # 1c. the FP8 KV cache (--kv-cache-dtype fp8, e4m3, scales 1.0): a, b, c, d on $SHAPE
@@ -97,6 +98,10 @@ step tests "$T_TESTS" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider
 # 2a. async scheduling on the GPU alone: token-identical to synchronous scheduling and to
 # transformers, graphs on and off
 step tests_async "$T_IPC" python3 -m pytest tests/gpu -q -rfEs -p no:cacheprovider -k async
+# 2a'. the sampler on the GPU: the fused race kernel (engine.kernels.gumbel_race) draws
+# the torch reference's tokens, and CUDA draws equal CPU draws
+step tests_sampler 120 python3 -m pytest -q -rfEs -p no:cacheprovider \
+  tests/unit/engine/test_sampler.py tests/unit/engine/test_triton_ops.py
 # 2b. the two cuda_ipc tests that found their receiver's cache (64 KiB) still allocated
 # when each ran first in a fresh process (in file order both pass): each alone, its
 # failure message listing the allocated blocks with their allocation stacks and the live

@@ -229,3 +229,68 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block,
             num_warps=_row_num_warps(block))
     return out.view(*x.shape[:-1], inter)
+
+
+@triton.jit
+def _mix32(x: tl.tensor) -> tl.tensor:
+    # lowbias32 on uint32 (engine.sampler._mix32_np): products wrap mod 2**32, shifts
+    # of unsigned values are logical.
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _race_kernel(x_ptr: tl.tensor, x_stride: tl.tensor, t_ptr: tl.tensor, k1_ptr: tl.tensor,
+                 k2_ptr: tl.tensor, best_ptr: tl.tensor, arg_ptr: tl.tensor, vocab: tl.tensor,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr) -> None:
+    # Program (row, c) races the row's entries [c * CHUNK, (c + 1) * CHUNK): their
+    # noise is hashed in registers, the best score and its first index written out.
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    t = tl.load(t_ptr + row)
+    k1 = tl.load(k1_ptr + row).to(tl.uint32)
+    k2 = tl.load(k2_ptr + row).to(tl.uint32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        logit = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=float("-inf"))
+        h = _mix32(k1 + cols.to(tl.uint32) * 0x9E3779B9)
+        h = _mix32(h ^ k2)
+        u = ((h >> 9).to(tl.int32).to(tl.float32) + 0.5) * 1.1920928955078125e-07
+        score = logit.to(tl.float32) / t - tl.log(-tl.log(u))
+        take = (score > best) & mask  # strict: a lane keeps its first index on ties
+        best = tl.where(take, score, best)
+        arg = tl.where(take, cols, arg)
+    top = tl.max(best, axis=0)
+    first = tl.min(tl.where(best == top, arg, 2147483647), axis=0)
+    n_chunks = tl.num_programs(1)
+    tl.store(best_ptr + row * n_chunks + chunk, top)
+    tl.store(arg_ptr + row * n_chunks + chunk, first)
+
+
+_RACE_CHUNK = 8192
+
+
+def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, k1: torch.Tensor,
+                k2: torch.Tensor) -> torch.Tensor:
+    """engine.sampler.gumbel_race fused: row b's argmax over v of logits[b, v] /
+    temperatures[b] - log(-log U(b, v)), the uniforms hashed from the row's keys `k1`,
+    `k2` (int64 holding 32-bit values) in registers. logits [B, V] (rows contiguous) are
+    read once; each row is split into chunks of 8192 entries raced by their own
+    programs, then the chunks' winners (first index on ties, as torch.argmax)."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    b, vocab = logits.shape
+    n_chunks = triton.cdiv(vocab, _RACE_CHUNK)
+    best = torch.empty(b, n_chunks, dtype=torch.float32, device=logits.device)
+    arg = torch.empty(b, n_chunks, dtype=torch.int32, device=logits.device)
+    if b:
+        _race_kernel[(b, n_chunks)](logits, logits.stride(0), temperatures.float(), k1, k2,
+                                    best, arg, vocab, CHUNK=_RACE_CHUNK, BLOCK=1024,
+                                    num_warps=4)
+    return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).to(torch.int64)

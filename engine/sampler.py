@@ -8,8 +8,9 @@ still be on the device (`PendingIds`): the penalties' history takes it from ther
 
 Random draws carry no generator state: the noise for vocabulary entry `v` of a row is
 a pure function of (seed, position of the token being sampled, v), a counter-based
-hash evaluated with integer tensor ops. So a seeded request gets the same tokens
-whatever else is in the batch and on whichever worker samples it: a remote prefill
+hash (`row_keys`, `uniform_noise`; on CUDA one fused Triton kernel reads the logits
+once and draws the token, the noise never written out). So a seeded request gets the
+same tokens whatever else is in the batch and on whichever worker samples it: a remote prefill
 samples the first token, the decode worker the rest, and after a fail-over the new
 worker continues the same sequence, with nothing to hand over or skip.
 """
@@ -37,9 +38,34 @@ _KEY_SALT = 0x85EBCA6B  # separates the two per-row keys
 
 
 # -- counter-based RNG ---------------------------------------------------------------
-# Values are 32-bit unsigned integers held in int64 tensors. Every intermediate stays in
-# [0, 2**63), so nothing relies on signed overflow (undefined in the C++ kernels, and
-# shifts of negative numbers would be arithmetic, not logical).
+# The per-row keys are made on the host (numpy, uint32 arithmetic wraps mod 2**32); the
+# per-entry noise on the device. In torch the values are 32-bit unsigned integers held
+# in int64 tensors, every intermediate in [0, 2**63), so nothing relies on signed
+# overflow (undefined in the C++ kernels, and shifts of negative numbers would be
+# arithmetic, not logical). The Triton kernel (engine.kernels.gumbel_race) computes
+# the same bits in uint32 registers.
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """lowbias32 (C. Wellons' hash prospector) on uint32 arrays: a bijection on 32-bit
+    values with near-ideal avalanche, so neighbouring inputs give unrelated outputs."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def row_keys(seeds: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Two 32-bit keys (uint32) per row from seeds in [0, 2**63) and positions in
+    [0, 2**31): the seed's halves and the position are absorbed one at a time through
+    the mixer."""
+    seeds = np.asarray(seeds, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        k = _mix32_np((seeds >> np.uint64(32)).astype(np.uint32) ^ np.uint32(_GOLDEN32))
+        k = _mix32_np(k ^ (seeds & np.uint64(_M32)).astype(np.uint32))
+        k = _mix32_np(k ^ np.asarray(positions).astype(np.uint32))
+        return k, _mix32_np(k ^ np.uint32(_KEY_SALT))
+
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """x * c mod 2**32 for x in [0, 2**32) and a 32-bit constant c, without overflow:
@@ -52,8 +78,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (C. Wellons' hash prospector): a bijection on 32-bit values with
-    near-ideal avalanche, so neighbouring inputs give unrelated outputs."""
+    """`_mix32_np` on int64 tensors holding 32-bit values."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -61,27 +86,27 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two 32-bit keys per row from int64 seeds in [0, 2**63) and positions in [0, 2**31):
-    the seed's halves and the position are absorbed one at a time through the mixer."""
-    k = _mix32((seeds >> 32) ^ _GOLDEN32)
-    k = _mix32(k ^ (seeds & _M32))
-    k = _mix32(k ^ positions)
-    return k, _mix32(k ^ _KEY_SALT)
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
-                  ) -> torch.Tensor:
-    """[B, V] float32 uniforms in (0, 1): entry (b, v) = U(seeds[b], positions[b], v)."""
-    k1, k2 = row_keys(seeds, positions)
-    ids = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64), _GOLDEN32)
+def uniform_noise(k1: torch.Tensor, k2: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] float32 uniforms in (0, 1): entry (b, v) = U(row b's keys `row_keys`, v),
+    the keys int64 tensors holding 32-bit values."""
+    ids = _mul32(torch.arange(vocab_size, device=k1.device, dtype=torch.int64), _GOLDEN32)
     # A second keyed round, so rows whose first keys differ by a multiple of the
     # stride do not get the same noise shifted along the vocabulary.
     x = _mix32((k1.unsqueeze(1) + ids) & _M32)
     x = _mix32(x ^ k2.unsqueeze(1))
-    # 23 bits so that (h + 0.5) is exact in float32: u stays strictly inside (0, 1)
-    # and -log(u) strictly positive (no 0/0 in the race below).
+    # 23 bits so that (h + 0.5) is exact in float32: u stays strictly inside (0, 1),
+    # -log(u) strictly positive and its log finite.
     return ((x >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+
+
+def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, k1: torch.Tensor,
+                k2: torch.Tensor) -> torch.Tensor:
+    """The exponential race, the torch reference of engine.kernels.gumbel_race: row b's
+    argmax over v of logits[b, v] / temperatures[b] - log(-log U(b, v)). With
+    E = -log U ~ Exp(1) this is argmax(softmax(logits / t) / E), which picks entry v
+    with probability softmax(logits / t)[v]; the log form needs no softmax."""
+    noise = uniform_noise(k1, k2, logits.shape[1]).log_().neg_().log_()
+    return (logits / temperatures.unsqueeze(1) - noise).argmax(dim=-1)
 
 
 # -- logits processing ---------------------------------------------------------------
@@ -140,8 +165,8 @@ class _Rows:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
-    seed: torch.Tensor
-    position: torch.Tensor
+    key1: torch.Tensor  # the noise's keys (`row_keys` of seed and position)
+    key2: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
@@ -169,6 +194,10 @@ class Sampler:
         self.device = device
         # Host-side: it only hands out one seed per unseeded request, never noise.
         self._seeds = random.Random(seed)
+        self._race = gumbel_race
+        if device.type == "cuda":  # the same draws, fused: the noise never leaves registers
+            from engine.kernels import gumbel_race as fused_race
+            self._race = fused_race
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
                  ) -> tuple[list[int], list[Logprobs | None]]:
@@ -211,9 +240,13 @@ class Sampler:
             tokens = self._history(requests, logits.shape[1], pending)
             processed = apply_penalties(processed, tokens, rows.prompt_len, rows.presence,
                                         rows.frequency, rows.repetition)
-        ids = processed.argmax(dim=-1)
-        if not all(p.greedy for p in params):
-            ids = torch.where(rows.temperature == 0, ids, self._sample(processed, params, rows))
+        if all(not p.greedy for p in params):
+            ids = self._sample(processed, params, rows)
+        else:
+            ids = processed.argmax(dim=-1)
+            if not all(p.greedy for p in params):
+                sampled = self._sample(processed, params, rows)
+                ids = torch.where(rows.temperature == 0, ids, sampled)
         return DeviceTokens(ids, ks, _pack(logits, ids, ks))
 
     def _rows(self, requests: Sequence[Request], vocab: int) -> _Rows:
@@ -222,13 +255,17 @@ class Sampler:
         table = [(*self._fixed_row(r, vocab), r.num_tokens_with_placeholders)
                  for r in requests]
         # float64 holds every column exactly (ints < 2**53), so one copy carries them all
-        # (numpy reads the tuples faster than torch.tensor).
-        t = self._to_device(torch.from_numpy(np.array(table, dtype=np.float64)))
+        # (numpy reads the tuples faster than torch.tensor). The seed's halves and the
+        # position become the noise's two keys.
+        a = np.array(table, dtype=np.float64)
+        seeds = a[:, 3].astype(np.uint64) | (a[:, 4].astype(np.uint64) << np.uint64(32))
+        a[:, 3], a[:, 4] = row_keys(seeds, a[:, 10].astype(np.int64))
+        t = self._to_device(torch.from_numpy(a[:, :10]))
         ints, floats = t.to(torch.int64), t.to(torch.float32)
         return _Rows(temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 2],
-                     seed=ints[:, 3] | (ints[:, 4] << 32), presence=floats[:, 5],
+                     key1=ints[:, 3], key2=ints[:, 4], presence=floats[:, 5],
                      frequency=floats[:, 6], repetition=floats[:, 7], prompt_len=ints[:, 8],
-                     min_p=floats[:, 9], position=ints[:, 10])
+                     min_p=floats[:, 9])
 
     def _fixed_row(self, r: Request, vocab: int) -> tuple[float, ...]:
         """`r`'s sampling columns that do not change from step to step (its
@@ -310,21 +347,22 @@ class Sampler:
             out = torch.where(slot, pending.ids[rows], out)
         return out
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: list[SamplingParams], rows: _Rows,
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], rows: _Rows,
                 ) -> torch.Tensor:
-        """The exponential race: argmax(probs / E), E ~ Exp(1) per entry, picks entry v
-        with probability probs[v]. Greedy rows get a placeholder temperature of 1 and
-        are overridden by the caller."""
+        """The exponential race (`gumbel_race`) over the temperature-scaled logits, after
+        min-p, top-k and top-p. Greedy rows get a placeholder temperature of 1 and are
+        overridden by the caller."""
         temps = torch.where(rows.temperature == 0, 1.0, rows.temperature)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.min_p > 0.0 for p in params):  # after temperature, before top-k/p: vLLM's
-            logits = min_p_filter(logits, rows.min_p)
-        if any(p.top_k is not None or p.top_p < 1.0 for p in params):
-            logits = top_k_top_p(logits, rows.top_k, rows.top_p)
-        probs = logits.softmax(dim=-1)
-        exp_noise = uniform_noise(rows.seed, rows.position, logits.shape[1]).log_().neg_()
-        return (probs / exp_noise).argmax(dim=-1)
+        filters = any(p.min_p > 0.0 for p in params)
+        top = any(p.top_k is not None or p.top_p < 1.0 for p in params)
+        if filters or top:  # the filters see the scaled logits: the race divides no more
+            logits = logits / temps.unsqueeze(1)
+            temps = torch.ones_like(temps)
+            if filters:  # after temperature, before top-k/p: vLLM's order
+                logits = min_p_filter(logits, rows.min_p)
+            if top:
+                logits = top_k_top_p(logits, rows.top_k, rows.top_p)
+        return self._race(logits, temps, rows.key1, rows.key2)
 
 
 class DeviceTokens:

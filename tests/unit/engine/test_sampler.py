@@ -7,12 +7,13 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from engine.request import Request
-from engine.sampler import PendingIds, Sampler, apply_penalties, uniform_noise
+from engine.sampler import PendingIds, Sampler, apply_penalties, row_keys, uniform_noise
 from engine.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -55,11 +56,16 @@ def _py_uniform(seed: int, position: int, v: int) -> float:
     return ((x >> 9) + 0.5) * 2.0 ** -23
 
 
+def _keys(seeds: Sequence[int], positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    k1, k2 = row_keys(np.array(seeds, dtype=np.uint64), np.array(positions))
+    return torch.from_numpy(k1.astype(np.int64)), torch.from_numpy(k2.astype(np.int64))
+
+
 def test_noise_is_the_documented_hash_for_extreme_seeds_and_positions():
     seeds = [0, 1, 2**32 - 1, 2**32, 2**62 + 12345, 2**63 - 1]
     positions = [0, 1, 7, 2**20, 2**31 - 1, 3]
     vocab = 300
-    got = uniform_noise(torch.tensor(seeds), torch.tensor(positions), vocab)
+    got = uniform_noise(*_keys(seeds, positions), vocab)
     want = torch.tensor([[_py_uniform(s, p, v) for v in range(vocab)]
                          for s, p in zip(seeds, positions, strict=True)])
     assert torch.equal(got, want)
@@ -349,9 +355,9 @@ def test_one_copy_back_per_call(logprobs: int | None):
 def test_cuda_draws_equal_cpu_draws():
     """A remote prefill on one device and a decode on another continue one stream."""
     cuda = torch.device("cuda")
-    seeds, positions = torch.tensor([0, 5, 2**63 - 1]), torch.tensor([1, 77, 2**31 - 1])
-    assert torch.equal(uniform_noise(seeds.to(cuda), positions.to(cuda), 5000).cpu(),
-                       uniform_noise(seeds, positions, 5000))
+    k1, k2 = _keys([0, 5, 2**63 - 1], [1, 77, 2**31 - 1])
+    assert torch.equal(uniform_noise(k1.to(cuda), k2.to(cuda), 5000).cpu(),
+                       uniform_noise(k1, k2, 5000))
     logits = torch.randn(3, 5000) * 4
     reqs = [make_request(p, seed=s, top_p=0.95) for s, p in [(0, 1), (5, 77), (9, 3)]]
     assert Sampler(cuda)(logits.to(cuda), reqs)[0] == Sampler(CPU)(logits, reqs)[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from engine.models.llama import (  # noqa: E402
     apply_rope,
     rope_inv_freq,
 )
+from engine.sampler import gumbel_race, row_keys  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -151,3 +153,35 @@ def test_silu_and_mul_matches_torch(dtype: torch.dtype, inter: int) -> None:
     x = (torch.randn(3, 2 * inter) * 4).to(device=DEVICE, dtype=dtype)
     gate, up = x.split(inter, dim=-1)
     assert_matches(kernels.silu_and_mul(x), F.silu(gate) * up, min_exact=0.98)
+
+
+def _race_inputs(b: int, vocab: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, vocab, generator=gen) * 3
+    logits[0, : vocab // 2] = float("-inf")  # filtered entries (top-k, min-p) never win
+    temps = torch.rand(b, generator=gen) + 0.2
+    seeds = np.array([0, 5, 2**63 - 1, 2**32, 77, 12345][:b], dtype=np.uint64)
+    k1, k2 = row_keys(seeds, np.arange(b) * 977 + 1)
+    keys = [torch.from_numpy(k.astype(np.int64)) for k in (k1, k2)]
+    return tuple(t.to(DEVICE) for t in (logits, temps, *keys))
+
+
+@pytest.mark.parametrize(("b", "vocab"), [(3, 300), (2, 8192), (4, 8193), (6, 20000)])
+def test_fused_race_draws_the_torch_references_tokens(b: int, vocab: int) -> None:
+    # Row chunks of 8192 entries raced apart: a vocabulary of one chunk, one entry past
+    # it, and several; the noise is the same bits as sampler.uniform_noise's.
+    logits, temps, k1, k2 = _race_inputs(b, vocab, vocab)
+    want = gumbel_race(logits.cpu(), temps.cpu(), k1.cpu(), k2.cpu())
+    got = kernels.gumbel_race(logits, temps, k1, k2)
+    assert got.dtype == torch.int64 and got.device == logits.device
+    assert got.cpu().tolist() == want.tolist()
+    assert bool((got.cpu() >= vocab // 2)[0])  # row 0: only its finite half can win
+
+
+def test_fused_race_reads_strided_rows_and_empty_batches() -> None:
+    logits, temps, k1, k2 = _race_inputs(3, 1000, 0)
+    wide = torch.zeros(3, 1500, device=DEVICE)
+    wide[:, :1000] = logits
+    assert kernels.gumbel_race(wide[:, :1000], temps, k1, k2).tolist() == \
+        kernels.gumbel_race(logits, temps, k1, k2).tolist()
+    assert kernels.gumbel_race(logits[:0], temps[:0], k1[:0], k2[:0]).numel() == 0
