@@ -290,7 +290,8 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, k1: torch.Tens
     best = torch.empty(b, n_chunks, dtype=torch.float32, device=logits.device)
     arg = torch.empty(b, n_chunks, dtype=torch.int32, device=logits.device)
     if b:
-        _race_kernel[(b, n_chunks)](logits, logits.stride(0), temperatures.float(), k1, k2,
-                                    best, arg, vocab, CHUNK=_RACE_CHUNK, BLOCK=1024,
-                                    num_warps=4)
+        # (the per-row columns may be strided views of one parameter table)
+        t, k1, k2 = (x.contiguous() for x in (temperatures.float(), k1, k2))
+        _race_kernel[(b, n_chunks)](logits, logits.stride(0), t, k1, k2, best, arg, vocab,
+                                    CHUNK=_RACE_CHUNK, BLOCK=1024, num_warps=4)
     return arg.gather(1, best.argmax(dim=1, keepdim=True)).squeeze(1).to(torch.int64)

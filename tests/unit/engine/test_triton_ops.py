@@ -178,10 +178,40 @@ def test_fused_race_draws_the_torch_references_tokens(b: int, vocab: int) -> Non
     assert bool((got.cpu() >= vocab // 2)[0])  # row 0: only its finite half can win
 
 
-def test_fused_race_reads_strided_rows_and_empty_batches() -> None:
+def test_fused_race_reads_strided_rows_and_columns_and_empty_batches() -> None:
     logits, temps, k1, k2 = _race_inputs(3, 1000, 0)
+    want = kernels.gumbel_race(logits, temps, k1, k2).tolist()
     wide = torch.zeros(3, 1500, device=DEVICE)
     wide[:, :1000] = logits
-    assert kernels.gumbel_race(wide[:, :1000], temps, k1, k2).tolist() == \
-        kernels.gumbel_race(logits, temps, k1, k2).tolist()
+    # The sampler's per-row columns are views of one parameter table.
+    keys = torch.stack([k2, k1, k2], dim=1)
+    temps_col = torch.stack([temps, temps.flip(0)], dim=1)[:, 0]
+    assert not keys[:, 1].is_contiguous() and not temps_col.is_contiguous()
+    assert kernels.gumbel_race(wide[:, :1000], temps, k1, k2).tolist() == want
+    assert kernels.gumbel_race(logits, temps_col, keys[:, 1], keys[:, 2]).tolist() == want
     assert kernels.gumbel_race(logits[:0], temps[:0], k1[:0], k2[:0]).numel() == 0
+
+
+def test_sampler_draws_the_same_tokens_fused_or_not() -> None:
+    # Every sampling feature that reaches the race, in one batch: temperatures, greedy
+    # rows, top-k, top-p, min-p, penalties, seeded and unseeded rows.
+    from engine.request import Request
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+
+    rows = [dict(temperature=0.7, seed=1), dict(temperature=0.0),
+            dict(temperature=1.0, top_p=0.9, seed=3), dict(temperature=1.3, top_k=20),
+            dict(temperature=0.9, min_p=0.05, seed=5), dict(temperature=1.0),
+            dict(temperature=0.8, presence_penalty=0.5, top_p=0.95, seed=7)]
+    cpu = torch.device("cpu")
+    for trial in range(4):
+        gen = torch.Generator().manual_seed(trial)
+        logits = torch.randn(len(rows), 3000, generator=gen) * 4
+        reqs = [Request(f"r{i}", [1, 2, 3 + trial], SamplingParams(max_tokens=5, **kw))
+                for i, kw in enumerate(rows)]
+        torch_path = Sampler(cpu, seed=trial)
+        fused = Sampler(torch.device(DEVICE), seed=trial)  # CUDA: the kernel's own choice
+        if DEVICE == "cpu":
+            fused._race = kernels.gumbel_race
+        want = torch_path(logits, reqs)[0]
+        assert fused(logits.to(DEVICE), reqs)[0] == want
