@@ -175,12 +175,13 @@ def _gpu_sections(r: str) -> list[str]:
 
 
 PROFILE_TEXT = """\
-`bench profile` runs torch.profiler over workload c on the engine (a window of mixed steps \
-while prefills run, then decode steps once every prefill is done) and over one KV \
-hand-off between two processes (sender and receiver profiled); it prints the tables \
-below, writes the summary with `--json` and a Chrome trace per part under `--trace-dir` \
-(chrome://tracing, ui.perfetto.dev). `bash bench/gpu_checks.sh` runs it first on a GPU \
-(its `profile` step).
+`bench profile` runs torch.profiler over a workload on the engine (`--workload`, c by \
+default: a window of mixed steps while prefills run, then decode steps once every prefill \
+is done) and over one KV hand-off between two processes (sender and receiver profiled); \
+it prints the tables below with each window's kernels by device time, writes the summary \
+with `--json` and a Chrome trace per part under `--trace-dir` (chrome://tracing, \
+ui.perfetto.dev). `bash bench/gpu_checks.sh` runs it first on a GPU (its `profile`, \
+`profile_a` and `profile_async` steps).
 
 - Per step, medians over the window, µs: `wall` is the step on the host's clock; `device` \
 the time kernels ran (their union); `host` the wall less the time the host waited on the \
