@@ -262,8 +262,13 @@ def _race_kernel(x_ptr: tl.tensor, x_stride: tl.tensor, t_ptr: tl.tensor, k1_ptr
         h = _mix32(k1 + cols.to(tl.uint32) * 0x9E3779B9)
         h = _mix32(h ^ k2)
         u = ((h >> 9).to(tl.int32).to(tl.float32) + 0.5) * 1.1920928955078125e-07
-        score = logit.to(tl.float32) / t - tl.log(-tl.log(u))
-        take = (score > best) & mask  # strict: a lane keeps its first index on ties
+        # IEEE division (the default fp32 `/` is approximate): the bits of torch's
+        # `logits / t`, whether the sampler or this kernel divides
+        score = tl.math.div_rn(logit.to(tl.float32), t) - tl.log(-tl.log(u))
+        score = tl.where(score != score, float("inf"), score)  # NaN wins, as in argmax
+        # Strictly greater: a lane keeps its first index on ties; and a lane's first
+        # entry is always taken, so a row of -inf picks its first entry, as argmax.
+        take = ((score > best) | (arg == 2147483647)) & mask
         best = tl.where(take, score, best)
         arg = tl.where(take, cols, arg)
     top = tl.max(best, axis=0)
@@ -282,7 +287,8 @@ def gumbel_race(logits: torch.Tensor, temperatures: torch.Tensor, k1: torch.Tens
     temperatures[b] - log(-log U(b, v)), the uniforms hashed from the row's keys `k1`,
     `k2` (int64 holding 32-bit values) in registers. logits [B, V] (rows contiguous) are
     read once; each row is split into chunks of 8192 entries raced by their own
-    programs, then the chunks' winners (first index on ties, as torch.argmax)."""
+    programs, then the chunks' winners (first index on ties and NaN as the largest, as
+    torch.argmax)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     b, vocab = logits.shape

@@ -8,8 +8,9 @@ still be on the device (`PendingIds`): the penalties' history takes it from ther
 
 Random draws carry no generator state: the noise for vocabulary entry `v` of a row is
 a pure function of (seed, position of the token being sampled, v), a counter-based
-hash (`row_keys`, `uniform_noise`; on CUDA one fused Triton kernel reads the logits
-once and draws the token, the noise never written out). So a seeded request gets the
+hash (`row_keys`, `uniform_noise`; on CUDA one fused Triton kernel draws the tokens,
+the noise never written out, the logits read once unless min-p, top-k or top-p filter
+them first). So a seeded request gets the
 same tokens whatever else is in the batch and on whichever worker samples it: a remote prefill
 samples the first token, the decode worker the rest, and after a fail-over the new
 worker continues the same sequence, with nothing to hand over or skip.
@@ -260,7 +261,7 @@ class Sampler:
         a = np.array(table, dtype=np.float64)
         seeds = a[:, 3].astype(np.uint64) | (a[:, 4].astype(np.uint64) << np.uint64(32))
         a[:, 3], a[:, 4] = row_keys(seeds, a[:, 10].astype(np.int64))
-        t = self._to_device(torch.from_numpy(a[:, :10]))
+        t = self._to_device(torch.from_numpy(np.ascontiguousarray(a[:, :10])))  # pinnable
         ints, floats = t.to(torch.int64), t.to(torch.float32)
         return _Rows(temperature=floats[:, 0], top_k=ints[:, 1], top_p=floats[:, 2],
                      key1=ints[:, 3], key2=ints[:, 4], presence=floats[:, 5],

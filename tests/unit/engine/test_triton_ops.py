@@ -204,14 +204,29 @@ def test_sampler_draws_the_same_tokens_fused_or_not() -> None:
             dict(temperature=0.9, min_p=0.05, seed=5), dict(temperature=1.0),
             dict(temperature=0.8, presence_penalty=0.5, top_p=0.95, seed=7)]
     cpu = torch.device("cpu")
-    for trial in range(4):
+    # (and without filters: the race divides by the temperature itself)
+    plain = [dict(temperature=0.7, seed=1), dict(temperature=0.0), dict(temperature=1.7)]
+    for trial, batch in enumerate([rows] * 4 + [plain] * 2):
         gen = torch.Generator().manual_seed(trial)
-        logits = torch.randn(len(rows), 3000, generator=gen) * 4
+        logits = torch.randn(len(batch), 3000, generator=gen) * 4
         reqs = [Request(f"r{i}", [1, 2, 3 + trial], SamplingParams(max_tokens=5, **kw))
-                for i, kw in enumerate(rows)]
+                for i, kw in enumerate(batch)]
         torch_path = Sampler(cpu, seed=trial)
         fused = Sampler(torch.device(DEVICE), seed=trial)  # CUDA: the kernel's own choice
         if DEVICE == "cpu":
             fused._race = kernels.gumbel_race
         want = torch_path(logits, reqs)[0]
         assert fused(logits.to(DEVICE), reqs)[0] == want
+
+
+def test_fused_race_picks_as_argmax_on_rows_without_a_finite_entry() -> None:
+    # A grammar or token masks can leave a row all -inf, a diverged forward NaN: the id
+    # stays inside the vocabulary, as torch.argmax's.
+    _, temps, k1, k2 = _race_inputs(3, 9000, 1)
+    logits = torch.randn(3, 9000)
+    logits[0] = float("-inf")
+    logits[1, 8500] = float("nan")
+    logits[2] = float("nan")
+    logits = logits.to(DEVICE)
+    assert kernels.gumbel_race(logits, temps, k1, k2).tolist() == [0, 8500, 0]
+    assert gumbel_race(logits.cpu(), temps.cpu(), k1.cpu(), k2.cpu()).tolist() == [0, 8500, 0]
