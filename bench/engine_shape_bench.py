@@ -115,10 +115,17 @@ def make_workloads(names: list[str], scale: float, vocab: int, max_len: int,
 @dataclass(slots=True)
 class _Recorder:
     """Sees what each engine step scheduled, by wrapping the engine's scheduler on this
-    one instance (read-only: the scheduler's output is passed through untouched)."""
+    one instance (read-only: the scheduler's output is passed through untouched).
+
+    `lag`: async scheduling, where a call to `engine.step` launches the step it
+    schedules and returns once it has read the step the previous call launched: the
+    time between two returns is then the previous call's step (the first call's
+    launch, with nothing read, is not a step)."""
 
     steps: list[StepRecord] = field(default_factory=list)
     last: list[tuple[int, int, int, int]] = field(default_factory=list)
+    lag: bool = False
+    launched: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def attach(self, engine: Any) -> None:
         inner = engine.scheduler.schedule
@@ -135,15 +142,17 @@ class _Recorder:
         engine.scheduler.schedule = schedule
 
     def record(self, seconds: float) -> None:
-        if not self.last:
+        last, self.last = self.last, []
+        if self.lag:
+            last, self.launched = self.launched, last
+        if not last:
             return
         self.steps.append(StepRecord(
-            seconds=seconds, tokens=sum(e - s for s, e, _, _ in self.last),
-            sampled=sum(1 for _, e, n, _ in self.last if e == n),
-            attn_pairs=sum(causal_pairs(s, e) for s, e, _, _ in self.last),
-            kv_tokens_read=sum(e for _, e, _, _ in self.last),
-            decode_only=all(e - s == 1 and s >= p for s, e, _, p in self.last)))
-        self.last = []
+            seconds=seconds, tokens=sum(e - s for s, e, _, _ in last),
+            sampled=sum(1 for _, e, n, _ in last if e == n),
+            attn_pairs=sum(causal_pairs(s, e) for s, e, _, _ in last),
+            kv_tokens_read=sum(e for _, e, _, _ in last),
+            decode_only=all(e - s == 1 and s >= p for s, e, _, p in last)))
 
 
 def _sync(device: torch.device) -> None:
@@ -156,7 +165,11 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[floa
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
-    rec = _Recorder()
+    # Under async scheduling the host runs a step ahead of the device: no synchronize
+    # per step (it would hold the next step's launch until the device is idle); each
+    # step is timed by the return that reads it.
+    lag = engine.async_steps is not None
+    rec = _Recorder(lag=lag)
     rec.attach(engine)
     try:
         _sync(device)
@@ -170,9 +183,11 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[floa
         while engine.has_work():
             s0 = time.perf_counter()
             outs = engine.step()
-            _sync(device)
+            if not lag:
+                _sync(device)
             rec.record(time.perf_counter() - s0)
             produced += sum(o.num_output_tokens for o in outs if o.finished)
+        _sync(device)
         seconds = time.perf_counter() - t0
     finally:
         del engine.scheduler.schedule  # back to the class's method
@@ -354,6 +369,9 @@ def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: li
                               "mixed": getattr(engine.runner.mixed_graphs, "replays", 0)},
             "attention_tuning": cfg.tunes_attention,
             "async_scheduling": cfg.schedules_async,
+            # whether the bench synchronised the device after every step (not under
+            # async scheduling, whose overlap that would undo)
+            "step_sync": not cfg.schedules_async,
             # the launch configurations chosen at start-up ("" where untuned)
             "attention_tables": {k: t.describe() for k in ("decode", "prefill")
                                  if (t := getattr(engine.runner.attention, f"{k}_table",

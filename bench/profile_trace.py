@@ -115,7 +115,32 @@ def step_figures(events: list[Event], step: Event, work: DeviceWork,
     host = wall - (_waits(inside) if work.cuda else busy)
     return {"wall_us": wall, "host_us": host, "device_us": busy, "kernels": len(kernels),
             "launch_calls": launch_calls, "gap_sum_us": gap_sum, "gap_max_us": gap_max,
-            "phases_us": {p: sum(float(e["dur"]) for e in ranges(inside, p)) for p in phases}}
+            "phases_us": exclusive_phases(inside, phases)}
+
+
+def exclusive_phases(events: list[Event], phases: Iterable[str]) -> dict[str, float]:
+    """µs per phase range name, each range less the phase ranges inside it (an async
+    step's resolve holds its outputs and the read of its tokens): they sum to at most
+    the time the ranges cover."""
+    phases = list(phases)
+    spans = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+                    for p in phases for e in ranges(events, p)), key=lambda x: (x[0], -x[1]))
+    out = dict.fromkeys(phases, 0.0)
+    open_: list[list[Any]] = []  # open ranges: [end, name, µs of its children, µs]
+    for t0, t1, name in spans:
+        while open_ and open_[-1][0] <= t0:
+            _close(open_, out)
+        open_.append([t1, name, 0.0, t1 - t0])
+    while open_:
+        _close(open_, out)
+    return out
+
+
+def _close(open_: list[list[Any]], out: dict[str, float]) -> None:
+    end, name, inner, dur = open_.pop()
+    out[name] += dur - inner
+    if open_:
+        open_[-1][2] += dur
 
 
 def top_kernels(steps: list[Event], events: list[Event], work: DeviceWork,

@@ -272,8 +272,10 @@ def _gpu_engine(r: str) -> list[str]:
              "bandwidth for decode, matmul FLOP/s for prefill, the larger of the two per "
              "step for c's mixed steps); `transformers` is `generate` on the same "
              "workload in the same run, where the run has it. `scheduling`: async (the "
-             "default on CUDA) or `--no-async-scheduling`; `KV`: the cache's dtype "
-             "(`--kv-cache-dtype`).", "",
+             "default on CUDA) or `--no-async-scheduling`; `async, synced per step`: the "
+             "bench synchronised the device after every step, which holds each step's "
+             "launch until the device is idle, so the figure is a lower bound on async "
+             "scheduling; `KV`: the cache's dtype (`--kv-cache-dtype`).", "",
              "`tuned`: the decode points start-up tuning reached of its grid (up to 8; the "
              "rest keep the untuned tile: a cold Triton cache compiles every candidate "
              "first, and the budget can end the search there).", "",

@@ -116,9 +116,12 @@ def engine_runs(r: str, device: str) -> list[tuple[str, str, dict[str, Any]]]:
     for name, scheduling in GPU_ENGINE_RUNS.get(device, ()):
         path = os.path.join(r, "gpu", name)
         if data := load(path):
-            recorded = data.get("config", {}).get("engine", {}).get("async_scheduling")
+            engine = data.get("config", {}).get("engine", {})
+            recorded = engine.get("async_scheduling")
             if recorded is not None:
                 scheduling = "async" if recorded else "sync"
+            if scheduling == "async" and engine.get("step_sync", True):
+                scheduling = "async, synced per step"  # (runs that do not record it were)
             out.append((path, scheduling, data))
     return out
 
@@ -128,7 +131,8 @@ def _row_engine(r: str) -> Row | None:
     on CUDA (async scheduling), against the roofline of the same steps at the limits
     the run measured."""
     for path, scheduling, data in engine_runs(r, "h200"):
-        if (scheduling != "async" or data["config"].get("model_shape") != "llama3-8b"
+        if (not scheduling.startswith("async")
+                or data["config"].get("model_shape") != "llama3-8b"
                 or data["config"].get("kv_cache_dtype", "auto") != "auto"
                 or "c" not in data["summary"]):
             continue

@@ -84,3 +84,43 @@ def test_bench_engine_with_an_fp8_kv_cache(tmp_path, monkeypatch):
     assert config["kv_cache_dtype"] == "fp8"
     # 2 layers x K and V x 2 heads x 16 dims, one byte each
     assert config["kv_bytes_per_token"] == 2 * 2 * 2 * 16
+
+
+def test_async_scheduling_is_timed_without_a_synchronize_per_step(tmp_path, monkeypatch):
+    # Under async scheduling a call reads the step the previous call launched: each
+    # recorded step is still the step its time covers, so both schedulings record the
+    # same steps (tokens, decode-only steps), and only async runs without a per-step sync.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shape = tmp_path / "tiny.json"
+    shape.write_text(json.dumps(TINY))
+    runs = {}
+    for flag in ("--async-scheduling", "--no-async-scheduling"):
+        out = tmp_path / f"{flag}.json"
+        assert main(["bench", "engine", "--device", "cpu", "--model-shape", str(shape),
+                     "--workloads", "a,b", "--scale", "0.04", "--dtype", "float32",
+                     "--skip-hf", flag, "--json", str(out)]) == 0
+        runs[flag] = json.loads(out.read_text())
+    on, off = runs["--async-scheduling"], runs["--no-async-scheduling"]
+    assert on["config"]["engine"]["async_scheduling"] and not on["config"]["engine"]["step_sync"]
+    assert off["config"]["engine"]["step_sync"]
+    for name in ("a", "b"):
+        fields = on["workloads"][name]["ours"]["step_fields"]
+        tok, dec = fields.index("tokens"), fields.index("decode_only")
+        steps = {k: r["workloads"][name]["ours"]["steps"] for k, r in runs.items()}
+        want = on["workloads"][name]["prompt_tokens"] + on["workloads"][name]["output_tokens"]
+        for k, s in steps.items():  # every token computed once (the last one never)
+            assert sum(x[tok] for x in s) == want - on["workloads"][name]["requests"], k
+        assert [x[dec] for x in steps["--async-scheduling"]] == \
+            [x[dec] for x in steps["--no-async-scheduling"]]
+
+
+def test_a_lagging_recorder_times_each_step_by_the_return_that_reads_it():
+    from bench.engine_shape_bench import _Recorder
+
+    rec = _Recorder(lag=True)
+    prefill, decode = [(0, 8, 8, 8)], [(8, 9, 9, 8)]
+    for shapes, seconds in [(prefill, 0.001), (decode, 0.5), ([], 0.02)]:
+        rec.last = shapes  # what this call scheduled and launched
+        rec.record(seconds)  # its return: the previous call's step has been read
+    assert [(s.seconds, s.tokens, s.decode_only) for s in rec.steps] == \
+        [(0.5, 8, False), (0.02, 1, True)]

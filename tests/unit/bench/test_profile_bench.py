@@ -18,11 +18,14 @@ from cluster.cli import build_parser, main
 from kvtransfer import KVLayout
 
 
-def test_engine_windows_have_sane_figures(tmp_path, capsys):
+@pytest.mark.parametrize("scheduling", ["--no-async-scheduling", "--async-scheduling"])
+def test_engine_windows_have_sane_figures(tmp_path, capsys, scheduling):
+    # (async: no synchronize per step; each step's range reads the step launched before)
     out = tmp_path / "profile.json"
     assert main(["bench", "profile", "--device", "cpu", "--parts", "engine", "--scale", "0.05",
                  "--decode-steps", "3", "--mixed-steps", "2", "--max-num-batched-tokens",
-                 "128", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]) == 0
+                 "128", "--trace-dir", str(tmp_path / "traces"), "--json", str(out),
+                 scheduling]) == 0
     result = json.loads(out.read_text())
     windows = result["engine"]["windows"]
     assert set(windows) == {"mixed", "decode"}
@@ -130,3 +133,17 @@ def test_cuda_kernels_belong_to_the_step_that_launched_them():
     b = pt.step_figures(events, step2, work, ())
     assert b["kernels"] == 2 and b["launch_calls"] == 1 and b["device_us"] == 40
     assert b["gap_max_us"] == 10 and b["host_us"] == 100
+
+
+def test_phase_ranges_count_their_own_time_only():
+    def rng(name, ts, dur):
+        return {"cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    # an async step's resolve (update) holds the read of its tokens and its outputs
+    events = [rng("engine.schedule", 0, 10), rng("engine.update", 20, 100),
+              rng("engine.sample", 30, 40), rng("engine.outputs", 80, 30),
+              rng("engine.inputs", 130, 5), rng("engine.inputs", 132, 2)]
+    got = pt.exclusive_phases(events, ["engine.schedule", "engine.update", "engine.sample",
+                                       "engine.outputs", "engine.inputs"])
+    assert got == {"engine.schedule": 10, "engine.update": 30, "engine.sample": 40,
+                   "engine.outputs": 30, "engine.inputs": 5}
