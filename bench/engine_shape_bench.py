@@ -17,11 +17,13 @@ output is done, and we count for it, as for us, only the tokens each request ask
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +128,7 @@ class _Recorder:
     last: list[tuple[int, int, int, int]] = field(default_factory=list)
     lag: bool = False
     launched: list[tuple[int, int, int, int]] = field(default_factory=list)
+    calls: int = 0  # engine.step calls recorded: the index of the step a call launches
 
     def attach(self, engine: Any) -> None:
         inner = engine.scheduler.schedule
@@ -142,6 +145,7 @@ class _Recorder:
         engine.scheduler.schedule = schedule
 
     def record(self, seconds: float) -> None:
+        self.calls += 1
         last, self.last = self.last, []
         if self.lag:
             last, self.launched = self.launched, last
@@ -155,13 +159,45 @@ class _Recorder:
             decode_only=all(e - s == 1 and s >= p for s, e, _, p in last)))
 
 
+@contextlib.contextmanager
+def jit_compiles(step_index: Callable[[], int]) -> Iterator[list[dict[str, Any]]]:
+    """The Triton kernels compiled while inside, as {"step": step_index(), "kernel":
+    name, "constants": its constexprs}: a kernel variant first met inside a timed run
+    costs that step its compile (a disk-cache hit, milliseconds; a cold compile, up
+    to seconds). Empty where Triton has no compile hook (or runs interpreted)."""
+    found: list[dict[str, Any]] = []
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+        previous = runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        yield found
+        return
+
+    def hook(**kw: Any) -> bool:
+        fn, spec = kw.get("fn"), kw.get("compile") or {}
+        found.append({"step": step_index(), "kernel": getattr(fn, "name", str(fn)),
+                      "constants": {str(k): str(v) for k, v in
+                                    (spec.get("constants") or {}).items()}})
+        return bool(previous(**kw)) if previous else False
+
+    runtime.jit_cache_hook = hook
+    try:
+        yield found
+    finally:
+        runtime.jit_cache_hook = previous
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[float, list[StepRecord]]:
-    """Runs the workload to completion on `llm`'s engine; returns (seconds, steps)."""
+def run_ours_workload(llm: Any, w: Workload, device: torch.device,
+                      ) -> tuple[float, list[StepRecord], list[dict[str, Any]]]:
+    """Runs the workload to completion on `llm`'s engine; returns (seconds, steps, the
+    Triton kernels compiled during the run: `jit_compiles`)."""
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     engine = llm.engine
@@ -171,7 +207,9 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[floa
     lag = engine.async_steps is not None
     rec = _Recorder(lag=lag)
     rec.attach(engine)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(delattr, engine.scheduler, "schedule")  # back to the class's method
+        compiles = stack.enter_context(jit_compiles(lambda: rec.calls))
         _sync(device)
         t0 = time.perf_counter()
         for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):
@@ -189,11 +227,9 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device) -> tuple[floa
             produced += sum(o.num_output_tokens for o in outs if o.finished)
         _sync(device)
         seconds = time.perf_counter() - t0
-    finally:
-        del engine.scheduler.schedule  # back to the class's method
     if produced != sum(w.out_lens):
         raise RuntimeError(f"workload {w.name}: {produced} tokens, expected {sum(w.out_lens)}")
-    return seconds, rec.steps
+    return seconds, rec.steps, compiles
 
 
 def make_llm(model_dir: str, device: torch.device, dtype: str, workloads: list[Workload],
@@ -286,8 +322,8 @@ _ROOFLINE = {"a": ("decode", "memory_frac"), "b": ("decode", "memory_frac"),
 
 
 def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
-                    hf: tuple[float, int] | None, cost: ModelCost,
-                    limits: MachineLimits) -> dict[str, Any]:
+                    compiles: list[dict[str, Any]], hf: tuple[float, int] | None,
+                    cost: ModelCost, limits: MachineLimits) -> dict[str, Any]:
     n = w.counted_tokens
     phases = {"decode": step_summary(steps, cost, limits, True),
               "prefill": step_summary(steps, cost, limits, False),
@@ -308,7 +344,9 @@ def workload_result(w: Workload, ours_s: float, steps: list[StepRecord],
                  # every step, for `sim calibrate --engine-json` to fit a profile from
                  "step_fields": list(STEP_FIELDS),
                  "steps": [[round(s.seconds, 7), s.tokens, s.sampled, s.attn_pairs,
-                            s.kv_tokens_read, int(s.decode_only)] for s in steps]},
+                            s.kv_tokens_read, int(s.decode_only)] for s in steps],
+                 # Triton kernels first compiled inside the timed run, by step
+                 "jit_compiles": compiles},
         "hf": {"seconds": hf[0], "batch_size": hf[1]} if hf else None,
     }
 
@@ -321,6 +359,12 @@ def print_result(result: dict[str, Any]) -> None:
           f"; {lim['matmul_TFLOP_s']:.4g} TFLOP/s [{lim['matmul_method']}]")
     print(f"{'workload':<38}{'ours tok/s':>12}{'hf tok/s':>11}{'ours/hf':>9}"
           f"{'step ms':>10}{'roof ms':>10}{'of roof':>9}")
+    for name, r in result["workloads"].items():
+        if compiled := r["ours"].get("jit_compiles"):
+            steps = sorted({c["step"] for c in compiled})
+            print(f"workload {name}: {len(compiled)} Triton kernel variants compiled inside "
+                  f"the timed run, at steps {steps}: "
+                  f"{', '.join(sorted({c['kernel'] for c in compiled}))}", file=sys.stderr)
     for name, r in result["workloads"].items():
         s = r["summary"]
         phase = _ROOFLINE[name][0]
@@ -348,8 +392,10 @@ def _free(device: torch.device) -> None:
 
 def run_ours_all(model_dir: str, device: torch.device, dtype: str, workloads: list[Workload],
                  args: argparse.Namespace,
-                 ) -> tuple[dict[str, tuple[float, list[StepRecord]]], dict[str, Any]]:
-    """Every workload on one engine; returns ({name: (seconds, steps)}, engine settings)."""
+                 ) -> tuple[dict[str, tuple[float, list[StepRecord], list[dict[str, Any]]]],
+                            dict[str, Any]]:
+    """Every workload on one engine; returns ({name: run_ours_workload's}, engine
+    settings)."""
     llm = make_llm(model_dir, device, dtype, workloads, args)
     results = {}
     for w in workloads:

@@ -124,3 +124,29 @@ def test_a_lagging_recorder_times_each_step_by_the_return_that_reads_it():
         rec.record(seconds)  # its return: the previous call's step has been read
     assert [(s.seconds, s.tokens, s.decode_only) for s in rec.steps] == \
         [(0.5, 8, False), (0.02, 1, True)]
+
+
+def test_kernels_compiled_inside_a_timed_run_are_recorded_by_step():
+    # Triton calls its compile hook once per new kernel variant; here it is called as
+    # Triton calls it (the CPU interpreter compiles nothing).
+    from triton import knobs
+
+    from bench.engine_shape_bench import jit_compiles
+
+    seen = []
+    knobs.runtime.jit_cache_hook = lambda **kw: (seen.append(kw["fn"].name), False)[1]
+    step = [0]
+    try:
+        with jit_compiles(lambda: step[0]) as compiles:
+            fn = type("Fn", (), {"name": "_unified_kernel"})()
+            step[0] = 7
+            assert knobs.runtime.jit_cache_hook(fn=fn, compile={"constants": {"BLOCK_M": 64}},
+                                                key=None) is False
+        assert compiles == [{"step": 7, "kernel": "_unified_kernel",
+                             "constants": {"BLOCK_M": "64"}}]
+        assert seen == ["_unified_kernel"]  # a hook already set still sees every compile
+        assert knobs.runtime.jit_cache_hook is not None and \
+            knobs.runtime.jit_cache_hook(fn=fn, compile={}) is False  # the previous hook back
+        assert len(compiles) == 1
+    finally:
+        knobs.runtime.jit_cache_hook = None
