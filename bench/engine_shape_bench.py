@@ -121,14 +121,14 @@ class _Recorder:
 
     `lag`: async scheduling, where a call to `engine.step` launches the step it
     schedules and returns once it has read the step the previous call launched: the
-    time between two returns is then the previous call's step (the first call's
-    launch, with nothing read, is not a step)."""
+    time between two returns is then the previous call's step; a call that read
+    nothing (the first launch) adds its time to the next step recorded."""
 
     steps: list[StepRecord] = field(default_factory=list)
     last: list[tuple[int, int, int, int]] = field(default_factory=list)
     lag: bool = False
     launched: list[tuple[int, int, int, int]] = field(default_factory=list)
-    calls: int = 0  # engine.step calls recorded: the index of the step a call launches
+    carried: float = 0.0
 
     def attach(self, engine: Any) -> None:
         inner = engine.scheduler.schedule
@@ -136,19 +136,24 @@ class _Recorder:
         def schedule() -> Any:
             out = inner()
             # (start, end, num_tokens, num_prompt_tokens) before the step updates them
+            # (a token in flight under async scheduling counts: its row samples next)
             self.last = [(s.request.num_computed_tokens,
                           s.request.num_computed_tokens + s.num_new_tokens,
-                          s.request.num_tokens, s.request.num_prompt_tokens)
+                          s.request.num_tokens_with_placeholders,
+                          s.request.num_prompt_tokens)
                          for s in out.scheduled]
             return out
 
         engine.scheduler.schedule = schedule
 
     def record(self, seconds: float) -> None:
-        self.calls += 1
         last, self.last = self.last, []
         if self.lag:
             last, self.launched = self.launched, last
+            if not last:
+                self.carried += seconds
+                return
+            seconds, self.carried = seconds + self.carried, 0.0
         if not last:
             return
         self.steps.append(StepRecord(
@@ -177,9 +182,15 @@ def jit_compiles(step_index: Callable[[], int]) -> Iterator[list[dict[str, Any]]
 
     def hook(**kw: Any) -> bool:
         fn, spec = kw.get("fn"), kw.get("compile") or {}
+        # Triton keys the constants by argument path ((index,) for a plain argument)
+        names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
+        constants = {}
+        for k, v in (spec.get("constants") or {}).items():
+            if isinstance(k, tuple) and len(k) == 1 and 0 <= k[0] < len(names):
+                k = names[k[0]]
+            constants[str(k)] = str(v)
         found.append({"step": step_index(), "kernel": getattr(fn, "name", str(fn)),
-                      "constants": {str(k): str(v) for k, v in
-                                    (spec.get("constants") or {}).items()}})
+                      "constants": constants})
         return bool(previous(**kw)) if previous else False
 
     runtime.jit_cache_hook = hook
@@ -209,7 +220,8 @@ def run_ours_workload(llm: Any, w: Workload, device: torch.device,
     rec.attach(engine)
     with contextlib.ExitStack() as stack:
         stack.callback(delattr, engine.scheduler, "schedule")  # back to the class's method
-        compiles = stack.enter_context(jit_compiles(lambda: rec.calls))
+        # (the step whose time the current call ends up in: the next one recorded)
+        compiles = stack.enter_context(jit_compiles(lambda: len(rec.steps)))
         _sync(device)
         t0 = time.perf_counter()
         for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):

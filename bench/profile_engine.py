@@ -61,13 +61,12 @@ def profile_window(engine: Any, recorder: Any, steps: int, device: Any,
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     kinds = []
-    if recorder.lag:  # the step in flight is the one the window's first call reads
-        recorder.launched, recorder.last = recorder.last, []
+    overlap = engine.async_steps is not None
     with profile(activities=acts) as prof:
         for _ in range(steps):
             with record_function("engine.step"):
                 engine.step()
-            if not recorder.lag:  # outside the step's range: its wall is the engine's own
+            if not overlap:  # outside the step's range: its wall is the engine's own
                 _sync(device)
             before = len(recorder.steps)
             recorder.record(0.0)
@@ -118,10 +117,10 @@ def profile_engine(args: argparse.Namespace, trace_dir: str) -> dict[str, Any]:
         warm_up(llm, w)
         engine = llm.engine
         instrument(engine, RangeTimer())
-        # Async scheduling: no synchronize per step, each step's range holds the device
-        # work of the step it reads (launched by the call before) beside the host's
-        # work for the next; its gaps are the device's idle time between steps.
-        recorder = _Recorder(lag=engine.async_steps is not None)
+        # Async scheduling: no synchronize per step (profile_window). A step's range
+        # counts the kernels its call launched, wherever they ran (the device runs them
+        # while the next call's host work goes on), and its kind is that step's.
+        recorder = _Recorder()
         recorder.attach(engine)
         for i, (p, o) in enumerate(zip(w.prompts, w.out_lens, strict=True)):
             engine.add_request(f"profile-{i}", p, SamplingParams(

@@ -139,7 +139,7 @@ def _row_engine(r: str) -> Row | None:
         w = data["workloads"]["c"]
         steps, lim = w["ours"]["all_steps"], data["limits"]
         return (f"`bench engine --device cuda`, llama3-8b shape, {w['requests']} requests "
-                "(nano-vllm's workload)",
+                f"(nano-vllm's workload; {scheduling})",
                 f"{data['summary']['c']['ours_tok_s']:,.0f} output tok/s, "
                 f"{steps['mean_ms']:.1f} ms per step",
                 f"roofline at the run's {lim['bandwidth_GB_s']:,.0f} GB/s, "

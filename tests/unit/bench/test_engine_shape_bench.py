@@ -105,13 +105,14 @@ def test_async_scheduling_is_timed_without_a_synchronize_per_step(tmp_path, monk
     assert off["config"]["engine"]["step_sync"]
     for name in ("a", "b"):
         fields = on["workloads"][name]["ours"]["step_fields"]
-        tok, dec = fields.index("tokens"), fields.index("decode_only")
+        tok, dec, smp = (fields.index(f) for f in ("tokens", "decode_only", "sampled"))
         steps = {k: r["workloads"][name]["ours"]["steps"] for k, r in runs.items()}
         want = on["workloads"][name]["prompt_tokens"] + on["workloads"][name]["output_tokens"]
         for k, s in steps.items():  # every token computed once (the last one never)
             assert sum(x[tok] for x in s) == want - on["workloads"][name]["requests"], k
-        assert [x[dec] for x in steps["--async-scheduling"]] == \
-            [x[dec] for x in steps["--no-async-scheduling"]]
+        for col in (dec, smp):  # (a row sampling its token in flight samples)
+            assert [x[col] for x in steps["--async-scheduling"]] == \
+                [x[col] for x in steps["--no-async-scheduling"]]
 
 
 def test_a_lagging_recorder_times_each_step_by_the_return_that_reads_it():
@@ -119,11 +120,12 @@ def test_a_lagging_recorder_times_each_step_by_the_return_that_reads_it():
 
     rec = _Recorder(lag=True)
     prefill, decode = [(0, 8, 8, 8)], [(8, 9, 9, 8)]
-    for shapes, seconds in [(prefill, 0.001), (decode, 0.5), ([], 0.02)]:
+    for shapes, seconds in [(prefill, 0.25), (decode, 0.5), ([], 0.125)]:
         rec.last = shapes  # what this call scheduled and launched
         rec.record(seconds)  # its return: the previous call's step has been read
+    # (the first call read nothing: its launch counts toward the first step)
     assert [(s.seconds, s.tokens, s.decode_only) for s in rec.steps] == \
-        [(0.5, 8, False), (0.02, 1, True)]
+        [(0.75, 8, False), (0.125, 1, True)]
 
 
 def test_kernels_compiled_inside_a_timed_run_are_recorded_by_step():
@@ -138,9 +140,11 @@ def test_kernels_compiled_inside_a_timed_run_are_recorded_by_step():
     step = [0]
     try:
         with jit_compiles(lambda: step[0]) as compiles:
-            fn = type("Fn", (), {"name": "_unified_kernel"})()
+            jit = type("Jit", (), {"arg_names": ["out_ptr", "q_ptr", "BLOCK_M"]})()
+            fn = type("Fn", (), {"name": "_unified_kernel", "jit_function": jit})()
             step[0] = 7
-            assert knobs.runtime.jit_cache_hook(fn=fn, compile={"constants": {"BLOCK_M": 64}},
+            # Triton keys constants by argument path: (2,) is BLOCK_M
+            assert knobs.runtime.jit_cache_hook(fn=fn, compile={"constants": {(2,): 64}},
                                                 key=None) is False
         assert compiles == [{"step": 7, "kernel": "_unified_kernel",
                              "constants": {"BLOCK_M": "64"}}]
