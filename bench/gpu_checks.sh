@@ -16,7 +16,7 @@
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-profile profile_a engine sync small fp8 untuned tests ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile profile_a profile_async engine sync small fp8 untuned tests tests_sampler ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -68,7 +68,8 @@ step profile_async 200 bash -c "for w in a c; do python3 -m cluster.cli bench pr
   --trace-dir $OUT/profile_async_\$w --json $OUT/profile_async_\$w.json || exit 1; done"
 # 1. our engine alone on every workload (attention tuned at start-up: d's one 8k-token
 # prefill runs the prefill tiles chosen for 8192-token queries): the step records sim
-# calibrate fits from
+# calibrate fits from; the log names the Triton kernels compiled inside a timed run and
+# the steps that paid for them (engine.json: workloads.*.ours.jit_compiles)
 step engine "$T_ENGINE" python3 -m cluster.cli bench engine --device cuda \
   --model-shape "$SHAPE" --workloads "$WORKLOADS" --skip-hf --json "$OUT/engine.json"
 # 1a. synchronous scheduling (--no-async-scheduling: the host prepares step n+1 only once
