@@ -7,7 +7,7 @@ CUDA) with this layout, for T tokens, B sequences, W block-table columns, S samp
 rows:
 
     # | input_ids T | positions T | slot_mapping T | query_start_loc B+1 | seq_lens B |
-    # | block_tables B*W | sample_rows S |
+    # | block_tables B*W | sample_rows S |     (each section 16-byte aligned)
 
 and one `copy_` moves it into a device buffer whose views the forward pass reads
 (under tensor parallelism, one broadcast of that buffer gives every rank the step). A
@@ -54,15 +54,34 @@ class StepInputs:
     rows: BatchRows | None = None
 
 
+# Each section starts 16 bytes (4 int32) into alignment: Triton specializes a kernel on
+# whether each pointer argument is 16-byte aligned, so sections whose offsets followed
+# the step's token and sequence counts would compile a new variant of the attention,
+# KV-write and rotary kernels for each new pattern of counts (a cold compile takes
+# seconds, mid-serving).
+_ALIGN = 4
+
+
+def _starts(t: int, b: int, w: int, s: int) -> tuple[list[int], list[int], int]:
+    """(each section's start, its size, the layout's size) in int32 elements."""
+    sizes = [t, t, t, b + 1, b, b * w, s]
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // _ALIGN) * _ALIGN
+    return starts, sizes, at
+
+
 def layout_size(t: int, b: int, w: int, s: int) -> int:
-    return 3 * t + (b + 1) + b + b * w + s
+    return _starts(t, b, w, s)[2]
 
 
 def views(buf: torch.Tensor, t: int, b: int, w: int, s: int) -> tuple[torch.Tensor, ...]:
     """(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, sample_rows)
-    as views of `buf` laid out as the module docstring draws."""
-    sizes = [t, t, t, b + 1, b, b * w, s]
-    parts = list(torch.split(buf[:sum(sizes)], sizes))
+    as views of `buf` laid out as the module docstring draws, each section 16-byte
+    aligned where `buf` is (`_ALIGN`; the gaps between sections are never read)."""
+    starts, sizes, _ = _starts(t, b, w, s)
+    parts = [buf[at:at + n] for at, n in zip(starts, sizes, strict=True)]
     parts[5] = parts[5].view(b, w)
     return tuple(parts)
 

@@ -15,7 +15,7 @@ from engine.request import Request
 from engine.runner_graphs import make_decode_graphs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest
-from engine.step_inputs import StepInputBuilder
+from engine.step_inputs import StepInputBuilder, layout_size, views
 from tests.factories import hf_greedy, hf_model, tiny_model_dir
 from tests.unit.engine.step_reference import layout_of, reference_layout, sampled, step_on
 
@@ -113,3 +113,17 @@ def test_padded_decode_path_equals_transformers() -> None:
 def test_triton_backend_equals_transformers(arch: str, overrides: dict) -> None:
     pytest.importorskip("triton")
     _run("triton", arch, graphs=arch == "llama", n=3, max_tokens=8, **overrides)
+
+
+@pytest.mark.parametrize(("t", "b", "w", "s"), [(1, 1, 1, 1), (9099, 23, 65, 19),
+                                                (16384, 30, 64, 30), (7, 3, 5, 2)])
+def test_every_section_is_16_byte_aligned_whatever_the_counts(t, b, w, s):
+    # Triton compiles a kernel variant per pattern of 16-byte-aligned pointer arguments:
+    # sections at offsets that follow the counts would compile new variants mid-serving.
+    buf = torch.zeros(layout_size(t, b, w, s), dtype=torch.int32)
+    parts = views(buf, t, b, w, s)
+    assert [p.numel() for p in parts] == [t, t, t, b + 1, b, b * w, s]
+    assert all((p.data_ptr() - buf.data_ptr()) % 16 == 0 for p in parts)
+    ends = [p.data_ptr() + 4 * p.numel() for p in parts]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, parts[1:]))  # no overlap
+    assert ends[-1] <= buf.data_ptr() + 4 * buf.numel()
