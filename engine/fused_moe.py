@@ -18,7 +18,7 @@ import triton.language as tl
 from engine import kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (T x top-k: one variant for every step)
 def _moe_gemm_kernel(a_ptr: tl.tensor, b_ptr: tl.tensor, c_ptr: tl.tensor,
                      weight_ptr: tl.tensor, sorted_ptr: tl.tensor, expert_ptr: tl.tensor,
                      padded_len_ptr: tl.tensor, n: tl.tensor, k: tl.tensor,

@@ -80,7 +80,10 @@ def views(buf: torch.Tensor, t: int, b: int, w: int, s: int) -> tuple[torch.Tens
     """(input_ids, positions, slots, query_start_loc, seq_lens, block_tables, sample_rows)
     as views of `buf` laid out as the module docstring draws, each section 16-byte
     aligned where `buf` is (`_ALIGN`; the gaps between sections are never read)."""
-    starts, sizes, _ = _starts(t, b, w, s)
+    starts, sizes, total = _starts(t, b, w, s)
+    if buf.numel() < total:
+        raise ValueError(f"a step of ({t}, {b}, {w}, {s}) needs {total} int32, the buffer "
+                         f"holds {buf.numel()}")
     parts = [buf[at:at + n] for at, n in zip(starts, sizes, strict=True)]
     parts[5] = parts[5].view(b, w)
     return tuple(parts)
@@ -106,7 +109,8 @@ class StepInputBuilder:
             return
         n = max(n, 2 * self._host.numel())
         pin = self.device.type == "cuda"
-        self._host = torch.empty(n, dtype=torch.int32, pin_memory=pin)
+        # (zeros: the gaps between aligned sections travel too, never read)
+        self._host = torch.zeros(n, dtype=torch.int32, pin_memory=pin)
         # On CPU the forward pass reads the staging buffer itself: no copy at all.
         self._dev = self._host if self.device.type == "cpu" else torch.empty(
             n, dtype=torch.int32, device=self.device)

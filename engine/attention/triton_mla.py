@@ -106,7 +106,9 @@ def _latent_tile(cache_ptr, bt_ptr, seq, bt_st, start, hi, c_sb, c_so, RANK: tl.
     return kpos, kv_ok, c, kp
 
 
-@triton.jit
+# (per-step widths and strides: one compiled variant for every step, see
+# triton_attn._PER_STEP)
+@triton.jit(do_not_specialize=["bt_st", "l_st"])
 def _mla_decode_kernel(part_ptr, lse_ptr, ql_ptr, qp_ptr, cache_ptr, bt_ptr, seq_lens_ptr,
                        qsl_ptr, num_heads, scale_log2, ql_st, ql_sh, qp_st, qp_sh,
                        c_sb, c_so, bt_st, p_st, p_ss, p_sh, l_st, l_ss,
