@@ -10,10 +10,10 @@ Random draws carry no generator state: the noise for vocabulary entry `v` of a r
 a pure function of (seed, position of the token being sampled, v), a counter-based
 hash (`row_keys`, `uniform_noise`; on CUDA one fused Triton kernel draws the tokens,
 the noise never written out, the logits read once unless min-p, top-k or top-p filter
-them first). So a seeded request gets the
-same tokens whatever else is in the batch and on whichever worker samples it: a remote prefill
-samples the first token, the decode worker the rest, and after a fail-over the new
-worker continues the same sequence, with nothing to hand over or skip.
+them first). So a seeded request gets the same tokens whatever else is in the batch
+and on whichever worker samples it: a remote prefill samples the first token, the
+decode worker the rest, and after a fail-over the new worker continues the same
+sequence, with nothing to hand over or skip.
 """
 
 from __future__ import annotations
