@@ -409,10 +409,12 @@ class SenderBase:
             async with peer.send_lock:
                 peer.pings.append(time.monotonic())
                 try:
-                    await asyncio.wait_for(wire.send_all(loop, peer.sock,
-                                                         wire.pack_frame(Frame.PING)),
-                                           self.config.io_timeout_s)
-                except (KVTransferError, asyncio.TimeoutError) as e:
+                    # (a deadline, not asyncio.wait_for: on Python 3.11 wait_for can
+                    # swallow a cancel that lands as its send completes, and this loop
+                    # would go on sending PINGs that extend the grants' window)
+                    async with wire.deadline(self.config.io_timeout_s):
+                        await wire.send_all(loop, peer.sock, wire.pack_frame(Frame.PING))
+                except (KVTransferError, TimeoutError) as e:
                     self._fail_peer(peer, PeerUnavailable(f"heartbeat failed: {e!r}"))
 
     def _fail_peer(self, peer: Peer, error: KVTransferError) -> None:
