@@ -23,6 +23,7 @@ from gateway.http_server import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ModelContext
 from gateway.registry import WorkerRegistry
+from kvtransfer.wire import deadline
 from protos import splitserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ async def _follow_readiness(gw: Gateway, health: health_aio.HealthServicer) -> N
             log.info("gateway readiness: %s", "SERVING" if now else "NOT_SERVING")
             ready = now
         gw.registry.changed.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(gw.registry.changed.wait(), 0.5)
+        with contextlib.suppress(TimeoutError):
+            async with deadline(0.5):  # (wait_for may swallow a cancel)
+                await gw.registry.changed.wait()
 
 
 async def serve(config: GatewayConfig, block_size: int = 16,

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 
 import redis.asyncio as aioredis
 
+from kvtransfer.wire import deadline
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitserve:workers"
@@ -43,7 +45,8 @@ class RedisRegistrar:
             # Mapping's key type is invariant; redis-py's stub wants its own union.
             pipe.hset(self._key, mapping=self._fields)  # type: ignore[arg-type]
             pipe.pexpire(self._key, self._ttl_ms)
-            await asyncio.wait_for(pipe.execute(), self._timeout_s * 2)
+            async with deadline(self._timeout_s * 2):  # (wait_for may swallow a cancel)
+                await pipe.execute()
             return True
         except (OSError, TimeoutError, aioredis.RedisError) as e:
             log.warning("redis heartbeat for %s failed: %s", self._key, e)

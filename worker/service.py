@@ -29,6 +29,7 @@ from engine.async_llm import AsyncLLM, EngineDeadError
 from engine.llm_engine import RequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from kvtransfer.wire import deadline
 from protos import splitserve_pb2 as pb
 from protos import splitserve_pb2_grpc as pb_grpc
 from protos.convert import logprobs_to_proto, request_id_from, sampling_from_proto
@@ -260,8 +261,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.changed.clear()
             # Wake on a request start/end or after the interval; the engine's own
             # progress (blocks freed as decoding ends) shows up on the next tick.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), interval)
+            with contextlib.suppress(TimeoutError):
+                async with deadline(interval):  # (wait_for may swallow a cancel)
+                    await self.changed.wait()
             await asyncio.sleep(interval / 4)
 
     # -- Info ------------------------------------------------------------------------
