@@ -23,7 +23,6 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +37,7 @@ from bench.engine_roofline import (
     roofline_label,
     step_summary,
 )
+from bench.jit_compiles import jit_compiles
 from engine.cli import cache_dtype_kwargs, parallel_kwargs
 from engine.config import ModelConfig
 
@@ -162,42 +162,6 @@ class _Recorder:
             attn_pairs=sum(causal_pairs(s, e) for s, e, _, _ in last),
             kv_tokens_read=sum(e for _, e, _, _ in last),
             decode_only=all(e - s == 1 and s >= p for s, e, _, p in last)))
-
-
-@contextlib.contextmanager
-def jit_compiles(step_index: Callable[[], int]) -> Iterator[list[dict[str, Any]]]:
-    """The Triton kernels compiled while inside, as {"step": step_index(), "kernel":
-    name, "constants": its constexprs}: a kernel variant first met inside a timed run
-    costs that step its compile (a disk-cache hit, milliseconds; a cold compile, up
-    to seconds). Empty where Triton has no compile hook (or runs interpreted)."""
-    found: list[dict[str, Any]] = []
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-        previous = runtime.jit_cache_hook
-    except (ImportError, AttributeError):
-        yield found
-        return
-
-    def hook(**kw: Any) -> bool:
-        fn, spec = kw.get("fn"), kw.get("compile") or {}
-        # Triton keys the constants by argument path ((index,) for a plain argument)
-        names = getattr(getattr(fn, "jit_function", None), "arg_names", None) or []
-        constants = {}
-        for k, v in (spec.get("constants") or {}).items():
-            if isinstance(k, tuple) and len(k) == 1 and 0 <= k[0] < len(names):
-                k = names[k[0]]
-            constants[str(k)] = str(v)
-        found.append({"step": step_index(), "kernel": getattr(fn, "name", str(fn)),
-                      "constants": constants})
-        return bool(previous(**kw)) if previous else False
-
-    runtime.jit_cache_hook = hook
-    try:
-        yield found
-    finally:
-        runtime.jit_cache_hook = previous
 
 
 def _sync(device: torch.device) -> None:

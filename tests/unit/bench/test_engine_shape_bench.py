@@ -133,7 +133,7 @@ def test_kernels_compiled_inside_a_timed_run_are_recorded_by_step():
     # Triton calls it (the CPU interpreter compiles nothing).
     from triton import knobs
 
-    from bench.engine_shape_bench import jit_compiles
+    from bench.jit_compiles import jit_compiles
 
     seen = []
     knobs.runtime.jit_cache_hook = lambda **kw: (seen.append(kw["fn"].name), False)[1]
