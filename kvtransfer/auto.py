@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtransfer.cuda_ipc import CudaIpcReceiver, CudaIpcSender, local_refusal
-from kvtransfer.layout import Region
+from kvtransfer.layout import Pairs
 from kvtransfer.memory import Ready
 from kvtransfer.sender import Peer
 from kvtransfer.ucx import UcxReceiver, UcxSender
@@ -47,7 +47,7 @@ class AutoSender(CudaIpcSender, UcxSender):
         else:
             await UcxSender._on_connected(self, peer)
 
-    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _copy(self, peer: Peer, pairs: Pairs,
                     deadline: float, ready: Ready | None) -> Ready | None:
         if self.paths.get(id(peer)) == "cuda_ipc":
             return await CudaIpcSender._copy(self, peer, pairs, deadline, ready)

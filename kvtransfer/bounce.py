@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from kvtransfer.layout import KVLayout, Region
+from kvtransfer.layout import KVLayout, Pairs, Region
 from kvtransfer.memory import RegisteredKV
 from kvtransfer.ucp_rma import Ucp
 
@@ -42,7 +42,7 @@ class Tile:
     nbytes: int
 
 
-def tiles(pairs: list[tuple[Region, Region]], src_layout: KVLayout, dst_layout: KVLayout,
+def tiles(pairs: Pairs, src_layout: KVLayout, dst_layout: KVLayout,
           max_bytes: int) -> tuple[list[Tile], list[tuple[Region, Region]]]:
     """(tiles, rest): the pairs that are head slices on either side, grouped into tiles
     of at most `max_bytes` (at least one block), and the pairs left to move as they

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from kvtransfer.layout import KVLayout, Region
+from kvtransfer import region_rows as rr
+from kvtransfer.layout import KVLayout, Pairs, Region
 
 _MAX_TILE = 4096  # words per program: 32 KiB of int64, 16 vectors per thread (4 warps)
 _STAGE_BYTES = 64 << 20  # device staging per gather for a host-bound copy
@@ -164,7 +165,7 @@ class BlockCopy:
                          TILE=self.tile)
 
 
-def plan_blocks(pairs: Sequence[tuple[Region, Region]], layout: KVLayout, src_blocks: int,
+def plan_blocks(pairs: Pairs, layout: KVLayout, src_blocks: int,
                 dst_blocks: int) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
     """(src, dst) region pairs as block ids per layer range, {(first, end): (src ids,
     dst ids)}: one launch each (a chunk's regions share one range). ValueError for a
@@ -172,6 +173,10 @@ def plan_blocks(pairs: Sequence[tuple[Region, Region]], layout: KVLayout, src_bl
     wherever the ids point. Checked per range, not per region (a chunk has hundreds)."""
     plan: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     top = layout.num_layers
+    if isinstance(pairs, rr.BlockPairs):  # whole blocks: one layer range, ids at once
+        if len(pairs):
+            plan[(0, top)] = (pairs.block_ids("src"), pairs.block_ids("dst"))
+        pairs = []
     for s, d in pairs:
         layers = (s.layer_start, top if s.layer_end is None else s.layer_end)
         n = s.num_blocks

@@ -59,7 +59,7 @@ from kvtransfer.copy_kernel import BlockCopy, layer_views, plan_blocks
 from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
-from kvtransfer.layout import Region
+from kvtransfer.layout import Pairs
 from kvtransfer.memory import FutureReady, Ready, RegisteredKV, producer_event, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
@@ -148,7 +148,7 @@ class Mover(Protocol):
         """Sender, in a worker thread, before the first copy: set up what a first copy
         would (streams, the kernel loaded), so that no copy waits for the device."""
 
-    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: Pairs,
                    deadline: float, ready: Ready | None) -> Ready | None:
         """Copy (src, dst) region pairs from `kv` into `dst`, none before `ready`
         completed; start nothing after `deadline`. Returns None once the bytes are in
@@ -174,7 +174,7 @@ class Mapped:
                               layer_views(flat[:self.num_blocks * kv.layout.block_bytes],
                                           kv.layout))
 
-    def launch(self, pairs: list[tuple[Region, Region]], after: Any = None) -> None:
+    def launch(self, pairs: Pairs, after: Any = None) -> None:
         """Queue the pairs' copy on the current stream, not before `after` completed: one
         launch per layer range (a chunk has one). ValueError for a region outside either
         cache."""
@@ -261,13 +261,13 @@ class CudaMover:
             self._stream.synchronize()
             self._prepared = True
 
-    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: Pairs,
                    deadline: float, ready: Ready | None) -> Ready | None:
         # The producer event is taken here: the compute stream is this thread's.
         produced = producer_event(kv.tensor.device, ready)
         return self._launch_copy(kv, dst, pairs, deadline, produced)
 
-    def _launch_copy(self, kv: RegisteredKV, dst: Mapped, pairs: list[tuple[Region, Region]],
+    def _launch_copy(self, kv: RegisteredKV, dst: Mapped, pairs: Pairs,
                      deadline: float, produced: Any) -> Any:
         """Queue the chunk's copy on the copy stream, after `produced` (one launch per
         layer range: one for a chunk); returns the event after it."""
@@ -328,14 +328,9 @@ class HostMover:
     def prepare(self, kv: RegisteredKV) -> None:
         pass
 
-    async def copy(self, kv: RegisteredKV, dst: Any, pairs: list[tuple[Region, Region]],
+    async def copy(self, kv: RegisteredKV, dst: Any, pairs: Pairs,
                    deadline: float, ready: Ready | None) -> Ready | None:
-        if len(pairs) <= rr.FEW:
-            total = dst[2]
-            regions = np.array([(kv.locate(s)[0], *d.resolve(kv.layout, total))
-                                for s, d in pairs], dtype=np.int64).reshape(-1, 3)
-        else:
-            regions = self._regions(kv, pairs, dst[2])
+        regions = self._regions(kv, pairs, dst[2])
         await wait_ready(ready)
         if time.monotonic() >= deadline:
             raise TransferTimeout("cuda_ipc grant expired before the copy")
@@ -347,18 +342,22 @@ class HostMover:
         return FutureReady(self._last)
 
     @staticmethod
-    def _regions(kv: RegisteredKV, pairs: list[tuple[Region, Region]],
-                 total: int) -> np.ndarray:
-        """(source offset, destination offset, nbytes) of every pair, computed at once;
-        ValueError for a region outside either cache or a head slice."""
-        src_rows = rr.rows_of((s for s, _ in pairs), kv.layout)
-        dst_rows = rr.rows_of((d for _, d in pairs), kv.layout)
-        for rows, blocks in ((src_rows, kv.num_blocks), (dst_rows, total)):
-            rr.check_rows(rows, kv.layout, blocks)
-            if not rr.whole_heads(rows, kv.layout).all():
-                raise ValueError("cuda_ipc moves whole-head regions (one rank each side)")
-        return np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
-                         rr.nbytes(src_rows, kv.layout)], axis=1)
+    def _regions(kv: RegisteredKV, pairs: Pairs, total: int) -> np.ndarray:
+        """(source offset, destination offset, nbytes) of every pair; ValueError for a
+        region outside either cache or a head slice."""
+        src_rows = rr.side_rows(pairs, "src", kv.layout)
+        dst_rows = rr.side_rows(pairs, "dst", kv.layout)
+        rr.check_rows(src_rows, kv.layout, kv.num_blocks)
+        rr.check_rows(dst_rows, kv.layout, total)
+        if len(src_rows) <= rr.FEW:  # on plain ints
+            here, there = rr.byte_ranges(src_rows, kv.layout), rr.byte_ranges(dst_rows, kv.layout)
+            if here is not None and there is not None:
+                return np.array([(s, d, n) for (_, s, n), (_, d, _) in
+                                 zip(here, there, strict=True)], dtype=np.int64).reshape(-1, 3)
+        elif (rr.whole_heads(src_rows, kv.layout) & rr.whole_heads(dst_rows, kv.layout)).all():
+            return np.stack([rr.offsets(src_rows, kv.layout), rr.offsets(dst_rows, kv.layout),
+                             rr.nbytes(src_rows, kv.layout)], axis=1)
+        raise ValueError("cuda_ipc moves whole-head regions (one rank each side)")
 
     def _copy(self, src: int, dst: tuple[int, int, int], regions: np.ndarray,
               deadline: float) -> None:
@@ -432,7 +431,7 @@ class CudaIpcSender(InPlaceSender):
         peer.state = self._mover.open(peer.welcome["cuda_ipc"], self.kv)
         await asyncio.to_thread(self._mover.prepare, self.kv)
 
-    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _copy(self, peer: Peer, pairs: Pairs,
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None and self._mover is not None
         return await self._mover.copy(self.kv, peer.state, pairs, deadline, ready)

@@ -24,7 +24,7 @@ from kvtransfer.errors import (
     TransferTimeout,
     error_from_kind,
 )
-from kvtransfer.layout import KVLayout, Region, rank_layout, rank_pairs
+from kvtransfer.layout import KVLayout, Pairs, Region, rank_layout, rank_pairs
 from kvtransfer.memory import Ready, producer_event, wait_ready
 from kvtransfer.sender import Peer, SenderBase
 from kvtransfer.wire import Frame
@@ -151,7 +151,7 @@ class InPlaceSender(SenderBase):
         held.ttl = float(grant["ttl"])
         peer.vouched = max(peer.vouched, asked)
 
-    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _send_regions(self, peer: Peer, pairs: Pairs,
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         assert self.kv is not None
@@ -162,7 +162,7 @@ class InPlaceSender(SenderBase):
             raise TransferCancelled(f"{xfer_id}: the receiver revoked its write grant")
         there = held.layout if held is not None else \
             rank_layout(self.kv.layout, int(peer.welcome.get("tp", 1)))
-        rows = rr.rows_of((d for _, d in pairs), there)
+        rows = rr.side_rows(pairs, "dst", there)
         if held is None or not grants.take(held.cells, rows, there):
             # cells not begun (no begin(), or a write outside it): the grant extends
             held = await self._grant(peer, rows, there, xfer_id, generation)
@@ -304,7 +304,7 @@ class InPlaceSender(SenderBase):
                 f"{held.xfer_id}: {self.name} copy outlived its grant"))
             out.verdict.exception()
 
-    async def _checksums(self, pairs: list[tuple[Region, Region]],
+    async def _checksums(self, pairs: Pairs,
                          ready: Ready | None) -> list[int]:
         assert self.kv is not None
         if not self.kv.is_cuda:
@@ -314,7 +314,7 @@ class InPlaceSender(SenderBase):
         after = producer_event(self.kv.tensor.device, ready)
         return await asyncio.to_thread(self.kv.device_checksums, [s for s, _ in pairs], after)
 
-    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _copy(self, peer: Peer, pairs: Pairs,
                     deadline: float, ready: Ready | None) -> Ready | None:
         """Write every src region here into its dst region there, none before `ready`
         completed, none started after `deadline`, every one over (done, or stopped)

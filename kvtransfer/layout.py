@@ -24,9 +24,9 @@ This module is torch-free (the gateway imports kvtransfer without torch).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from kvtransfer.errors import LayoutMismatch
 
@@ -178,6 +178,11 @@ class Region:
                 // layout.num_kv_heads)
 
 
+# A write's (source, destination) region pairs: a list, or `region_rows.BlockPairs`
+# (whole blocks, read as rows without a Region each)
+Pairs = Sequence[tuple[Region, Region]]
+
+
 def coalesce(src: Sequence[Region], dst: Sequence[Region],
              layout: KVLayout) -> list[tuple[Region, Region]]:
     """Pair src/dst regions, merging whole blocks that are consecutive on both sides.
@@ -203,31 +208,6 @@ def coalesce(src: Sequence[Region], dst: Sequence[Region],
     return out
 
 
-def single_block(r: Region) -> bool:
-    """A whole block of rank 0, every head (what a hand-off of whole blocks is made of)."""
-    return (r.num_blocks == 1 and r.layer_start == 0 and r.layer_end is None
-            and r.rank == 0 and r.head_start == 0 and r.head_end is None)
-
-
-def coalesce_blocks(src: Sequence[Region], dst: Sequence[Region],
-                     ) -> list[tuple[Region, Region]]:
-    """`coalesce` of single whole blocks, on their ids: blocks consecutive on both
-    sides become one region (the others stay the caller's objects)."""
-    out: list[tuple[Region, Region]] = []
-    run = 0  # blocks in the run that ends at out[-1]
-    next_s = next_d = -1
-    for s, d in zip(src, dst, strict=True):
-        if s.block_id == next_s and d.block_id == next_d:
-            run += 1
-            ps, pd = out[-1]
-            out[-1] = (Region(ps.block_id, num_blocks=run), Region(pd.block_id, num_blocks=run))
-        else:
-            run = 1
-            out.append((s, d))
-        next_s, next_d = s.block_id + 1, d.block_id + 1
-    return out
-
-
 def _whole(r: Region, layout: KVLayout) -> bool:
     return r.layers(layout) == (0, layout.num_layers)
 
@@ -236,9 +216,48 @@ def _same_slice(a: Region, b: Region) -> bool:
     return (a.rank, a.head_start, a.head_end) == (b.rank, b.head_start, b.head_end)
 
 
-def whole_blocks(block_ids: Iterable[int]) -> list[Region]:
+class WholeBlocks(Sequence[Region]):
+    """Whole blocks (every layer and head of rank 0) by id, as `whole_blocks` makes
+    them: a sequence of one-block `Region`s, each made when it is read. What a hand-off
+    moves; the sender and `region_rows` read `ids` as they are (an 8k-token prompt's 512
+    scattered blocks are one int list, not 512 objects to build and walk)."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: Iterable[int]) -> None:
+        self.ids: list[int] = list(map(int, ids))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> Region: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> WholeBlocks: ...
+
+    def __getitem__(self, i: int | slice) -> Region | WholeBlocks:
+        if isinstance(i, slice):
+            return WholeBlocks(self.ids[i])
+        return Region(self.ids[i])
+
+    def __iter__(self) -> Iterator[Region]:
+        return map(Region, self.ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WholeBlocks):
+            return self.ids == other.ids
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking, like a list
+
+    def __repr__(self) -> str:
+        return f"whole_blocks({self.ids!r})"
+
+
+def whole_blocks(block_ids: Iterable[int]) -> WholeBlocks:
     """One whole-block region per block id (callers coalesce via `coalesce`)."""
-    return [Region(b) for b in block_ids]
+    return WholeBlocks(block_ids)
 
 
 def engine_layout(engine_config: EngineConfig) -> KVLayout:

@@ -14,19 +14,21 @@ tests hold them to that); torch-free, like `kvtransfer.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
 import numpy as np
 
-from kvtransfer.layout import KVLayout, Region
+from kvtransfer.layout import KVLayout, Region, WholeBlocks
 
 BLOCK, LAYER_START, LAYER_END, NUM_BLOCKS, RANK, HEAD_START, HEAD_END = range(7)
 # the columns that say which cells of each of its blocks a row covers
 SLICE = [LAYER_START, LAYER_END, RANK, HEAD_START, HEAD_END]
 # Up to this many rows, one Region at a time costs less than numpy's per-call overhead
 FEW = 8
+# Up to this many whole blocks, `BlockPairs.of` finds their runs on plain ints
+_PY_RUNS = 64
 # rows grouped by the cells they cover in each block (`by_slice`): [(slice columns of a
 # row, every block id of the group's rows)]
 Slices = list[tuple[tuple[int, ...], list[int]]]
@@ -36,12 +38,119 @@ Bounds = tuple[list[int], list[int]]  # each column's least and greatest value
 def rows_of(regions: Iterable[Region], layout: KVLayout) -> np.ndarray:
     """[n, 7] int64: `regions` with `layer_end` / `head_end` None resolved."""
     layers, heads = layout.num_layers, layout.num_kv_heads
+    if isinstance(regions, WholeBlocks):
+        return block_rows(np.asarray(regions.ids, dtype=np.int64), None, layout)
     flat = [(r.block_id, r.layer_start, layers if r.layer_end is None else r.layer_end,
              r.num_blocks, r.rank, r.head_start, heads if r.head_end is None else r.head_end)
             for r in regions]
     # (numpy reads a flat iterator of ints faster than a list of tuples)
     return np.fromiter(chain.from_iterable(flat), dtype=np.int64,
                        count=7 * len(flat)).reshape(-1, 7)
+
+
+def block_rows(first: np.ndarray, counts: np.ndarray | None, layout: KVLayout) -> np.ndarray:
+    """[n, 7] int64: runs of whole blocks (every layer and head of rank 0) from block
+    ids `first`, `counts` blocks each (None: one each)."""
+    rows = np.zeros((len(first), 7), dtype=np.int64)
+    rows[:, BLOCK] = first
+    rows[:, LAYER_END] = layout.num_layers
+    rows[:, NUM_BLOCKS] = 1 if counts is None else counts
+    rows[:, HEAD_END] = layout.num_kv_heads
+    return rows
+
+
+class BlockPairs(Sequence[tuple[Region, Region]]):
+    """The (source, destination) pairs of a write of whole blocks (`WholeBlocks` on
+    both sides): runs of blocks consecutive on both sides, as first block ids and
+    counts (plain ints), each pair of `Region`s made only when it is read. `rows`
+    gives either side's rows without making one (`side_rows`)."""
+
+    __slots__ = ("src", "dst", "counts")
+
+    def __init__(self, src: list[int], dst: list[int], counts: list[int]) -> None:
+        self.src, self.dst, self.counts = src, dst, counts
+
+    @classmethod
+    def of(cls, src_ids: Sequence[int], dst_ids: Sequence[int]) -> BlockPairs:
+        """Blocks `src_ids[i]` to `dst_ids[i]`, coalesced: the runs `coalesce` makes
+        of single whole blocks. ValueError if the two differ in length."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source regions but {len(dst_ids)} "
+                             "destination regions")
+        if len(src_ids) <= _PY_RUNS:  # plain ints: less than numpy's per-call cost
+            src: list[int] = []
+            dst: list[int] = []
+            counts: list[int] = []
+            next_s = next_d = None
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                if s == next_s and d == next_d:
+                    counts[-1] += 1
+                else:
+                    src.append(s)
+                    dst.append(d)
+                    counts.append(1)
+                next_s, next_d = s + 1, d + 1
+            return cls(src, dst, counts)
+        sa = np.asarray(src_ids, dtype=np.int64)
+        da = np.asarray(dst_ids, dtype=np.int64)
+        breaks = (sa[1:] != sa[:-1] + 1) | (da[1:] != da[:-1] + 1)
+        starts = np.flatnonzero(np.concatenate(([True], breaks)))
+        return cls(sa[starts].tolist(), da[starts].tolist(),
+                   np.diff(np.append(starts, len(sa))).tolist())
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return BlockPairs(self.src[i], self.dst[i], self.counts[i])
+        n = self.counts[i]
+        return Region(self.src[i], num_blocks=n), Region(self.dst[i], num_blocks=n)
+
+    def __iter__(self) -> Iterator[tuple[Region, Region]]:
+        for s, d, n in zip(self.src, self.dst, self.counts, strict=True):
+            yield Region(s, num_blocks=n), Region(d, num_blocks=n)
+
+    def rows(self, side: str, layout: KVLayout) -> np.ndarray:
+        """The rows of the `"src"` or `"dst"` regions."""
+        return block_rows(np.asarray(self.src if side == "src" else self.dst,
+                                     dtype=np.int64), np.asarray(self.counts), layout)
+
+    def block_ids(self, side: str) -> list[int]:
+        """Every block id of the `"src"` or `"dst"` side, in order."""
+        first = self.src if side == "src" else self.dst
+        if len(first) == sum(self.counts):
+            return first
+        return [b + i for b, n in zip(first, self.counts, strict=True) for i in range(n)]
+
+
+def side_rows(pairs: Sequence[tuple[Region, Region]], side: str,
+              layout: KVLayout) -> np.ndarray:
+    """The rows of a write's `"src"` or `"dst"` regions: read off a `BlockPairs`, else
+    made from each `Region`."""
+    if isinstance(pairs, BlockPairs):
+        return pairs.rows(side, layout)
+    at = 0 if side == "src" else 1
+    return rows_of((p[at] for p in pairs), layout)
+
+
+def byte_ranges(rows: np.ndarray, layout: KVLayout) -> list[tuple[int, int, int]] | None:
+    """(rank, byte offset, nbytes) of each row in its rank's cache, or None where a row
+    is a head slice (no one byte range). Rows checked (`check_rows`) first."""
+    if len(rows) <= FEW:  # on plain ints
+        heads, layer_bytes = layout.num_kv_heads, layout.layer_bytes
+        block_bytes = layout.num_layers * layer_bytes
+        out = []
+        for b, ls, le, n, rank, hs, he in rows.tolist():
+            if hs != 0 or he != heads:
+                return None
+            out.append((rank, b * block_bytes + ls * layer_bytes,
+                        (n * block_bytes) if n > 1 else (le - ls) * layer_bytes))
+        return out
+    if not whole_heads(rows, layout).all():
+        return None
+    return list(zip(rows[:, RANK].tolist(), offsets(rows, layout).tolist(),
+                    nbytes(rows, layout).tolist(), strict=True))
 
 
 def pack_rows(rows: np.ndarray) -> bytes:

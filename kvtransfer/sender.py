@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 
+from kvtransfer import region_rows as rr
 from kvtransfer import wire
 from kvtransfer.config import TransferConfig
 from kvtransfer.errors import (
@@ -29,7 +30,7 @@ from kvtransfer.errors import (
     VersionMismatch,
     error_from_kind,
 )
-from kvtransfer.layout import KVLayout, Region, coalesce, coalesce_blocks, rank_pairs, single_block
+from kvtransfer.layout import KVLayout, Pairs, Region, WholeBlocks, coalesce, rank_pairs
 from kvtransfer.memory import Ready, RegisteredKV
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.wire import Frame
@@ -264,21 +265,18 @@ class SenderBase:
         self.kv = None  # nothing that still refers to this sender keeps the cache alive
 
     def _pairs(self, src_regions: Sequence[Region], dst_regions: Sequence[Region],
-               dst_tp: int) -> tuple[list[tuple[Region, Region]], int]:
+               dst_tp: int) -> tuple[Sequence[tuple[Region, Region]], int]:
         """The (src, dst) region pairs a write moves, coalesced and checked against the
         local cache, and their bytes. ValueError for a region outside it."""
         assert self.kv is not None
         layout = self.kv.layout
-        if self.kv.tp == 1 and dst_tp == 1 and len(src_regions) == len(dst_regions) \
-                and all(map(single_block, src_regions)) and all(map(single_block, dst_regions)):
-            pairs = coalesce_blocks(src_regions, dst_regions)
-            first = min(s.block_id for s, _ in pairs)
-            last = max(s.block_id + s.num_blocks for s, _ in pairs)
-            if first < 0 or last > self.kv.num_blocks:
-                bad = next(s for s, _ in pairs
-                           if s.block_id < 0 or s.block_id + s.num_blocks > self.kv.num_blocks)
-                self.kv.check(bad)  # raises, naming it
-            return pairs, len(src_regions) * layout.block_bytes
+        if self.kv.tp == 1 and dst_tp == 1 and isinstance(src_regions, WholeBlocks) \
+                and isinstance(dst_regions, WholeBlocks):
+            ids = src_regions.ids
+            if ids and (min(ids) < 0 or max(ids) >= self.kv.num_blocks):
+                self.kv.check(next(Region(b) for b in ids
+                                   if not 0 <= b < self.kv.num_blocks))  # raises, naming it
+            return rr.BlockPairs.of(ids, dst_regions.ids), len(ids) * layout.block_bytes
         pairs = coalesce(src_regions, dst_regions, layout)
         if self.kv.tp > 1 or dst_tp > 1:  # each rank's heads to the rank(s) taking them
             pairs = rank_pairs(pairs, layout.num_kv_heads, self.kv.tp, dst_tp)
@@ -301,7 +299,7 @@ class SenderBase:
     def _on_verdict(self, peer: Peer, xfer_id: str, generation: int) -> None:
         pass
 
-    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _send_regions(self, peer: Peer, pairs: Pairs,
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         raise NotImplementedError

@@ -21,7 +21,7 @@ from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import PeerUnavailable, TransferTimeout
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
-from kvtransfer.layout import KVLayout, Region, rank_layout
+from kvtransfer.layout import KVLayout, Pairs, rank_layout
 from kvtransfer.memory import (
     RankCaches,
     Ready,
@@ -166,7 +166,7 @@ class ShmSender(InPlaceSender):
         # they are (building them costs tens of µs per write, most of a small one's copy)
         peer.state = (maps, caches, layout, [host_bytes(c) for c in caches])
 
-    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _copy(self, peer: Peer, pairs: Pairs,
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         await wait_ready(ready)
@@ -179,18 +179,15 @@ class ShmSender(InPlaceSender):
         # A CUDA cache's regions come over to the host a batch of blocks at a time
         if time.monotonic() >= deadline:
             raise TransferTimeout("shm grant expired before the copy")
-        if not self.kv.is_cuda and len(pairs) <= rr.FEW and all(
-                s.whole_heads(self.kv.rank_layout) and d.whole_heads(layout) for s, d in pairs):
-            self._copy_few(views, pairs, layout, total)
-            return None
-        src_rows = rr.rows_of((s for s, _ in pairs), self.kv.rank_layout)
-        dst_rows = rr.rows_of((d for _, d in pairs), layout)
+        src_rows = rr.side_rows(pairs, "src", self.kv.rank_layout)
+        dst_rows = rr.side_rows(pairs, "dst", layout)
         rr.check_rows(dst_rows, layout, total, len(caches))
-        flat = rr.whole_heads(src_rows, self.kv.rank_layout) & rr.whole_heads(dst_rows, layout)
-        if not self.kv.is_cuda and flat.all():
-            # byte ranges on both sides: one memcpy each, offsets computed at once
-            self._copy_ranges(views, src_rows, dst_rows, layout, deadline)
-            return None
+        if not self.kv.is_cuda:
+            here = rr.byte_ranges(src_rows, self.kv.rank_layout)
+            there = rr.byte_ranges(dst_rows, layout)
+            if here is not None and there is not None:  # one memcpy per region
+                self._copy_ranges(views, here, there, deadline)
+                return None
         staged = staged_regions(self.kv.tensor, self.kv.layout, [s for s, _ in pairs]) \
             if self.kv.is_cuda else None
         for src, dst in pairs:
@@ -204,36 +201,17 @@ class ShmSender(InPlaceSender):
                 np.copyto(out, next(staged).cpu().numpy().reshape(out.shape))
         return None
 
-    def _copy_few(self, there: list[memoryview], pairs: list[tuple[Region, Region]],
-                  layout: KVLayout, total: int) -> None:
-        """A few (`rr.FEW`) whole-head pairs, each one byte range on both sides, located
-        one at a time on plain ints (numpy's per-call cost is most of such a copy's), all
-        checked before a byte moves."""
+    def _copy_ranges(self, there: list[memoryview], src: list[tuple[int, int, int]],
+                     dst: list[tuple[int, int, int]], deadline: float) -> None:
+        """Byte ranges (`region_rows.byte_ranges`) of the local host cache into the
+        mapped caches' byte views `there`, every one checked first; the grant checked
+        every _ROWS_PER_CHECK ranges, as the per-pair path checks each pair."""
         assert self.kv is not None
-        ranges = []
-        for src, dst in pairs:
-            if not 0 <= dst.rank < len(there):
-                raise ValueError(f"{dst} names a rank of {len(there)}")
-            s, n = self.kv.locate(src)
-            d, m = dst.resolve(layout, total)
-            if m != n:
-                raise ValueError(f"{src} and {dst} differ in size")
-            ranges.append((self.kv.rank_view(src.rank), s, there[dst.rank], d, n))
-        for here, s, out, d, n in ranges:
-            out[d:d + n] = here[s:s + n]
-
-    def _copy_ranges(self, there: list[memoryview], src_rows: np.ndarray,
-                     dst_rows: np.ndarray, layout: KVLayout, deadline: float) -> None:
-        """Whole-head rows of the local host cache into the mapped caches' byte views
-        `there`; the grant checked every _ROWS_PER_CHECK rows, as the per-pair path
-        checks each pair."""
-        assert self.kv is not None
+        for (_, _, n), (_, _, m) in zip(src, dst, strict=True):
+            if n != m:
+                raise ValueError(f"a source range of {n} bytes into one of {m}")
         here = [self.kv.rank_view(r) for r in range(self.kv.tp)]
-        sizes = rr.nbytes(src_rows, self.kv.rank_layout).tolist()
-        for i, (s_rank, s, d_rank, d, n) in enumerate(zip(
-                src_rows[:, rr.RANK].tolist(), rr.offsets(src_rows, self.kv.rank_layout).tolist(),
-                dst_rows[:, rr.RANK].tolist(), rr.offsets(dst_rows, layout).tolist(), sizes,
-                strict=True)):
+        for i, ((s_rank, s, n), (d_rank, d, _)) in enumerate(zip(src, dst, strict=True)):
             if i % _ROWS_PER_CHECK == 0 and time.monotonic() >= deadline:
                 raise TransferTimeout("shm grant expired before the copy")
             there[d_rank][d:d + n] = here[s_rank][s:s + n]

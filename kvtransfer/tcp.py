@@ -32,7 +32,7 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.copy_kernel import staged_regions
 from kvtransfer.errors import KVTransferError, PeerUnavailable, ProtocolError
 from kvtransfer.faults import Faults, on_wire
-from kvtransfer.layout import Region, rank_layout
+from kvtransfer.layout import Pairs, Region, rank_layout
 from kvtransfer.memory import Ready, block_parts, host_bytes, wait_ready
 from kvtransfer.memory import checksum as compute_checksum
 from kvtransfer.receiver import Conn, ReceiverBase
@@ -168,7 +168,7 @@ class TcpSender(SenderBase):
         self._faults = Faults(config.faults, "wire", registry) \
             if config.faults is not None and on_wire(config.faults) else None
 
-    async def _send_regions(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _send_regions(self, peer: Peer, pairs: Pairs,
                             xfer_id: str, generation: int, checksum: bool,
                             ready: Ready | None) -> None:
         assert self.kv is not None
@@ -176,10 +176,10 @@ class TcpSender(SenderBase):
         if self._faults is not None:
             pairs = self._faults.reorder(pairs)
         kv = self.kv
-        src_rows = rr.rows_of([s for s, _ in pairs], kv.rank_layout)
+        src_rows = rr.side_rows(pairs, "src", kv.rank_layout)
         # the receiver's rows: its rank layout (its TP size's heads) resolves the open ends
-        dst_rows = rr.rows_of([d for _, d in pairs],
-                              rank_layout(kv.layout, int(peer.welcome.get("tp", 1))))
+        dst_rows = rr.side_rows(pairs, "dst",
+                                rank_layout(kv.layout, int(peer.welcome.get("tp", 1))))
         sizes = rr.nbytes(src_rows, kv.rank_layout)
         # A CUDA cache's regions come over to the host a batch of blocks at a time
         staged = staged_regions(kv.tensor, kv.layout, [s for s, _ in pairs]) \
@@ -194,7 +194,7 @@ class TcpSender(SenderBase):
                 # every WRITE frame is answered with the transfer's RESULT: no FINISH
                 self._answered(peer, xfer_id, generation)
 
-    def _payload(self, pairs: list[tuple[Region, Region]], rows: np.ndarray,
+    def _payload(self, pairs: Pairs, rows: np.ndarray,
                  sizes: np.ndarray, checksum: bool, staged: Iterator[object] | None,
                  ) -> tuple[list[Iterable[memoryview]], np.ndarray | None]:
         """One frame's payload in row order, as pieces to send (a run of rows adjacent in

@@ -67,7 +67,7 @@ from kvtransfer.errors import PeerUnavailable, ProtocolError, TransferTimeout
 from kvtransfer.host_copy import HostCopy, identity
 from kvtransfer.inplace import InPlaceReceiver
 from kvtransfer.inplace_sender import InPlaceSender
-from kvtransfer.layout import KVLayout, Region, rank_layout
+from kvtransfer.layout import KVLayout, Pairs, rank_layout
 from kvtransfer.memory import Ready, device_ready, wait_ready
 from kvtransfer.receiver import Conn
 from kvtransfer.sender import Peer
@@ -213,7 +213,7 @@ class UcxSender(InPlaceSender):
         await self._run(remote, "get", [[(base + i * _WIREUP_BYTES, n, remote.bases[0])]
                                         for i in range(len(self._lanes))], scratch=True)
 
-    async def _copy(self, peer: Peer, pairs: list[tuple[Region, Region]],
+    async def _copy(self, peer: Peer, pairs: Pairs,
                     deadline: float, ready: Ready | None) -> Ready | None:
         assert self.kv is not None
         kv, remote = self.kv, peer.state

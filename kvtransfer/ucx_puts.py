@@ -11,14 +11,14 @@ import numpy as np
 import torch
 
 from kvtransfer import region_rows as rr
-from kvtransfer.layout import Region, rank_layout
+from kvtransfer.layout import Pairs, rank_layout
 from kvtransfer.memory import RegisteredKV, byte_runs, region_view
 
 _SPLIT_MIN = 1 << 20  # smaller regions travel whole, on one lane
 _ALIGN = 4096
 
 
-def put_rows(kv: RegisteredKV, pairs: list[tuple[Region, Region]], bases: list[int],
+def put_rows(kv: RegisteredKV, pairs: Pairs, bases: list[int],
              nbytes: int) -> dict[tuple[int, int], np.ndarray]:
     """The puts of `pairs` (source in `kv`, destination in a receiver whose rank caches
     start at `bases`, `nbytes` each) by (source rank, destination rank): rows of (local
@@ -27,8 +27,8 @@ def put_rows(kv: RegisteredKV, pairs: list[tuple[Region, Region]], bases: list[i
     layout = rank_layout(kv.layout, len(bases))
     if not pairs:
         return {}
-    src_rows = rr.rows_of((s for s, _ in pairs), kv.rank_layout)
-    dst_rows = rr.rows_of((d for _, d in pairs), layout)
+    src_rows = rr.side_rows(pairs, "src", kv.rank_layout)
+    dst_rows = rr.side_rows(pairs, "dst", layout)
     flat = rr.whole_heads(src_rows, kv.rank_layout) & rr.whole_heads(dst_rows, layout)
     if flat.all():  # byte ranges on both sides: every row computed at once
         starts = np.array([int(t.data_ptr()) for t in kv.tensors], dtype=np.int64)
