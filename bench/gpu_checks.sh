@@ -6,17 +6,21 @@
 # Every step has its own time limit and its whole log under $OUT, so one that hangs or
 # fails leaves the others' figures; at the end everything under $OUT is packed into
 # $OUT/results.tgz, the only file left there (PACK=0 keeps the files as they are): the
-# device tool brings back a handful of files per run, one archive holds them all. Run from the repository root on the device machine,
-# with .whl/ filled here first by bench/gpu_wheels.sh (carry [".whl"]):
+# device tool brings back a handful of files per run, one archive holds them all. Run
+# from the repository root on the device machine, with .whl/ filled here first by
+# bench/gpu_wheels.sh (carry [".whl"]). The whole list takes longer than one 10-minute
+# call; the line marked "one call" fits one (about 5 minutes on an H200):
 #
 #   bash bench/gpu_checks.sh                    # OUT=<a folder> when run by hand
+#   STEPS="profile_handoff handoff engine small tests_sampler" SMALL_MODES=--async-scheduling \
+#     bash bench/gpu_checks.sh                  # one call: hand-off, engine, small model
 #   STEPS="tests transfer" bash bench/gpu_checks.sh   # some of the steps below
 #   STEPS=profile SHAPE=qwen3-0.6b bash bench/gpu_checks.sh   # the profile on another shape
 #   STEPS=moe bash bench/gpu_checks.sh          # the mixture-of-experts checks (not default)
 #   STEPS=mla bash bench/gpu_checks.sh          # the DeepSeek / MLA checks (not default)
 #   STEPS=mixed bash bench/gpu_checks.sh        # graphs for mixed steps on and off (not default)
 set -u
-STEPS=${STEPS:-profile profile_a profile_async engine sync small fp8 untuned tests tests_sampler ipc_first handoff transfer links simval engine_hf transports}
+STEPS=${STEPS:-profile profile_handoff profile_a profile_async engine sync small fp8 untuned tests tests_sampler ipc_first handoff transfer links simval engine_hf transports}
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 SHAPE=${SHAPE:-llama3-8b} WORKLOADS=${WORKLOADS:-a,b,c,d,e}
@@ -55,6 +59,14 @@ step() {  # step NAME SECONDS CMD...: runs CMD under a limit, its log in $OUT/NA
 step profile "$T_PROFILE" bash -c "python3 -m cluster.cli bench profile --device cuda \
   --model-shape $SHAPE --trace-dir $OUT/profile --json $OUT/profile.json && \
   gzip -f $OUT/profile/*.json"
+# 0a. one hand-off at a time over cuda_ipc in one write (a whole prompt's chunk), 128
+# and 8192 tokens scattered: where the fixed cost per hand-off goes (issue 55's target
+# <= 150 µs) and why the copy runs below the block-copy kernel's own speed; the
+# sender's and receiver's ranges in the log and profile_handoff_<tokens>.json
+step profile_handoff 120 bash -c "for t in 128 8192; do python3 -m cluster.cli bench \
+  profile --device cuda --parts handoff --transports cuda_ipc --handoff-chunks 1 \
+  --handoff-tokens \$t --trace-dir $OUT/profile_handoff_\$t \
+  --json $OUT/profile_handoff_\$t.json || exit 1; gzip -f $OUT/profile_handoff_\$t/*.json; done"
 # 0b. the same over workload a (one request: the batch-1 decode step, where the device's
 # time is the weights' read and every kernel's fixed cost shows); its kernels by device
 # time in the log and profile_a.json
