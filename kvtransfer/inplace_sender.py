@@ -72,9 +72,9 @@ class InPlaceSender(SenderBase):
         assert self.kv is not None
         dst_tp = int(peer.welcome.get("tp", 1))
         there = rank_layout(self.kv.layout, dst_tp)
-        dst = list(dst_regions)
+        dst = dst_regions
         if self.kv.tp > 1 or dst_tp > 1:  # the cells each rank's heads go to
-            dst = [d for _, d in rank_pairs([(d, d) for d in dst],
+            dst = [d for _, d in rank_pairs([(d, d) for d in dst_regions],
                                             self.kv.layout.num_kv_heads, self.kv.tp, dst_tp)]
         await self._grant(peer, rr.rows_of(dst, there), there, xfer_id, generation)
 
