@@ -21,6 +21,7 @@ the step minus `forward`; on a GPU it is what the device waits for unless async 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -29,7 +30,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs")
@@ -65,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "tokenizer's, about 700)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine schedules step n+1 before it reads step n's tokens")
+    p.add_argument("--gc-churn", type=float, default=0.0, metavar="SECONDS",
+                   help="then serve a stream of requests (each replaced as it finishes) "
+                   "for SECONDS with the start-up heap unfrozen, then as long frozen "
+                   "(engine.gc_heap), and compare the collector's full collections")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results here")
 
@@ -150,6 +155,64 @@ class GCTimer:
         gc.callbacks.remove(self._callback)
 
 
+def gc_churn(engine: Any, seconds: float, batch: int, rng: random.Random) -> dict[str, float]:
+    """Serves for `seconds` a stream of short requests (prompts of 16..128 tokens, 8..64
+    output tokens), `batch` in flight, each replaced as it finishes; the collector's
+    full collections meanwhile: how many, their wall time in all and the longest (the
+    step loop stands still through each)."""
+    from engine.sampling_params import RequestOutputKind, SamplingParams
+
+    full: list[float] = []
+    t0 = [0.0]
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            t0[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            full.append(time.perf_counter() - t0[0])
+
+    sched = engine.scheduler
+    added = steps = 0
+    gc.callbacks.append(timed)
+    try:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            while len(sched.running) + len(sched.waiting) < batch:
+                engine.add_request(f"churn-{added}", [rng.randrange(10, 250) for _ in range(
+                    rng.randint(16, 128))], SamplingParams(
+                        max_tokens=rng.randint(8, 64), temperature=0, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA))
+                added += 1
+            engine.step()
+            steps += 1
+        wall = time.perf_counter() - start
+    finally:
+        gc.callbacks.remove(timed)
+    stop_all(engine)
+    return {"seconds": wall, "steps": steps, "requests": added, "full_collections": len(full),
+            "full_ms": sum(full) * 1e3, "full_max_ms": max(full, default=0.0) * 1e3,
+            "full_share": sum(full) / wall}
+
+
+@contextlib.contextmanager
+def _frozen_while_timed() -> Iterator[None]:
+    """The collector's frozen heap given back on the way out: the process that ran the
+    bench (a test's) collects the engine it built once it is let go."""
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def stop_all(engine: Any) -> None:
+    """Aborts every request still running or waiting, then runs the engine idle."""
+    sched = engine.scheduler
+    for req in [*sched.running, *sched.waiting]:
+        engine.abort(req.request_id)
+    while engine.has_work():
+        engine.step()
+
+
 def build_engine(root: str, args: argparse.Namespace, total_tokens: int) -> Any:
     from bench.engine_bench import build_model
     from engine.llm import LLM
@@ -166,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the tokenizer's first use
     import torch
 
+    from engine.gc_heap import freeze_startup_heap
     from engine.sampling_params import RequestOutputKind, SamplingParams
 
     torch.set_num_threads(1)
@@ -177,8 +241,9 @@ def run(args: argparse.Namespace) -> int:
     # Each request has its U[MIN, MAX] output tokens still to go when timing starts.
     extra = args.decoded + 2 * args.steps
     outs = [rng.randint(*args.output_len) + extra for _ in range(args.batch)]
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as root, _frozen_while_timed():
         engine = build_engine(root, args, sum(map(len, prompts)) + sum(outs))
+        freeze_startup_heap()  # as a worker does once it is up, before its first request
         timer = instrument(engine)
         for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
             # streamed, as a worker serves them: each output carries its step's delta
@@ -201,6 +266,13 @@ def run(args: argparse.Namespace) -> int:
             assert engine.last_step_tokens == args.batch, "not a full decode step"
         timer.active = gct.active = False
         gct.close()
+        churn = {}
+        if args.gc_churn > 0:
+            stop_all(engine)
+            gc.unfreeze()  # the same process, first without the freeze, then with it
+            churn["unfrozen"] = gc_churn(engine, args.gc_churn, args.batch, rng)
+            freeze_startup_heap()
+            churn["frozen"] = gc_churn(engine, args.gc_churn, args.batch, rng)
     # Medians over steps: a step the shared machine slowed down does not move them.
     per_step = {k: statistics.median(s[k] for s in steps) * 1e6 for k in (*PHASES, "step")}
     host = statistics.median((s["step"] - s["forward"]) for s in steps) * 1e6
@@ -211,13 +283,20 @@ def run(args: argparse.Namespace) -> int:
                           "gc_us_per_step_mean": gc_mean, "gc_full_collections": gct.full,
                           "step_us": per_step["step"],
                           "decoded_at_start": [min(decoded), max(decoded)]},
-              "phases_us_per_step": per_step,
+              "phases_us_per_step": per_step, "gc_churn": churn,
               "config": {k: v for k, v in vars(args).items() if not k.startswith("_")}}
     print(f"batch {args.batch}: host {host:.0f} us/step ({host / args.batch:.2f} us/request), "
           f"forward {per_step['forward']:.0f} us/step")
     print("  " + "  ".join(f"{k} {per_step[k]:.0f}" for k in (*PHASES, "other")))
     print(f"  garbage collector: {gc_mean:.0f} us/step on average (within the phases), "
           f"{gct.full} full collections in {args.steps} steps")
+    for name, c in churn.items():
+        print(f"  serving {c['requests']} requests for {c['seconds']:.0f} s, start-up heap "
+              f"{name}: {c['full_collections']} full collections, {c['full_ms']:.0f} ms in "
+              f"all ({c['full_share']:.1%} of the time), the longest {c['full_max_ms']:.0f} ms")
+    if len(churn) == 2 and churn["frozen"]["full_ms"] > 0:
+        print(f"  full collections' time, unfrozen / frozen: "
+              f"{churn['unfrozen']['full_ms'] / churn['frozen']['full_ms']:.1f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

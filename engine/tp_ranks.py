@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.distributed import TP_FAILURE_EXIT, join_group, rank_device
+from engine.gc_heap import freeze_startup_heap
 from engine.kv_scales import calibrating
 from engine.rank_segments import segment_names, unlink_segments
 
@@ -80,6 +81,7 @@ def rank_main(config: Any, rank: int, port: int, conn: Connection, parent_pid: i
     runner = ModelRunner(config, ModelConfig.from_model_dir(config.model_dir), tp=tp)
     log.info("tensor-parallel rank %d of %d ready on %s (%d KV blocks)",
              rank, tp.size, runner.device, runner.num_blocks)
+    freeze_startup_heap()
     serve(runner, conn)
 
 

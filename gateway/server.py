@@ -16,6 +16,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from engine.gc_heap import freeze_startup_heap
 from gateway.config import GatewayConfig
 from gateway.core import Gateway
 from gateway.grpc_server import GenerateService
@@ -79,6 +80,7 @@ async def serve(config: GatewayConfig, block_size: int = 16,
         follow = asyncio.create_task(_follow_readiness(gw, health))
     log.info("gateway serving %s: http://%s:%d grpc %s", config.served_model_name, config.host,
              config.http_port, config.grpc_port)
+    freeze_startup_heap()  # full collections skip the tokenizer and the modules
     await stop.wait()
     log.info("gateway stopping")
     if follow is not None:

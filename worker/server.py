@@ -32,6 +32,7 @@ from prometheus_client import start_http_server
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig, ModelConfig
+from engine.gc_heap import freeze_startup_heap
 from engine.kv_scales import accept_blocks
 from engine.kv_sizing import kv_cache_dtype, num_kv_blocks
 from engine.scheduler import SchedulerStats
@@ -317,6 +318,7 @@ async def serve(config: WorkerConfig, engine_config: EngineConfig,
     sparing = None  # tier eviction spares blocks no other node holds (index view)
     if kv_index is not None and tiers is not None:
         sparing = attach_index(tiers, kv_index)  # host/disk stores and evictions, resyncs
+    freeze_startup_heap()  # before the first request: full collections skip start-up
     await health.set("readiness", SERVING)
     log.info("worker %s ready on %s", config.worker_id, address)
     await stop.wait()

@@ -3,6 +3,7 @@ accounted for, and the engine it wraps still produces full decode steps."""
 
 from __future__ import annotations
 
+import gc
 import json
 
 from bench.host_bench import PHASES
@@ -60,3 +61,22 @@ def test_bench_host_times_from_the_decoded_tokens_asked(tmp_path):
                  "--json", str(out)]) == 0
     lo, hi = json.loads(out.read_text())["summary"]["decoded_at_start"]
     assert 40 <= lo <= hi
+
+
+def test_bench_host_serves_a_request_stream_unfrozen_then_frozen(tmp_path, capsys):
+    """`--gc-churn`: the same engine serves a stream of requests with the start-up heap
+    unfrozen, then frozen, and reports the collector's full collections in each; the
+    process that ran the bench gets its collector back as it was."""
+    out = tmp_path / "host.json"
+    assert main(["bench", "host", "--batch", "4", "--input-len", "20", "40",
+                 "--output-len", "10", "20", "--steps", "2", "--gc-churn", "0.5",
+                 "--json", str(out)]) == 0
+    churn = json.loads(out.read_text())["gc_churn"]
+    assert set(churn) == {"unfrozen", "frozen"}
+    for phase in churn.values():
+        assert phase["requests"] >= 4 and phase["steps"] > 0
+        assert 0 <= phase["full_max_ms"] <= phase["full_ms"]
+        assert phase["full_collections"] >= 0
+    assert "start-up heap frozen" in capsys.readouterr().out
+    assert gc.get_freeze_count() == 0
+
