@@ -62,6 +62,7 @@ async def serve(config: GatewayConfig, block_size: int = 16,
     await gw.start()  # the stored scheduling strategies
     runner = web.AppRunner(build_app(gw), handler_cancellation=True, access_log=None)
     await runner.setup()
+    freeze_startup_heap()  # before the first request: full collections skip start-up
     site = web.TCPSite(runner, config.host, config.http_port)
     await site.start()
     server = None
@@ -80,7 +81,6 @@ async def serve(config: GatewayConfig, block_size: int = 16,
         follow = asyncio.create_task(_follow_readiness(gw, health))
     log.info("gateway serving %s: http://%s:%d grpc %s", config.served_model_name, config.host,
              config.http_port, config.grpc_port)
-    freeze_startup_heap()  # full collections skip the tokenizer and the modules
     await stop.wait()
     log.info("gateway stopping")
     if follow is not None:
