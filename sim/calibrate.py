@@ -242,40 +242,83 @@ def serving_overheads(profile: HardwareProfile, results: list[Any],
     """From requests run one at a time on an idle cluster: the medians of measured minus
     modelled TTFT (`request_overhead_s`) and TPOT (`token_overhead_s`).
 
-    With `fit_speed`, the profile's token overhead is kept and the TPOTs measure instead
-    how much slower than the profile the machine runs the engine right now (`speed`, the
-    median of measured over modelled TPOT: a decode step is engine time alone); the
-    request overhead is then what TTFT leaves over the modelled prefill at that speed.
+    With `fit_speed`, the profile's token overhead is kept and the requests measure
+    instead how much slower than the profile the machine runs the engine right now, in
+    two factors (sim.profile.at_speed):
+      - `speed`, from the TPOTs: the median of measured over modelled TPOT (a decode
+        step is engine time alone, and on a small model it is fixed costs and memory
+        traffic, next to no FLOPs);
+      - `compute_speed` and `request_overhead_s`, from the TTFTs: the least-squares line
+        of TTFT, less the prefill's other time at `speed`, against its FLOP time (the
+        prompts' 32-480 tokens spread that over a 15x range): the slope and intercept.
     A shared machine's speed drifts by tens of percent from the calibration's moment:
     left in the request overhead, the drift reads as a fixed cost per request, paid in
-    full by requests whose prefill was a cache hit."""
+    full by requests whose prefill was a cache hit. And the two factors can differ (a
+    decode step's fixed costs slow with whatever shares the worker's core, such as the
+    gateway and client streaming its tokens, more than a prefill's matmuls do): one
+    factor from the TPOTs then overstates every prefill and makes up for it with too
+    small a request overhead. A line the requests
+    do not determine (a slope or intercept out of range, or a profile whose terms do not
+    add) leaves `compute_speed` at `speed`, the overhead the median as above."""
     from sim.latency import LatencyModel
 
     lat = LatencyModel(profile)
-    rows = []  # (measured TTFT, modelled prefill, measured TPOT, modelled decode step)
+    rows = []  # (TTFT, the prefill's time, its FLOP time, its other time)
+    decode = []  # (TPOT, a decode step's time, its FLOP time, its other time)
     for r in results:
         if r.ok and r.ttft_s is not None:
             p = r.prompt_len
-            rows.append((r.ttft_s, lat.seconds(p, 1, p * (p + 1) // 2, p, 1), r.tpot_s,
-                         lat.seconds(1, 1, p + 8, p + 8, 1)))
+            prefill = (p, 1, p * (p + 1) // 2, p, 1)
+            rows.append((r.ttft_s, lat.seconds(*prefill), *lat.parts(*prefill)))
+            if r.tpot_s is not None:
+                step = (1, 1, p + 8, p + 8, 1)
+                decode.append((r.tpot_s, lat.seconds(*step), *lat.parts(*step)))
     if not rows:
         raise RuntimeError("no request of the serving calibration succeeded")
-    speed = 1.0
-    decode = [(tpot, step) for _, _, tpot, step in rows if tpot is not None]
+    speed = compute = 1.0
+    token = profile.token_overhead_s
+    lo, hi = SPEED_RANGE
     if fit_speed and decode:
-        lo, hi = SPEED_RANGE
-        speed = min(hi, max(lo, statistics.median(
-            tpot / (step + profile.token_overhead_s) for tpot, step in decode)))
-    ttft = [t - speed * prefill for t, prefill, _, _ in rows]
-    if fit_speed:
-        token = profile.token_overhead_s
-    else:
-        token = max(0.0, statistics.median(t - step for t, step in decode)) if decode else 0.0
-    return {"request_overhead_s": max(0.0, statistics.median(ttft)), "token_overhead_s": token,
-            "speed": speed, "serving_requests": float(len(ttft))}
+        speed = compute = min(hi, max(lo, statistics.median(
+            tpot / (step + token) for tpot, step, _, _ in decode)))
+    request = statistics.median(t - speed * prefill for t, prefill, _, _ in rows)
+    if fit_speed and decode and profile.combine == "sum":
+        one = speed
+        # A decode step has a few FLOPs too: the two fits alternate (a contraction: a few
+        # rounds settle both factors to float precision).
+        for _ in range(ROUNDS):
+            line = _ttft_line(rows, speed, lo, hi)
+            if line is None:  # no line: the one factor, the overhead the median at it
+                speed = compute = one
+                request = statistics.median(t - one * prefill for t, prefill, _, _ in rows)
+                break
+            compute, request = line
+            speed = min(hi, max(lo, statistics.median(
+                (tpot - compute * c) / (m + token) for tpot, _, c, m in decode)))
+    if not fit_speed:
+        token = max(0.0, statistics.median(t - step for t, step, _, _ in decode)) \
+            if decode else 0.0
+    return {"request_overhead_s": max(0.0, request), "token_overhead_s": token,
+            "speed": speed, "compute_speed": compute, "serving_requests": float(len(rows))}
 
 
 SPEED_RANGE = (0.5, 4.0)  # a fitted speed outside it is a broken measurement, clamped
+ROUNDS = 8
+
+
+def _ttft_line(rows: list[tuple[float, float, float, float]], speed: float, lo: float,
+               hi: float) -> tuple[float, float] | None:
+    """(slope, intercept) of the least-squares line of TTFT less the prefill's other time
+    at `speed` against its FLOP time; None where the rows set no line in range."""
+    flops = np.array([c for _, _, c, _ in rows])
+    if len(rows) < 3 or np.ptp(flops) == 0:
+        return None
+    left = np.array([t - speed * m for t, _, _, m in rows])
+    (slope, intercept), *_ = np.linalg.lstsq(np.column_stack([flops, np.ones_like(flops)]),
+                                             left, rcond=None)
+    if not (lo <= slope <= hi and intercept >= 0):
+        return None
+    return float(slope), float(intercept)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -56,6 +56,16 @@ class LatencyModel:
         return p.step_overhead_s + p.seq_overhead_s * seqs + (
             (c if c > m else m) if self._max else c + m)
 
+    def parts(self, tokens: int, sampled: int, pairs: int, kv_read: int,
+              seqs: int) -> tuple[float, float]:
+        """`seconds`' step as (its FLOP time, the rest: fixed costs and memory traffic),
+        which add up to it where the profile's terms add ("sum")."""
+        c = (tokens * self._flop_token + sampled * self._flop_sampled
+             + pairs * self._flop_pair) * self._s_per_flop
+        m = (self._weights + kv_read * self._kv_token) * self._s_per_byte
+        p = self.profile
+        return c, p.step_overhead_s + p.seq_overhead_s * seqs + m
+
     def window_clock(self, computed: Sequence[int], start: float,
                      extra: float = 0.0) -> WindowClock:
         """The clock of a decode window of rows that have computed `computed` tokens,

@@ -108,15 +108,20 @@ class HardwareProfile:
         return cls(**d)
 
 
-def at_speed(profile: HardwareProfile, speed: float) -> HardwareProfile:
+def at_speed(profile: HardwareProfile, speed: float,
+             compute_speed: float | None = None) -> HardwareProfile:
     """`profile` on a machine `speed` times slower: every modelled step time multiplied
     by `speed` (peaks divided, per-step and per-sequence costs multiplied); links and
-    serving overheads unchanged."""
+    serving overheads unchanged. `compute_speed`, when given, slows the FLOP term alone
+    by its own factor (the peak FLOP/s divided by it): a shared machine can slow a
+    step's fixed costs and memory traffic (what a small model's decode step is made of)
+    more than its matmuls (a prefill's)."""
     from dataclasses import replace
 
-    if speed <= 0:
-        raise ValueError(f"speed must be > 0, got {speed}")
-    return replace(profile, peak_flop_s=profile.peak_flop_s / speed,
+    compute = speed if compute_speed is None else compute_speed
+    if speed <= 0 or compute <= 0:
+        raise ValueError(f"speeds must be > 0, got {speed} and {compute}")
+    return replace(profile, peak_flop_s=profile.peak_flop_s / compute,
                    bandwidth_bytes_s=profile.bandwidth_bytes_s / speed,
                    step_overhead_s=profile.step_overhead_s * speed,
                    seq_overhead_s=profile.seq_overhead_s * speed)

@@ -5,12 +5,12 @@ same arrival times with the checked-in CPU profile (sim/profiles/cpu.json). TTFT
 TPOT p50 agree within 15 % and the prefix-cache hit rate within 2 points.
 
 The engine's step model and the streaming cost per token come from the profile; the
-machine's speed of the moment (one factor on every modelled step time, from the TPOTs)
-and the serving overhead per request (gateway + RPC) are re-measured on this cluster,
-from requests sent one at a time (the calibration's own method, sim/calibrate.py),
-because on a shared 2-core machine they follow the load of the moment: half just before
-the replay and half just after it (each with cold caches), so that a drift during the
-attempt cancels out. The trace replay itself is not used for it.
+machine's speed of the moment (one factor on every modelled step time from the TPOTs,
+and one on the steps' FLOP time from the TTFTs) and the serving overhead per request
+(gateway + RPC) are re-measured on this cluster, from requests sent one at a time (the
+calibration's own method, sim/calibrate.py), because on a shared 2-core machine they
+follow the load of the moment: half just before the replay and half just after it (each
+with cold caches), so that a drift during the attempt cancels out. The trace replay itself is not used for it.
 The client times tokens, not text (a chunk per token: `token_chunks`, as the GPU
 validation's): the embedded model's greedy ids often have no text of their own, so the
 first text can come tokens after the first token (18 of the 40 replayed requests on one
@@ -63,7 +63,8 @@ def compare(real: dict[str, Any], sim: dict[str, Any], fitted: dict[str, float],
     coin)."""
     lines = [f"serving overheads: request {fitted['request_overhead_s'] * 1e3:.2f} ms, "
              f"token {fitted['token_overhead_s'] * 1e3:.2f} ms; engine steps at "
-             f"{fitted['speed']:.2f}x the profile's"]
+             f"{fitted['speed']:.2f}x the profile's, their FLOPs at "
+             f"{fitted['compute_speed']:.2f}x"]
     if routed is not None:
         lines.append(f"requests per worker: real {routed[0]}, simulated {routed[1]}")
     off = []
@@ -129,7 +130,7 @@ def test_simulator_matches_a_real_cluster(tmp_path: Path) -> None:
                 await client.close()
             assert real.summary["failed"] == 0, real.summary["errors"]
             fitted = serving_overheads(cpu, one, fit_speed=True)
-            prof = replace(at_speed(cpu, fitted["speed"]),
+            prof = replace(at_speed(cpu, fitted["speed"], fitted["compute_speed"]),
                            request_overhead_s=fitted["request_overhead_s"])
             run = simulate(ClusterConfig(colocated=2, max_in_flight=256), prof,
                            from_bench(reqs, LoadSpec("trace")), "sim")

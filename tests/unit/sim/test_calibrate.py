@@ -119,3 +119,65 @@ def test_serving_fit_recovers_the_machines_speed_and_request_overhead() -> None:
     assert plain["speed"] == 1.0 and plain["request_overhead_s"] > 0.01
     assert LatencyModel(at_speed(cpu, 2.0)).seconds(100, 1, 5050, 100, 1) == pytest.approx(
         2 * LatencyModel(cpu).seconds(100, 1, 5050, 100, 1))
+
+
+def test_serving_fit_recovers_prefill_and_decode_speeds_apart() -> None:
+    """Decode steps 1.4x slower than the profile, prefills' FLOPs 0.9x, 12 ms per
+    request: the TPOTs give the first, the TTFTs' line against the prefills' FLOP time
+    the second (its slope) and the overhead (its intercept). One factor from the TPOTs
+    alone would have overstated every prefill and left too small an overhead."""
+    from types import SimpleNamespace
+
+    from sim.calibrate import serving_overheads
+    from sim.profile import at_speed
+
+    cpu = load_profile("cpu")
+    real = LatencyModel(at_speed(cpu, 1.4, 0.9))
+    results = [SimpleNamespace(ok=True, prompt_len=p,
+                               ttft_s=0.012 + real.seconds(p, 1, p * (p + 1) // 2, p, 1),
+                               tpot_s=real.seconds(1, 1, p + 8, p + 8, 1))
+               for p in (32, 90, 200, 311, 480)]
+    fit = serving_overheads(cpu, results, fit_speed=True)
+    # the decode step's few FLOPs run at 0.9x too: the TPOT factor is a hair under 1.4
+    assert fit["speed"] == pytest.approx(1.4, rel=0.01)
+    assert fit["compute_speed"] == pytest.approx(0.9, rel=0.02)
+    assert fit["request_overhead_s"] == pytest.approx(0.012, rel=0.05)
+    fitted = LatencyModel(at_speed(cpu, fit["speed"], fit["compute_speed"]))
+    for p in (32, 480):
+        assert fitted.seconds(p, 1, p * (p + 1) // 2, p, 1) + fit["request_overhead_s"] \
+            == pytest.approx(real.seconds(p, 1, p * (p + 1) // 2, p, 1) + 0.012, rel=0.01)
+    # one factor, from the TPOTs alone, misreads the same requests
+    single = LatencyModel(at_speed(cpu, fit["speed"]))
+    assert single.seconds(480, 1, 480 * 481 // 2, 480, 1) > \
+        1.2 * real.seconds(480, 1, 480 * 481 // 2, 480, 1)
+
+
+def test_serving_fit_keeps_one_factor_where_the_prefills_set_no_line() -> None:
+    """Every prompt of one length: the TTFTs fix no slope, so the FLOPs keep the TPOTs'
+    factor and the overhead is the median as before."""
+    from types import SimpleNamespace
+
+    from sim.calibrate import serving_overheads
+    from sim.profile import at_speed
+
+    cpu = load_profile("cpu")
+    slow = LatencyModel(at_speed(cpu, 1.3))
+    results = [SimpleNamespace(ok=True, prompt_len=200,
+                               ttft_s=0.005 + slow.seconds(200, 1, 20100, 200, 1),
+                               tpot_s=slow.seconds(1, 1, 208, 208, 1)) for _ in range(4)]
+    fit = serving_overheads(cpu, results, fit_speed=True)
+    assert fit["compute_speed"] == fit["speed"] == pytest.approx(1.3, rel=1e-6)
+    assert fit["request_overhead_s"] == pytest.approx(0.005, rel=1e-6)
+
+
+def test_at_speed_slows_the_flops_by_their_own_factor() -> None:
+    from sim.profile import at_speed
+
+    cpu = load_profile("cpu")
+    base = LatencyModel(cpu)
+    c, m = base.parts(300, 1, 300 * 301 // 2, 300, 1)
+    assert c + m == pytest.approx(base.seconds(300, 1, 300 * 301 // 2, 300, 1))
+    both = LatencyModel(at_speed(cpu, 1.5, 0.8))
+    assert both.seconds(300, 1, 300 * 301 // 2, 300, 1) == pytest.approx(0.8 * c + 1.5 * m)
+    with pytest.raises(ValueError):
+        at_speed(cpu, 1.0, 0.0)
