@@ -257,9 +257,9 @@ def serving_overheads(profile: HardwareProfile, results: list[Any],
     decode step's fixed costs slow with whatever shares the worker's core, such as the
     gateway and client streaming its tokens, more than a prefill's matmuls do): one
     factor from the TPOTs then overstates every prefill and makes up for it with too
-    small a request overhead. A line the requests
-    do not determine (a slope or intercept out of range, or a profile whose terms do not
-    add) leaves `compute_speed` at `speed`, the overhead the median as above."""
+    small a request overhead. A line the requests do not determine (a slope or intercept
+    out of range, or a profile whose terms do not add) leaves `compute_speed` at
+    `speed`, the overhead the median as above."""
     from sim.latency import LatencyModel
 
     lat = LatencyModel(profile)

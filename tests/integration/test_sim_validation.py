@@ -10,7 +10,8 @@ and one on the steps' FLOP time from the TTFTs) and the serving overhead per req
 (gateway + RPC) are re-measured on this cluster, from requests sent one at a time (the
 calibration's own method, sim/calibrate.py), because on a shared 2-core machine they
 follow the load of the moment: half just before the replay and half just after it (each
-with cold caches), so that a drift during the attempt cancels out. The trace replay itself is not used for it.
+with cold caches), so that a drift during the attempt cancels out. The trace replay
+itself is not used for it.
 The client times tokens, not text (a chunk per token: `token_chunks`, as the GPU
 validation's): the embedded model's greedy ids often have no text of their own, so the
 first text can come tokens after the first token (18 of the 40 replayed requests on one
